@@ -1,0 +1,1 @@
+//! Emulator of the CANN ACL runtime and HCCL symbols.

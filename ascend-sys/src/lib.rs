@@ -1,0 +1,1 @@
+//! Bindings to the CANN ACL runtime and HCCL, loaded at run time.
