@@ -1,1 +1,10 @@
+//! ascend-pd: KV-cache transfer between prefill (sender) and decode
+//! (receiver) workers for disaggregated LLM serving on Ascend NPUs.
+//!
+//! Layout: [`config`] (LMCache-style YAML), [`memory`] (pools, paged
+//! allocator, chunk objects).
 
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod memory;

@@ -1,0 +1,714 @@
+//! Typed configuration, loaded from LMCache-style YAML (`configs/*.yaml`).
+//!
+//! Loading is two steps: [`yaml`] turns the text into a [`PdConfig`]
+//! (type errors name the key), then [`PdConfig::validate`] checks the
+//! combinations statically, without an NPU or CANN. Every problem is
+//! collected, so a user fixes a file in one pass.
+
+mod error;
+mod yaml;
+
+pub use error::{ConfigError, ConfigProblem};
+
+use crate::memory::chunk::{ChunkLayout, Dtype, MemFormat};
+use std::fmt::{self, Write as _};
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Which side of the transfer this worker is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Prefill worker: produces KV chunks and sends them.
+    Sender,
+    /// Decode worker: receives KV chunks and loads them into its KV cache.
+    Receiver,
+}
+
+impl Role {
+    /// The YAML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Sender => "sender",
+            Role::Receiver => "receiver",
+        }
+    }
+}
+
+impl FromStr for Role {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "sender" => Ok(Role::Sender),
+            "receiver" => Ok(Role::Receiver),
+            _ => Err(()),
+        }
+    }
+}
+
+/// The data path between sender and receiver (`transfer_channel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChannelKind {
+    /// HCCL one-sided put/get between Ascend devices.
+    Hccl,
+    /// TCP transfer servers; works across any network.
+    Tcp,
+    /// Shared host memory; same host only.
+    Shm,
+}
+
+impl ChannelKind {
+    /// The YAML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ChannelKind::Hccl => "hccl",
+            ChannelKind::Tcp => "tcp",
+            ChannelKind::Shm => "shm",
+        }
+    }
+}
+
+impl FromStr for ChannelKind {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "hccl" => Ok(ChannelKind::Hccl),
+            "tcp" => Ok(ChannelKind::Tcp),
+            "shm" => Ok(ChannelKind::Shm),
+            _ => Err(()),
+        }
+    }
+}
+
+/// Where the main transfer buffer lives (`pd_buffer_device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferDevice {
+    /// Host memory.
+    Cpu,
+    /// NPU memory; `npu` means the worker's current device, `npu:N` device N.
+    Npu(Option<u32>),
+}
+
+impl BufferDevice {
+    /// Whether this is an NPU device.
+    pub fn is_npu(self) -> bool {
+        matches!(self, BufferDevice::Npu(_))
+    }
+}
+
+impl fmt::Display for BufferDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BufferDevice::Cpu => f.write_str("cpu"),
+            BufferDevice::Npu(None) => f.write_str("npu"),
+            BufferDevice::Npu(Some(n)) => write!(f, "npu:{n}"),
+        }
+    }
+}
+
+impl FromStr for BufferDevice {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "cpu" => Ok(BufferDevice::Cpu),
+            "npu" => Ok(BufferDevice::Npu(None)),
+            _ => match s.strip_prefix("npu:").map(str::parse::<u32>) {
+                Some(Ok(n)) => Ok(BufferDevice::Npu(Some(n))),
+                _ => Err(()),
+            },
+        }
+    }
+}
+
+/// The transfer mode, derived from `pd_pull_mode` and `pd_delay_pull`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferMode {
+    /// Receiver allocates, sender writes.
+    Push,
+    /// Sender pins and advertises, receiver reads at once.
+    PullEager,
+    /// Receiver keeps proxies and reads when the KV cache is loaded.
+    PullDelay,
+}
+
+impl TransferMode {
+    /// The name used in logs, the bench and the handshake.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransferMode::Push => "push",
+            TransferMode::PullEager => "pull-eager",
+            TransferMode::PullDelay => "pull-delay",
+        }
+    }
+
+    /// Whether the receiver reads (pull) rather than the sender writing (push).
+    pub fn is_pull(self) -> bool {
+        !matches!(self, TransferMode::Push)
+    }
+}
+
+impl fmt::Display for TransferMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A port key: one port for every TP rank, or one shared by all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortList {
+    /// A single int in the YAML; every rank `r` uses it unchanged.
+    Single(u16),
+    /// A list in the YAML; rank `r` uses entry `r`.
+    PerRank(Vec<u16>),
+}
+
+impl PortList {
+    /// The port of TP rank `rank`, if the list has one.
+    pub fn for_rank(&self, rank: usize) -> Option<u16> {
+        match self {
+            PortList::Single(p) => Some(*p),
+            PortList::PerRank(v) => v.get(rank).copied(),
+        }
+    }
+
+    /// How many ranks the key covers (`None` = any number).
+    pub fn ranks(&self) -> Option<usize> {
+        match self {
+            PortList::Single(_) => None,
+            PortList::PerRank(v) => Some(v.len()),
+        }
+    }
+
+    fn ports(&self) -> &[u16] {
+        match self {
+            PortList::Single(p) => std::slice::from_ref(p),
+            PortList::PerRank(v) => v,
+        }
+    }
+}
+
+impl fmt::Display for PortList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PortList::Single(p) => write!(f, "{p}"),
+            PortList::PerRank(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// The model's KV geometry the backend needs to size pages
+/// (`kv_*` keys; LMCache takes them from the engine, we take them from the file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Transformer layers (`kv_num_layers`).
+    pub num_layers: usize,
+    /// KV heads per TP rank (`kv_num_heads`).
+    pub num_kv_heads: usize,
+    /// Head size (`kv_head_size`).
+    pub head_size: usize,
+    /// Elements per token per layer (`kv_hidden_size`, default heads × head size).
+    pub hidden_size: usize,
+    /// Element type (`kv_dtype`).
+    pub dtype: Dtype,
+    /// Multi-head latent attention: one latent tensor per layer (`use_mla`).
+    pub use_mla: bool,
+}
+
+impl Default for KvLayout {
+    /// A Llama-3-8B-shaped cache per TP rank: 32 layers, 8 KV heads × 128, bf16.
+    fn default() -> Self {
+        KvLayout {
+            num_layers: 32,
+            num_kv_heads: 8,
+            head_size: 128,
+            hidden_size: 8 * 128,
+            dtype: Dtype::BFloat16,
+            use_mla: false,
+        }
+    }
+}
+
+/// The complete configuration of one PD worker, defaults filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdConfig {
+    /// `enable_pd`: must be true for this backend to run.
+    pub enable_pd: bool,
+    /// `transfer_channel`.
+    pub transfer_channel: ChannelKind,
+    /// `pd_role`.
+    pub role: Role,
+    /// `pd_buffer_size` in bytes, as written (see [`PdConfig::buffer_pool_bytes`]).
+    pub buffer_size: u64,
+    /// `pd_buffer_device`.
+    pub buffer_device: BufferDevice,
+    /// `pd_peer_host`: the receiver's listen host; on a pull sender, the host it advertises for done signals.
+    pub peer_host: Option<String>,
+    /// `pd_peer_init_port`: channel handshake port(s) of the receiver.
+    pub peer_init_port: Option<PortList>,
+    /// `pd_peer_alloc_port`: allocation REQ/REP port(s) of the receiver.
+    pub peer_alloc_port: Option<PortList>,
+    /// `pd_proxy_host`.
+    pub proxy_host: Option<String>,
+    /// `pd_proxy_port`.
+    pub proxy_port: Option<u16>,
+    /// `pd_pull_mode`.
+    pub pull_mode: bool,
+    /// `pd_delay_pull`.
+    pub delay_pull: bool,
+    /// `pd_pull_done_port`: where a pull sender binds its PullDoneSignal PULL socket.
+    pub pull_done_port: Option<PortList>,
+    /// `pd_use_cpu_offload`.
+    pub use_cpu_offload: bool,
+    /// `pd_cpu_buffer_size`; `None` falls back to `pd_buffer_size`.
+    pub cpu_buffer_size: Option<u64>,
+    /// `pd_alloc_fail_backoff_ttl` (default 2 s).
+    pub alloc_fail_backoff_ttl: Duration,
+    /// `pd_pull_pending_ttl` (default 360 s).
+    pub pull_pending_ttl: Duration,
+    /// `pd_pull_backpressure_reserve_pct` (default 2.0).
+    pub backpressure_reserve_pct: f64,
+    /// `chunk_size` in tokens (default 256).
+    pub chunk_size: usize,
+    /// `local_cpu` (LMCache's local CPU cache; carried, not used by this backend).
+    pub local_cpu: bool,
+    /// `tp_size`: tensor-parallel ranks this config serves (default 1).
+    pub tp_size: usize,
+    /// The KV geometry.
+    pub kv: KvLayout,
+}
+
+impl PdConfig {
+    /// A config with every default and no ports, for `role` (build on it in code).
+    pub fn with_defaults(role: Role) -> PdConfig {
+        PdConfig {
+            enable_pd: true,
+            transfer_channel: ChannelKind::Hccl,
+            role,
+            buffer_size: 0,
+            buffer_device: BufferDevice::Npu(None),
+            peer_host: None,
+            peer_init_port: None,
+            peer_alloc_port: None,
+            proxy_host: None,
+            proxy_port: None,
+            pull_mode: false,
+            delay_pull: false,
+            pull_done_port: None,
+            use_cpu_offload: false,
+            cpu_buffer_size: None,
+            alloc_fail_backoff_ttl: Duration::from_secs(2),
+            pull_pending_ttl: Duration::from_secs(360),
+            backpressure_reserve_pct: 2.0,
+            chunk_size: 256,
+            local_cpu: false,
+            tp_size: 1,
+            kv: KvLayout::default(),
+        }
+    }
+
+    /// Reads, parses and validates a YAML file.
+    pub fn load(path: impl AsRef<Path>) -> Result<LoadedConfig, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_yaml_str(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates YAML text; `origin` names it in errors.
+    pub fn from_yaml_str(text: &str, origin: &str) -> Result<LoadedConfig, ConfigError> {
+        let (config, mut warnings) = yaml::parse(text, origin)?;
+        match config.validate() {
+            Ok(more) => {
+                warnings.extend(more);
+                Ok(LoadedConfig { config, warnings })
+            }
+            Err(problems) => Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                problems,
+            }),
+        }
+    }
+
+    /// The transfer mode these flags select.
+    pub fn mode(&self) -> TransferMode {
+        match (self.pull_mode, self.delay_pull) {
+            (false, _) => TransferMode::Push,
+            (true, false) => TransferMode::PullEager,
+            (true, true) => TransferMode::PullDelay,
+        }
+    }
+
+    /// The geometry of one full chunk.
+    pub fn chunk_layout(&self) -> ChunkLayout {
+        ChunkLayout {
+            fmt: if self.kv.use_mla {
+                MemFormat::Mla
+            } else {
+                MemFormat::Kv2Ltd
+            },
+            layers: self.kv.num_layers,
+            tokens: self.chunk_size,
+            hidden: self.kv.hidden_size,
+            dtype: self.kv.dtype,
+        }
+    }
+
+    /// Bytes of one page (one full chunk).
+    pub fn page_bytes(&self) -> u64 {
+        self.chunk_layout().page_bytes() as u64
+    }
+
+    /// Whether this worker has an NPU pool (`pd_buffer_device` is `npu*`).
+    pub fn has_npu_pool(&self) -> bool {
+        self.buffer_device.is_npu()
+    }
+
+    /// Whether this worker has a CPU pool (device `cpu`, or sender offload).
+    pub fn has_cpu_pool(&self) -> bool {
+        self.buffer_device == BufferDevice::Cpu || self.use_cpu_offload
+    }
+
+    /// Effective size of the pool `pd_buffer_size` describes: whole pages, at least one.
+    pub fn buffer_pool_bytes(&self) -> u64 {
+        round_up_pages(self.buffer_size, self.page_bytes())
+    }
+
+    /// Effective CPU pool size: `pd_cpu_buffer_size` (or `pd_buffer_size`) in whole pages.
+    ///
+    /// With `pd_buffer_device: cpu` and no offload, the CPU pool is the main
+    /// buffer and has `pd_buffer_size`.
+    pub fn cpu_pool_bytes(&self) -> u64 {
+        let raw = if self.use_cpu_offload {
+            self.cpu_buffer_size.unwrap_or(self.buffer_size)
+        } else {
+            self.buffer_size
+        };
+        round_up_pages(raw, self.page_bytes())
+    }
+
+    /// `pd_peer_init_port` of TP rank `rank`.
+    pub fn init_port(&self, rank: usize) -> Option<u16> {
+        self.peer_init_port.as_ref()?.for_rank(rank)
+    }
+
+    /// `pd_peer_alloc_port` of TP rank `rank`.
+    pub fn alloc_port(&self, rank: usize) -> Option<u16> {
+        self.peer_alloc_port.as_ref()?.for_rank(rank)
+    }
+
+    /// The PullDoneSignal port of TP rank `rank`: `pd_pull_done_port[rank]`,
+    /// else `pd_peer_alloc_port[rank] + 100`.
+    pub fn done_port(&self, rank: usize) -> Option<u16> {
+        match &self.pull_done_port {
+            Some(list) => list.for_rank(rank),
+            None => self.alloc_port(rank)?.checked_add(100),
+        }
+    }
+
+    /// Checks the combinations of keys. Returns warnings when usable, or every problem.
+    pub fn validate(&self) -> Result<Vec<String>, Vec<ConfigProblem>> {
+        let mut problems = Vec::new();
+        let mut warnings = Vec::new();
+        let mut bad = |key: &str, problem: String, fix: &str| {
+            problems.push(ConfigProblem::new(key, problem, fix));
+        };
+
+        if !self.enable_pd {
+            bad(
+                "enable_pd",
+                "is false, so the PD backend has nothing to do".into(),
+                "set enable_pd: true",
+            );
+        }
+        if self.delay_pull && !self.pull_mode {
+            bad(
+                "pd_delay_pull",
+                "is true but pd_pull_mode is false; delay-pull is a pull mode".into(),
+                "set pd_pull_mode: true, or remove pd_delay_pull",
+            );
+        }
+        if self.use_cpu_offload && self.role == Role::Receiver {
+            bad(
+                "pd_use_cpu_offload",
+                "is a sender option but pd_role is receiver".into(),
+                "remove pd_use_cpu_offload from the receiver config",
+            );
+        }
+        if self.use_cpu_offload && !self.pull_mode {
+            bad(
+                "pd_use_cpu_offload",
+                "needs pd_pull_mode: true (the receiver reads the offloaded pages; push mode writes from the NPU pool)".into(),
+                "set pd_pull_mode: true, or remove pd_use_cpu_offload",
+            );
+        }
+        if self.cpu_buffer_size.is_some() && !self.use_cpu_offload {
+            warnings.push(
+                "pd_cpu_buffer_size: ignored because pd_use_cpu_offload is false".to_string(),
+            );
+        }
+        if self.use_cpu_offload && self.buffer_device == BufferDevice::Cpu {
+            warnings.push(
+                "pd_use_cpu_offload: pd_buffer_device is already cpu, so offload changes nothing"
+                    .to_string(),
+            );
+        }
+        if self.transfer_channel == ChannelKind::Shm && self.has_npu_pool() {
+            bad(
+                "pd_buffer_device",
+                format!(
+                    "is {} but transfer_channel shm moves host memory only (device memory is not host-mappable)",
+                    self.buffer_device
+                ),
+                "use pd_buffer_device: cpu with shm, or transfer_channel: hccl or tcp for NPU buffers",
+            );
+        }
+        if self.buffer_size == 0 {
+            bad(
+                "pd_buffer_size",
+                "is missing or 0".into(),
+                "set the buffer pool size in bytes, e.g. pd_buffer_size: 1073741824",
+            );
+        }
+        if self.chunk_size == 0 {
+            bad(
+                "chunk_size",
+                "is 0".into(),
+                "set chunk_size to the tokens per chunk, e.g. 256",
+            );
+        }
+        if self.tp_size == 0 {
+            bad(
+                "tp_size",
+                "is 0".into(),
+                "set tp_size to the tensor-parallel size, at least 1",
+            );
+        }
+        if self.kv.num_layers == 0 || self.kv.hidden_size == 0 {
+            bad(
+                "kv_num_layers",
+                "the KV layout has a zero dimension (layers or hidden size)".into(),
+                "set kv_num_layers, kv_num_heads and kv_head_size (or kv_hidden_size) to the model's values",
+            );
+        }
+        if !(0.0..100.0).contains(&self.backpressure_reserve_pct) {
+            bad(
+                "pd_pull_backpressure_reserve_pct",
+                format!("is {}, outside [0, 100)", self.backpressure_reserve_pct),
+                "use a percentage such as 2.0",
+            );
+        }
+        if self.pull_pending_ttl.is_zero() {
+            bad(
+                "pd_pull_pending_ttl",
+                "is 0, so pinned pages would be freed while receivers may still read them".into(),
+                "use a positive number of seconds, e.g. 360.0",
+            );
+        }
+
+        let page = self.page_bytes();
+        let page_ok = page > 0 && self.chunk_size > 0;
+        if page_ok && self.buffer_size > 0 && self.buffer_size < page {
+            warnings.push(format!(
+                "pd_buffer_size: {} bytes is smaller than one chunk ({page} bytes); rounded up to one page",
+                self.buffer_size
+            ));
+        }
+        if page_ok && self.use_cpu_offload {
+            if let Some(c) = self.cpu_buffer_size.filter(|&c| c < page) {
+                warnings.push(format!(
+                    "pd_cpu_buffer_size: {c} bytes is smaller than one chunk ({page} bytes); rounded up to one page"
+                ));
+            }
+        }
+
+        let check_ports = |key: &str, list: &Option<PortList>, problems: &mut Vec<_>| {
+            let Some(list) = list else { return };
+            if list.ports().contains(&0) {
+                problems.push(ConfigProblem::new(
+                    key,
+                    "contains port 0",
+                    "use real port numbers (1-65535)",
+                ));
+            }
+            if let Some(n) = list.ranks() {
+                if n < self.tp_size {
+                    problems.push(ConfigProblem::new(
+                        key,
+                        format!(
+                            "lists {n} port(s) but tp_size is {}; every TP rank needs its own port",
+                            self.tp_size
+                        ),
+                        format!(
+                            "give {key} {} ports (one per rank), or lower tp_size",
+                            self.tp_size
+                        ),
+                    ));
+                }
+            }
+        };
+        check_ports("pd_peer_init_port", &self.peer_init_port, &mut problems);
+        check_ports("pd_peer_alloc_port", &self.peer_alloc_port, &mut problems);
+        check_ports("pd_pull_done_port", &self.pull_done_port, &mut problems);
+
+        match self.role {
+            Role::Receiver => {
+                for (key, missing) in [
+                    ("pd_peer_host", self.peer_host.is_none()),
+                    ("pd_peer_init_port", self.peer_init_port.is_none()),
+                    ("pd_peer_alloc_port", self.peer_alloc_port.is_none()),
+                ] {
+                    if missing {
+                        problems.push(ConfigProblem::new(
+                            key,
+                            "is required on a receiver (it is where senders reach it)",
+                            format!("set {key} (see configs/receiver-*.yaml for an example)"),
+                        ));
+                    }
+                }
+                if self.pull_done_port.is_some() {
+                    warnings.push("pd_pull_done_port: ignored on a receiver (each PullReadyNotif carries the sender's done URL)".to_string());
+                }
+            }
+            Role::Sender => {
+                for (key, missing) in [
+                    ("pd_proxy_host", self.proxy_host.is_none()),
+                    ("pd_proxy_port", self.proxy_port.is_none()),
+                ] {
+                    if missing {
+                        problems.push(ConfigProblem::new(
+                            key,
+                            "is required on a sender (ProxyNotif tells the proxy a request's KV is sent)",
+                            format!("set {key} to the proxy server's address"),
+                        ));
+                    }
+                }
+                if self.pull_mode {
+                    if self.pull_done_port.is_none() && self.peer_alloc_port.is_none() {
+                        problems.push(ConfigProblem::new(
+                            "pd_pull_done_port",
+                            "is missing and there is no pd_peer_alloc_port to fall back to (+100); a pull sender must listen for PullDoneSignal",
+                            "set pd_pull_done_port: [one port per TP rank]",
+                        ));
+                    }
+                    let overflow = self
+                        .peer_alloc_port
+                        .as_ref()
+                        .is_some_and(|l| l.ports().iter().any(|p| p.checked_add(100).is_none()));
+                    if self.pull_done_port.is_none() && overflow {
+                        problems.push(ConfigProblem::new(
+                            "pd_peer_alloc_port",
+                            "a port + 100 (the pd_pull_done_port fallback) exceeds 65535",
+                            "set pd_pull_done_port explicitly",
+                        ));
+                    }
+                    if self.peer_host.is_none() {
+                        warnings.push("pd_peer_host: not set on a pull sender; its done URL will advertise 127.0.0.1, which receivers on other hosts cannot reach".to_string());
+                    }
+                }
+            }
+        }
+
+        if problems.is_empty() {
+            Ok(warnings)
+        } else {
+            Err(problems)
+        }
+    }
+
+    /// The effective configuration as YAML, defaults filled in, with derived values as comments.
+    pub fn to_effective_yaml(&self) -> String {
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "null".into());
+        let ports = |v: &Option<PortList>| v.as_ref().map_or("null".into(), |p| p.to_string());
+        let secs = |d: Duration| format!("{:?}", d.as_secs_f64());
+        let mut s = String::new();
+        let page = self.page_bytes();
+        let _ = writeln!(s, "# mode: {}", self.mode());
+        let _ = writeln!(
+            s,
+            "# page: {page} bytes (one chunk: shape {:?}, {})",
+            self.chunk_layout().full_shape(),
+            self.kv.dtype
+        );
+        if self.has_npu_pool() {
+            let b = self.buffer_pool_bytes();
+            let _ = writeln!(s, "# npu pool: {b} bytes = {} pages", b / page.max(1));
+        }
+        if self.has_cpu_pool() {
+            let b = self.cpu_pool_bytes();
+            let _ = writeln!(s, "# cpu pool: {b} bytes = {} pages", b / page.max(1));
+        }
+        if self.role == Role::Sender && self.pull_mode {
+            let done: Vec<String> = (0..self.tp_size)
+                .map(|r| self.done_port(r).map_or("-".into(), |p| p.to_string()))
+                .collect();
+            let _ = writeln!(s, "# done port per rank: [{}]", done.join(", "));
+        }
+        let _ = writeln!(s, "enable_pd: {}", self.enable_pd);
+        let _ = writeln!(s, "transfer_channel: {}", self.transfer_channel.name());
+        let _ = writeln!(s, "pd_role: {}", self.role.name());
+        let _ = writeln!(s, "pd_buffer_size: {}", self.buffer_pool_bytes());
+        let _ = writeln!(s, "pd_buffer_device: {}", self.buffer_device);
+        let _ = writeln!(s, "pd_peer_host: {}", opt(&self.peer_host));
+        let _ = writeln!(s, "pd_peer_init_port: {}", ports(&self.peer_init_port));
+        let _ = writeln!(s, "pd_peer_alloc_port: {}", ports(&self.peer_alloc_port));
+        let _ = writeln!(s, "pd_proxy_host: {}", opt(&self.proxy_host));
+        let _ = writeln!(
+            s,
+            "pd_proxy_port: {}",
+            self.proxy_port.map_or("null".into(), |p| p.to_string())
+        );
+        let _ = writeln!(s, "pd_pull_mode: {}", self.pull_mode);
+        let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);
+        let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));
+        let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
+        let cpu = if self.use_cpu_offload {
+            self.cpu_pool_bytes().to_string()
+        } else {
+            self.cpu_buffer_size
+                .map_or("null".into(), |b| b.to_string())
+        };
+        let _ = writeln!(s, "pd_cpu_buffer_size: {cpu}");
+        let _ = writeln!(
+            s,
+            "pd_alloc_fail_backoff_ttl: {}",
+            secs(self.alloc_fail_backoff_ttl)
+        );
+        let _ = writeln!(s, "pd_pull_pending_ttl: {}", secs(self.pull_pending_ttl));
+        let _ = writeln!(
+            s,
+            "pd_pull_backpressure_reserve_pct: {:?}",
+            self.backpressure_reserve_pct
+        );
+        let _ = writeln!(s, "chunk_size: {}", self.chunk_size);
+        let _ = writeln!(s, "local_cpu: {}", self.local_cpu);
+        let _ = writeln!(s, "tp_size: {}", self.tp_size);
+        let _ = writeln!(s, "kv_num_layers: {}", self.kv.num_layers);
+        let _ = writeln!(s, "kv_num_heads: {}", self.kv.num_kv_heads);
+        let _ = writeln!(s, "kv_head_size: {}", self.kv.head_size);
+        let _ = writeln!(s, "kv_hidden_size: {}", self.kv.hidden_size);
+        let _ = writeln!(s, "kv_dtype: {}", self.kv.dtype);
+        let _ = writeln!(s, "use_mla: {}", self.kv.use_mla);
+        s
+    }
+}
+
+/// A validated configuration and the warnings produced on the way.
+#[derive(Clone, Debug)]
+pub struct LoadedConfig {
+    /// The configuration.
+    pub config: PdConfig,
+    /// Things that were accepted but deserve a look (unknown keys, rounding, ignored keys).
+    pub warnings: Vec<String>,
+}
+
+fn round_up_pages(bytes: u64, page: u64) -> u64 {
+    if page == 0 {
+        return bytes;
+    }
+    bytes.div_ceil(page).max(1) * page
+}
+
+#[cfg(test)]
+mod tests;

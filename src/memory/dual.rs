@@ -1,0 +1,271 @@
+//! The CPU + NPU allocator of one worker and its role-aware placement.
+
+use super::buffer::{DeviceKind, NpuRuntime, RegisteredBuffer};
+use super::pool::{ChunkMeta, MemObj, PagePool, PoolStats};
+use super::MemoryError;
+use crate::config::{BufferDevice, PdConfig, Role};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Which of the two pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PoolKind {
+    /// Host memory.
+    Cpu,
+    /// NPU memory.
+    Npu,
+}
+
+/// Where this worker's transfer pages come from (DESIGN.md §3):
+/// an offloading sender uses the CPU pool, any other sender the NPU pool, a
+/// receiver the NPU pool unless its buffer device is `cpu`.
+pub fn placement(role: Role, use_cpu_offload: bool, device: BufferDevice) -> PoolKind {
+    match (role, use_cpu_offload, device) {
+        (Role::Sender, true, _) => PoolKind::Cpu,
+        (_, _, BufferDevice::Cpu) => PoolKind::Cpu,
+        (_, _, BufferDevice::Npu(_)) => PoolKind::Npu,
+    }
+}
+
+/// Everything needed to build a [`DualAllocator`] (usually from a [`PdConfig`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DualSpec {
+    /// Bytes of the CPU pool, if there is one.
+    pub cpu_bytes: Option<usize>,
+    /// Bytes of the NPU pool and its device, if there is one.
+    pub npu: Option<(u32, usize)>,
+    /// Bytes per page (one full chunk).
+    pub page_size: usize,
+    /// Which pool [`DualAllocator::allocate`] uses.
+    pub placement: PoolKind,
+    /// Put the CPU pool in shared memory (the `shm` channel maps it from the peer).
+    pub shareable_cpu: bool,
+}
+
+impl DualSpec {
+    /// The pools a worker with `config` needs; `device_index` resolves a bare `npu`.
+    pub fn from_config(config: &PdConfig, device_index: u32) -> DualSpec {
+        let page_size = config.page_bytes() as usize;
+        DualSpec {
+            cpu_bytes: config
+                .has_cpu_pool()
+                .then(|| config.cpu_pool_bytes() as usize),
+            npu: match config.buffer_device {
+                BufferDevice::Npu(n) => Some((
+                    n.unwrap_or(device_index),
+                    config.buffer_pool_bytes() as usize,
+                )),
+                BufferDevice::Cpu => None,
+            },
+            page_size,
+            placement: placement(config.role, config.use_cpu_offload, config.buffer_device),
+            shareable_cpu: config.transfer_channel == crate::config::ChannelKind::Shm,
+        }
+    }
+}
+
+/// A worker's CPU pool and/or NPU pool, with role-aware placement.
+#[derive(Debug)]
+pub struct DualAllocator {
+    cpu: Option<Arc<PagePool>>,
+    npu: Option<Arc<PagePool>>,
+    placement: PoolKind,
+}
+
+/// Counters of both pools.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DualStats {
+    /// The CPU pool's counters, if it exists.
+    pub cpu: Option<PoolStats>,
+    /// The NPU pool's counters, if it exists.
+    pub npu: Option<PoolStats>,
+}
+
+impl DualAllocator {
+    /// Builds the pools of `spec`. An NPU pool needs `npu_runtime`; without
+    /// one the error says how to get one or how to avoid needing it.
+    pub fn new(spec: &DualSpec, npu_runtime: Option<&dyn NpuRuntime>) -> Result<Self, MemoryError> {
+        let placement_exists = match spec.placement {
+            PoolKind::Cpu => spec.cpu_bytes.is_some(),
+            PoolKind::Npu => spec.npu.is_some(),
+        };
+        if !placement_exists {
+            return Err(MemoryError::InvalidGeometry(format!(
+                "placement is the {:?} pool but the spec has no such pool",
+                spec.placement
+            )));
+        }
+        let npu = match spec.npu {
+            None => None,
+            Some((device, bytes)) => {
+                let rt = npu_runtime.ok_or_else(|| {
+                    MemoryError::NoNpuRuntime(
+                        "no NPU runtime was given for the NPU pool".to_string(),
+                    )
+                })?;
+                let buf = RegisteredBuffer::npu(rt, device, bytes, spec.page_size)?;
+                Some(PagePool::new(buf))
+            }
+        };
+        let cpu = match spec.cpu_bytes {
+            None => None,
+            Some(bytes) => Some(PagePool::new(RegisteredBuffer::host(
+                bytes,
+                spec.page_size,
+                spec.shareable_cpu,
+            )?)),
+        };
+        Ok(DualAllocator {
+            cpu,
+            npu,
+            placement: spec.placement,
+        })
+    }
+
+    /// The pool of `kind`, if this worker has it.
+    pub fn pool(&self, kind: PoolKind) -> Option<&Arc<PagePool>> {
+        match kind {
+            PoolKind::Cpu => self.cpu.as_ref(),
+            PoolKind::Npu => self.npu.as_ref(),
+        }
+    }
+
+    /// The pool transfers use (the placement table's choice).
+    pub fn primary(&self) -> &Arc<PagePool> {
+        self.pool(self.placement)
+            .expect("constructor checked the placement pool exists")
+    }
+
+    /// Which pool transfers use.
+    pub fn placement(&self) -> PoolKind {
+        self.placement
+    }
+
+    /// The pool whose buffer has `uuid`.
+    pub fn pool_by_uuid(&self, uuid: uuid::Uuid) -> Option<&Arc<PagePool>> {
+        self.pools().find(|p| p.uuid() == uuid)
+    }
+
+    /// Every pool (for registration with the transfer channel).
+    pub fn pools(&self) -> impl Iterator<Item = &Arc<PagePool>> {
+        self.npu.iter().chain(self.cpu.iter())
+    }
+
+    /// One page from the placement pool.
+    pub fn allocate(&self, meta: ChunkMeta) -> Result<MemObj, MemoryError> {
+        self.primary().allocate(meta)
+    }
+
+    /// Pages from the placement pool, all or nothing.
+    pub fn allocate_batch(&self, metas: &[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError> {
+        self.primary().allocate_batch(metas)
+    }
+
+    /// Pages from the placement pool, retrying until `deadline`, all or nothing.
+    pub fn allocate_batch_until(
+        &self,
+        metas: &[ChunkMeta],
+        deadline: Instant,
+    ) -> Result<Vec<MemObj>, MemoryError> {
+        self.primary().allocate_batch_until(metas, deadline)
+    }
+
+    /// Counters of both pools.
+    pub fn stats(&self) -> DualStats {
+        DualStats {
+            cpu: self.cpu.as_ref().map(|p| p.stats()),
+            npu: self.npu.as_ref().map(|p| p.stats()),
+        }
+    }
+
+    /// The device of the placement pool.
+    pub fn primary_device(&self) -> DeviceKind {
+        self.primary().buffer().device()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_table_matches_design() {
+        let npu = BufferDevice::Npu(None);
+        assert_eq!(placement(Role::Sender, true, npu), PoolKind::Cpu);
+        assert_eq!(placement(Role::Sender, false, npu), PoolKind::Npu);
+        assert_eq!(placement(Role::Receiver, false, npu), PoolKind::Npu);
+        assert_eq!(
+            placement(Role::Receiver, false, BufferDevice::Cpu),
+            PoolKind::Cpu
+        );
+        assert_eq!(
+            placement(Role::Sender, false, BufferDevice::Cpu),
+            PoolKind::Cpu
+        );
+    }
+
+    fn cfg(yaml: &str) -> PdConfig {
+        PdConfig::from_yaml_str(yaml, "test").unwrap().config
+    }
+
+    const BASE_SENDER: &str =
+        "enable_pd: true\npd_role: sender\npd_proxy_host: 127.0.0.1\npd_proxy_port: 8500\n\
+        pd_buffer_size: 4096\nkv_num_layers: 1\nkv_num_heads: 1\nkv_head_size: 8\nchunk_size: 16\n";
+
+    #[test]
+    fn spec_from_config_follows_pool_existence_rules() {
+        // Offloading sender on npu: both pools, pages from CPU.
+        let c = cfg(&format!(
+            "{BASE_SENDER}pd_buffer_device: npu:3\npd_pull_mode: true\npd_pull_done_port: 7600\npd_use_cpu_offload: true\npd_cpu_buffer_size: 8192\n"
+        ));
+        let s = DualSpec::from_config(&c, 0);
+        assert_eq!(s.page_size, 2 * 16 * 8 * 2);
+        assert_eq!(s.npu.map(|n| n.0), Some(3));
+        assert_eq!(s.cpu_bytes, Some(8192));
+        assert_eq!(s.placement, PoolKind::Cpu);
+        // CPU device: CPU pool only, placement CPU.
+        let c = cfg(&format!("{BASE_SENDER}pd_buffer_device: cpu\n"));
+        let s = DualSpec::from_config(&c, 5);
+        assert_eq!(
+            (s.npu, s.cpu_bytes, s.placement),
+            (None, Some(4096), PoolKind::Cpu)
+        );
+        // Bare npu resolves to the worker's device.
+        let c = cfg(&format!("{BASE_SENDER}pd_buffer_device: npu\n"));
+        assert_eq!(DualSpec::from_config(&c, 5).npu.map(|n| n.0), Some(5));
+    }
+
+    #[test]
+    fn npu_pool_without_runtime_is_a_clear_error() {
+        let spec = DualSpec {
+            cpu_bytes: None,
+            npu: Some((0, 4096)),
+            page_size: 1024,
+            placement: PoolKind::Npu,
+            shareable_cpu: false,
+        };
+        let e = DualAllocator::new(&spec, None).unwrap_err().to_string();
+        assert!(
+            e.contains("NPU runtime") && e.contains("pd_buffer_device: cpu"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cpu_only_allocator_allocates_from_primary_and_finds_by_uuid() {
+        let spec = DualSpec {
+            cpu_bytes: Some(4 * 1024),
+            npu: None,
+            page_size: 1024,
+            placement: PoolKind::Cpu,
+            shareable_cpu: true,
+        };
+        let a = DualAllocator::new(&spec, None).unwrap();
+        assert!(a.pool(PoolKind::Npu).is_none());
+        let uuid = a.primary().uuid();
+        assert!(a.pool_by_uuid(uuid).is_some());
+        assert!(a.primary().buffer().shared_fd().is_some());
+        assert_eq!(a.stats().cpu.unwrap().total, 4);
+        assert_eq!(a.primary_device(), DeviceKind::Cpu);
+    }
+}

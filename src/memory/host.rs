@@ -1,0 +1,221 @@
+//! Page-aligned host memory for CPU pools.
+//!
+//! Regions are aligned to 2 MiB so transparent huge pages can back them, and
+//! can be created in a memfd so another process on the host can map the same
+//! pages (the `shm` channel exports them this way).
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+/// Alignment of every host region: the x86-64 / aarch64 huge page size.
+pub const HOST_REGION_ALIGN: usize = 2 << 20;
+
+/// An owned, mapped, zero-initialised range of host memory.
+#[derive(Debug)]
+pub struct HostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    fd: Option<OwnedFd>,
+}
+
+// SAFETY: the region is plain memory owned by this value; access goes through
+// raw pointers whose synchronisation is the caller's (page ownership) business.
+unsafe impl Send for HostRegion {}
+// SAFETY: as above; `&HostRegion` only hands out the base address and the fd.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// Private anonymous memory of `len` bytes (`len` > 0), 2 MiB aligned.
+    pub fn anonymous(len: usize) -> io::Result<HostRegion> {
+        Self::map(len, None)
+    }
+
+    /// Memory in a new memfd named `name`, shareable with other processes through [`HostRegion::fd`].
+    pub fn shared(len: usize, name: &str) -> io::Result<HostRegion> {
+        let cname = std::ffi::CString::new(name.replace('\0', "_")).expect("nul removed");
+        // SAFETY: memfd_create reads a valid NUL-terminated string and returns a new fd or -1.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+        // SAFETY: ftruncate on our own fd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::map(len, Some(fd))
+    }
+
+    fn map(len: usize, fd: Option<OwnedFd>) -> io::Result<HostRegion> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "host region of 0 bytes",
+            ));
+        }
+        let reserve = len
+            .checked_add(HOST_REGION_ALIGN)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+        // Reserve address space with slack, then place the real mapping at the
+        // first 2 MiB boundary inside it and give back the rest.
+        // SAFETY: an anonymous PROT_NONE reservation touches no existing mapping.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserve,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let start = raw as usize;
+        let aligned = start.next_multiple_of(HOST_REGION_ALIGN);
+        let (flags, fd_raw) = match &fd {
+            Some(f) => (libc::MAP_SHARED | libc::MAP_FIXED, f.as_raw_fd()),
+            None => (
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+            ),
+        };
+        // SAFETY: [aligned, aligned+len) lies inside the reservation we own, so
+        // MAP_FIXED replaces only our own PROT_NONE pages.
+        let mapped = unsafe {
+            libc::mmap(
+                aligned as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd_raw,
+                0,
+            )
+        };
+        let err = (mapped == libc::MAP_FAILED).then(io::Error::last_os_error);
+        // Trim the slack before and after (or everything on failure).
+        let head = aligned - start;
+        let tail_start = aligned + len;
+        let tail = start + reserve - tail_start;
+        // SAFETY: each range is part of our reservation and not the live mapping.
+        unsafe {
+            if let Some(e) = err {
+                libc::munmap(raw, reserve);
+                return Err(e);
+            }
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap(tail_start as *mut libc::c_void, tail);
+            }
+            // Advisory only: THP may be disabled, which is fine.
+            libc::madvise(mapped, len, libc::MADV_HUGEPAGE);
+        }
+        Ok(HostRegion {
+            ptr: NonNull::new(mapped.cast()).expect("mmap returned a non-null address"),
+            len,
+            fd,
+        })
+    }
+
+    /// Base address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: regions are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The memfd holding the pages, for regions made by [`HostRegion::shared`].
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Faults every page in now, so first-touch cost is not paid mid-transfer.
+    pub fn prefault(&self) {
+        let step = 4096;
+        let mut off = 0;
+        while off < self.len {
+            // SAFETY: off < len, inside our writable mapping; the volatile
+            // read-modify-write of the same value keeps contents unchanged.
+            unsafe {
+                let p = self.ptr.as_ptr().add(off);
+                p.write_volatile(p.read_volatile());
+            }
+            off += step;
+        }
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        // SAFETY: we own exactly this mapping; nobody can use it after drop.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_aligned_zeroed_and_writable() {
+        for r in [
+            HostRegion::anonymous(3 * 4096 + 5).unwrap(),
+            HostRegion::shared(3 * 4096 + 5, "test").unwrap(),
+        ] {
+            assert_eq!(r.as_ptr() as usize % HOST_REGION_ALIGN, 0);
+            // SAFETY: the region is len bytes of writable memory owned by `r`.
+            let s = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), r.len()) };
+            assert!(s.iter().all(|&b| b == 0));
+            s.fill(0xAB);
+            r.prefault();
+            assert!(s.iter().all(|&b| b == 0xAB));
+        }
+    }
+
+    #[test]
+    fn shared_region_is_visible_through_its_fd() {
+        let r = HostRegion::shared(8192, "visible").unwrap();
+        // SAFETY: writable region owned by `r`.
+        unsafe { r.as_ptr().add(100).write(42) };
+        let fd = r.fd().unwrap().as_raw_fd();
+        // SAFETY: mapping our own memfd read-only, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: offset 100 is inside the 8192-byte mapping.
+        let v = unsafe { p.cast::<u8>().add(100).read() };
+        // SAFETY: unmapping what we mapped.
+        unsafe { libc::munmap(p, 8192) };
+        assert_eq!(v, 42);
+    }
+
+    #[test]
+    fn zero_length_is_an_error() {
+        assert!(HostRegion::anonymous(0).is_err());
+    }
+}
