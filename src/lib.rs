@@ -8,3 +8,4 @@
 
 pub mod config;
 pub mod memory;
+pub mod protocol;
