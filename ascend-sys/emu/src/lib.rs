@@ -1,1 +1,30 @@
-//! Emulator of the CANN ACL runtime and HCCL symbols.
+//! A CANN emulator: a shared library exporting the ACL runtime and HCCL
+//! symbols that ascend-pd uses, with CANN's C signatures, so the product
+//! loads it through exactly the same loader as a real CANN install.
+//!
+//! It really moves bytes. Device and pinned host memory are memfd-backed
+//! shared mappings owned by the emulator; copies are checked against the
+//! known allocations and fail with the runtime's error codes on misuse;
+//! streams run their work in order on a worker thread each; events give
+//! real cross-stream ordering. HCCL's root info names a loopback socket for
+//! a real two-process rendezvous; registered memory is mapped by the peer
+//! and `HcclBatchPut` / `HcclBatchGet` copy into or out of that mapping in
+//! stream order, rejecting anything outside the enabled regions.
+//!
+//! This is an emulator. It has not been compared against Ascend hardware,
+//! and passing tests against it says nothing about the real path.
+//!
+//! Use from tests: [`install_dir`] gives a directory in which
+//! `libascendcl.so` and `libhccl.so` both point at this library.
+
+#![warn(missing_docs)]
+
+mod ffi;
+mod hccl;
+mod install;
+mod memory;
+mod runtime;
+mod status;
+mod stream;
+
+pub use install::{install_dir, library_path, LIBRARY_FILE};

@@ -1,0 +1,208 @@
+//! Emulated device and pinned-host memory.
+//!
+//! Every allocation is a memfd mapped `MAP_SHARED` into this process, so a
+//! peer process can map the same pages (through `/proc/<pid>/fd/<fd>`) when
+//! HCCL grants it access. The memfd is named `ascend-emu-<pid>-<id>` so the
+//! peer can check that the descriptor still names the region it was told
+//! about.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// Where an allocation lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// Device memory of the given device id (`aclrtMalloc`).
+    Device(i32),
+    /// Pinned host memory (`aclrtMallocHost`).
+    Host,
+}
+
+/// One allocation: a mapped memfd.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub id: u64,
+    pub base: usize,
+    pub len: usize,
+    map_len: usize,
+    fd: OwnedFd,
+    pub placement: Placement,
+}
+
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|p| *p > 0).unwrap_or(4096)
+}
+
+pub(crate) fn round_up(n: usize, to: usize) -> Option<usize> {
+    n.checked_add(to - 1).map(|v| v / to * to)
+}
+
+/// The memfd name of region `id` created by process `pid`.
+pub(crate) fn memfd_name(pid: u32, id: u64) -> String {
+    format!("ascend-emu-{pid}-{id}")
+}
+
+impl Region {
+    /// Creates and maps a zero-filled region of `len` bytes.
+    pub(crate) fn create(id: u64, len: usize, placement: Placement) -> io::Result<Region> {
+        let map_len = round_up(len, page_size())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size overflows"))?;
+        let name = CString::new(memfd_name(std::process::id(), id)).expect("no NUL in name");
+        // SAFETY: name is a valid NUL-terminated string; flags are valid.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: raw is a freshly created descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = libc::off_t::try_from(map_len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size overflows off_t"))?;
+        // SAFETY: fd is a valid memfd we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: mapping a valid fd of at least map_len bytes at a kernel-chosen address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Region {
+            id,
+            base: ptr as usize,
+            len,
+            map_len,
+            fd,
+            placement,
+        })
+    }
+
+    /// The memfd number in this process.
+    pub(crate) fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    pub(crate) fn end(&self) -> usize {
+        self.base + self.len
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let place = match self.placement {
+            Placement::Device(d) => format!("device {d} memory"),
+            Placement::Host => "pinned host memory".to_string(),
+        };
+        format!("{place} [{:#x}, {:#x})", self.base, self.end())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: base/map_len are exactly what mmap returned; every task that
+        // could still touch the pages holds an Arc<Region>, so none remain.
+        unsafe {
+            libc::munmap(self.base as *mut libc::c_void, self.map_len);
+        }
+    }
+}
+
+/// Where an address range falls among the known allocations.
+pub(crate) enum Lookup {
+    /// Entirely inside this allocation.
+    Inside(Arc<Region>),
+    /// Starts inside this allocation but runs past its end.
+    Overruns(Arc<Region>),
+    /// Not inside any allocation.
+    Unknown,
+}
+
+/// All live allocations of the process, by base address.
+#[derive(Default)]
+pub(crate) struct Regions {
+    by_base: BTreeMap<usize, Arc<Region>>,
+}
+
+impl Regions {
+    pub(crate) fn insert(&mut self, region: Arc<Region>) {
+        self.by_base.insert(region.base, region);
+    }
+
+    /// Removes the allocation whose base is exactly `base`.
+    pub(crate) fn remove_base(&mut self, base: usize) -> Option<Arc<Region>> {
+        self.by_base.remove(&base)
+    }
+
+    pub(crate) fn get_base(&self, base: usize) -> Option<&Arc<Region>> {
+        self.by_base.get(&base)
+    }
+
+    /// Finds the allocation holding `[addr, addr + len)`.
+    pub(crate) fn lookup(&self, addr: usize, len: usize) -> Lookup {
+        match self.by_base.range(..=addr).next_back() {
+            Some((_, r)) if addr < r.end() || (len == 0 && addr == r.end()) => {
+                match addr.checked_add(len) {
+                    Some(end) if end <= r.end() => Lookup::Inside(r.clone()),
+                    _ => Lookup::Overruns(r.clone()),
+                }
+            }
+            _ => Lookup::Unknown,
+        }
+    }
+
+    /// Bytes currently allocated on `device`.
+    pub(crate) fn device_bytes(&self, device: i32) -> usize {
+        self.by_base
+            .values()
+            .filter(|r| r.placement == Placement::Device(device))
+            .map(|r| r.len)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_is_zeroed_shared_memory_with_a_named_memfd() {
+        let r = Region::create(7, 10_000, Placement::Host).unwrap();
+        // SAFETY: the region maps at least len bytes at base.
+        let bytes = unsafe { std::slice::from_raw_parts(r.base as *const u8, r.len) };
+        assert!(bytes.iter().all(|b| *b == 0));
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", r.raw_fd())).unwrap();
+        let expected = memfd_name(std::process::id(), 7);
+        assert!(
+            link.to_string_lossy().contains(&expected),
+            "{link:?} should name {expected}"
+        );
+    }
+
+    #[test]
+    fn lookup_tells_inside_overrun_and_unknown_apart() {
+        let mut regions = Regions::default();
+        let r = Arc::new(Region::create(1, 4096, Placement::Device(0)).unwrap());
+        let base = r.base;
+        regions.insert(r);
+        assert!(matches!(regions.lookup(base + 10, 100), Lookup::Inside(_)));
+        assert!(matches!(
+            regions.lookup(base + 4000, 200),
+            Lookup::Overruns(_)
+        ));
+        assert!(matches!(regions.lookup(base + 4096, 1), Lookup::Unknown));
+        assert!(matches!(regions.lookup(base - 1, 1), Lookup::Unknown));
+        assert_eq!(regions.device_bytes(0), 4096);
+        assert_eq!(regions.device_bytes(1), 0);
+    }
+}

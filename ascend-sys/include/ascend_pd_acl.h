@@ -1,0 +1,110 @@
+/*
+ * ascend-pd: our own declarations of the subset of the CANN ACL runtime
+ * (libascendcl.so) that ascend-pd calls. Written from the public ACL
+ * runtime API reference; names, values and signatures follow CANN so the
+ * generated bindings load a real libascendcl.so unchanged.
+ */
+#ifndef ASCEND_PD_ACL_H
+#define ASCEND_PD_ACL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Every ACL call returns an aclError; 0 is success. */
+typedef int aclError;
+
+/* Opaque runtime handles. */
+typedef void *aclrtStream;
+typedef void *aclrtEvent;
+
+/* Status codes used by ascend-pd (values as published by CANN). */
+static const int ACL_SUCCESS = 0;
+static const int ACL_ERROR_INVALID_PARAM = 100000;
+static const int ACL_ERROR_UNINITIALIZE = 100001;
+static const int ACL_ERROR_REPEAT_INITIALIZE = 100002;
+static const int ACL_ERROR_INVALID_FILE = 100003;
+static const int ACL_ERROR_REPEAT_FINALIZE = 100037;
+static const int ACL_ERROR_BAD_ALLOC = 200000;
+static const int ACL_ERROR_RT_PARAM_INVALID = 107000;
+static const int ACL_ERROR_RT_INVALID_DEVICEID = 107001;
+static const int ACL_ERROR_RT_CONTEXT_NULL = 107002;
+static const int ACL_ERROR_RT_STREAM_CONTEXT = 107003;
+static const int ACL_ERROR_RT_INVALID_HANDLE = 107017;
+static const int ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000;
+static const int ACL_ERROR_RT_MEMORY_ALLOCATION = 207001;
+static const int ACL_ERROR_RT_MEMORY_FREE = 207002;
+static const int ACL_ERROR_RT_INTERNAL_ERROR = 507000;
+static const int ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046;
+static const int ACL_ERROR_RT_EVENT_SYNC_TIMEOUT = 507047;
+
+/* Direction of a copy. */
+typedef enum aclrtMemcpyKind {
+    ACL_MEMCPY_HOST_TO_HOST = 0,
+    ACL_MEMCPY_HOST_TO_DEVICE = 1,
+    ACL_MEMCPY_DEVICE_TO_HOST = 2,
+    ACL_MEMCPY_DEVICE_TO_DEVICE = 3,
+} aclrtMemcpyKind;
+
+/* Page policy for device allocations. */
+typedef enum aclrtMemMallocPolicy {
+    ACL_MEM_MALLOC_HUGE_FIRST = 0,
+    ACL_MEM_MALLOC_HUGE_ONLY = 1,
+    ACL_MEM_MALLOC_NORMAL_ONLY = 2,
+    ACL_MEM_MALLOC_HUGE_FIRST_P2P = 3,
+    ACL_MEM_MALLOC_HUGE_ONLY_P2P = 4,
+    ACL_MEM_MALLOC_NORMAL_ONLY_P2P = 5,
+} aclrtMemMallocPolicy;
+
+/* Answer of aclrtQueryEventStatus. */
+typedef enum aclrtEventRecordedStatus {
+    ACL_EVENT_RECORDED_STATUS_NOT_READY = 0,
+    ACL_EVENT_RECORDED_STATUS_COMPLETE = 1,
+} aclrtEventRecordedStatus;
+
+/* Process-wide setup and teardown; configPath may be NULL. */
+aclError aclInit(const char *configPath);
+aclError aclFinalize(void);
+
+/* Devices: binding a device to the calling thread and releasing it. */
+aclError aclrtSetDevice(int32_t deviceId);
+aclError aclrtResetDevice(int32_t deviceId);
+aclError aclrtGetDeviceCount(uint32_t *count);
+
+/* Device and pinned host memory. */
+aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);
+aclError aclrtFree(void *devPtr);
+aclError aclrtMallocHost(void **hostPtr, size_t size);
+aclError aclrtFreeHost(void *hostPtr);
+
+/* Copies: destMax is the capacity behind dst, count the bytes to copy. */
+aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
+                     aclrtMemcpyKind kind);
+aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
+                          aclrtMemcpyKind kind, aclrtStream stream);
+aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count);
+
+/* Streams. */
+aclError aclrtCreateStream(aclrtStream *stream);
+aclError aclrtDestroyStream(aclrtStream stream);
+aclError aclrtSynchronizeStream(aclrtStream stream);
+
+/* Events. */
+aclError aclrtCreateEvent(aclrtEvent *event);
+aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
+aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
+aclError aclrtSynchronizeEvent(aclrtEvent event);
+aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
+aclError aclrtDestroyEvent(aclrtEvent event);
+
+/* Text of the most recent failure on the calling thread (may be NULL). */
+const char *aclGetRecentErrMsg(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ASCEND_PD_ACL_H */

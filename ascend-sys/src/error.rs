@@ -1,0 +1,102 @@
+//! The one error type of this crate.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Result alias used throughout ascend-sys.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One place the loader looked for a library, and what happened there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadAttempt {
+    /// The path (or bare library name, for the system loader) that was tried.
+    pub path: PathBuf,
+    /// Why it was not used.
+    pub outcome: String,
+}
+
+impl fmt::Display for LoadAttempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.outcome)
+    }
+}
+
+fn list(attempts: &[LoadAttempt]) -> String {
+    attempts
+        .iter()
+        .map(|a| format!("\n  - {a}"))
+        .collect::<String>()
+}
+
+/// Everything that can go wrong in ascend-sys.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An ACL runtime call returned a failure status.
+    #[error("{call} failed with ACL error {code}: {message}")]
+    Acl {
+        /// The C function that failed.
+        call: &'static str,
+        /// Its `aclError` status.
+        code: i32,
+        /// The runtime's own text (`aclGetRecentErrMsg`), or a note that it gave none.
+        message: String,
+    },
+    /// An HCCL call returned a failure status.
+    #[error("{call} failed with HCCL error {code} ({description}): {message}")]
+    Hccl {
+        /// The C function that failed.
+        call: &'static str,
+        /// Its `HcclResult` status.
+        code: u32,
+        /// `HcclGetErrorString` for the status.
+        description: String,
+        /// Detail from `aclGetRecentErrMsg`, or a note that there was none.
+        message: String,
+    },
+    /// A CANN library could not be found or opened.
+    #[error(
+        "cannot load {library}; tried:{}\nfix: set ASCEND_PD_CANN_LIB_DIR to the directory that holds \
+         libascendcl.so and libhccl.so (usually <CANN install>/lib64), or source the CANN set_env.sh \
+         so that ASCEND_HOME_PATH is set",
+        list(.attempts)
+    )]
+    LibraryNotFound {
+        /// File name of the library (`libascendcl.so` or `libhccl.so`).
+        library: &'static str,
+        /// Every location tried, in order.
+        attempts: Vec<LoadAttempt>,
+    },
+    /// A library was opened but lacks a symbol ascend-pd cannot work without.
+    #[error("{} lacks required symbol {symbol}; is this a CANN library of a supported version?", .path.display())]
+    MissingSymbol {
+        /// The library file.
+        path: PathBuf,
+        /// The missing C function.
+        symbol: &'static str,
+    },
+    /// The loaded CANN does not provide this (optional) function, e.g. an
+    /// older release without the HCCL one-sided API.
+    #[error("{0} is not provided by the loaded CANN libraries (unsupported by this CANN version)")]
+    Unsupported(&'static str),
+    /// The runtime is already loaded in this process from another place.
+    #[error("CANN is already loaded in this process from {}; cannot also load it from {}", .loaded.display(), .requested.display())]
+    AlreadyLoaded {
+        /// Where the loaded libraries came from.
+        loaded: PathBuf,
+        /// The conflicting request.
+        requested: PathBuf,
+    },
+    /// An argument was rejected before any library call was made.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A wait did not finish in time.
+    #[error("{what} did not complete within {timeout:?}")]
+    Timeout {
+        /// What was being waited for.
+        what: &'static str,
+        /// How long was waited.
+        timeout: Duration,
+    },
+}

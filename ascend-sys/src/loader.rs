@@ -1,0 +1,335 @@
+//! Finding and opening libascendcl.so and libhccl.so at run time.
+//!
+//! Search order (first hit wins): `ASCEND_PD_CANN_LIB_DIR`,
+//! `$ASCEND_HOME_PATH/lib64`, `$ASCEND_TOOLKIT_HOME/lib64`,
+//! `/usr/local/Ascend/ascend-toolkit/latest/lib64`, then the system loader
+//! (`LD_LIBRARY_PATH`, ld.so.cache). libhccl.so is looked for in the
+//! directory libascendcl.so came from first.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, LoadAttempt, Result};
+use crate::sys;
+
+/// File name of the ACL runtime library.
+pub const ACL_LIBRARY: &str = "libascendcl.so";
+/// File name of the HCCL library.
+pub const HCCL_LIBRARY: &str = "libhccl.so";
+/// Environment variable naming a directory to load both libraries from.
+pub const LIB_DIR_ENV: &str = "ASCEND_PD_CANN_LIB_DIR";
+/// Where the CANN toolkit installs by default.
+pub const DEFAULT_TOOLKIT_LIB_DIR: &str = "/usr/local/Ascend/ascend-toolkit/latest/lib64";
+
+/// One place the loader looks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SearchLocation {
+    /// A directory; `source` says where it came from (an env var or the default).
+    Dir {
+        /// The directory.
+        dir: PathBuf,
+        /// Why it is searched, e.g. `"ASCEND_HOME_PATH"`.
+        source: &'static str,
+    },
+    /// An environment variable that would name a directory but is not set.
+    Unset(&'static str),
+    /// The system dynamic loader's own search (bare library name).
+    SystemLoader,
+}
+
+/// The search locations in order, as the current environment defines them.
+pub fn search_locations() -> Vec<SearchLocation> {
+    let mut out = Vec::new();
+    let env_dir = |var: &'static str, suffix: &str| match std::env::var_os(var) {
+        Some(v) if !v.is_empty() => SearchLocation::Dir {
+            dir: PathBuf::from(v).join(suffix),
+            source: var,
+        },
+        _ => SearchLocation::Unset(var),
+    };
+    out.push(env_dir(LIB_DIR_ENV, ""));
+    out.push(env_dir("ASCEND_HOME_PATH", "lib64"));
+    out.push(env_dir("ASCEND_TOOLKIT_HOME", "lib64"));
+    out.push(SearchLocation::Dir {
+        dir: PathBuf::from(DEFAULT_TOOLKIT_LIB_DIR),
+        source: "default install location",
+    });
+    out.push(SearchLocation::SystemLoader);
+    out
+}
+
+/// Functions every supported CANN provides; a library lacking one is refused.
+fn missing_acl_symbol(lib: &sys::AclLib) -> Option<&'static str> {
+    let required: [(&'static str, bool); 21] = [
+        ("aclInit", lib.aclInit.is_ok()),
+        ("aclFinalize", lib.aclFinalize.is_ok()),
+        ("aclrtSetDevice", lib.aclrtSetDevice.is_ok()),
+        ("aclrtResetDevice", lib.aclrtResetDevice.is_ok()),
+        ("aclrtGetDeviceCount", lib.aclrtGetDeviceCount.is_ok()),
+        ("aclrtMalloc", lib.aclrtMalloc.is_ok()),
+        ("aclrtFree", lib.aclrtFree.is_ok()),
+        ("aclrtMallocHost", lib.aclrtMallocHost.is_ok()),
+        ("aclrtFreeHost", lib.aclrtFreeHost.is_ok()),
+        ("aclrtMemcpy", lib.aclrtMemcpy.is_ok()),
+        ("aclrtMemcpyAsync", lib.aclrtMemcpyAsync.is_ok()),
+        ("aclrtMemset", lib.aclrtMemset.is_ok()),
+        ("aclrtCreateStream", lib.aclrtCreateStream.is_ok()),
+        ("aclrtDestroyStream", lib.aclrtDestroyStream.is_ok()),
+        ("aclrtSynchronizeStream", lib.aclrtSynchronizeStream.is_ok()),
+        ("aclrtCreateEvent", lib.aclrtCreateEvent.is_ok()),
+        ("aclrtRecordEvent", lib.aclrtRecordEvent.is_ok()),
+        ("aclrtQueryEventStatus", lib.aclrtQueryEventStatus.is_ok()),
+        ("aclrtSynchronizeEvent", lib.aclrtSynchronizeEvent.is_ok()),
+        ("aclrtStreamWaitEvent", lib.aclrtStreamWaitEvent.is_ok()),
+        ("aclrtDestroyEvent", lib.aclrtDestroyEvent.is_ok()),
+    ];
+    // aclGetRecentErrMsg is optional: without it errors carry only their code.
+    required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
+}
+
+/// HCCL functions needed for any communicator; the one-sided API is optional.
+fn missing_hccl_symbol(lib: &sys::HcclLib) -> Option<&'static str> {
+    let required: [(&'static str, bool); 4] = [
+        ("HcclGetRootInfo", lib.HcclGetRootInfo.is_ok()),
+        ("HcclCommInitRootInfo", lib.HcclCommInitRootInfo.is_ok()),
+        ("HcclCommDestroy", lib.HcclCommDestroy.is_ok()),
+        ("HcclGetErrorString", lib.HcclGetErrorString.is_ok()),
+    ];
+    required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
+}
+
+/// Outcome of trying to load one library from one candidate.
+enum Tried<T> {
+    Loaded(T, PathBuf),
+    /// Not there or not loadable; keep searching.
+    Skipped(LoadAttempt),
+    /// Loaded but unusable; stop and report.
+    Refused(Error),
+}
+
+fn try_open<T>(
+    candidate: PathBuf,
+    file_must_exist: bool,
+    open: impl FnOnce(&Path) -> std::result::Result<T, libloading::Error>,
+    check: impl FnOnce(&T) -> Option<&'static str>,
+) -> Tried<T> {
+    if file_must_exist && !candidate.exists() {
+        let outcome = match candidate.parent() {
+            Some(dir) if !dir.is_dir() => "directory does not exist",
+            _ => "no such file",
+        };
+        return Tried::Skipped(LoadAttempt {
+            path: candidate,
+            outcome: outcome.into(),
+        });
+    }
+    match open(&candidate) {
+        Err(e) => Tried::Skipped(LoadAttempt {
+            path: candidate,
+            outcome: e.to_string(),
+        }),
+        Ok(lib) => match check(&lib) {
+            Some(symbol) => Tried::Refused(Error::MissingSymbol {
+                path: candidate,
+                symbol,
+            }),
+            None => Tried::Loaded(lib, candidate),
+        },
+    }
+}
+
+fn open_acl(path: &Path) -> std::result::Result<sys::AclLib, libloading::Error> {
+    // SAFETY: loading runs the library's initialisers. We only load files
+    // named libascendcl.so from locations the user configured (or CANN's
+    // default install), i.e. the CANN runtime or the emulator.
+    unsafe { sys::AclLib::new(path) }
+}
+
+fn open_hccl(path: &Path) -> std::result::Result<sys::HcclLib, libloading::Error> {
+    // SAFETY: as in open_acl, for libhccl.so.
+    unsafe { sys::HcclLib::new(path) }
+}
+
+/// Searches `candidates` (`None` = system loader) for `library`.
+fn search<T>(
+    library: &'static str,
+    candidates: &[Option<PathBuf>],
+    unset: &[&'static str],
+    open: fn(&Path) -> std::result::Result<T, libloading::Error>,
+    check: fn(&T) -> Option<&'static str>,
+) -> Result<(T, PathBuf)> {
+    let mut attempts: Vec<LoadAttempt> = unset
+        .iter()
+        .map(|var| LoadAttempt {
+            path: PathBuf::from(format!("${var}")),
+            outcome: "not set".into(),
+        })
+        .collect();
+    for c in candidates {
+        let (path, must_exist) = match c {
+            Some(dir) => (dir.join(library), true),
+            None => (PathBuf::from(library), false),
+        };
+        match try_open(path, must_exist, open, check) {
+            Tried::Loaded(lib, path) => return Ok((lib, path)),
+            Tried::Skipped(a) => attempts.push(a),
+            Tried::Refused(e) => return Err(e),
+        }
+    }
+    Err(Error::LibraryNotFound { library, attempts })
+}
+
+/// Why libhccl.so is not usable, kept so every HCCL call can report it.
+#[derive(Debug, Clone)]
+enum HcclMissing {
+    NotFound(Vec<LoadAttempt>),
+    MissingSymbol(PathBuf, &'static str),
+}
+
+impl HcclMissing {
+    fn from_error(e: Error) -> Self {
+        match e {
+            Error::LibraryNotFound { attempts, .. } => HcclMissing::NotFound(attempts),
+            Error::MissingSymbol { path, symbol } => HcclMissing::MissingSymbol(path, symbol),
+            other => HcclMissing::NotFound(vec![LoadAttempt {
+                path: PathBuf::from(HCCL_LIBRARY),
+                outcome: other.to_string(),
+            }]),
+        }
+    }
+
+    fn to_error(&self) -> Error {
+        match self {
+            HcclMissing::NotFound(attempts) => Error::LibraryNotFound {
+                library: HCCL_LIBRARY,
+                attempts: attempts.clone(),
+            },
+            HcclMissing::MissingSymbol(path, symbol) => Error::MissingSymbol {
+                path: path.clone(),
+                symbol,
+            },
+        }
+    }
+}
+
+/// The opened CANN libraries. libascendcl.so is required; libhccl.so is
+/// optional until a communicator is needed.
+pub struct CannLibraries {
+    acl: sys::AclLib,
+    acl_path: PathBuf,
+    hccl: std::result::Result<(sys::HcclLib, PathBuf), HcclMissing>,
+}
+
+impl std::fmt::Debug for CannLibraries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CannLibraries")
+            .field("acl_path", &self.acl_path)
+            .field("hccl_path", &self.hccl_path())
+            .finish()
+    }
+}
+
+impl CannLibraries {
+    /// Opens both libraries from `dir` only (no other location is tried).
+    pub fn open_dir(dir: impl AsRef<Path>) -> Result<CannLibraries> {
+        let dir = dir.as_ref().to_path_buf();
+        let candidates = [Some(dir)];
+        let (acl, acl_path) = search(ACL_LIBRARY, &candidates, &[], open_acl, missing_acl_symbol)?;
+        let hccl = search(
+            HCCL_LIBRARY,
+            &candidates,
+            &[],
+            open_hccl,
+            missing_hccl_symbol,
+        )
+        .map_err(HcclMissing::from_error);
+        Ok(CannLibraries {
+            acl,
+            acl_path,
+            hccl,
+        })
+    }
+
+    /// Opens the libraries from the first location in [`search_locations`]
+    /// that has them.
+    pub fn open_default() -> Result<CannLibraries> {
+        let locations = search_locations();
+        let unset: Vec<&'static str> = locations
+            .iter()
+            .filter_map(|l| match l {
+                SearchLocation::Unset(v) => Some(*v),
+                _ => None,
+            })
+            .collect();
+        let candidates: Vec<Option<PathBuf>> = locations
+            .iter()
+            .filter_map(|l| match l {
+                SearchLocation::Dir { dir, .. } => Some(Some(dir.clone())),
+                SearchLocation::SystemLoader => Some(None),
+                SearchLocation::Unset(_) => None,
+            })
+            .collect();
+        let (acl, acl_path) = search(
+            ACL_LIBRARY,
+            &candidates,
+            &unset,
+            open_acl,
+            missing_acl_symbol,
+        )?;
+        // Prefer the HCCL next to the ACL runtime we got, then the usual order.
+        let mut hccl_candidates = Vec::new();
+        if acl_path.is_absolute() {
+            hccl_candidates.push(acl_path.parent().map(Path::to_path_buf));
+        }
+        for c in &candidates {
+            if !hccl_candidates.contains(c) {
+                hccl_candidates.push(c.clone());
+            }
+        }
+        let hccl = search(
+            HCCL_LIBRARY,
+            &hccl_candidates,
+            &unset,
+            open_hccl,
+            missing_hccl_symbol,
+        )
+        .map_err(HcclMissing::from_error);
+        Ok(CannLibraries {
+            acl,
+            acl_path,
+            hccl,
+        })
+    }
+
+    /// The libascendcl.so that was loaded.
+    pub fn acl_path(&self) -> &Path {
+        &self.acl_path
+    }
+
+    /// The libhccl.so that was loaded, if one was.
+    pub fn hccl_path(&self) -> Option<&Path> {
+        self.hccl.as_ref().ok().map(|(_, p)| p.as_path())
+    }
+
+    /// Why HCCL is unusable, or `Ok` if it loaded.
+    pub fn hccl_status(&self) -> Result<()> {
+        self.hccl_lib().map(drop)
+    }
+
+    pub(crate) fn acl(&self) -> &sys::AclLib {
+        &self.acl
+    }
+
+    pub(crate) fn hccl_lib(&self) -> Result<&sys::HcclLib> {
+        self.hccl
+            .as_ref()
+            .map(|(lib, _)| lib)
+            .map_err(HcclMissing::to_error)
+    }
+}
+
+/// True when libascendcl.so can be found and opened (with all required
+/// symbols) by the default search. Loads and unloads the library; does not
+/// initialise the runtime and never fails.
+pub fn available() -> bool {
+    CannLibraries::open_default().is_ok()
+}

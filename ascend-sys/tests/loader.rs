@@ -1,0 +1,147 @@
+//! Loader errors: missing directory, missing library, missing symbols.
+
+use std::path::Path;
+
+use ascend_sys::{CannLibraries, Error};
+
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ascend-sys-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A shared library every Linux test machine has, lacking every CANN symbol.
+fn libc_path() -> &'static Path {
+    [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/lib/aarch64-linux-gnu/libc.so.6",
+        "/lib64/libc.so.6",
+        "/usr/lib/libc.so.6",
+    ]
+    .iter()
+    .map(Path::new)
+    .find(|p| p.exists())
+    .expect("a libc.so.6 to stand in for a wrong library")
+}
+
+#[test]
+fn missing_directory_lists_the_path_tried_and_the_fix() {
+    let dir = Path::new("/nonexistent/ascend-pd/lib64");
+    let err = CannLibraries::open_dir(dir).unwrap_err();
+    match &err {
+        Error::LibraryNotFound { library, attempts } => {
+            assert_eq!(*library, "libascendcl.so");
+            assert_eq!(attempts.len(), 1);
+            assert_eq!(attempts[0].path, dir.join("libascendcl.so"));
+            assert_eq!(attempts[0].outcome, "directory does not exist");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains("/nonexistent/ascend-pd/lib64/libascendcl.so: directory does not exist"),
+        "{text}"
+    );
+    assert!(text.contains("set ASCEND_PD_CANN_LIB_DIR"), "{text}");
+}
+
+#[test]
+fn empty_directory_says_no_such_file() {
+    let dir = scratch_dir("empty");
+    let err = CannLibraries::open_dir(&dir).unwrap_err();
+    let Error::LibraryNotFound { attempts, .. } = &err else {
+        panic!("unexpected {err:?}")
+    };
+    assert_eq!(attempts[0].outcome, "no such file");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_library_without_the_acl_symbols_is_refused_by_name() {
+    let dir = scratch_dir("wrong-acl");
+    std::os::unix::fs::symlink(libc_path(), dir.join("libascendcl.so")).unwrap();
+    let err = CannLibraries::open_dir(&dir).unwrap_err();
+    match &err {
+        Error::MissingSymbol { path, symbol } => {
+            assert_eq!(*symbol, "aclInit");
+            assert_eq!(path, &dir.join("libascendcl.so"));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(err.to_string().contains("lacks required symbol aclInit"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn acl_without_a_usable_hccl_still_loads_and_reports_why_hccl_is_missing() {
+    let emu = ascend_emu::library_path().unwrap();
+    let dir = scratch_dir("acl-only");
+    std::os::unix::fs::symlink(&emu, dir.join("libascendcl.so")).unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    assert_eq!(libs.acl_path(), dir.join("libascendcl.so"));
+    assert_eq!(libs.hccl_path(), None);
+    let err = libs.hccl_status().unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::LibraryNotFound {
+                library: "libhccl.so",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    std::os::unix::fs::symlink(libc_path(), dir.join("libhccl.so")).unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    let err = libs.hccl_status().unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::MissingSymbol {
+                symbol: "HcclGetRootInfo",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn install_dir_names_both_libraries_as_one_file() {
+    let dir = ascend_emu::install_dir().unwrap();
+    let acl = std::fs::canonicalize(dir.join("libascendcl.so")).unwrap();
+    let hccl = std::fs::canonicalize(dir.join("libhccl.so")).unwrap();
+    assert_eq!(
+        acl, hccl,
+        "both names must resolve to the one emulator image"
+    );
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    assert!(libs.hccl_status().is_ok());
+    assert_eq!(libs.hccl_path(), Some(dir.join("libhccl.so").as_path()));
+}
+
+#[test]
+fn search_locations_follow_the_documented_order() {
+    let locations = ascend_sys::search_locations();
+    let sources: Vec<String> = locations
+        .iter()
+        .map(|l| match l {
+            ascend_sys::SearchLocation::Dir { source, .. } => source.to_string(),
+            ascend_sys::SearchLocation::Unset(var) => var.to_string(),
+            ascend_sys::SearchLocation::SystemLoader => "system".to_string(),
+        })
+        .collect();
+    assert_eq!(
+        sources,
+        [
+            "ASCEND_PD_CANN_LIB_DIR",
+            "ASCEND_HOME_PATH",
+            "ASCEND_TOOLKIT_HOME",
+            "default install location",
+            "system"
+        ]
+    );
+}
