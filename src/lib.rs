@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+pub mod channel;
 pub mod config;
 pub mod memory;
 pub mod protocol;

@@ -10,6 +10,7 @@ pub mod buffer;
 pub mod chunk;
 pub mod dual;
 pub mod host;
+pub mod pattern;
 pub mod pool;
 
 pub use buffer::{BufferRef, DeviceKind, DeviceMemory, NpuRuntime, RegisteredBuffer};

@@ -139,6 +139,11 @@ impl Writer {
         self.marker(if v { Marker::True } else { Marker::False });
     }
 
+    /// Nil: `0xc0`.
+    pub(crate) fn nil(&mut self) {
+        self.marker(Marker::Null);
+    }
+
     /// Raw bytes, appended verbatim (tests build odd frames with this).
     #[cfg(test)]
     pub(crate) fn raw(&mut self, bytes: &[u8]) {

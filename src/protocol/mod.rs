@@ -31,7 +31,7 @@
 //! # Ok::<(), ascend_pd::protocol::DecodeError>(())
 //! ```
 
-mod codec;
+pub(crate) mod codec;
 mod error;
 mod messages;
 

@@ -3,6 +3,8 @@
 //! Subcommands: `check-config FILE...` validates configurations. The 1P1D
 //! benchmark (`run`, the default) arrives with the backend.
 
+mod args;
+mod channel;
 mod check_config;
 
 use std::process::ExitCode;
@@ -12,6 +14,10 @@ usage: ascend-bench [COMMAND]
 
 commands:
   check-config FILE...   validate configs, print the effective values (defaults filled in)
+  channel [--channel shm|tcp] [--op write|read] [--chunk-bytes N] [--chunks M]
+          [--reps R] [--json FILE]
+                         transfer-channel micro-benchmark between two processes,
+                         with a same-run baseline (memcpy for shm, one TCP stream for tcp)
   help                   this text
 
 With no command, validates every file in configs/ (the 1P1D benchmark is not
@@ -45,6 +51,20 @@ fn main() -> ExitCode {
             );
             check_config::run(&files, &mut std::io::stdout(), &mut std::io::stderr())
         }
+        "channel" => match channel::bench_main(rest) {
+            Ok(verified) => verified,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                false
+            }
+        },
+        "channel-peer" => match channel::peer_main(rest) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                false
+            }
+        },
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             true

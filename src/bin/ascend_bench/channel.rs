@@ -1,0 +1,379 @@
+//! `ascend-bench channel`: the transfer-channel micro-benchmark, and
+//! `ascend-bench channel-peer`: the passive peer process it (and the
+//! conformance tests) transfer to and from.
+
+use crate::args::Args;
+use anyhow::{anyhow, bail, Context, Result};
+use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
+use ascend_pd::channel::{self as chan, OpKind, PeerId, TransferChannel, TransferOp};
+use ascend_pd::config::{ChannelKind, Role, TransferMode};
+use ascend_pd::memory::{
+    pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, PagePool, RegisteredBuffer,
+};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A layout whose full chunk is exactly `bytes` (a multiple of 4).
+pub fn raw_layout(bytes: usize) -> Result<ChunkLayout> {
+    if bytes == 0 || bytes % 4 != 0 {
+        bail!("chunk bytes must be a positive multiple of 4, got {bytes}");
+    }
+    Ok(ChunkLayout {
+        fmt: MemFormat::Kv2Ltd,
+        layers: 1,
+        tokens: 1,
+        hidden: bytes / 4,
+        dtype: Dtype::BFloat16,
+    })
+}
+
+/// A pool of `pages` pages of `bytes`, all allocated and returned.
+pub fn make_pool(
+    kind: ChannelKind,
+    pages: usize,
+    bytes: usize,
+) -> Result<(Arc<PagePool>, Vec<MemObj>)> {
+    let layout = raw_layout(bytes)?;
+    let buf = RegisteredBuffer::host(pages * bytes, bytes, kind == ChannelKind::Shm)?;
+    buf.prefault();
+    let pool = PagePool::new(buf);
+    let objs = pool.allocate_batch(&vec![ChunkMeta::full(layout); pages])?;
+    Ok((pool, objs))
+}
+
+fn parse_kind(s: &str) -> Result<ChannelKind> {
+    s.parse()
+        .map_err(|_| anyhow!("--channel {s:?}: expected shm, tcp or hccl"))
+}
+
+/// The passive peer: pools filled with the pattern, a handshake server,
+/// `READY <url>` on stdout, then serves until stdin closes.
+pub fn peer_main(args: &[String]) -> Result<()> {
+    let a = Args::parse("channel-peer", args).map_err(|e| anyhow!(e))?;
+    let kind = parse_kind(
+        &a.get("channel", "shm".to_string())
+            .map_err(|e| anyhow!(e))?,
+    )?;
+    let mode = match a
+        .get("mode", "push".to_string())
+        .map_err(|e| anyhow!(e))?
+        .as_str()
+    {
+        "push" => TransferMode::Push,
+        "pull-eager" => TransferMode::PullEager,
+        "pull-delay" => TransferMode::PullDelay,
+        m => bail!("--mode {m:?}: expected push, pull-eager or pull-delay"),
+    };
+    let pages: usize = a.get("pages", 8).map_err(|e| anyhow!(e))?;
+    let bytes: usize = a.get("page-bytes", 1 << 20).map_err(|e| anyhow!(e))?;
+    let seed: u64 = a.get("seed", 1).map_err(|e| anyhow!(e))?;
+    let node: String = a.get("node", "peer".to_string()).map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+
+    let (pool, mut objs) = make_pool(kind, pages, bytes)?;
+    for o in &mut objs {
+        let s = pattern::page_seed(seed, u64::from(o.page()));
+        pattern::fill(o.host_bytes_mut().expect("unique host page"), s);
+    }
+    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
+    let hello = Hello::local(
+        &node,
+        Role::Receiver,
+        mode,
+        Duration::from_secs(60),
+        channel.as_ref(),
+    );
+    let ctx = zmq::Context::new();
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let server = HandshakeServer::spawn(&ctx, "tcp://127.0.0.1:*", channel, hello, tx)?;
+    println!("READY {}", server.url());
+    std::io::stdout().flush()?;
+    std::thread::spawn(move || {
+        for ev in rx {
+            match ev {
+                HandshakeEvent::Attached(a) => println!("ATTACHED {}", a.remote.node),
+                HandshakeEvent::Refused { error, .. } => println!("REFUSED {error}"),
+            }
+            let _ = std::io::stdout().flush();
+        }
+    });
+    // Serve until the parent closes our stdin (or dies).
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    drop(server);
+    drop(objs);
+    Ok(())
+}
+
+/// A running `channel-peer` process; killed when dropped.
+pub struct PeerProcess {
+    child: Child,
+    /// The handshake URL it listens on.
+    pub url: String,
+    /// Held open so the peer's ATTACHED / REFUSED lines never hit a closed pipe.
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl PeerProcess {
+    /// Starts `ascend-bench channel-peer` with `args` and waits for READY.
+    pub fn spawn(args: &[String]) -> Result<PeerProcess> {
+        let exe = std::env::current_exe().context("locating ascend-bench")?;
+        let mut child = Command::new(exe)
+            .arg("channel-peer")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the channel peer")?;
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let url = line
+            .strip_prefix("READY ")
+            .map(|u| u.trim().to_string())
+            .ok_or_else(|| anyhow!("channel peer did not start: {line:?}"))?;
+        Ok(PeerProcess {
+            child,
+            url,
+            _stdout: stdout,
+        })
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Connects `channel` to a peer as a sender in push mode; returns the peer
+/// and the UUID of its (single) pool.
+pub fn connect(
+    ctx: &zmq::Context,
+    url: &str,
+    channel: &dyn TransferChannel,
+) -> Result<(PeerId, uuid::Uuid)> {
+    let hello = Hello::local(
+        "bench",
+        Role::Sender,
+        TransferMode::Push,
+        Duration::from_secs(60),
+        channel,
+    );
+    let a = handshake::connect(ctx, url, channel, &hello, Duration::from_secs(10))?;
+    let uuid = a
+        .remote
+        .buffers
+        .first()
+        .ok_or_else(|| anyhow!("the peer registered no buffer"))?
+        .uuid;
+    Ok((a.peer, uuid))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Single-thread memcpy of `bytes` (in `chunk`-sized pieces) between two prefaulted buffers.
+fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
+    let src = RegisteredBuffer::host(bytes, chunk, false)?;
+    let dst = RegisteredBuffer::host(bytes, chunk, false)?;
+    src.prefault();
+    dst.prefault();
+    let (layout, n) = (raw_layout(chunk)?, bytes / chunk);
+    let sp = PagePool::new(src);
+    let dp = PagePool::new(dst);
+    let s = sp.allocate_batch(&vec![ChunkMeta::full(layout); n])?;
+    let mut d = dp.allocate_batch(&vec![ChunkMeta::full(layout); n])?;
+    let mut rates = Vec::new();
+    for _ in 0..=reps {
+        let t = Instant::now();
+        for (a, b) in s.iter().zip(d.iter_mut()) {
+            b.host_bytes_mut()
+                .expect("unique")
+                .copy_from_slice(a.host_bytes().expect("host"));
+        }
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    rates.remove(0);
+    Ok(median(&mut rates))
+}
+
+/// One TCP stream over loopback moving `bytes` from a buffer into a buffer.
+fn raw_tcp_gbps(bytes: usize, reps: usize) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut ack = [0u8; 1];
+        loop {
+            let mut left = bytes;
+            while left > 0 {
+                let n = s.read(&mut buf[..left.min(1 << 20)])?;
+                if n == 0 {
+                    return Ok(());
+                }
+                left -= n;
+            }
+            ack[0] = 1;
+            s.write_all(&ack)?;
+        }
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let data = vec![0x5au8; 1 << 20];
+    let mut rates = Vec::new();
+    let mut ack = [0u8; 1];
+    for _ in 0..=reps {
+        let t = Instant::now();
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(data.len());
+            c.write_all(&data[..n])?;
+            left -= n;
+        }
+        c.read_exact(&mut ack)?;
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    drop(c);
+    server
+        .join()
+        .map_err(|_| anyhow!("tcp baseline thread panicked"))??;
+    rates.remove(0);
+    Ok(median(&mut rates))
+}
+
+/// `ascend-bench channel ...`
+pub fn bench_main(args: &[String]) -> Result<bool> {
+    let a = Args::parse("channel", args).map_err(|e| anyhow!(e))?;
+    let kind = parse_kind(
+        &a.get("channel", "shm".to_string())
+            .map_err(|e| anyhow!(e))?,
+    )?;
+    let op = match a
+        .get("op", "write".to_string())
+        .map_err(|e| anyhow!(e))?
+        .as_str()
+    {
+        "write" => OpKind::Write,
+        "read" => OpKind::Read,
+        o => bail!("--op {o:?}: expected write or read"),
+    };
+    let chunk: usize = a.get("chunk-bytes", 2 << 20).map_err(|e| anyhow!(e))?;
+    let chunks: usize = a.get("chunks", 64).map_err(|e| anyhow!(e))?;
+    let reps: usize = a.get("reps", 5).map_err(|e| anyhow!(e))?;
+    let json: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+    if chunks == 0 || reps == 0 {
+        bail!("--chunks and --reps must be at least 1");
+    }
+    let peer_seed = 7u64;
+    let peer = PeerProcess::spawn(&[
+        format!("--channel={}", kind.name()),
+        format!("--pages={chunks}"),
+        format!("--page-bytes={chunk}"),
+        format!("--seed={peer_seed}"),
+    ])?;
+    let (pool, mut objs) = make_pool(kind, chunks, chunk)?;
+    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
+    let ctx = zmq::Context::new();
+    let (peer_id, uuid) = connect(&ctx, &peer.url, channel.as_ref())?;
+    let local_seed = 99u64;
+    if op == OpKind::Write {
+        for o in &mut objs {
+            let s = pattern::page_seed(local_seed, u64::from(o.page()));
+            pattern::fill(o.host_bytes_mut().expect("unique"), s);
+        }
+    }
+    let ops: Vec<TransferOp> = objs
+        .iter()
+        .map(|o| TransferOp {
+            local: o.clone(),
+            remote: ascend_pd::memory::BufferRef {
+                uuid,
+                page: o.page(),
+            },
+            len: chunk,
+        })
+        .collect();
+    let bytes = chunk * chunks;
+    let mut rates = Vec::new();
+    for _ in 0..=reps {
+        let t = Instant::now();
+        channel.submit(peer_id, op, ops.clone())?.wait()?;
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    rates.remove(0);
+    let gbps = median(&mut rates);
+    drop(ops);
+
+    // Verify every byte at the far end: reads against the peer's pattern;
+    // writes by reading the peer's pages back into fresh local pages.
+    let verified = match op {
+        OpKind::Read => objs.iter().all(|o| {
+            let s = pattern::page_seed(peer_seed, u64::from(o.page()));
+            pattern::first_mismatch(o.host_bytes().expect("host"), s).is_none()
+        }),
+        OpKind::Write => {
+            let (back_pool, back) = make_pool(kind, chunks, chunk)?;
+            let ch2 = chan::open(kind, "127.0.0.1", &[Arc::clone(&back_pool)])?;
+            let (p2, uuid2) = connect(&ctx, &peer.url, ch2.as_ref())?;
+            let reads = back
+                .iter()
+                .map(|o| TransferOp {
+                    local: o.clone(),
+                    remote: ascend_pd::memory::BufferRef {
+                        uuid: uuid2,
+                        page: o.page(),
+                    },
+                    len: chunk,
+                })
+                .collect();
+            ch2.read(p2, reads)?;
+            back.iter().all(|o| {
+                let s = pattern::page_seed(local_seed, u64::from(o.page()));
+                pattern::first_mismatch(o.host_bytes().expect("host"), s).is_none()
+            })
+        }
+    };
+    let (baseline_name, baseline) = match kind {
+        ChannelKind::Tcp => ("single-stream TCP", raw_tcp_gbps(bytes, reps)?),
+        _ => ("single-thread memcpy", memcpy_gbps(bytes, chunk, reps)?),
+    };
+    let ratio = gbps / baseline;
+    let op_name = if op == OpKind::Read { "read" } else { "write" };
+    println!(
+        "channel {} {op_name}: {chunks} x {chunk} bytes, {reps} reps (median)",
+        kind.name()
+    );
+    println!("  channel   {gbps:8.2} GB/s");
+    println!("  baseline  {baseline:8.2} GB/s  ({baseline_name}, same run)");
+    println!("  ratio     {ratio:8.3}");
+    println!(
+        "  verified  {}",
+        if verified { "every byte" } else { "MISMATCH" }
+    );
+    if let Some(path) = json {
+        let v = serde_json::json!({
+            "channel": kind.name(),
+            "op": op_name,
+            "chunk_bytes": chunk,
+            "chunks": chunks,
+            "reps": reps,
+            "gbps": gbps,
+            "baseline": baseline_name,
+            "baseline_gbps": baseline,
+            "ratio": ratio,
+            "verified": verified,
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&v)? + "\n")
+            .with_context(|| format!("writing {path}"))?;
+    }
+    Ok(verified)
+}

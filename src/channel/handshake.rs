@@ -1,0 +1,493 @@
+//! The channel handshake over the peer-init ZMQ socket
+//! (`pd_peer_init_port[rank]`).
+//!
+//! The connecting side (a sender) sends a [`Hello`] on a REQ socket; the
+//! listening side (a receiver) answers with its own `Hello` on REP, plus an
+//! `error` when it refuses. Both sides then hold each other's buffer table
+//! and channel endpoint and [`TransferChannel::attach`] the peer. The hello
+//! is versioned msgpack (never pickle); every field of a received hello is
+//! validated, and the two sides must agree on version, channel and transfer
+//! mode. The pull lease is the shorter of the two proposals.
+
+use super::{BufferDesc, ChannelError, Endpoint, PeerId, PeerTable, TransferChannel};
+use crate::config::{ChannelKind, Role, TransferMode};
+use crate::memory::DeviceKind;
+use crate::protocol::codec::{RawError, Reader, Writer};
+use crossbeam_channel::Sender;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Version of the hello format; both sides must send the same.
+pub const HANDSHAKE_VERSION: u64 = 1;
+
+/// Cap on buffers in one table (a worker has two pools; this only bounds garbage).
+const MAX_BUFFERS: usize = 64;
+
+/// One side's half of the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Format version ([`HANDSHAKE_VERSION`]).
+    pub version: u64,
+    /// The node's id (a sender's `sender_id`, `host:port`).
+    pub node: String,
+    /// Sender or receiver.
+    pub role: Role,
+    /// The transfer mode this side runs.
+    pub mode: TransferMode,
+    /// The channel kind.
+    pub channel: ChannelKind,
+    /// Proposed pull lease: the receiver never reads a pull's pages after it;
+    /// the sender never frees them before it.
+    pub lease: Duration,
+    /// The buffer table.
+    pub buffers: Vec<BufferDesc>,
+    /// How to reach the buffers.
+    pub endpoint: Endpoint,
+}
+
+/// What both sides agreed on.
+#[derive(Clone, Debug)]
+pub struct Agreement {
+    /// The local id of the attached peer.
+    pub peer: PeerId,
+    /// The peer's hello.
+    pub remote: Hello,
+    /// The agreed lease (the shorter proposal).
+    pub lease: Duration,
+}
+
+impl Hello {
+    /// Our hello for `channel`.
+    pub fn local(
+        node: &str,
+        role: Role,
+        mode: TransferMode,
+        lease: Duration,
+        channel: &dyn TransferChannel,
+    ) -> Hello {
+        Hello {
+            version: HANDSHAKE_VERSION,
+            node: node.to_string(),
+            role,
+            mode,
+            channel: channel.kind(),
+            lease,
+            buffers: channel.local_table(),
+            endpoint: channel.endpoint(),
+        }
+    }
+
+    /// Checks that `remote` can talk to `self`; returns the agreed lease.
+    pub fn agree(&self, remote: &Hello) -> Result<Duration, ChannelError> {
+        if remote.version != self.version {
+            return Err(ChannelError::Handshake(format!(
+                "peer {} speaks handshake version {}, this side {}; run the same ascend-pd version on both",
+                remote.node, remote.version, self.version
+            )));
+        }
+        if remote.mode != self.mode {
+            return Err(ChannelError::ModeMismatch {
+                local: self.mode.name().into(),
+                remote: remote.mode.name().into(),
+                peer: remote.node.clone(),
+            });
+        }
+        if remote.channel != self.channel {
+            return Err(ChannelError::Handshake(format!(
+                "peer {} uses transfer_channel {}, this side {}; set the same transfer_channel on both",
+                remote.node,
+                remote.channel.name(),
+                self.channel.name()
+            )));
+        }
+        if remote.role == self.role {
+            return Err(ChannelError::Handshake(format!(
+                "peer {} is also a {}; a sender must talk to a receiver",
+                remote.node,
+                remote.role.name()
+            )));
+        }
+        PeerTable::new(&remote.buffers)?;
+        Ok(self.lease.min(remote.lease))
+    }
+
+    /// Encodes as a msgpack map, with `error` when refusing.
+    pub fn encode(&self, error: Option<&str>) -> Vec<u8> {
+        let mut w = Writer::with_capacity(256);
+        // Eight fields and `error` (nil when accepting).
+        w.map_len(9).expect("small map");
+        let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
+        s(&mut w, "v");
+        w.uint(self.version);
+        s(&mut w, "node");
+        s(&mut w, &self.node);
+        s(&mut w, "role");
+        s(&mut w, self.role.name());
+        s(&mut w, "mode");
+        s(&mut w, self.mode.name());
+        s(&mut w, "channel");
+        s(&mut w, self.channel.name());
+        s(&mut w, "lease_ms");
+        w.uint(self.lease.as_millis().min(u128::from(u64::MAX)) as u64);
+        s(&mut w, "buffers");
+        w.array_len(self.buffers.len()).expect("few buffers");
+        for b in &self.buffers {
+            w.array_len(5).expect("5");
+            s(&mut w, &b.uuid.simple().to_string());
+            w.uint(b.base);
+            w.uint(b.len);
+            w.uint(b.page_size);
+            s(&mut w, &b.device.to_string());
+        }
+        s(&mut w, "endpoint");
+        match &self.endpoint {
+            Endpoint::Shm { pid, fds } => {
+                w.map_len(2).expect("2");
+                s(&mut w, "pid");
+                w.uint(u64::from(*pid));
+                s(&mut w, "fds");
+                w.array_len(fds.len()).expect("few fds");
+                for fd in fds {
+                    w.int(i64::from(*fd));
+                }
+            }
+            Endpoint::Tcp { addr } => {
+                w.map_len(1).expect("1");
+                s(&mut w, "tcp");
+                s(&mut w, addr);
+            }
+        }
+        s(&mut w, "error");
+        match error {
+            Some(e) => s(&mut w, e),
+            None => w.nil(),
+        }
+        w.into_bytes()
+    }
+
+    /// Decodes and validates a received hello; also returns the peer's `error`, if any.
+    pub fn decode(bytes: &[u8]) -> Result<(Hello, Option<String>), ChannelError> {
+        decode_hello(bytes).map_err(|e| ChannelError::Handshake(format!("malformed hello: {e}")))
+    }
+}
+
+fn raw(e: RawError, field: &str) -> String {
+    format!("field {field}: {e:?}")
+}
+
+fn parse_device(s: &str) -> Option<DeviceKind> {
+    match s {
+        "cpu" => Some(DeviceKind::Cpu),
+        _ => s.strip_prefix("npu:")?.parse().ok().map(DeviceKind::Npu),
+    }
+}
+
+fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
+    let mut r = Reader::new(bytes);
+    let n = r.map_len().map_err(|e| raw(e, "<top>"))?;
+    let (mut version, mut node, mut role, mut mode, mut channel, mut lease) =
+        (None, None, None, None, None, None);
+    let mut buffers = None;
+    let mut endpoint = None;
+    let mut error = None;
+    for _ in 0..n {
+        let key = r.str().map_err(|e| raw(e, "<key>"))?;
+        match key {
+            "v" => version = Some(r.uint().map_err(|e| raw(e, key))?),
+            "node" => node = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
+            "role" => {
+                let v = r.str().map_err(|e| raw(e, key))?;
+                role = Some(Role::from_str(v).map_err(|_| format!("unknown role {v:?}"))?);
+            }
+            "mode" => {
+                let v = r.str().map_err(|e| raw(e, key))?;
+                mode = Some(match v {
+                    "push" => TransferMode::Push,
+                    "pull-eager" => TransferMode::PullEager,
+                    "pull-delay" => TransferMode::PullDelay,
+                    _ => return Err(format!("unknown mode {v:?}")),
+                });
+            }
+            "channel" => {
+                let v = r.str().map_err(|e| raw(e, key))?;
+                channel =
+                    Some(ChannelKind::from_str(v).map_err(|_| format!("unknown channel {v:?}"))?);
+            }
+            "lease_ms" => lease = Some(Duration::from_millis(r.uint().map_err(|e| raw(e, key))?)),
+            "buffers" => {
+                let count = r.array_len().map_err(|e| raw(e, key))?;
+                if count > MAX_BUFFERS {
+                    return Err(format!("{count} buffers (at most {MAX_BUFFERS})"));
+                }
+                let mut v = Vec::with_capacity(count);
+                for i in 0..count {
+                    let f = format!("buffers[{i}]");
+                    if r.array_len().map_err(|e| raw(e, &f))? != 5 {
+                        return Err(format!("{f}: expected 5 entries"));
+                    }
+                    let u = r.str().map_err(|e| raw(e, &f))?;
+                    let uuid = Uuid::parse_str(u).map_err(|e| format!("{f}: uuid {u:?}: {e}"))?;
+                    let base = r.uint().map_err(|e| raw(e, &f))?;
+                    let len = r.uint().map_err(|e| raw(e, &f))?;
+                    let page_size = r.uint().map_err(|e| raw(e, &f))?;
+                    let d = r.str().map_err(|e| raw(e, &f))?;
+                    let device = parse_device(d).ok_or_else(|| format!("{f}: device {d:?}"))?;
+                    v.push(BufferDesc {
+                        uuid,
+                        base,
+                        len,
+                        page_size,
+                        device,
+                    });
+                }
+                buffers = Some(v);
+            }
+            "endpoint" => endpoint = Some(decode_endpoint(&mut r)?),
+            "error" => {
+                if r.peek_marker() == Some(rmp::Marker::Null) {
+                    r.skip_value().map_err(|e| raw(e, key))?;
+                } else {
+                    error = Some(r.str().map_err(|e| raw(e, key))?.to_string());
+                }
+            }
+            _ => r.skip_value().map_err(|e| raw(e, key))?,
+        }
+    }
+    if r.remaining() != 0 {
+        return Err(format!("{} trailing bytes", r.remaining()));
+    }
+    let missing = |f: &str| format!("missing field {f}");
+    let hello = Hello {
+        version: version.ok_or_else(|| missing("v"))?,
+        node: node.ok_or_else(|| missing("node"))?,
+        role: role.ok_or_else(|| missing("role"))?,
+        mode: mode.ok_or_else(|| missing("mode"))?,
+        channel: channel.ok_or_else(|| missing("channel"))?,
+        lease: lease.ok_or_else(|| missing("lease_ms"))?,
+        buffers: buffers.ok_or_else(|| missing("buffers"))?,
+        endpoint: endpoint.ok_or_else(|| missing("endpoint"))?,
+    };
+    Ok((hello, error))
+}
+
+fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
+    let n = r.map_len().map_err(|e| raw(e, "endpoint"))?;
+    let (mut pid, mut fds, mut tcp) = (None, None, None);
+    for _ in 0..n {
+        let key = r.str().map_err(|e| raw(e, "endpoint"))?;
+        match key {
+            "pid" => {
+                let p = r.uint().map_err(|e| raw(e, key))?;
+                pid = Some(u32::try_from(p).map_err(|_| format!("pid {p} out of range"))?);
+            }
+            "fds" => {
+                let count = r.array_len().map_err(|e| raw(e, key))?;
+                if count > MAX_BUFFERS {
+                    return Err(format!("{count} fds (at most {MAX_BUFFERS})"));
+                }
+                let mut v = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let fd = r.sint().map_err(|e| raw(e, key))?;
+                    v.push(i32::try_from(fd).map_err(|_| format!("fd {fd} out of range"))?);
+                }
+                fds = Some(v);
+            }
+            "tcp" => tcp = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
+            _ => r.skip_value().map_err(|e| raw(e, key))?,
+        }
+    }
+    match (pid, fds, tcp) {
+        (Some(pid), Some(fds), None) => Ok(Endpoint::Shm { pid, fds }),
+        (None, None, Some(addr)) => Ok(Endpoint::Tcp { addr }),
+        _ => Err("endpoint must be either {pid, fds} (shm) or {tcp} (tcp)".into()),
+    }
+}
+
+/// Connects to a listening peer at `url` (`tcp://host:port`), exchanges
+/// hellos and attaches it. Fails within `timeout` if the peer never answers.
+pub fn connect(
+    ctx: &zmq::Context,
+    url: &str,
+    channel: &dyn TransferChannel,
+    local: &Hello,
+    timeout: Duration,
+) -> Result<Agreement, ChannelError> {
+    let zerr = |context: &str| {
+        let context = format!("{context} {url}");
+        move |source| ChannelError::Zmq { context, source }
+    };
+    let sock = ctx
+        .socket(zmq::REQ)
+        .map_err(zerr("creating REQ socket for"))?;
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    sock.set_linger(0).map_err(zerr("configuring"))?;
+    sock.set_rcvtimeo(ms).map_err(zerr("configuring"))?;
+    sock.set_sndtimeo(ms).map_err(zerr("configuring"))?;
+    sock.connect(url).map_err(zerr("connecting to"))?;
+    sock.send(local.encode(None), 0).map_err(|e| match e {
+        zmq::Error::EAGAIN => ChannelError::Timeout {
+            what: format!("handshake send to {url}"),
+            after: timeout,
+        },
+        source => ChannelError::Zmq {
+            context: format!("handshake send to {url}"),
+            source,
+        },
+    })?;
+    let reply = sock.recv_bytes(0).map_err(|e| match e {
+        zmq::Error::EAGAIN => ChannelError::Timeout {
+            what: format!(
+                "handshake with {url} (is the receiver running and listening on that init port?)"
+            ),
+            after: timeout,
+        },
+        source => ChannelError::Zmq {
+            context: format!("handshake reply from {url}"),
+            source,
+        },
+    })?;
+    let (remote, error) = Hello::decode(&reply)?;
+    // A mode mismatch gets the same typed error on both sides.
+    let lease = local.agree(&remote)?;
+    if let Some(e) = error {
+        return Err(ChannelError::Handshake(format!(
+            "peer {} refused: {e}",
+            remote.node
+        )));
+    }
+    let peer = channel.attach(&remote.node, &remote.buffers, &remote.endpoint)?;
+    Ok(Agreement {
+        peer,
+        remote,
+        lease,
+    })
+}
+
+/// What the listening side reports for each incoming handshake.
+#[derive(Debug)]
+pub enum HandshakeEvent {
+    /// A peer was attached.
+    Attached(Agreement),
+    /// A hello was refused (the peer was told why).
+    Refused {
+        /// The peer's node id, if the hello could be read.
+        node: Option<String>,
+        /// Why.
+        error: ChannelError,
+    },
+}
+
+/// The listening side: a thread serving hellos on a REP socket.
+pub struct HandshakeServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    url: String,
+}
+
+impl HandshakeServer {
+    /// Binds `url` (`tcp://host:port`) and serves hellos until dropped.
+    /// Each outcome is sent to `events`.
+    pub fn spawn(
+        ctx: &zmq::Context,
+        url: &str,
+        channel: Arc<dyn TransferChannel>,
+        local: Hello,
+        events: Sender<HandshakeEvent>,
+    ) -> Result<HandshakeServer, ChannelError> {
+        let sock = ctx.socket(zmq::REP).map_err(|source| ChannelError::Zmq {
+            context: format!("creating REP socket for {url}"),
+            source,
+        })?;
+        sock.set_linger(0).ok();
+        sock.bind(url).map_err(|source| ChannelError::Zmq {
+            context: format!("binding the handshake socket {url} (is the init port in use?)"),
+            source,
+        })?;
+        let bound = sock
+            .get_last_endpoint()
+            .ok()
+            .and_then(|e| e.ok())
+            .unwrap_or_else(|| url.to_string());
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("pd-handshake".into())
+            .spawn(move || serve(sock, channel, local, events, stop2))
+            .map_err(|source| ChannelError::Io {
+                context: "spawning the handshake thread".into(),
+                source,
+            })?;
+        Ok(HandshakeServer {
+            stop,
+            thread: Some(thread),
+            url: bound,
+        })
+    }
+
+    /// The bound endpoint (with the real port when bound to port 0).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for HandshakeServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    sock: zmq::Socket,
+    channel: Arc<dyn TransferChannel>,
+    local: Hello,
+    events: Sender<HandshakeEvent>,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::Acquire) {
+        match sock.poll(zmq::POLLIN, 100) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(_) => break,
+        }
+        let Ok(frame) = sock.recv_bytes(0) else {
+            continue;
+        };
+        let (reply, event) = match Hello::decode(&frame) {
+            Err(error) => (
+                local.encode(Some(&error.to_string())),
+                HandshakeEvent::Refused { node: None, error },
+            ),
+            Ok((remote, _)) => {
+                let outcome = local.agree(&remote).and_then(|lease| {
+                    channel
+                        .attach(&remote.node, &remote.buffers, &remote.endpoint)
+                        .map(|peer| Agreement {
+                            peer,
+                            remote: remote.clone(),
+                            lease,
+                        })
+                });
+                match outcome {
+                    Ok(a) => (local.encode(None), HandshakeEvent::Attached(a)),
+                    Err(error) => (
+                        local.encode(Some(&error.to_string())),
+                        HandshakeEvent::Refused {
+                            node: Some(remote.node.clone()),
+                            error,
+                        },
+                    ),
+                }
+            }
+        };
+        // A REQ peer that vanished leaves nothing to reply to; keep serving.
+        let _ = sock.send(reply, 0);
+        let _ = events.send(event);
+    }
+}

@@ -1,0 +1,569 @@
+//! Transfer channels: one-sided, batched reads and writes into a peer's
+//! registered pools.
+//!
+//! Every implementation works the same way: a channel is built over the
+//! local pools; a [handshake](handshake) exchanges buffer tables (and the
+//! channel's own endpoint data) with a peer and yields a [`PeerId`]; then
+//! [`TransferChannel::submit`] moves bytes between local pages and the
+//! peer's pages, addressed by [`BufferRef`] and bounds-checked against the
+//! peer's table before anything is copied.
+//!
+//! - [`shm`]: same host; the peer's memfd pools are mapped and ops are memcpys.
+//! - [`tcp`]: any network; a transfer server per node streams bytes in and
+//!   out of registered host pools.
+
+pub mod handshake;
+pub mod shm;
+pub mod tcp;
+
+use crate::config::ChannelKind;
+use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, RegisteredBuffer};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// What a peer needs to address one registered pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferDesc {
+    /// The pool's UUID.
+    pub uuid: Uuid,
+    /// Base address in the owner's address space (informational for shm/tcp,
+    /// the remote address for hccl).
+    pub base: u64,
+    /// Bytes in the pool.
+    pub len: u64,
+    /// Bytes per page.
+    pub page_size: u64,
+    /// CPU or NPU.
+    pub device: DeviceKind,
+}
+
+impl BufferDesc {
+    /// The descriptor of a local buffer.
+    pub fn of(buffer: &RegisteredBuffer) -> BufferDesc {
+        BufferDesc {
+            uuid: buffer.uuid(),
+            base: buffer.base(),
+            len: buffer.len() as u64,
+            page_size: buffer.page_size() as u64,
+            device: buffer.device(),
+        }
+    }
+
+    /// Pages in the pool.
+    pub fn pages(&self) -> u64 {
+        self.len / self.page_size
+    }
+}
+
+/// A peer's buffer table, validated on arrival: every later reference is
+/// checked against it.
+#[derive(Clone, Debug, Default)]
+pub struct PeerTable {
+    by_uuid: HashMap<Uuid, BufferDesc>,
+}
+
+impl PeerTable {
+    /// Validates a received table: page sizes non-zero, lengths whole pages,
+    /// no duplicate UUIDs, no address overflow.
+    pub fn new(descs: &[BufferDesc]) -> Result<PeerTable, ChannelError> {
+        let mut by_uuid = HashMap::new();
+        for d in descs {
+            let bad = |why: &str| ChannelError::Handshake(format!("peer buffer {}: {why}", d.uuid));
+            if d.page_size == 0 {
+                return Err(bad("page size 0"));
+            }
+            if d.len == 0 || d.len % d.page_size != 0 {
+                return Err(bad("length is not a positive whole number of pages"));
+            }
+            if d.base.checked_add(d.len).is_none() {
+                return Err(bad("base + length overflows"));
+            }
+            if d.pages() > u64::from(u32::MAX) {
+                return Err(bad("more pages than a u32 index can address"));
+            }
+            if by_uuid.insert(d.uuid, *d).is_some() {
+                return Err(bad("UUID listed twice"));
+            }
+        }
+        Ok(PeerTable { by_uuid })
+    }
+
+    /// The descriptor of `uuid`.
+    pub fn get(&self, uuid: &Uuid) -> Option<&BufferDesc> {
+        self.by_uuid.get(uuid)
+    }
+
+    /// All descriptors.
+    pub fn descs(&self) -> impl Iterator<Item = &BufferDesc> {
+        self.by_uuid.values()
+    }
+
+    /// Checks that `len` bytes at `remote` lie inside one page of a known
+    /// buffer; returns the descriptor and the byte offset of the page.
+    pub fn resolve(&self, remote: BufferRef, len: usize) -> Result<(&BufferDesc, u64), String> {
+        let d = self
+            .by_uuid
+            .get(&remote.uuid)
+            .ok_or_else(|| format!("unknown buffer {}", remote.uuid.simple()))?;
+        if u64::from(remote.page) >= d.pages() {
+            return Err(format!(
+                "page {} out of range (buffer {} has {} pages)",
+                remote.page,
+                remote.uuid.simple(),
+                d.pages()
+            ));
+        }
+        if len as u64 > d.page_size {
+            return Err(format!(
+                "{len} bytes exceed the {}-byte page of buffer {}",
+                d.page_size,
+                remote.uuid.simple()
+            ));
+        }
+        Ok((d, u64::from(remote.page) * d.page_size))
+    }
+}
+
+/// One transfer: `len` bytes between the start of a local page and the
+/// start of a remote page. The op owns its local page until it completes.
+#[derive(Clone, Debug)]
+pub struct TransferOp {
+    /// The local page (source of a write, destination of a read).
+    pub local: MemObj,
+    /// The remote page.
+    pub remote: BufferRef,
+    /// Bytes to move (at most one page on both sides).
+    pub len: usize,
+}
+
+impl TransferOp {
+    /// An op moving the local chunk's real bytes (`local.byte_len()`).
+    pub fn chunk(local: MemObj, remote: BufferRef) -> TransferOp {
+        let len = local.byte_len();
+        TransferOp { local, remote, len }
+    }
+}
+
+/// Read (remote → local) or write (local → remote).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Copy from the peer's page into the local page.
+    Read,
+    /// Copy from the local page into the peer's page.
+    Write,
+}
+
+/// A peer attached to a channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u64);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// Why a channel operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// An op addresses memory the peer did not register (nothing was moved).
+    #[error("op {op}: bad remote reference {remote}: {reason}")]
+    BadRef {
+        /// Index of the op in its batch.
+        op: usize,
+        /// The reference.
+        remote: BufferRef,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An op's local side is unusable (nothing was moved).
+    #[error("op {op}: bad local page {local}: {reason}")]
+    BadLocal {
+        /// Index of the op in its batch.
+        op: usize,
+        /// The local page.
+        local: BufferRef,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The peer went away (process exited, connection reset).
+    #[error("{peer} is gone{}: {detail}", op.map(|o| format!(" (during op {o})")).unwrap_or_default())]
+    PeerGone {
+        /// Which peer.
+        peer: String,
+        /// The op that was running, if known.
+        op: Option<usize>,
+        /// What was observed.
+        detail: String,
+    },
+    /// The peer did not answer in time.
+    #[error("{what}: no answer within {after:?}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        after: Duration,
+    },
+    /// The peer reported an error for an op.
+    #[error("op {op}: the peer refused it: {message}")]
+    Remote {
+        /// Index of the op in its batch.
+        op: usize,
+        /// The peer's message.
+        message: String,
+    },
+    /// The handshake failed (bad table, wrong version, mode or channel).
+    #[error("handshake: {0}")]
+    Handshake(String),
+    /// The two sides run different transfer modes.
+    #[error("transfer mode mismatch: this side runs {local}, the peer {peer} runs {remote}; set the same pd_pull_mode / pd_delay_pull on both")]
+    ModeMismatch {
+        /// This side's mode.
+        local: String,
+        /// The peer's mode.
+        remote: String,
+        /// The peer's node id.
+        peer: String,
+    },
+    /// The channel cannot do this (e.g. an NPU pool on shm).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// No such peer is attached.
+    #[error("{0} is not attached (handshake first, or it was replaced by a reconnect)")]
+    UnknownPeer(PeerId),
+    /// An I/O error outside any op.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A side-channel (ZMQ) error.
+    #[error("{context}: {source}")]
+    Zmq {
+        /// What was being done.
+        context: String,
+        /// The ZMQ error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// A transfer worker died without reporting (a bug; logged, never a hang).
+    #[error("transfer worker ended without a result: {0}")]
+    WorkerLost(String),
+}
+
+/// The result of a submitted batch, to wait on or poll.
+#[must_use = "a completion must be waited on to learn whether the transfer succeeded"]
+pub struct Completion {
+    state: CompletionState,
+}
+
+enum CompletionState {
+    Done(Option<Result<(), ChannelError>>),
+    Pending(Receiver<Result<(), ChannelError>>),
+}
+
+/// The worker's half of a [`Completion`].
+pub struct CompletionSender(Sender<Result<(), ChannelError>>);
+
+impl CompletionSender {
+    /// Reports the batch's outcome.
+    pub fn complete(self, result: Result<(), ChannelError>) {
+        // The waiter may have dropped its Completion; nothing to tell then.
+        let _ = self.0.send(result);
+    }
+}
+
+impl Completion {
+    /// A completion that is already finished.
+    pub fn ready(result: Result<(), ChannelError>) -> Completion {
+        Completion {
+            state: CompletionState::Done(Some(result)),
+        }
+    }
+
+    /// A pending completion and the sender that finishes it.
+    pub fn pending() -> (CompletionSender, Completion) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        (
+            CompletionSender(tx),
+            Completion {
+                state: CompletionState::Pending(rx),
+            },
+        )
+    }
+
+    /// Blocks until the batch finished.
+    pub fn wait(mut self) -> Result<(), ChannelError> {
+        match &mut self.state {
+            CompletionState::Done(r) => r.take().unwrap_or(Ok(())),
+            CompletionState::Pending(rx) => rx
+                .recv()
+                .unwrap_or_else(|_| Err(ChannelError::WorkerLost("sender dropped".into()))),
+        }
+    }
+
+    /// Waits up to `timeout`; `None` if still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), ChannelError>> {
+        match &mut self.state {
+            CompletionState::Done(r) => Some(r.take().unwrap_or(Ok(()))),
+            CompletionState::Pending(rx) => match rx.recv_timeout(timeout) {
+                Ok(r) => Some(self.finish(r)),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    Some(self.finish(Err(ChannelError::WorkerLost("sender dropped".into()))))
+                }
+            },
+        }
+    }
+
+    /// Checks without blocking; `None` if still running. Returns the result once.
+    pub fn poll(&mut self) -> Option<Result<(), ChannelError>> {
+        match &mut self.state {
+            CompletionState::Done(r) => r.take().map(Some).unwrap_or(Some(Ok(()))),
+            CompletionState::Pending(rx) => match rx.try_recv() {
+                Ok(r) => Some(self.finish(r)),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => {
+                    Some(self.finish(Err(ChannelError::WorkerLost("sender dropped".into()))))
+                }
+            },
+        }
+    }
+
+    fn finish(&mut self, r: Result<(), ChannelError>) -> Result<(), ChannelError> {
+        self.state = CompletionState::Done(None);
+        r
+    }
+}
+
+/// What the channel puts in our half of the handshake so the peer can reach our pools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// shm: our pid and, per buffer (table order), the memfd number to open via `/proc`.
+    Shm {
+        /// Process id.
+        pid: u32,
+        /// One fd per buffer, in table order.
+        fds: Vec<i32>,
+    },
+    /// tcp: where our transfer server listens.
+    Tcp {
+        /// `host:port`.
+        addr: String,
+    },
+}
+
+/// A one-sided transfer channel over the local pools.
+pub trait TransferChannel: Send + Sync {
+    /// Which implementation.
+    fn kind(&self) -> ChannelKind;
+
+    /// The local buffer table (one entry per registered pool).
+    fn local_table(&self) -> Vec<BufferDesc>;
+
+    /// How a peer reaches our pools (sent in the handshake).
+    fn endpoint(&self) -> Endpoint;
+
+    /// Sets up access to a peer from its table and endpoint. `node` names the
+    /// peer; attaching a node again replaces its old connection.
+    fn attach(
+        &self,
+        node: &str,
+        table: &[BufferDesc],
+        endpoint: &Endpoint,
+    ) -> Result<PeerId, ChannelError>;
+
+    /// Drops a peer's connection (in-flight batches finish or fail on their own).
+    fn detach(&self, peer: PeerId);
+
+    /// Starts a batch; every op is validated before any byte moves.
+    fn submit(
+        &self,
+        peer: PeerId,
+        kind: OpKind,
+        ops: Vec<TransferOp>,
+    ) -> Result<Completion, ChannelError>;
+
+    /// Writes a batch and waits for it.
+    fn write(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<(), ChannelError> {
+        self.submit(peer, OpKind::Write, ops)?.wait()
+    }
+
+    /// Reads a batch and waits for it.
+    fn read(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<(), ChannelError> {
+        self.submit(peer, OpKind::Read, ops)?.wait()
+    }
+
+    /// Starts a read and returns its completion.
+    fn submit_read(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<Completion, ChannelError> {
+        self.submit(peer, OpKind::Read, ops)
+    }
+}
+
+/// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer
+/// server binds (the worker's own address).
+pub fn open(
+    kind: ChannelKind,
+    host: &str,
+    pools: &[Arc<PagePool>],
+) -> Result<Arc<dyn TransferChannel>, ChannelError> {
+    Ok(match kind {
+        ChannelKind::Shm => Arc::new(shm::ShmChannel::new(pools)?),
+        ChannelKind::Tcp => Arc::new(tcp::TcpChannel::bind(
+            host,
+            pools,
+            tcp::TcpOptions::default(),
+        )?),
+        ChannelKind::Hccl => {
+            return Err(ChannelError::Unsupported(
+                "the hccl channel is not built yet; use transfer_channel tcp or shm".into(),
+            ))
+        }
+    })
+}
+
+/// Validates a batch against the peer table: the remote range exists and
+/// the local page is host memory large enough. Returns each op's remote
+/// page offset in its buffer.
+pub(crate) fn check_ops(
+    table: &PeerTable,
+    ops: &[TransferOp],
+    local_host_only: bool,
+) -> Result<Vec<u64>, ChannelError> {
+    ops.iter()
+        .enumerate()
+        .map(|(i, op)| {
+            let (_, off) =
+                table
+                    .resolve(op.remote, op.len)
+                    .map_err(|reason| ChannelError::BadRef {
+                        op: i,
+                        remote: op.remote,
+                        reason,
+                    })?;
+            let page = op.local.pool().buffer().page_size();
+            let bad_local = |reason: String| ChannelError::BadLocal {
+                op: i,
+                local: op.local.buffer_ref(),
+                reason,
+            };
+            if op.len > page {
+                return Err(bad_local(format!(
+                    "{} bytes exceed the local {page}-byte page",
+                    op.len
+                )));
+            }
+            if local_host_only && op.local.device() != DeviceKind::Cpu {
+                return Err(bad_local(format!(
+                    "{} memory; this channel moves host memory only",
+                    op.local.device()
+                )));
+            }
+            Ok(off)
+        })
+        .collect()
+}
+
+/// Registers pools with a channel: every pool's descriptor, and the pools kept alive.
+pub(crate) fn table_of(pools: &[Arc<PagePool>]) -> Vec<BufferDesc> {
+    pools.iter().map(|p| BufferDesc::of(p.buffer())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(pages: u64) -> BufferDesc {
+        BufferDesc {
+            uuid: Uuid::new_v4(),
+            base: 0x1000,
+            len: pages * 4096,
+            page_size: 4096,
+            device: DeviceKind::Cpu,
+        }
+    }
+
+    #[test]
+    fn resolve_checks_uuid_page_and_length() {
+        let d = desc(4);
+        let t = PeerTable::new(&[d]).unwrap();
+        let ok = t
+            .resolve(
+                BufferRef {
+                    uuid: d.uuid,
+                    page: 3,
+                },
+                4096,
+            )
+            .unwrap();
+        assert_eq!(ok.1, 3 * 4096);
+        let e = t
+            .resolve(
+                BufferRef {
+                    uuid: d.uuid,
+                    page: 4,
+                },
+                1,
+            )
+            .unwrap_err();
+        assert!(e.contains("page 4 out of range"), "{e}");
+        let e = t
+            .resolve(
+                BufferRef {
+                    uuid: d.uuid,
+                    page: 0,
+                },
+                4097,
+            )
+            .unwrap_err();
+        assert!(e.contains("4097 bytes exceed"), "{e}");
+        let other = Uuid::new_v4();
+        let e = t
+            .resolve(
+                BufferRef {
+                    uuid: other,
+                    page: 0,
+                },
+                1,
+            )
+            .unwrap_err();
+        assert!(e.contains("unknown buffer"), "{e}");
+    }
+
+    #[test]
+    fn peer_tables_reject_nonsense() {
+        let mut d = desc(2);
+        d.page_size = 0;
+        assert!(PeerTable::new(&[d]).is_err());
+        let mut d = desc(2);
+        d.len = 4097;
+        assert!(PeerTable::new(&[d]).is_err());
+        let mut d = desc(2);
+        d.base = u64::MAX - 10;
+        assert!(PeerTable::new(&[d]).is_err());
+        let d = desc(2);
+        let e = PeerTable::new(&[d, d]).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn completions_report_once_and_survive_lost_workers() {
+        let (tx, mut c) = Completion::pending();
+        assert!(c.poll().is_none());
+        tx.complete(Ok(()));
+        assert!(matches!(c.poll(), Some(Ok(()))));
+        let (tx, c) = Completion::pending();
+        drop(tx);
+        assert!(matches!(c.wait(), Err(ChannelError::WorkerLost(_))));
+        let (_tx, mut c) = Completion::pending();
+        assert!(c.wait_timeout(Duration::from_millis(5)).is_none());
+    }
+}

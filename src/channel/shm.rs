@@ -1,0 +1,365 @@
+//! `shm`: same-host transfers through shared memory.
+//!
+//! Our CPU pools live in memfds; the peer opens them through
+//! `/proc/<pid>/fd/<fd>` and maps them, so a read or write is a memcpy
+//! between the two mappings with no copy in between. Host memory only: an
+//! NPU pool is refused (device memory is not host-mappable on real hardware).
+//! The peer's liveness is watched through a pidfd: a batch that ran while
+//! the peer died reports [`ChannelError::PeerGone`].
+
+use super::{
+    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId, PeerTable,
+    TransferChannel, TransferOp,
+};
+use crate::config::ChannelKind;
+use crate::memory::{DeviceKind, PagePool};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use uuid::Uuid;
+
+/// Batches larger than this are split across threads.
+const PARALLEL_MIN_BYTES: usize = 8 << 20;
+/// Pieces no larger than this are handed to copy threads.
+const SLICE_BYTES: usize = 4 << 20;
+
+/// The shm channel of one worker.
+pub struct ShmChannel {
+    pools: Vec<Arc<PagePool>>,
+    peers: Mutex<HashMap<PeerId, Arc<ShmPeer>>>,
+    next_peer: AtomicU64,
+    threads: usize,
+}
+
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a Mapping is a shared-memory range; it is only accessed through
+// raw copies whose ordering the protocol guarantees (one-sided semantics).
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only exposes the base pointer and length.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: we mapped exactly this range in `attach` and own it.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+struct ShmPeer {
+    node: String,
+    table: PeerTable,
+    maps: HashMap<Uuid, Mapping>,
+    pidfd: Option<OwnedFd>,
+    pid: u32,
+}
+
+impl ShmPeer {
+    /// Whether the peer process still runs.
+    fn alive(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, zero timeout.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                // A pidfd becomes readable when the process exits.
+                !(n > 0 && p.revents & libc::POLLIN != 0)
+            }
+            // SAFETY: signal 0 only checks existence.
+            None => (unsafe { libc::kill(self.pid as libc::pid_t, 0) }) == 0,
+        }
+    }
+}
+
+impl ShmChannel {
+    /// A channel over `pools`, which must be CPU pools in shared memory
+    /// (`DualSpec::shareable_cpu`, set automatically for `transfer_channel: shm`).
+    pub fn new(pools: &[Arc<PagePool>]) -> Result<ShmChannel, ChannelError> {
+        for p in pools {
+            let b = p.buffer();
+            if b.device() != DeviceKind::Cpu {
+                return Err(ChannelError::Unsupported(format!(
+                    "the shm channel moves host memory only, but pool {} is on {}; use pd_buffer_device: cpu, or transfer_channel tcp/hccl",
+                    b.uuid().simple(),
+                    b.device()
+                )));
+            }
+            if b.shared_fd().is_none() {
+                return Err(ChannelError::Unsupported(format!(
+                    "pool {} is not in shared memory; build it shareable (DualSpec.shareable_cpu)",
+                    b.uuid().simple()
+                )));
+            }
+        }
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4);
+        Ok(ShmChannel {
+            pools: pools.to_vec(),
+            peers: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+            threads,
+        })
+    }
+
+    fn peer(&self, id: PeerId) -> Result<Arc<ShmPeer>, ChannelError> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or(ChannelError::UnknownPeer(id))
+    }
+}
+
+fn open_peer_fd(pid: u32, fd: i32) -> Result<OwnedFd, std::io::Error> {
+    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no nul");
+    // SAFETY: valid C string; the result is checked.
+    let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: the pidfd_open syscall takes (pid, flags) and returns an fd or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
+    // SAFETY: a fresh fd we own when non-negative.
+    (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw as i32) })
+}
+
+impl TransferChannel for ShmChannel {
+    fn kind(&self) -> ChannelKind {
+        ChannelKind::Shm
+    }
+
+    fn local_table(&self) -> Vec<BufferDesc> {
+        table_of(&self.pools)
+    }
+
+    fn endpoint(&self) -> Endpoint {
+        Endpoint::Shm {
+            pid: std::process::id(),
+            fds: self
+                .pools
+                .iter()
+                .map(|p| p.buffer().shared_fd().map_or(-1, |f| f.as_raw_fd()))
+                .collect(),
+        }
+    }
+
+    fn attach(
+        &self,
+        node: &str,
+        table: &[BufferDesc],
+        endpoint: &Endpoint,
+    ) -> Result<PeerId, ChannelError> {
+        let Endpoint::Shm { pid, fds } = endpoint else {
+            return Err(ChannelError::Handshake(format!(
+                "peer {node} did not send an shm endpoint"
+            )));
+        };
+        if fds.len() != table.len() {
+            return Err(ChannelError::Handshake(format!(
+                "peer {node} sent {} fds for {} buffers",
+                fds.len(),
+                table.len()
+            )));
+        }
+        let peer_table = PeerTable::new(table)?;
+        let mut maps = HashMap::new();
+        for (desc, &fd) in table.iter().zip(fds) {
+            if desc.device != DeviceKind::Cpu {
+                return Err(ChannelError::Unsupported(format!(
+                    "peer {node} registered an {} pool; shm maps host memory only",
+                    desc.device
+                )));
+            }
+            let io = |context: String| move |source| ChannelError::Io { context, source };
+            let file = open_peer_fd(*pid, fd).map_err(io(format!(
+                "opening peer {node}'s pool via /proc/{pid}/fd/{fd} (shm needs both processes on one host, same user)"
+            )))?;
+            // SAFETY: fstat fills a zeroed stat struct for a valid fd.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: valid fd and out-pointer.
+            if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+                return Err(io("fstat of a peer pool".into())(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            let len = usize::try_from(desc.len).map_err(|_| {
+                ChannelError::Handshake(format!("peer {node}: pool too large for this host"))
+            })?;
+            if (st.st_size as u64) < desc.len {
+                return Err(ChannelError::Handshake(format!(
+                    "peer {node}: pool {} claims {} bytes but its memfd has {}",
+                    desc.uuid.simple(),
+                    desc.len,
+                    st.st_size
+                )));
+            }
+            // SAFETY: mapping `len` bytes of a memfd that has at least that many.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if ptr == libc::MAP_FAILED {
+                return Err(io("mapping a peer pool".into())(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            maps.insert(
+                desc.uuid,
+                Mapping {
+                    ptr: ptr.cast(),
+                    len,
+                },
+            );
+        }
+        let peer = Arc::new(ShmPeer {
+            node: node.to_string(),
+            table: peer_table,
+            maps,
+            pidfd: pidfd_open(*pid),
+            pid: *pid,
+        });
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        // A reconnect from the same node replaces the old mapping.
+        peers.retain(|_, p| p.node != node);
+        peers.insert(id, peer);
+        Ok(id)
+    }
+
+    fn detach(&self, peer: PeerId) {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer);
+    }
+
+    fn submit(
+        &self,
+        peer: PeerId,
+        kind: OpKind,
+        ops: Vec<TransferOp>,
+    ) -> Result<Completion, ChannelError> {
+        let p = self.peer(peer)?;
+        let offsets = check_ops(&p.table, &ops, true)?;
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail: format!("process {} exited", p.pid),
+            });
+        }
+        let total: usize = ops.iter().map(|o| o.len).sum();
+        let threads = if total >= PARALLEL_MIN_BYTES {
+            self.threads
+        } else {
+            1
+        };
+        if threads == 1 {
+            // Small batches copy inline: a thread hop costs more than the copy.
+            return Ok(Completion::ready(run_copies(&p, kind, &ops, &offsets, 1)));
+        }
+        let (tx, completion) = Completion::pending();
+        std::thread::Builder::new()
+            .name("pd-shm-copy".into())
+            .spawn(move || {
+                let r = run_copies(&p, kind, &ops, &offsets, threads);
+                drop(ops);
+                tx.complete(r);
+            })
+            .map_err(|source| ChannelError::Io {
+                context: "spawning an shm copy thread".into(),
+                source,
+            })?;
+        Ok(completion)
+    }
+}
+
+/// A single memcpy of `len` bytes; addresses as integers so pieces can cross threads.
+#[derive(Clone, Copy)]
+struct Piece {
+    src: usize,
+    dst: usize,
+    len: usize,
+}
+
+fn run_copies(
+    p: &ShmPeer,
+    kind: OpKind,
+    ops: &[TransferOp],
+    offsets: &[u64],
+    threads: usize,
+) -> Result<(), ChannelError> {
+    let mut pieces = Vec::with_capacity(ops.len());
+    for (op, &off) in ops.iter().zip(offsets) {
+        let map = &p.maps[&op.remote.uuid];
+        let remote = map.ptr as usize + off as usize;
+        let local = op.local.addr() as usize;
+        let (src, dst) = match kind {
+            OpKind::Read => (remote, local),
+            OpKind::Write => (local, remote),
+        };
+        let mut done = 0;
+        while done < op.len {
+            let len = (op.len - done).min(if threads > 1 { SLICE_BYTES } else { op.len });
+            pieces.push(Piece {
+                src: src + done,
+                dst: dst + done,
+                len,
+            });
+            done += len;
+        }
+    }
+    let copy = |ps: &[Piece]| {
+        for pc in ps {
+            // SAFETY: check_ops proved each remote range lies inside a page
+            // of a mapped peer pool and each local range inside a page of a
+            // live local pool (kept alive by `ops`); local and remote pages
+            // are distinct mappings, so ranges do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(pc.src as *const u8, pc.dst as *mut u8, pc.len);
+            }
+        }
+    };
+    if threads <= 1 || pieces.len() < 2 {
+        copy(&pieces);
+    } else {
+        let per = pieces.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            for chunk in pieces.chunks(per) {
+                s.spawn(move || copy(chunk));
+            }
+        });
+    }
+    if !p.alive() {
+        return Err(ChannelError::PeerGone {
+            peer: p.node.clone(),
+            op: Some(ops.len().saturating_sub(1)),
+            detail: format!("process {} exited during the batch", p.pid),
+        });
+    }
+    Ok(())
+}

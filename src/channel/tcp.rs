@@ -1,0 +1,568 @@
+//! `tcp`: transfers over TCP, across any network.
+//!
+//! Every node runs a transfer server bound to its configured host. A peer
+//! opens several connections to it and pipelines requests on each: a write
+//! request carries its payload, which the server receives straight into the
+//! registered page (no intermediate buffer); a read request is answered with
+//! bytes sent straight out of the page. Large ops are cut into slices so
+//! many slices are in flight at once. The server bounds-checks every request
+//! against its own pools, whatever the client checked.
+//!
+//! Request (40 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
+//! 3 pad bytes, buffer uuid (16), page (u32), offset in page (u32), length
+//! (u64); a write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
+//! bytes, message length (u32), then the message, or a read's payload.
+
+use super::{
+    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId, PeerTable,
+    TransferChannel, TransferOp,
+};
+use crate::config::ChannelKind;
+use crate::memory::{DeviceKind, PagePool};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use uuid::Uuid;
+
+const MAGIC: u32 = u32::from_le_bytes(*b"APDT");
+const OP_WRITE: u8 = 1;
+const OP_READ: u8 = 2;
+const REQ_LEN: usize = 40;
+const REPLY_LEN: usize = 8;
+const MAX_ERROR_LEN: u32 = 4096;
+
+/// Tuning of the tcp channel.
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// Connections per peer.
+    pub connections: usize,
+    /// Largest piece one request moves.
+    pub slice_bytes: usize,
+    /// Requests in flight per connection.
+    pub window: usize,
+    /// A socket that makes no progress for this long fails the batch.
+    pub io_timeout: Duration,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            connections: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                .clamp(2, 4),
+            slice_bytes: 1 << 20,
+            window: 16,
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct LocalPool {
+    ptr: usize,
+    page_size: usize,
+    pages: usize,
+}
+
+/// The tcp channel of one worker: its transfer server and its peers.
+pub struct TcpChannel {
+    // Declared first so it drops first: serving threads touch the pools.
+    server: ServerHandle,
+    pools: Vec<Arc<PagePool>>,
+    opts: TcpOptions,
+    peers: Mutex<HashMap<PeerId, Arc<TcpPeer>>>,
+    next_peer: AtomicU64,
+}
+
+struct TcpPeer {
+    node: String,
+    addr: SocketAddr,
+    table: PeerTable,
+    conns: Vec<Mutex<Option<TcpStream>>>,
+}
+
+struct ServerHandle {
+    stop: Arc<AtomicBool>,
+    addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop, then cut every served connection.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        for c in self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl TcpChannel {
+    /// Binds the transfer server on `host` (port 0 picks a free port) over `pools`.
+    pub fn bind(
+        host: &str,
+        pools: &[Arc<PagePool>],
+        opts: TcpOptions,
+    ) -> Result<TcpChannel, ChannelError> {
+        let mut served = HashMap::new();
+        for p in pools {
+            let b = p.buffer();
+            let Some(ptr) = b.host_ptr() else {
+                return Err(ChannelError::Unsupported(format!(
+                    "the tcp channel serves host pools; pool {} is on {} (NPU staging needs the ascend-sys runtime)",
+                    b.uuid().simple(),
+                    b.device()
+                )));
+            };
+            served.insert(
+                b.uuid(),
+                LocalPool {
+                    ptr: ptr as usize,
+                    page_size: b.page_size(),
+                    pages: b.num_pages(),
+                },
+            );
+        }
+        let listener = TcpListener::bind((host, 0))
+            .or_else(|_| TcpListener::bind(host))
+            .map_err(|source| ChannelError::Io {
+                context: format!("binding the tcp transfer server on {host}"),
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| ChannelError::Io {
+            context: "reading the transfer server address".into(),
+            source,
+        })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let (stop2, conns2) = (Arc::clone(&stop), Arc::clone(&conns));
+        // Served pools stay alive while the server runs: the channel owns them
+        // and its `server` field (dropped first) joins every serving thread.
+        let served = Arc::new(served);
+        let accept = std::thread::Builder::new()
+            .name("pd-tcp-accept".into())
+            .spawn(move || accept_loop(listener, served, stop2, conns2))
+            .map_err(|source| ChannelError::Io {
+                context: "spawning the tcp accept thread".into(),
+                source,
+            })?;
+        Ok(TcpChannel {
+            pools: pools.to_vec(),
+            opts,
+            peers: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+            server: ServerHandle {
+                stop,
+                addr,
+                accept: Some(accept),
+                conns,
+            },
+        })
+    }
+
+    /// Where the transfer server listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.addr
+    }
+
+    fn peer(&self, id: PeerId) -> Result<Arc<TcpPeer>, ChannelError> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or(ChannelError::UnknownPeer(id))
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    pools: Arc<HashMap<Uuid, LocalPool>>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+) {
+    let mut workers: Vec<JoinHandle<()>> = Vec::new();
+    for stream in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(stream) = stream else { continue };
+        let _ = stream.set_nodelay(true);
+        if let Ok(c) = stream.try_clone() {
+            conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        }
+        let pools = Arc::clone(&pools);
+        if let Ok(h) = std::thread::Builder::new()
+            .name("pd-tcp-serve".into())
+            .spawn(move || serve_connection(stream, &pools))
+        {
+            workers.push(h);
+        }
+        workers.retain(|h| !h.is_finished());
+    }
+    // Pools must outlive every serving thread: wait for them before returning.
+    for c in conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = c.shutdown(Shutdown::Both);
+    }
+    for h in workers {
+        let _ = h.join();
+    }
+}
+
+fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
+    let mut h = [0u8; REPLY_LEN];
+    h[0] = status;
+    let m = &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)];
+    h[4..8].copy_from_slice(&(m.len() as u32).to_le_bytes());
+    stream.write_all(&h)?;
+    stream.write_all(m)
+}
+
+/// Serves one connection until EOF or error. A malformed or out-of-range
+/// request gets an error reply and closes the connection (its payload
+/// length cannot be trusted to resynchronise).
+fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
+    let mut req = [0u8; REQ_LEN];
+    loop {
+        if stream.read_exact(&mut req).is_err() {
+            return;
+        }
+        let magic = u32::from_le_bytes(req[0..4].try_into().expect("4"));
+        let op = req[4];
+        let uuid = Uuid::from_bytes(req[8..24].try_into().expect("16"));
+        let page = u32::from_le_bytes(req[24..28].try_into().expect("4")) as usize;
+        let offset = u32::from_le_bytes(req[28..32].try_into().expect("4")) as usize;
+        let len = u64::from_le_bytes(req[32..40].try_into().expect("8"));
+        let target = check_request(pools, magic, op, uuid, page, offset, len);
+        let (addr, len) = match target {
+            Ok(t) => t,
+            Err(msg) => {
+                let _ = reply(&mut stream, 1, &msg);
+                return;
+            }
+        };
+        // SAFETY: check_request proved [addr, addr+len) lies inside one page
+        // of a registered pool that outlives this thread (accept_loop joins
+        // us before the pools can drop). Concurrent access to the page is
+        // the one-sided contract: the protocol never lets two parties use
+        // a page's bytes at once.
+        let page_bytes = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+        let ok = match op {
+            OP_WRITE => stream
+                .read_exact(page_bytes)
+                .and_then(|_| reply(&mut stream, 0, "")),
+            _ => reply(&mut stream, 0, "").and_then(|_| stream.write_all(page_bytes)),
+        };
+        if ok.is_err() {
+            return;
+        }
+    }
+}
+
+fn check_request(
+    pools: &HashMap<Uuid, LocalPool>,
+    magic: u32,
+    op: u8,
+    uuid: Uuid,
+    page: usize,
+    offset: usize,
+    len: u64,
+) -> Result<(usize, usize), String> {
+    if magic != MAGIC {
+        return Err("bad magic: not an ascend-pd tcp transfer request".into());
+    }
+    if op != OP_WRITE && op != OP_READ {
+        return Err(format!("unknown op {op}"));
+    }
+    let p = pools
+        .get(&uuid)
+        .ok_or_else(|| format!("unknown buffer {}", uuid.simple()))?;
+    if page >= p.pages {
+        return Err(format!(
+            "page {page} out of range (buffer {} has {} pages)",
+            uuid.simple(),
+            p.pages
+        ));
+    }
+    let len = usize::try_from(len).map_err(|_| "length too large".to_string())?;
+    if offset.checked_add(len).is_none_or(|end| end > p.page_size) {
+        return Err(format!(
+            "{len} bytes at offset {offset} exceed the {}-byte page",
+            p.page_size
+        ));
+    }
+    Ok((p.ptr + page * p.page_size + offset, len))
+}
+
+/// One request of a batch: `len` bytes at `offset` within the op's pages.
+#[derive(Clone, Copy)]
+struct Slice {
+    op: usize,
+    offset: usize,
+    len: usize,
+}
+
+impl TransferChannel for TcpChannel {
+    fn kind(&self) -> ChannelKind {
+        ChannelKind::Tcp
+    }
+
+    fn local_table(&self) -> Vec<BufferDesc> {
+        table_of(&self.pools)
+    }
+
+    fn endpoint(&self) -> Endpoint {
+        Endpoint::Tcp {
+            addr: self.server.addr.to_string(),
+        }
+    }
+
+    fn attach(
+        &self,
+        node: &str,
+        table: &[BufferDesc],
+        endpoint: &Endpoint,
+    ) -> Result<PeerId, ChannelError> {
+        let Endpoint::Tcp { addr } = endpoint else {
+            return Err(ChannelError::Handshake(format!(
+                "peer {node} did not send a tcp endpoint"
+            )));
+        };
+        let addr = addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                ChannelError::Handshake(format!("peer {node}: bad transfer address {addr:?}"))
+            })?;
+        for d in table {
+            if d.device != DeviceKind::Cpu {
+                return Err(ChannelError::Unsupported(format!(
+                    "peer {node} serves an {} pool; NPU pools over tcp need the ascend-sys runtime",
+                    d.device
+                )));
+            }
+        }
+        let peer = Arc::new(TcpPeer {
+            node: node.to_string(),
+            addr,
+            table: PeerTable::new(table)?,
+            conns: (0..self.opts.connections.max(1))
+                .map(|_| Mutex::new(None))
+                .collect(),
+        });
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.retain(|_, p| p.node != node);
+        peers.insert(id, peer);
+        Ok(id)
+    }
+
+    fn detach(&self, peer: PeerId) {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer);
+    }
+
+    fn submit(
+        &self,
+        peer: PeerId,
+        kind: OpKind,
+        ops: Vec<TransferOp>,
+    ) -> Result<Completion, ChannelError> {
+        let p = self.peer(peer)?;
+        check_ops(&p.table, &ops, true)?;
+        let mut slices = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let mut off = 0;
+            while off < op.len {
+                let len = (op.len - off).min(self.opts.slice_bytes.max(1));
+                slices.push(Slice {
+                    op: i,
+                    offset: off,
+                    len,
+                });
+                off += len;
+            }
+        }
+        let opts = self.opts.clone();
+        let (tx, completion) = Completion::pending();
+        std::thread::Builder::new()
+            .name("pd-tcp-batch".into())
+            .spawn(move || {
+                let r = run_batch(&p, kind, &ops, &slices, &opts);
+                drop(ops);
+                tx.complete(r);
+            })
+            .map_err(|source| ChannelError::Io {
+                context: "spawning a tcp batch thread".into(),
+                source,
+            })?;
+        Ok(completion)
+    }
+}
+
+fn run_batch(
+    p: &TcpPeer,
+    kind: OpKind,
+    ops: &[TransferOp],
+    slices: &[Slice],
+    opts: &TcpOptions,
+) -> Result<(), ChannelError> {
+    if slices.is_empty() {
+        return Ok(());
+    }
+    let conns = p.conns.len().min(slices.len());
+    // Connection c takes slices c, c+conns, ... so every connection gets a share of each op.
+    let results: Vec<Result<(), ChannelError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..conns)
+            .map(|c| {
+                let mine: Vec<Slice> = slices.iter().skip(c).step_by(conns).copied().collect();
+                s.spawn(move || {
+                    let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
+                    let r = run_on_connection(p, &mut guard, kind, ops, &mine, opts);
+                    if r.is_err() {
+                        // The stream's state is unknown after an error: reconnect next time.
+                        *guard = None;
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(ChannelError::WorkerLost(
+                        "tcp connection thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+fn gone(p: &TcpPeer, op: Option<usize>, e: &io::Error, timeout: Duration) -> ChannelError {
+    if matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    ) {
+        ChannelError::Timeout {
+            what: format!(
+                "tcp transfer with {} ({}){}",
+                p.node,
+                p.addr,
+                op.map(|o| format!(", op {o}")).unwrap_or_default()
+            ),
+            after: timeout,
+        }
+    } else {
+        ChannelError::PeerGone {
+            peer: format!("{} ({})", p.node, p.addr),
+            op,
+            detail: e.to_string(),
+        }
+    }
+}
+
+fn run_on_connection(
+    p: &TcpPeer,
+    conn: &mut Option<TcpStream>,
+    kind: OpKind,
+    ops: &[TransferOp],
+    slices: &[Slice],
+    opts: &TcpOptions,
+) -> Result<(), ChannelError> {
+    if conn.is_none() {
+        let s = TcpStream::connect_timeout(&p.addr, opts.io_timeout)
+            .map_err(|e| gone(p, None, &e, opts.io_timeout))?;
+        s.set_nodelay(true).ok();
+        s.set_read_timeout(Some(opts.io_timeout)).ok();
+        s.set_write_timeout(Some(opts.io_timeout)).ok();
+        *conn = Some(s);
+    }
+    let stream = conn.as_mut().expect("connected above");
+    let window = opts.window.max(1);
+    let (mut sent, mut done) = (0usize, 0usize);
+    while done < slices.len() {
+        while sent < slices.len() && sent - done < window {
+            let sl = slices[sent];
+            let op = &ops[sl.op];
+            let mut h = [0u8; REQ_LEN];
+            h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+            h[4] = if kind == OpKind::Write {
+                OP_WRITE
+            } else {
+                OP_READ
+            };
+            h[8..24].copy_from_slice(op.remote.uuid.as_bytes());
+            h[24..28].copy_from_slice(&op.remote.page.to_le_bytes());
+            h[28..32].copy_from_slice(&(sl.offset as u32).to_le_bytes());
+            h[32..40].copy_from_slice(&(sl.len as u64).to_le_bytes());
+            stream
+                .write_all(&h)
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            if kind == OpKind::Write {
+                // SAFETY: check_ops proved sl.offset+sl.len <= op.len <= the
+                // local page size, and `ops` keeps the page alive.
+                let src = unsafe {
+                    std::slice::from_raw_parts(
+                        (op.local.addr() as usize + sl.offset) as *const u8,
+                        sl.len,
+                    )
+                };
+                stream
+                    .write_all(src)
+                    .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            }
+            sent += 1;
+        }
+        let sl = slices[done];
+        let mut r = [0u8; REPLY_LEN];
+        stream
+            .read_exact(&mut r)
+            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        let msg_len = u32::from_le_bytes(r[4..8].try_into().expect("4"));
+        if r[0] != 0 {
+            let mut msg = vec![0u8; msg_len.min(MAX_ERROR_LEN) as usize];
+            let _ = stream.read_exact(&mut msg);
+            return Err(ChannelError::Remote {
+                op: sl.op,
+                message: String::from_utf8_lossy(&msg).into_owned(),
+            });
+        }
+        if kind == OpKind::Read {
+            let op = &ops[sl.op];
+            // SAFETY: as for writes; the local page is a distinct, live
+            // allocation that this batch owns for its duration.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (op.local.addr() as usize + sl.offset) as *mut u8,
+                    sl.len,
+                )
+            };
+            stream
+                .read_exact(dst)
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        }
+        done += 1;
+    }
+    Ok(())
+}

@@ -1,0 +1,494 @@
+//! One conformance suite for every transfer channel, against a real peer
+//! process (`ascend-bench channel-peer`) over loopback: every byte is
+//! verified, bad references move nothing, a dead or silent peer is an
+//! error in bounded time, and a mode mismatch is named on both sides.
+
+use ascend_pd::channel::handshake::{self, Hello};
+use ascend_pd::channel::{self as chan, ChannelError, OpKind, PeerId, TransferChannel, TransferOp};
+use ascend_pd::config::{ChannelKind, Role, TransferMode};
+use ascend_pd::memory::{
+    pattern, BufferRef, ChunkLayout, ChunkMeta, DeviceKind, DeviceMemory, Dtype, MemFormat, MemObj,
+    MemoryError, NpuRuntime, PagePool, RegisteredBuffer,
+};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+const KINDS: [ChannelKind; 2] = [ChannelKind::Shm, ChannelKind::Tcp];
+const PAGE: usize = 64 << 10;
+const PEER_SEED: u64 = 0xfeed;
+
+struct Peer {
+    child: Child,
+    url: String,
+    out: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(kind: ChannelKind, pages: usize, page: usize, mode: &str, node: &str) -> Peer {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+            .args([
+                "channel-peer",
+                &format!("--channel={}", kind.name()),
+                &format!("--pages={pages}"),
+                &format!("--page-bytes={page}"),
+                &format!("--seed={PEER_SEED}"),
+                &format!("--mode={mode}"),
+                &format!("--node={node}"),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let url = line.strip_prefix("READY ").expect(&line).trim().to_string();
+        Peer { child, url, out }
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.out.read_line(&mut l).unwrap();
+        l
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.child.stdin.take() {
+            let _ = s.flush();
+        }
+        self.kill();
+    }
+}
+
+fn layout(bytes: usize) -> ChunkLayout {
+    ChunkLayout {
+        fmt: MemFormat::Kv2Ltd,
+        layers: 1,
+        tokens: 1,
+        hidden: bytes / 4,
+        dtype: Dtype::BFloat16,
+    }
+}
+
+struct Local {
+    pool: Arc<PagePool>,
+    channel: Arc<dyn TransferChannel>,
+    objs: Vec<MemObj>,
+}
+
+fn local(kind: ChannelKind, pages: usize) -> Local {
+    let buf = RegisteredBuffer::host(pages * PAGE, PAGE, kind == ChannelKind::Shm).unwrap();
+    let pool = PagePool::new(buf);
+    let objs = pool
+        .allocate_batch(&vec![ChunkMeta::full(layout(PAGE)); pages])
+        .unwrap();
+    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)]).unwrap();
+    Local {
+        pool,
+        channel,
+        objs,
+    }
+}
+
+fn hello(ch: &dyn TransferChannel, mode: TransferMode) -> Hello {
+    Hello::local("tester", Role::Sender, mode, Duration::from_secs(30), ch)
+}
+
+fn connect(ctx: &zmq::Context, l: &Local, peer: &Peer) -> (PeerId, Uuid) {
+    let a = handshake::connect(
+        ctx,
+        &peer.url,
+        l.channel.as_ref(),
+        &hello(l.channel.as_ref(), TransferMode::Push),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    (a.peer, a.remote.buffers[0].uuid)
+}
+
+fn op(local: &MemObj, uuid: Uuid, page: u32, len: usize) -> TransferOp {
+    TransferOp {
+        local: local.clone(),
+        remote: BufferRef { uuid, page },
+        len,
+    }
+}
+
+fn host(o: &MemObj) -> &[u8] {
+    o.host_bytes().unwrap()
+}
+
+fn peer_page_ok(o: &MemObj, page: u32, len: usize) -> bool {
+    pattern::first_mismatch(
+        &host(o)[..len],
+        pattern::page_seed(PEER_SEED, u64::from(page)),
+    )
+    .is_none()
+}
+
+#[test]
+fn batches_of_1_to_64_ops_move_every_byte_both_ways() {
+    for kind in KINDS {
+        let peer = Peer::spawn(kind, 64, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let mut l = local(kind, 128);
+        let (pid, uuid) = connect(&ctx, &l, &peer);
+
+        // Reads of batches of 1, 7 and 64 ops, every byte checked against the peer's pattern.
+        for n in [1usize, 7, 64] {
+            let ops: Vec<_> = (0..n)
+                .map(|i| op(&l.objs[i], uuid, (63 - i) as u32, PAGE))
+                .collect();
+            l.channel.read(pid, ops).unwrap();
+            for i in 0..n {
+                assert!(
+                    peer_page_ok(&l.objs[i], (63 - i) as u32, PAGE),
+                    "{kind:?} n={n} i={i}"
+                );
+            }
+        }
+
+        // Writes, full pages and a partial last chunk, then read back into other pages.
+        let seed = 0xabc;
+        for (i, o) in l.objs.iter_mut().take(64).enumerate() {
+            pattern::fill(
+                o.host_bytes_mut().unwrap(),
+                pattern::page_seed(seed, i as u64),
+            );
+        }
+        let partial = PAGE / 3 + 5;
+        let writes: Vec<_> = (0..64)
+            .map(|i| {
+                op(
+                    &l.objs[i],
+                    uuid,
+                    i as u32,
+                    if i == 63 { partial } else { PAGE },
+                )
+            })
+            .collect();
+        l.channel.write(pid, writes).unwrap();
+        let (back, rest) = l.objs.split_at(64 + 64);
+        let back = &back[64..];
+        let _ = rest;
+        let reads: Vec<_> = (0..64)
+            .map(|i| op(&back[i], uuid, i as u32, PAGE))
+            .collect();
+        l.channel.read(pid, reads).unwrap();
+        for (i, b) in back.iter().enumerate() {
+            let len = if i == 63 { partial } else { PAGE };
+            assert_eq!(
+                pattern::first_mismatch(&host(b)[..len], pattern::page_seed(seed, i as u64)),
+                None,
+                "{kind:?} page {i}"
+            );
+            if i == 63 {
+                // Only the partial chunk's bytes travelled: the rest of the page is untouched.
+                let full = host(b);
+                let mut expect = vec![0u8; PAGE];
+                pattern::fill(&mut expect, pattern::page_seed(PEER_SEED, 63));
+                assert_eq!(&full[partial..], &expect[partial..], "{kind:?}");
+            }
+        }
+        drop(l.objs);
+        assert_eq!(l.pool.stats().allocated, 0);
+    }
+}
+
+#[test]
+fn submitted_reads_can_be_awaited_out_of_order() {
+    for kind in KINDS {
+        let peer = Peer::spawn(kind, 48, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let l = local(kind, 48);
+        let (pid, uuid) = connect(&ctx, &l, &peer);
+        let mut batches: Vec<_> = (0..3)
+            .map(|b| {
+                let ops = (0..16)
+                    .map(|i| {
+                        let p = b * 16 + i;
+                        op(&l.objs[p], uuid, p as u32, PAGE)
+                    })
+                    .collect();
+                Some(l.channel.submit_read(pid, ops).unwrap())
+            })
+            .collect();
+        for b in [2usize, 0, 1] {
+            let mut c = batches[b].take().unwrap();
+            let r = c.wait_timeout(Duration::from_secs(20)).expect("finished");
+            r.unwrap();
+            for i in 0..16 {
+                let p = b * 16 + i;
+                assert!(
+                    peer_page_ok(&l.objs[p], p as u32, PAGE),
+                    "{kind:?} batch {b}"
+                );
+            }
+            // A finished completion polls as done.
+            assert!(c.poll().is_some());
+        }
+    }
+}
+
+#[test]
+fn bad_references_are_rejected_and_nothing_is_written() {
+    for kind in KINDS {
+        let peer = Peer::spawn(kind, 4, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let mut l = local(kind, 4);
+        let (pid, uuid) = connect(&ctx, &l, &peer);
+        for o in &mut l.objs {
+            o.host_bytes_mut().unwrap().fill(0xEE);
+        }
+        let cases: Vec<(Vec<TransferOp>, &str)> = vec![
+            (
+                vec![
+                    op(&l.objs[0], uuid, 0, PAGE),
+                    op(&l.objs[1], Uuid::new_v4(), 1, PAGE),
+                ],
+                "unknown buffer",
+            ),
+            (
+                vec![op(&l.objs[0], uuid, 0, PAGE), op(&l.objs[1], uuid, 4, PAGE)],
+                "page 4 out of range",
+            ),
+            (
+                vec![
+                    op(&l.objs[0], uuid, 0, PAGE),
+                    op(&l.objs[1], uuid, 1, PAGE + 1),
+                ],
+                "exceed",
+            ),
+        ];
+        for (ops, words) in cases {
+            let e = l.channel.write(pid, ops).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains("op 1") && text.contains(words),
+                "{kind:?}: {text}"
+            );
+            assert!(
+                matches!(e, ChannelError::BadRef { op: 1, .. }),
+                "{kind:?}: {e:?}"
+            );
+        }
+        // Op 0 of every rejected batch was valid, but nothing moved: page 0 and 1 keep the pattern.
+        let (_, back) = l.objs.split_at(2);
+        l.channel
+            .read(
+                pid,
+                vec![op(&back[0], uuid, 0, PAGE), op(&back[1], uuid, 1, PAGE)],
+            )
+            .unwrap();
+        assert!(peer_page_ok(&back[0], 0, PAGE), "{kind:?}");
+        assert!(peer_page_ok(&back[1], 1, PAGE), "{kind:?}");
+        // Unknown peers are refused by name.
+        let e = l.channel.read(PeerId(9999), vec![]).unwrap_err();
+        assert!(e.to_string().contains("peer#9999 is not attached"), "{e}");
+    }
+}
+
+#[test]
+fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
+    for kind in KINDS {
+        let mut peer = Peer::spawn(kind, 64, 1 << 20, "push", "peer");
+        let ctx = zmq::Context::new();
+        let buf = RegisteredBuffer::host(64 << 20, 1 << 20, kind == ChannelKind::Shm).unwrap();
+        let pool = PagePool::new(buf);
+        let objs = pool
+            .allocate_batch(&vec![ChunkMeta::full(layout(1 << 20)); 64])
+            .unwrap();
+        let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)]).unwrap();
+        let a = handshake::connect(
+            &ctx,
+            &peer.url,
+            channel.as_ref(),
+            &hello(channel.as_ref(), TransferMode::Push),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let uuid = a.remote.buffers[0].uuid;
+        let ops = |n: usize| -> Vec<TransferOp> {
+            (0..n)
+                .map(|i| op(&objs[i % 64], uuid, (i % 64) as u32, 1 << 20))
+                .collect()
+        };
+        // Many batches in flight, the peer killed under them.
+        let mut inflight: Vec<_> = (0..8)
+            .map(|_| channel.submit(a.peer, OpKind::Read, ops(64)).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(5));
+        peer.kill();
+        let start = Instant::now();
+        let mut failed = false;
+        for c in &mut inflight {
+            let r = c.wait_timeout(Duration::from_secs(15)).expect("no hang");
+            failed |= r.is_err();
+        }
+        // Whatever finished before the kill, the next batch must fail.
+        let next = channel
+            .submit(a.peer, OpKind::Read, ops(4))
+            .and_then(|c| c.wait());
+        let e = next.expect_err("a batch to a dead peer must fail");
+        assert!(
+            matches!(
+                e,
+                ChannelError::PeerGone { .. } | ChannelError::Timeout { .. }
+            ),
+            "{kind:?}: {e}"
+        );
+        assert!(e.to_string().contains("peer"), "{kind:?}: {e}");
+        assert!(start.elapsed() < Duration::from_secs(30));
+        let _ = failed;
+        drop(inflight);
+        drop(objs);
+        assert_eq!(pool.stats().allocated, 0, "{kind:?}: pages returned");
+    }
+}
+
+#[test]
+fn a_mode_mismatch_is_named_on_both_sides() {
+    for kind in KINDS {
+        let mut peer = Peer::spawn(kind, 2, PAGE, "pull-delay", "decoder-1");
+        let ctx = zmq::Context::new();
+        let l = local(kind, 2);
+        let e = handshake::connect(
+            &ctx,
+            &peer.url,
+            l.channel.as_ref(),
+            &hello(l.channel.as_ref(), TransferMode::PullEager),
+            Duration::from_secs(10),
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ChannelError::ModeMismatch { .. }), "{text}");
+        assert!(
+            text.contains("pull-eager") && text.contains("pull-delay"),
+            "{text}"
+        );
+        assert!(text.contains("decoder-1"), "names the peer: {text}");
+        let line = peer.line();
+        assert!(line.starts_with("REFUSED"), "{line}");
+        assert!(
+            line.contains("pull-eager") && line.contains("pull-delay"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn a_silent_peer_is_a_timeout_not_a_hang() {
+    let l = local(ChannelKind::Tcp, 1);
+    let ctx = zmq::Context::new();
+    // A bound port that never answers a hello.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp://{}", silent.local_addr().unwrap());
+    let start = Instant::now();
+    let e = handshake::connect(
+        &ctx,
+        &url,
+        l.channel.as_ref(),
+        &hello(l.channel.as_ref(), TransferMode::Push),
+        Duration::from_millis(300),
+    )
+    .unwrap_err();
+    assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("no answer within 300ms"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn reconnecting_to_a_restarted_peer_replaces_the_old_connection() {
+    for kind in KINDS {
+        let ctx = zmq::Context::new();
+        let l = local(kind, 2);
+        let mut first = Peer::spawn(kind, 2, PAGE, "push", "decoder-0");
+        let (old, _) = connect(&ctx, &l, &first);
+        first.kill();
+        let second = Peer::spawn(kind, 2, PAGE, "push", "decoder-0");
+        let (new, uuid) = connect(&ctx, &l, &second);
+        assert_ne!(old, new);
+        let e = l
+            .channel
+            .read(old, vec![op(&l.objs[0], uuid, 0, PAGE)])
+            .unwrap_err();
+        assert!(matches!(e, ChannelError::UnknownPeer(p) if p == old), "{e}");
+        l.channel
+            .read(new, vec![op(&l.objs[0], uuid, 1, PAGE)])
+            .unwrap();
+        assert!(peer_page_ok(&l.objs[0], 1, PAGE));
+    }
+}
+
+#[test]
+fn a_malformed_hello_is_refused_and_the_server_keeps_serving() {
+    let peer = Peer::spawn(ChannelKind::Tcp, 1, PAGE, "push", "peer");
+    let ctx = zmq::Context::new();
+    let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_rcvtimeo(5000).unwrap();
+    req.connect(&peer.url).unwrap();
+    req.send(&b"\x93garbage"[..], 0).unwrap();
+    let reply = req.recv_bytes(0).unwrap();
+    let (server_hello, error) = Hello::decode(&reply).unwrap();
+    assert_eq!(server_hello.node, "peer");
+    assert!(error.unwrap().contains("malformed hello"));
+    // The same server still attaches a well-formed peer.
+    let l = local(ChannelKind::Tcp, 1);
+    let (pid, uuid) = connect(&ctx, &l, &peer);
+    l.channel
+        .read(pid, vec![op(&l.objs[0], uuid, 0, PAGE)])
+        .unwrap();
+    assert!(peer_page_ok(&l.objs[0], 0, PAGE));
+}
+
+/// Host memory posing as device memory, only to reach the channels' refusal paths.
+#[derive(Debug)]
+struct FakeDeviceMemory(Vec<u8>);
+
+impl DeviceMemory for FakeDeviceMemory {
+    fn device_ptr(&self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn device_index(&self) -> u32 {
+        0
+    }
+}
+
+struct FakeNpu;
+
+impl NpuRuntime for FakeNpu {
+    fn alloc(&self, _device: u32, len: usize) -> Result<Box<dyn DeviceMemory>, MemoryError> {
+        Ok(Box::new(FakeDeviceMemory(vec![0; len])))
+    }
+    fn describe(&self) -> String {
+        "test double".into()
+    }
+}
+
+#[test]
+fn an_npu_pool_on_shm_is_a_clear_configuration_error() {
+    let buf = RegisteredBuffer::npu(&FakeNpu, 0, PAGE, PAGE).unwrap();
+    assert_eq!(buf.device(), DeviceKind::Npu(0));
+    let pool = PagePool::new(buf);
+    let e = chan::open(ChannelKind::Shm, "127.0.0.1", &[pool])
+        .err()
+        .unwrap();
+    let text = e.to_string();
+    assert!(
+        text.contains("host memory only") && text.contains("pd_buffer_device: cpu"),
+        "{text}"
+    );
+}
