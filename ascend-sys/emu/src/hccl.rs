@@ -602,10 +602,10 @@ pub(crate) fn exchange_mem_desc(
         let st = lock(&c.state);
         for bytes in local {
             let d = c.own_desc(bytes)?;
-            if !st
+            if st
                 .registrations
                 .get(&(d.addr as usize))
-                .is_some_and(|r| r.id == d.reg_id)
+                .is_none_or(|r| r.id != d.reg_id)
             {
                 return Err(Failure::hccl(
                     HCCL_E_PARA,

@@ -33,7 +33,7 @@ pub fn library_path() -> io::Result<PathBuf> {
     for dir in exe.ancestors().skip(1).take(3) {
         for candidate in [dir.join(LIBRARY_FILE), dir.join("deps").join(LIBRARY_FILE)] {
             if let Ok(modified) = candidate.metadata().and_then(|m| m.modified()) {
-                if best.as_ref().map_or(true, |(t, _)| modified > *t) {
+                if best.as_ref().is_none_or(|(t, _)| modified > *t) {
                     best = Some((modified, candidate.clone()));
                 }
             }
