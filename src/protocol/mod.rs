@@ -21,6 +21,14 @@
 //! type and field; it never panics and never trusts a length the input
 //! cannot back.
 //!
+//! The sans-IO protocol core lives beside the messages: the sender's
+//! [`PullPending`], [`CircuitBreaker`] and [`Backpressure`] ([`sender`],
+//! [`breaker`], [`backpressure`]) and the receiver's [`KeyStore`] with its
+//! per-pull [`TransferContext`]s ([`receiver`], [`context`]), plus the
+//! field checks of incoming messages ([`validate`]). They are plain structs
+//! driven by messages and `Instant`s passed in; the I/O shell around them
+//! owns the sockets, threads and clock.
+//!
 //! ```
 //! use ascend_pd::protocol::{Message, PullDoneSignal};
 //!
@@ -35,11 +43,38 @@ pub(crate) mod codec;
 mod error;
 mod messages;
 
+pub mod backpressure;
+pub mod breaker;
+pub mod context;
+pub mod receiver;
+pub mod recent;
+pub mod sender;
+pub mod validate;
+
+#[cfg(test)]
+mod core_tests;
+
 #[cfg(test)]
 mod tests;
 
+pub use backpressure::{Admission, Backpressure};
+pub use breaker::{BreakerCounters, BreakerState, CircuitBreaker};
+pub use context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
 pub use error::{DecodeError, EncodeError};
 pub use messages::{
     AllocRequest, AscendAllocResponse, Message, MessageType, ProxyNotif, PullDoneSignal,
     PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
+};
+pub use receiver::{
+    EagerRead, KeyState, KeyStore, LandedReport, Lookup, Partition, ProxyEntry, ProxyHandle,
+    PullReply, PushReply, ReadItem, ReceiverConfig, ReceiverCounters, Removed, SweepReport,
+    Verdict,
+};
+pub use recent::RecentIds;
+pub use sender::{
+    AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertError, InsertOutcome, PullCounters,
+    PullPending, PullPendingLimits, ReleaseReason, ReleasedPull, ReqFailedOutcome, SenderCounters,
+};
+pub use validate::{
+    check_alloc_request, check_pull_notif, CheckedChunks, CheckedPull, InvalidMessage,
 };
