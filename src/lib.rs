@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod channel;
 pub mod config;
 pub mod memory;

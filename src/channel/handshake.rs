@@ -372,6 +372,13 @@ pub fn connect(
 pub enum HandshakeEvent {
     /// A peer was attached.
     Attached(Agreement),
+    /// A peer reported that its one-sided writes into these pages completed.
+    Landed {
+        /// The writer's node id.
+        node: String,
+        /// The pages written.
+        refs: Vec<crate::memory::BufferRef>,
+    },
     /// A hello was refused (the peer was told why).
     Refused {
         /// The peer's node id, if the hello could be read.
@@ -459,6 +466,21 @@ fn serve(
         let Ok(frame) = sock.recv_bytes(0) else {
             continue;
         };
+        if let Some(notice) = super::landed::decode(&frame) {
+            let (reply, event) = match notice {
+                Ok((node, refs)) => (super::landed::ack(), HandshakeEvent::Landed { node, refs }),
+                Err(e) => (
+                    local.encode(Some(&e)),
+                    HandshakeEvent::Refused {
+                        node: None,
+                        error: ChannelError::Handshake(e),
+                    },
+                ),
+            };
+            let _ = sock.send(reply, 0);
+            let _ = events.send(event);
+            continue;
+        }
         let (reply, event) = match Hello::decode(&frame) {
             Err(error) => (
                 local.encode(Some(&error.to_string())),

@@ -13,6 +13,7 @@
 //!   out of registered host pools.
 
 pub mod handshake;
+pub mod landed;
 pub mod shm;
 pub mod tcp;
 

@@ -63,6 +63,19 @@ pub fn library_path() -> io::Result<PathBuf> {
 /// lives under the system temp dir, named after the library path, and is
 /// reused by later calls and runs.
 pub fn install_dir() -> io::Result<PathBuf> {
+    // Tests call this from many threads at once: build the directory once
+    // per process (later callers get the same answer).
+    static DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let mut cached = DIR.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = cached.as_ref() {
+        return Ok(d.clone());
+    }
+    let dir = make_install_dir()?;
+    *cached = Some(dir.clone());
+    Ok(dir)
+}
+
+fn make_install_dir() -> io::Result<PathBuf> {
     let lib = library_path()?.canonicalize()?;
     let dir = std::env::temp_dir().join(format!(
         "ascend-emu-{}-{:016x}",
@@ -82,7 +95,10 @@ fn link(target: &Path, at: &Path) -> io::Result<()> {
     if std::fs::read_link(at).is_ok_and(|t| t == target) {
         return Ok(());
     }
-    let tmp = at.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per process and call, so concurrent installers never share it.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = at.with_extension(format!("tmp{}-{n}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     std::os::unix::fs::symlink(target, &tmp)?;
     std::fs::rename(&tmp, at)

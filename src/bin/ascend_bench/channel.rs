@@ -96,6 +96,7 @@ pub fn peer_main(args: &[String]) -> Result<()> {
             match ev {
                 HandshakeEvent::Attached(a) => println!("ATTACHED {}", a.remote.node),
                 HandshakeEvent::Refused { error, .. } => println!("REFUSED {error}"),
+                HandshakeEvent::Landed { node, refs } => println!("LANDED {node} {}", refs.len()),
             }
             let _ = std::io::stdout().flush();
         }

@@ -1,0 +1,186 @@
+//! ZMQ plumbing with bounded waits: a REQ client that replaces its socket
+//! after a timeout (a REQ socket that missed a reply is stuck forever), and
+//! a PUSH pool for fire-and-forget signals.
+
+use super::{pd_log, BackendError};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::HashMap;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How a request failed, as far as delivery is concerned.
+#[derive(Debug)]
+pub(crate) enum ReqFailure {
+    /// The request never left (the peer cannot have seen it).
+    NotSent(BackendError),
+    /// It left, but no usable reply came (the peer may have acted on it).
+    NoReply(BackendError),
+}
+
+impl ReqFailure {
+    pub(crate) fn into_error(self) -> BackendError {
+        match self {
+            ReqFailure::NotSent(e) | ReqFailure::NoReply(e) => e,
+        }
+    }
+}
+
+/// A REQ socket to one peer, recreated after any failure.
+pub(crate) struct ReqClient {
+    ctx: zmq::Context,
+    url: String,
+    timeout: Duration,
+    sock: Option<zmq::Socket>,
+}
+
+impl ReqClient {
+    pub(crate) fn new(ctx: &zmq::Context, url: &str, timeout: Duration) -> ReqClient {
+        ReqClient {
+            ctx: ctx.clone(),
+            url: url.to_string(),
+            timeout,
+            sock: None,
+        }
+    }
+
+    fn socket(&mut self) -> Result<&zmq::Socket, BackendError> {
+        if self.sock.is_none() {
+            let s = self
+                .ctx
+                .socket(zmq::REQ)
+                .map_err(BackendError::zmq(format!(
+                    "creating REQ socket for {}",
+                    self.url
+                )))?;
+            let ms = i32::try_from(self.timeout.as_millis()).unwrap_or(i32::MAX);
+            s.set_linger(0).ok();
+            s.set_rcvtimeo(ms).ok();
+            s.set_sndtimeo(ms).ok();
+            s.connect(&self.url)
+                .map_err(BackendError::zmq(format!("connecting to {}", self.url)))?;
+            self.sock = Some(s);
+        }
+        Ok(self.sock.as_ref().expect("created above"))
+    }
+
+    /// Sends `frame` and waits (bounded) for one reply frame.
+    pub(crate) fn request(&mut self, frame: &[u8], what: &str) -> Result<Vec<u8>, ReqFailure> {
+        let timeout = self.timeout;
+        let url = self.url.clone();
+        let sock = self.socket().map_err(ReqFailure::NotSent)?;
+        if let Err(e) = sock.send(frame, 0) {
+            self.sock = None;
+            return Err(ReqFailure::NotSent(match e {
+                zmq::Error::EAGAIN => BackendError::Timeout {
+                    what: format!("{what} to {url}"),
+                    after: timeout,
+                },
+                source => BackendError::Zmq {
+                    context: format!("sending {what} to {url}"),
+                    source,
+                },
+            }));
+        }
+        match sock.recv_bytes(0) {
+            Ok(reply) => Ok(reply),
+            Err(e) => {
+                // The REQ state machine now waits for a reply that may never
+                // come: throw the socket away so the next request works.
+                self.sock = None;
+                Err(ReqFailure::NoReply(match e {
+                    zmq::Error::EAGAIN => BackendError::Timeout {
+                        what: format!("{what} to {url}"),
+                        after: timeout,
+                    },
+                    source => BackendError::Zmq {
+                        context: format!("waiting for the reply to {what} from {url}"),
+                        source,
+                    },
+                }))
+            }
+        }
+    }
+}
+
+/// One signal to push: the peer (`host:port`) and the frame.
+pub(crate) struct Push {
+    pub(crate) url: String,
+    pub(crate) frame: Vec<u8>,
+}
+
+/// A thread owning one PUSH socket per destination (ZMQ sockets are not
+/// thread-safe). A destination that stops reading cannot block the others:
+/// sends never wait, and a full queue drops the signal (counted, logged).
+pub(crate) struct PushPool {
+    tx: Option<Sender<Push>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PushPool {
+    pub(crate) fn spawn(
+        ctx: &zmq::Context,
+        name: &str,
+        on_drop: impl Fn(&str) + Send + 'static,
+    ) -> Result<PushPool, BackendError> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Push>();
+        let ctx = ctx.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || push_loop(ctx, rx, on_drop))
+            .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))?;
+        Ok(PushPool {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `frame` for `url` (`host:port`).
+    pub(crate) fn send(&self, url: &str, frame: Vec<u8>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Push {
+                url: url.to_string(),
+                frame,
+            });
+        }
+    }
+}
+
+impl Drop for PushPool {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
+    let mut socks: HashMap<String, zmq::Socket> = HashMap::new();
+    for p in rx {
+        if !socks.contains_key(&p.url) {
+            let s = match ctx.socket(zmq::PUSH) {
+                Ok(s) => s,
+                Err(e) => {
+                    pd_log!(warn, "cannot create PUSH socket for {}: {e}", p.url);
+                    on_drop(&p.url);
+                    continue;
+                }
+            };
+            // Queued signals get a moment to leave when the pool shuts down;
+            // a destination that is gone must not hold shutdown up for long.
+            s.set_linger(200).ok();
+            s.set_sndhwm(10_000).ok();
+            if let Err(e) = s.connect(&format!("tcp://{}", p.url)) {
+                pd_log!(warn, "cannot connect PUSH socket to {}: {e}", p.url);
+                on_drop(&p.url);
+                continue;
+            }
+            socks.insert(p.url.clone(), s);
+        }
+        let s = &socks[&p.url];
+        if let Err(e) = s.send(p.frame, zmq::DONTWAIT) {
+            pd_log!(warn, "dropping a signal to {}: {e}", p.url);
+            on_drop(&p.url);
+        }
+    }
+}

@@ -1,0 +1,537 @@
+//! The sender and receiver backends over real sockets on loopback: every
+//! mode over shm and tcp, dedup, partial chunks, breaker, TTL release,
+//! dead peers, the Done-before-ack race and malformed frames. Every byte
+//! is verified at the receiver and pool counters return to their start.
+
+mod common;
+
+use ascend_pd::backend::{BackendError, MessageKind, PutOutcome, Receiver, Sender};
+use ascend_pd::channel::handshake::{HandshakeServer, Hello};
+use ascend_pd::channel::{self as chan};
+use ascend_pd::config::{ChannelKind, PortList, Role, TransferMode};
+use ascend_pd::memory::{ChunkMeta, DualAllocator, DualSpec, PoolKind};
+use ascend_pd::protocol::{
+    BreakerState, Message, PullDoneSignal, PullReadyDoneAck, PullReadyNotif,
+};
+use common::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const CHANNELS: [ChannelKind; 2] = [ChannelKind::Shm, ChannelKind::Tcp];
+const MODES: [TransferMode; 3] = [
+    TransferMode::Push,
+    TransferMode::PullEager,
+    TransferMode::PullDelay,
+];
+
+fn msg(stats: &[(MessageKind, u64)], kind: MessageKind) -> u64 {
+    stats
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or(0, |(_, n)| *n)
+}
+
+/// Takes every key's chunk from the receiver (fetching proxies), checks
+/// its bytes, and removes it.
+fn consume_and_verify(
+    r: &Receiver,
+    mode: TransferMode,
+    ks: &[String],
+    last_tokens: &[(usize, usize)],
+) {
+    let got: Vec<(String, ascend_pd::memory::MemObj)> = match mode {
+        TransferMode::PullDelay => r.fetch(ks).unwrap(),
+        _ => ks
+            .iter()
+            .map(|k| {
+                let o = r
+                    .get_wait(k, Duration::from_secs(10))
+                    .unwrap_or_else(|| panic!("{mode:?}: {k} never landed"));
+                (k.clone(), o)
+            })
+            .collect(),
+    };
+    for (i, (k, o)) in got.iter().enumerate() {
+        assert!(holds(o, k), "{mode:?}: bytes of {k} differ");
+        let expect = last_tokens
+            .iter()
+            .find(|(idx, _)| *idx == i)
+            .map_or(CHUNK, |(_, t)| *t);
+        assert_eq!(o.tokens(), expect, "{mode:?}: {k} token count");
+    }
+    drop(got);
+    for k in ks {
+        r.remove(k);
+    }
+}
+
+#[test]
+fn request_streams_with_dedup_and_partial_chunks_arrive_byte_exact() {
+    for ch in CHANNELS {
+        for mode in MODES {
+            let (r, rc, s) = pair(ch, mode, 64);
+            let r_start = r.stats().pools.cpu.unwrap();
+            // Request 1: six chunks, the last one partial.
+            let k1 = keys("req1", 6);
+            let c1 = chunks(&s, &k1, 7);
+            let out = s.put(&k1, &c1, &spec_for(&rc, "req1", true)).unwrap();
+            assert!(
+                matches!(
+                    out,
+                    PutOutcome::Pushed { written: 6, .. } | PutOutcome::Announced { pinned: 6, .. }
+                ),
+                "{ch:?} {mode:?}: {out:?}"
+            );
+            drop(c1);
+            // Request 2 re-sends three of request 1's keys: they are skipped.
+            let mut k2: Vec<String> = k1[..3].to_vec();
+            k2.extend(keys("req2", 3));
+            let c2 = chunks(&s, &k2, CHUNK);
+            let out = s.put(&k2, &c2, &spec_for(&rc, "req2", true)).unwrap();
+            match &out {
+                PutOutcome::Pushed {
+                    written,
+                    already_present,
+                } => {
+                    assert_eq!((*written, *already_present), (3, 3), "{ch:?}")
+                }
+                PutOutcome::Announced {
+                    pinned,
+                    already_present,
+                    ..
+                } => {
+                    assert_eq!((*pinned, *already_present), (3, 3), "{ch:?} {mode:?}")
+                }
+                other => panic!("{ch:?} {mode:?}: {other:?}"),
+            }
+            drop(c2);
+            assert!(r.stats().store.dedup_hits >= 3);
+            consume_and_verify(&r, mode, &k1, &[(5, 7)]);
+            consume_and_verify(&r, mode, &k2[3..], &[]);
+            // Every pin is released by PullDoneSignal, every page is back.
+            assert!(
+                s.drain(Duration::from_secs(10)),
+                "{ch:?} {mode:?}: {:?}",
+                s.stats().pulls
+            );
+            let sp = s.stats().pools.cpu.unwrap();
+            assert_eq!((sp.allocated, sp.pinned), (0, 0), "{ch:?} {mode:?} sender");
+            let rp = r.stats().pools.cpu.unwrap();
+            assert_eq!(rp.allocated, r_start.allocated, "{ch:?} {mode:?} receiver");
+            if mode.is_pull() {
+                assert_eq!(s.stats().pulls.done_released, 2, "{ch:?} {mode:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
+    for mode in [TransferMode::Push, TransferMode::PullEager] {
+        let mut rc = receiver_config(ChannelKind::Tcp, mode, 4);
+        rc.alloc_fail_backoff_ttl = Duration::from_millis(100);
+        let r = Receiver::start(&rc, 0, None).unwrap();
+        let mut sc = sender_config(ChannelKind::Tcp, mode, 64);
+        sc.alloc_fail_backoff_ttl = Duration::from_millis(400);
+        let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+        let peer_key = format!("127.0.0.1:{}", rc.alloc_port(0).unwrap());
+        // Eight chunks into a four-page receiver: it rolls back and says so.
+        let big = keys("big", 8);
+        let c = chunks(&s, &big, CHUNK);
+        let out = s.put(&big, &c, &spec_for(&rc, "big", true)).unwrap();
+        assert_eq!(out, PutOutcome::ReceiverAllocFailed, "{mode:?}");
+        assert!(matches!(
+            s.breaker_state(&peer_key),
+            BreakerState::Open { .. }
+        ));
+        assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0, "rolled back");
+        assert_eq!(
+            s.stats().pools.cpu.unwrap().pinned,
+            0,
+            "{mode:?}: pins released"
+        );
+        assert!(!r.contains(&big[0]));
+        // While open, puts to that receiver are skipped without a message.
+        let sent_before = msg(&s.stats().messages, MessageKind::AllocRequest)
+            + msg(&s.stats().messages, MessageKind::PullReadyNotif);
+        let small = keys("small", 2);
+        let c2 = chunks(&s, &small, CHUNK);
+        let out = s.put(&small, &c2, &spec_for(&rc, "small", true)).unwrap();
+        assert_eq!(out, PutOutcome::SkippedBreakerOpen);
+        let sent_after = msg(&s.stats().messages, MessageKind::AllocRequest)
+            + msg(&s.stats().messages, MessageKind::PullReadyNotif);
+        assert_eq!(sent_before, sent_after, "nothing sent while open");
+        assert_eq!(msg(&s.stats().messages, MessageKind::BreakerSkip), 1);
+        // After the TTL the breaker closes and the same put goes through.
+        std::thread::sleep(Duration::from_millis(450));
+        assert_eq!(s.breaker_state(&peer_key), BreakerState::Closed);
+        let out = s.put(&small, &c2, &spec_for(&rc, "small", true)).unwrap();
+        assert!(
+            matches!(
+                out,
+                PutOutcome::Pushed { written: 2, .. } | PutOutcome::Announced { pinned: 2, .. }
+            ),
+            "{mode:?}: {out:?}"
+        );
+        drop((c, c2));
+        consume_and_verify(&r, mode, &small, &[]);
+        assert!(s.drain(Duration::from_secs(10)));
+        assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+        assert_eq!(s.stats().breaker.opens, 1);
+    }
+}
+
+#[test]
+fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    let r = Receiver::start(&rc, 0, None).unwrap();
+    let mut sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    sc.pull_pending_ttl = Duration::from_millis(600);
+    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let ks = keys("orphan", 5);
+    let c = chunks(&s, &ks, 3);
+    let out = s.put(&ks, &c, &spec_for(&rc, "orphan", true)).unwrap();
+    assert!(matches!(out, PutOutcome::Announced { pinned: 5, .. }));
+    drop(c);
+    assert_eq!(s.stats().pools.cpu.unwrap().pinned, 5);
+    // The receiver goes away without reading or sending Done.
+    r.close();
+    let released = eventually(Duration::from_secs(10), || {
+        s.stats().pools.cpu.unwrap().pinned == 0
+    });
+    assert!(released, "{:?}", s.stats().pulls);
+    assert_eq!(s.stats().pulls.expired, 1);
+    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+}
+
+#[test]
+fn a_sender_that_dies_during_delay_pull_fails_the_fetch_without_a_hang() {
+    let (r, rc, s) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    let ks = keys("gone", 3);
+    let c = chunks(&s, &ks, CHUNK);
+    s.put(&ks, &c, &spec_for(&rc, "gone", true)).unwrap();
+    drop(c);
+    drop(s);
+    let start = Instant::now();
+    let e = r.fetch(&ks).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(60), "bounded");
+    assert_eq!(e.failed.len(), 3, "{e}");
+    assert!(e.to_string().contains("gone-0"), "{e}");
+    // The proxies were discarded and their pages (none held) are not leaked.
+    assert!(!r.contains(&ks[0]));
+    assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0);
+    assert_eq!(r.stats().store.contexts_open, 0);
+}
+
+/// A receiver built by hand: the real channel and handshake server, but a
+/// raw REP socket for allocation whose behaviour the test scripts.
+struct ScriptedReceiver {
+    alloc_url: String,
+    rc: ascend_pd::config::PdConfig,
+    _alloc: DualAllocator,
+    _hs: HandshakeServer,
+}
+
+fn scripted_receiver(mode: TransferMode) -> ScriptedReceiver {
+    let rc = receiver_config(ChannelKind::Tcp, mode, 8);
+    let alloc = DualAllocator::new(&DualSpec::from_config(&rc, 0), None).unwrap();
+    let pools: Vec<_> = alloc.pools().cloned().collect();
+    let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", &pools).unwrap();
+    let hello = Hello::local(
+        "scripted",
+        Role::Receiver,
+        mode,
+        Duration::from_secs(60),
+        ch.as_ref(),
+    );
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::spawn(move || for _ in rx {});
+    let ctx = zmq::Context::new();
+    let hs = HandshakeServer::spawn(
+        &ctx,
+        &format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap()),
+        ch,
+        hello,
+        tx,
+    )
+    .unwrap();
+    ScriptedReceiver {
+        alloc_url: format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()),
+        rc,
+        _alloc: alloc,
+        _hs: hs,
+    }
+}
+
+#[test]
+fn done_before_ack_releases_the_pins_once() {
+    let fake = scripted_receiver(TransferMode::PullEager);
+    let url = fake.alloc_url.clone();
+    let server = std::thread::spawn(move || {
+        let ctx = zmq::Context::new();
+        let rep = ctx.socket(zmq::REP).unwrap();
+        rep.bind(&url).unwrap();
+        rep.set_rcvtimeo(10_000).unwrap();
+        let frame = rep.recv_bytes(0).unwrap();
+        let notif = PullReadyNotif::decode(&frame).unwrap();
+        // Done first, on the PUSH socket, then the ack after a pause.
+        let push = ctx.socket(zmq::PUSH).unwrap();
+        push.connect(&format!("tcp://{}", notif.sender_done_url))
+            .unwrap();
+        push.send(
+            Message::PullDoneSignal(PullDoneSignal {
+                pull_id: notif.pull_id.clone(),
+            })
+            .encode(),
+            0,
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        rep.send(
+            Message::PullReadyDoneAck(PullReadyDoneAck {
+                already_sent_indexes: vec![],
+                alloc_failed: false,
+            })
+            .encode(),
+            0,
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::PullEager, 16);
+    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let ks = keys("race", 3);
+    let c = chunks(&s, &ks, CHUNK);
+    let out = s.put(&ks, &c, &spec_for(&fake.rc, "race", true)).unwrap();
+    drop(c);
+    assert!(matches!(out, PutOutcome::Announced { .. }), "{out:?}");
+    assert!(eventually(Duration::from_secs(5), || s
+        .stats()
+        .pools
+        .cpu
+        .unwrap()
+        .pinned
+        == 0));
+    let p = s.stats().pulls;
+    assert_eq!(p.done_released, 1, "{p:?}");
+    assert_eq!(p.done_before_ack, 1, "{p:?}");
+    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+    server.join().unwrap();
+}
+
+#[test]
+fn a_dead_receiver_does_not_block_puts_to_another() {
+    // Receiver A handshakes but never answers on its allocation socket.
+    let dead = scripted_receiver(TransferMode::Push);
+    let ctx = zmq::Context::new();
+    let silent = ctx.socket(zmq::REP).unwrap();
+    silent.bind(&dead.alloc_url).unwrap();
+    let (live, live_rc) = {
+        let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 16);
+        (Receiver::start(&rc, 0, None).unwrap(), rc)
+    };
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 32);
+    let timeouts = ascend_pd::backend::SenderTimeouts {
+        request: Duration::from_millis(1500),
+        ..Default::default()
+    };
+    let s = Arc::new(Sender::start(&sc, 0, None, timeouts).unwrap());
+    let dead_done = Arc::new(AtomicBool::new(false));
+    let (s2, flag, spec) = (
+        Arc::clone(&s),
+        Arc::clone(&dead_done),
+        spec_for(&dead.rc, "a", true),
+    );
+    let blocked = std::thread::spawn(move || {
+        let ks = keys("to-dead", 2);
+        let c = chunks(&s2, &ks, CHUNK);
+        let r = s2.put(&ks, &c, &spec);
+        flag.store(true, Ordering::SeqCst);
+        r
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let ks = keys("to-live", 2);
+    let c = chunks(&s, &ks, CHUNK);
+    s.put(&ks, &c, &spec_for(&live_rc, "b", true)).unwrap();
+    assert!(
+        !dead_done.load(Ordering::SeqCst),
+        "the put to the live receiver finished while the dead one was still waiting"
+    );
+    let o = live.get_wait(&ks[0], Duration::from_secs(5)).unwrap();
+    assert!(holds(&o, &ks[0]));
+    let e = blocked.join().unwrap().unwrap_err();
+    assert!(matches!(e, BackendError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("socket was reset"), "{e}");
+    assert!(msg(&s.stats().messages, MessageKind::Timeout) >= 1);
+    drop((o, c));
+    // The request socket was replaced: the next put fails the same clean way.
+    let ks = keys("to-dead-again", 1);
+    let c = chunks(&s, &ks, CHUNK);
+    assert!(s.put(&ks, &c, &spec_for(&dead.rc, "c", true)).is_err());
+    drop(c);
+    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+}
+
+/// Deterministic garbage: random bytes, truncations and bit flips of real frames.
+fn garbage(n: usize) -> Vec<Vec<u8>> {
+    let real = [
+        Message::PullDoneSignal(PullDoneSignal {
+            pull_id: "x".repeat(32),
+        })
+        .encode(),
+        Message::PullReadyDoneAck(PullReadyDoneAck {
+            already_sent_indexes: vec![1, 2],
+            alloc_failed: false,
+        })
+        .encode(),
+    ];
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..n)
+        .map(|i| match i % 3 {
+            0 => (0..(next() % 64) as usize).map(|_| next() as u8).collect(),
+            1 => {
+                let f = &real[i % real.len()];
+                f[..(next() as usize % f.len())].to_vec()
+            }
+            _ => {
+                let mut f = real[i % real.len()].clone();
+                let j = next() as usize % f.len();
+                f[j] ^= 1 << (next() % 8);
+                f
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn malformed_frames_on_every_socket_leave_both_sides_serving() {
+    for mode in [TransferMode::Push, TransferMode::PullDelay] {
+        let (r, rc, s) = pair(ChannelKind::Tcp, mode, 32);
+        let ctx = zmq::Context::new();
+        let frames = garbage(60);
+        for (port, is_alloc) in [
+            (rc.alloc_port(0).unwrap(), true),
+            (rc.init_port(0).unwrap(), false),
+        ] {
+            let req = ctx.socket(zmq::REQ).unwrap();
+            req.set_rcvtimeo(5000).unwrap();
+            req.set_linger(0).unwrap();
+            req.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            for f in &frames {
+                req.send(&f[..], 0).unwrap();
+                let reply = req.recv_bytes(0).expect("every frame gets a reply");
+                if is_alloc {
+                    // An error reply the sender side understands as a failure.
+                    match Message::decode(&reply).unwrap() {
+                        Message::AscendAllocResponse(a) => assert!(a.alloc_failed),
+                        Message::PullReadyDoneAck(a) => assert!(a.alloc_failed),
+                        other => panic!("{other:?}"),
+                    }
+                } else {
+                    let (_, err) = Hello::decode(&reply).unwrap();
+                    assert!(err.is_some());
+                }
+            }
+        }
+        if mode.is_pull() {
+            let push = ctx.socket(zmq::PUSH).unwrap();
+            push.set_linger(1000).unwrap();
+            let done_port = match s_done_port(&s) {
+                Some(p) => p,
+                None => panic!("pull sender has a done port"),
+            };
+            push.connect(&format!("tcp://127.0.0.1:{done_port}"))
+                .unwrap();
+            for f in &frames {
+                push.send(&f[..], 0).unwrap();
+            }
+            assert!(eventually(Duration::from_secs(5), || {
+                msg(&s.stats().messages, MessageKind::Malformed)
+                    + msg(&s.stats().messages, MessageKind::PullDoneSignal)
+                    >= 40
+            }));
+        }
+        assert!(msg(&r.stats().messages, MessageKind::Malformed) >= 40);
+        // Both sides still work.
+        let ks = keys("after-fuzz", 3);
+        let c = chunks(&s, &ks, 9);
+        s.put(&ks, &c, &spec_for(&rc, "ok", true)).unwrap();
+        drop(c);
+        consume_and_verify(&r, mode, &ks, &[(2, 9)]);
+        assert!(s.drain(Duration::from_secs(10)));
+        assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+        assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0);
+    }
+}
+
+fn s_done_port(s: &Sender) -> Option<u16> {
+    s.done_port()
+}
+
+#[test]
+fn bad_puts_are_refused_by_name_and_send_nothing() {
+    let (_r, rc, s) = pair(ChannelKind::Tcp, TransferMode::Push, 16);
+    let ks = keys("bad", 2);
+    let c = chunks(&s, &ks, CHUNK);
+    let spec = spec_for(&rc, "bad", false);
+    let e = s.put(&ks[..1], &c, &spec).unwrap_err();
+    assert!(e.to_string().contains("1 keys but 2 chunks"), "{e}");
+    let e = s
+        .put(&[ks[0].clone(), ks[0].clone()], &c, &spec)
+        .unwrap_err();
+    assert!(e.to_string().contains("repeated"), "{e}");
+    // A partial chunk that is not the last.
+    let mut partial = s.allocate(&[3, CHUNK]).unwrap();
+    for (o, k) in partial.iter_mut().zip(&ks) {
+        ascend_pd::memory::pattern::fill(o.host_bytes_mut().unwrap(), seed_of(k));
+    }
+    let e = s.put(&ks, &partial, &spec).unwrap_err();
+    assert!(e.to_string().contains("only the last chunk may be"), "{e}");
+    // A page that is not from this sender's pools.
+    let other = DualAllocator::new(
+        &DualSpec {
+            cpu_bytes: Some(1 << 16),
+            npu: None,
+            page_size: s.chunk_layout().page_bytes(),
+            placement: PoolKind::Cpu,
+            shareable_cpu: false,
+        },
+        None,
+    )
+    .unwrap();
+    let foreign = other
+        .allocate_batch(&[ChunkMeta::full(s.chunk_layout()); 2])
+        .unwrap();
+    let e = s.put(&ks, &foreign, &spec).unwrap_err();
+    assert!(
+        e.to_string().contains("not a page of this sender's pools"),
+        "{e}"
+    );
+    // A rank the spec has no port for.
+    let mut short = spec.clone();
+    short.receiver_alloc_port = PortList::PerRank(vec![]);
+    assert!(s.put(&ks, &c, &short).is_err());
+    assert_eq!(msg(&s.stats().messages, MessageKind::AllocRequest), 0);
+}
+
+#[test]
+fn a_batch_above_the_high_water_mark_is_an_error_not_a_deadlock() {
+    let (_r, rc, s) = pair(ChannelKind::Tcp, TransferMode::PullEager, 10);
+    // 10 pages at 2% reserve: high-water 9 pinned pages. A 10-chunk batch can never fit.
+    let ks = keys("huge", 10);
+    let c = chunks(&s, &ks, CHUNK);
+    let start = Instant::now();
+    let e = s.put(&ks, &c, &spec_for(&rc, "huge", true)).unwrap_err();
+    assert!(matches!(e, BackendError::Backpressure(_)), "{e}");
+    assert!(e.to_string().contains("can never fit"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    drop(c);
+    assert_eq!(s.stats().pools.cpu.unwrap().pinned, 0);
+}

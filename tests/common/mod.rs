@@ -1,0 +1,113 @@
+//! Shared pieces of the backend tests: configs on free loopback ports,
+//! chunks filled with a verifiable pattern.
+
+#![allow(dead_code)]
+
+use ascend_pd::backend::{Receiver, Sender, TransferSpec};
+use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
+use ascend_pd::memory::{pattern, MemObj};
+use std::time::Duration;
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Tokens per chunk in these tests.
+pub const CHUNK: usize = 16;
+
+fn base(role: Role, channel: ChannelKind, mode: TransferMode, pages: u64) -> PdConfig {
+    let mut c = PdConfig::with_defaults(role);
+    c.transfer_channel = channel;
+    c.buffer_device = BufferDevice::Cpu;
+    c.chunk_size = CHUNK;
+    c.kv.num_layers = 2;
+    c.kv.num_kv_heads = 2;
+    c.kv.head_size = 16;
+    c.kv.hidden_size = 32;
+    c.buffer_size = pages * c.page_bytes();
+    c.pull_mode = mode.is_pull();
+    c.delay_pull = mode == TransferMode::PullDelay;
+    c.peer_host = Some("127.0.0.1".into());
+    c
+}
+
+/// A receiver config on fresh ports.
+pub fn receiver_config(channel: ChannelKind, mode: TransferMode, pages: u64) -> PdConfig {
+    let mut c = base(Role::Receiver, channel, mode, pages);
+    c.peer_init_port = Some(PortList::Single(free_port()));
+    c.peer_alloc_port = Some(PortList::Single(free_port()));
+    c
+}
+
+/// A sender config on a fresh done port, with a proxy address nobody listens on.
+pub fn sender_config(channel: ChannelKind, mode: TransferMode, pages: u64) -> PdConfig {
+    let mut c = base(Role::Sender, channel, mode, pages);
+    c.proxy_host = Some("127.0.0.1".into());
+    c.proxy_port = Some(free_port());
+    c.pull_done_port = Some(PortList::Single(free_port()));
+    c
+}
+
+/// The transfer spec pointing at a receiver config.
+pub fn spec_for(r: &PdConfig, req_id: &str, last: bool) -> TransferSpec {
+    TransferSpec {
+        req_id: req_id.into(),
+        receiver_host: "127.0.0.1".into(),
+        receiver_init_port: r.peer_init_port.clone().unwrap(),
+        receiver_alloc_port: r.peer_alloc_port.clone().unwrap(),
+        is_last_prefill: last,
+    }
+}
+
+/// A key's pattern seed.
+pub fn seed_of(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Chunks for `keys` from the sender's pool, the last one `last_tokens` long, filled with each key's pattern.
+pub fn chunks(s: &Sender, keys: &[String], last_tokens: usize) -> Vec<MemObj> {
+    let mut tokens = vec![CHUNK; keys.len()];
+    *tokens.last_mut().unwrap() = last_tokens;
+    let mut objs = s.allocate(&tokens).unwrap();
+    for (o, k) in objs.iter_mut().zip(keys) {
+        pattern::fill(o.host_bytes_mut().unwrap(), seed_of(k));
+    }
+    objs
+}
+
+/// Whether `obj` holds `key`'s pattern, all of its bytes.
+pub fn holds(obj: &MemObj, key: &str) -> bool {
+    pattern::first_mismatch(obj.host_bytes().unwrap(), seed_of(key)).is_none()
+}
+
+/// Keys `prefix-0 .. prefix-(n-1)`.
+pub fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// Polls `f` until true or `timeout`.
+pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Starts a receiver and a sender for `mode` over `channel`.
+pub fn pair(channel: ChannelKind, mode: TransferMode, pages: u64) -> (Receiver, PdConfig, Sender) {
+    let rc = receiver_config(channel, mode, pages);
+    let r = Receiver::start(&rc, 0, None).unwrap();
+    let sc = sender_config(channel, mode, pages);
+    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    (r, rc, s)
+}
