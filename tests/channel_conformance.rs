@@ -2,23 +2,80 @@
 //! process (`ascend-bench channel-peer`) over loopback: every byte is
 //! verified, bad references move nothing, a dead or silent peer is an
 //! error in bounded time, and a mode mismatch is named on both sides.
+//!
+//! `hccl` and NPU pools run on the CANN emulator (`ascend-sys/emu`), in this
+//! process and in the peer (`ASCEND_PD_CANN_LIB_DIR`); NPU pages are checked
+//! by copying them to the host through ascend-sys. Nothing here ran on
+//! Ascend hardware.
 
 use ascend_pd::channel::handshake::{self, Hello};
 use ascend_pd::channel::{self as chan, ChannelError, OpKind, PeerId, TransferChannel, TransferOp};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
+use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
     pattern, BufferRef, ChunkLayout, ChunkMeta, DeviceKind, DeviceMemory, Dtype, MemFormat, MemObj,
     MemoryError, NpuRuntime, PagePool, RegisteredBuffer,
 };
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-const KINDS: [ChannelKind; 2] = [ChannelKind::Shm, ChannelKind::Tcp];
+const KINDS: [ChannelKind; 3] = [ChannelKind::Shm, ChannelKind::Tcp, ChannelKind::Hccl];
+/// The channels that move NPU pages.
+const NPU_KINDS: [ChannelKind; 2] = [ChannelKind::Tcp, ChannelKind::Hccl];
 const PAGE: usize = 64 << 10;
 const PEER_SEED: u64 = 0xfeed;
+
+/// Where a pool lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dev {
+    Cpu,
+    /// NPU 0 of the emulator.
+    Npu,
+}
+
+impl Dev {
+    fn name(self) -> &'static str {
+        match self {
+            Dev::Cpu => "cpu",
+            Dev::Npu => "npu",
+        }
+    }
+}
+
+fn emulator_dir() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| ascend_emu::install_dir().expect("the emulator is a dev-dependency"))
+}
+
+/// This process's CANN runtime: the emulator.
+fn runtime() -> &'static AclRuntime {
+    static RT: OnceLock<AclRuntime> = OnceLock::new();
+    RT.get_or_init(|| AclRuntime::from_dir(emulator_dir()).expect("the emulator loads"))
+}
+
+/// A pool for `kind` on `dev`: memfd for shm, ACL-pinned host for hccl,
+/// emulated NPU memory for `Dev::Npu`.
+fn pool_on(kind: ChannelKind, dev: Dev, bytes: usize, page: usize) -> Arc<PagePool> {
+    let buf = match (dev, kind) {
+        (Dev::Npu, _) => RegisteredBuffer::npu(runtime(), 0, bytes, page).unwrap(),
+        (Dev::Cpu, ChannelKind::Hccl) => {
+            RegisteredBuffer::pinned_host(runtime(), 0, bytes, page).unwrap()
+        }
+        (Dev::Cpu, _) => RegisteredBuffer::host(bytes, page, kind == ChannelKind::Shm).unwrap(),
+    };
+    PagePool::new(buf)
+}
+
+/// The first `len` bytes of a page, wherever it lives.
+fn page_bytes(o: &MemObj, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    npu::read_page(o, 0, &mut v).unwrap();
+    v
+}
 
 struct Peer {
     child: Child,
@@ -28,7 +85,19 @@ struct Peer {
 
 impl Peer {
     fn spawn(kind: ChannelKind, pages: usize, page: usize, mode: &str, node: &str) -> Peer {
+        Peer::spawn_on(kind, Dev::Cpu, pages, page, mode, node)
+    }
+
+    fn spawn_on(
+        kind: ChannelKind,
+        dev: Dev,
+        pages: usize,
+        page: usize,
+        mode: &str,
+        node: &str,
+    ) -> Peer {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+            .env("ASCEND_PD_CANN_LIB_DIR", emulator_dir())
             .args([
                 "channel-peer",
                 &format!("--channel={}", kind.name()),
@@ -37,6 +106,7 @@ impl Peer {
                 &format!("--seed={PEER_SEED}"),
                 &format!("--mode={mode}"),
                 &format!("--node={node}"),
+                &format!("--device={}", dev.name()),
             ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -87,8 +157,11 @@ struct Local {
 }
 
 fn local(kind: ChannelKind, pages: usize) -> Local {
-    let buf = RegisteredBuffer::host(pages * PAGE, PAGE, kind == ChannelKind::Shm).unwrap();
-    let pool = PagePool::new(buf);
+    local_on(kind, Dev::Cpu, pages)
+}
+
+fn local_on(kind: ChannelKind, dev: Dev, pages: usize) -> Local {
+    let pool = pool_on(kind, dev, pages * PAGE, PAGE);
     let objs = pool
         .allocate_batch(&vec![ChunkMeta::full(layout(PAGE)); pages])
         .unwrap();
@@ -130,7 +203,7 @@ fn host(o: &MemObj) -> &[u8] {
 
 fn peer_page_ok(o: &MemObj, page: u32, len: usize) -> bool {
     pattern::first_mismatch(
-        &host(o)[..len],
+        &page_bytes(o, len),
         pattern::page_seed(PEER_SEED, u64::from(page)),
     )
     .is_none()
@@ -300,11 +373,17 @@ fn bad_references_are_rejected_and_nothing_is_written() {
 
 #[test]
 fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
-    for kind in KINDS {
-        let mut peer = Peer::spawn(kind, 64, 1 << 20, "push", "peer");
+    let cases = [
+        (ChannelKind::Shm, Dev::Cpu),
+        (ChannelKind::Tcp, Dev::Cpu),
+        (ChannelKind::Hccl, Dev::Cpu),
+        (ChannelKind::Tcp, Dev::Npu),
+        (ChannelKind::Hccl, Dev::Npu),
+    ];
+    for (kind, dev) in cases {
+        let mut peer = Peer::spawn_on(kind, dev, 64, 1 << 20, "push", "peer");
         let ctx = zmq::Context::new();
-        let buf = RegisteredBuffer::host(64 << 20, 1 << 20, kind == ChannelKind::Shm).unwrap();
-        let pool = PagePool::new(buf);
+        let pool = pool_on(kind, dev, 64 << 20, 1 << 20);
         let objs = pool
             .allocate_batch(&vec![ChunkMeta::full(layout(1 << 20)); 64])
             .unwrap();
@@ -345,14 +424,27 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
                 e,
                 ChannelError::PeerGone { .. } | ChannelError::Timeout { .. }
             ),
-            "{kind:?}: {e}"
+            "{kind:?} {dev:?}: {e}"
         );
-        assert!(e.to_string().contains("peer"), "{kind:?}: {e}");
+        assert!(e.to_string().contains("peer"), "{kind:?} {dev:?}: {e}");
+        if kind == ChannelKind::Hccl {
+            // HCCL copies into a dead peer's mapping succeed in the emulator:
+            // the liveness link is what must catch it.
+            assert!(
+                matches!(e, ChannelError::PeerGone { .. })
+                    && e.to_string().contains("liveness link"),
+                "{dev:?}: {e}"
+            );
+        }
         assert!(start.elapsed() < Duration::from_secs(30));
         let _ = failed;
         drop(inflight);
         drop(objs);
-        assert_eq!(pool.stats().allocated, 0, "{kind:?}: pages returned");
+        assert_eq!(
+            pool.stats().allocated,
+            0,
+            "{kind:?} {dev:?}: pages returned"
+        );
     }
 }
 
@@ -491,4 +583,141 @@ fn an_npu_pool_on_shm_is_a_clear_configuration_error() {
         text.contains("host memory only") && text.contains("pd_buffer_device: cpu"),
         "{text}"
     );
+}
+
+#[test]
+fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
+    const PAGES: usize = 8;
+    let dirs = [
+        (Dev::Cpu, Dev::Cpu),
+        (Dev::Cpu, Dev::Npu),
+        (Dev::Npu, Dev::Cpu),
+        (Dev::Npu, Dev::Npu),
+    ];
+    for kind in NPU_KINDS {
+        for (mine, theirs) in dirs {
+            let what = format!("{kind:?} local {mine:?} -> peer {theirs:?}");
+            let peer = Peer::spawn_on(kind, theirs, PAGES, PAGE, "push", "peer");
+            let ctx = zmq::Context::new();
+            let l = local_on(kind, mine, 2 * PAGES);
+            let start = l.pool.stats();
+            let (pid, uuid) = connect(&ctx, &l, &peer);
+
+            // Read every peer page into local pages in reverse order.
+            let reads: Vec<_> = (0..PAGES)
+                .map(|i| op(&l.objs[i], uuid, (PAGES - 1 - i) as u32, PAGE))
+                .collect();
+            l.channel.read(pid, reads).unwrap();
+            for i in 0..PAGES {
+                assert!(
+                    peer_page_ok(&l.objs[i], (PAGES - 1 - i) as u32, PAGE),
+                    "{what}: read page {i}"
+                );
+            }
+
+            // Write a new pattern (the last chunk partial), read it back elsewhere.
+            let seed = 0x5eed;
+            let mut buf = vec![0u8; PAGE];
+            for (i, o) in l.objs.iter().take(PAGES).enumerate() {
+                pattern::fill(&mut buf, pattern::page_seed(seed, i as u64));
+                npu::write_page(o, 0, &buf).unwrap();
+            }
+            let partial = PAGE / 3 + 5;
+            let len = |i: usize| if i == PAGES - 1 { partial } else { PAGE };
+            let writes: Vec<_> = (0..PAGES)
+                .map(|i| op(&l.objs[i], uuid, i as u32, len(i)))
+                .collect();
+            l.channel.write(pid, writes).unwrap();
+            let back = &l.objs[PAGES..];
+            let reads: Vec<_> = (0..PAGES)
+                .map(|i| op(&back[i], uuid, i as u32, PAGE))
+                .collect();
+            l.channel.read(pid, reads).unwrap();
+            for (i, b) in back.iter().enumerate() {
+                let got = page_bytes(b, PAGE);
+                assert_eq!(
+                    pattern::first_mismatch(&got[..len(i)], pattern::page_seed(seed, i as u64)),
+                    None,
+                    "{what}: page {i}"
+                );
+                if i == PAGES - 1 {
+                    // Only the partial chunk travelled: the rest is still the peer's pattern.
+                    let mut expect = vec![0u8; PAGE];
+                    pattern::fill(&mut expect, pattern::page_seed(PEER_SEED, i as u64));
+                    assert_eq!(&got[partial..], &expect[partial..], "{what}");
+                }
+            }
+
+            // A bad reference after a valid op: refused, and the valid op moved nothing.
+            let e = l
+                .channel
+                .write(
+                    pid,
+                    vec![
+                        op(&l.objs[PAGES], uuid, 0, PAGE),
+                        op(&l.objs[PAGES + 1], uuid, PAGES as u32, PAGE),
+                    ],
+                )
+                .unwrap_err();
+            assert!(
+                matches!(e, ChannelError::BadRef { op: 1, .. })
+                    && e.to_string().contains("out of range"),
+                "{what}: {e}"
+            );
+            l.channel
+                .read(pid, vec![op(&l.objs[0], uuid, 0, PAGE)])
+                .unwrap();
+            assert_eq!(
+                pattern::first_mismatch(&page_bytes(&l.objs[0], PAGE), pattern::page_seed(seed, 0)),
+                None,
+                "{what}: peer page 0 kept the written pattern"
+            );
+
+            drop(l.objs);
+            assert_eq!(l.pool.stats().allocated, 0, "{what}: pages returned");
+            assert_eq!(start.allocated, 2 * PAGES);
+        }
+    }
+}
+
+#[test]
+fn hccl_refuses_pools_the_acl_runtime_did_not_allocate() {
+    let buf = RegisteredBuffer::host(PAGE, PAGE, false).unwrap();
+    let e = chan::open(ChannelKind::Hccl, "127.0.0.1", &[PagePool::new(buf)])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("allocated by the ACL runtime") && e.contains("transfer_channel: tcp"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_peer_without_cann_says_how_to_fix_it() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+        .env("ASCEND_PD_CANN_LIB_DIR", "/nonexistent/cann/lib64")
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("ASCEND_TOOLKIT_HOME")
+        .args(["channel-peer", "--channel=hccl", "--pages=1"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(!child.wait().unwrap().success());
+    for words in [
+        "/nonexistent/cann/lib64",
+        "ASCEND_PD_CANN_LIB_DIR",
+        "pd_buffer_device: cpu",
+    ] {
+        assert!(err.contains(words), "{words}: {err}");
+    }
 }

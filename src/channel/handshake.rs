@@ -160,6 +160,22 @@ impl Hello {
                 s(&mut w, "tcp");
                 s(&mut w, addr);
             }
+            Endpoint::Hccl {
+                root_info,
+                session,
+                device,
+                watch,
+            } => {
+                w.map_len(4).expect("4");
+                s(&mut w, "hccl_root");
+                s(&mut w, &hex(root_info));
+                s(&mut w, "hccl_session");
+                w.uint(*session);
+                s(&mut w, "hccl_device");
+                w.uint(u64::from(*device));
+                s(&mut w, "hccl_watch");
+                s(&mut w, watch);
+            }
         }
         s(&mut w, "error");
         match error {
@@ -274,9 +290,34 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
     Ok((hello, error))
 }
 
+/// Lowercase hex (the codec has no bin type; root infos travel as str).
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Decodes a received root info: empty, or exactly `ROOT_INFO_LEN` bytes.
+fn unhex_root(s: &str) -> Result<Vec<u8>, String> {
+    if !s.is_empty() && s.len() != 2 * ascend_sys::ROOT_INFO_LEN {
+        return Err(format!(
+            "hccl_root is {} hex digits; expected 0 or {}",
+            s.len(),
+            2 * ascend_sys::ROOT_INFO_LEN
+        ));
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| {
+            s.get(i..i + 2)
+                .and_then(|d| u8::from_str_radix(d, 16).ok())
+                .ok_or_else(|| format!("hccl_root: bad hex at {i}"))
+        })
+        .collect()
+}
+
 fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
     let n = r.map_len().map_err(|e| raw(e, "endpoint"))?;
     let (mut pid, mut fds, mut tcp) = (None, None, None);
+    let (mut root, mut session, mut device, mut watch) = (None, None, None, None);
     for _ in 0..n {
         let key = r.str().map_err(|e| raw(e, "endpoint"))?;
         match key {
@@ -297,13 +338,35 @@ fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
                 fds = Some(v);
             }
             "tcp" => tcp = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
+            "hccl_root" => root = Some(unhex_root(r.str().map_err(|e| raw(e, key))?)?),
+            "hccl_session" => session = Some(r.uint().map_err(|e| raw(e, key))?),
+            "hccl_device" => {
+                let d = r.uint().map_err(|e| raw(e, key))?;
+                device = Some(u32::try_from(d).map_err(|_| format!("device {d} out of range"))?);
+            }
+            "hccl_watch" => watch = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
             _ => r.skip_value().map_err(|e| raw(e, key))?,
         }
     }
-    match (pid, fds, tcp) {
-        (Some(pid), Some(fds), None) => Ok(Endpoint::Shm { pid, fds }),
-        (None, None, Some(addr)) => Ok(Endpoint::Tcp { addr }),
-        _ => Err("endpoint must be either {pid, fds} (shm) or {tcp} (tcp)".into()),
+    let hccl = match (root, session, device, watch) {
+        (None, None, None, None) => None,
+        (Some(root_info), Some(session), Some(device), Some(watch)) => Some(Endpoint::Hccl {
+            root_info,
+            session,
+            device,
+            watch,
+        }),
+        _ => {
+            return Err(
+                "hccl endpoint needs hccl_root, hccl_session, hccl_device and hccl_watch".into(),
+            )
+        }
+    };
+    match (pid, fds, tcp, hccl) {
+        (Some(pid), Some(fds), None, None) => Ok(Endpoint::Shm { pid, fds }),
+        (None, None, Some(addr), None) => Ok(Endpoint::Tcp { addr }),
+        (None, None, None, Some(h)) => Ok(h),
+        _ => Err("endpoint must be one of {pid, fds} (shm), {tcp} (tcp) or {hccl_*} (hccl)".into()),
     }
 }
 
@@ -328,6 +391,12 @@ pub fn connect(
     sock.set_rcvtimeo(ms).map_err(zerr("configuring"))?;
     sock.set_sndtimeo(ms).map_err(zerr("configuring"))?;
     sock.connect(url).map_err(zerr("connecting to"))?;
+    // Channels that need a fresh endpoint per connection (hccl's root info) offer one.
+    let offered = channel.offer()?.map(|endpoint| Hello {
+        endpoint,
+        ..local.clone()
+    });
+    let local = offered.as_ref().unwrap_or(local);
     sock.send(local.encode(None), 0).map_err(|e| match e {
         zmq::Error::EAGAIN => ChannelError::Timeout {
             what: format!("handshake send to {url}"),
@@ -360,6 +429,11 @@ pub fn connect(
         )));
     }
     let peer = channel.attach(&remote.node, &remote.buffers, &remote.endpoint)?;
+    // hccl finishes its setup in the background; report a failure here.
+    if let Err(e) = channel.wait_ready(peer) {
+        channel.detach(peer);
+        return Err(e);
+    }
     Ok(Agreement {
         peer,
         remote,
@@ -497,7 +571,17 @@ fn serve(
                         })
                 });
                 match outcome {
-                    Ok(a) => (local.encode(None), HandshakeEvent::Attached(a)),
+                    Ok(a) => {
+                        let reply = match channel.answer(&remote.endpoint) {
+                            Some(endpoint) => Hello {
+                                endpoint,
+                                ..local.clone()
+                            }
+                            .encode(None),
+                            None => local.encode(None),
+                        };
+                        (reply, HandshakeEvent::Attached(a))
+                    }
                     Err(error) => (
                         local.encode(Some(&error.to_string())),
                         HandshakeEvent::Refused {
@@ -511,5 +595,70 @@ fn serve(
         // A REQ peer that vanished leaves nothing to reply to; keep serving.
         let _ = sock.send(reply, 0);
         let _ = events.send(event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(endpoint: Endpoint) -> Hello {
+        Hello {
+            version: HANDSHAKE_VERSION,
+            node: "n".into(),
+            role: Role::Sender,
+            mode: TransferMode::Push,
+            channel: ChannelKind::Tcp,
+            lease: Duration::from_millis(1500),
+            buffers: vec![],
+            endpoint,
+        }
+    }
+
+    #[test]
+    fn tcp_and_shm_endpoints_encode_as_before() {
+        // Bytes of the endpoint map as version 1 has always written them.
+        let tcp = hello(Endpoint::Tcp {
+            addr: "1.2.3.4:5".into(),
+        })
+        .encode(None);
+        let want_tcp = b"\xa8endpoint\x81\xa3tcp\xa91.2.3.4:5\xa5error\xc0";
+        assert!(tcp.ends_with(want_tcp), "{tcp:x?}");
+        let shm = hello(Endpoint::Shm {
+            pid: 7,
+            fds: vec![3, 4],
+        })
+        .encode(None);
+        let want_shm = b"\xa8endpoint\x82\xa3pid\x07\xa3fds\x92\x03\x04\xa5error\xc0";
+        assert!(shm.ends_with(want_shm), "{shm:x?}");
+        for bytes in [tcp, shm] {
+            Hello::decode(&bytes).unwrap();
+        }
+    }
+
+    #[test]
+    fn hccl_endpoints_round_trip_and_bad_root_lengths_are_refused() {
+        for root_info in [
+            vec![],
+            (0..ascend_sys::ROOT_INFO_LEN).map(|i| i as u8).collect(),
+        ] {
+            let ep = Endpoint::Hccl {
+                root_info,
+                session: 0xdead_beef_0123,
+                device: 3,
+                watch: "127.0.0.1:9".into(),
+            };
+            let (back, err) = Hello::decode(&hello(ep.clone()).encode(None)).unwrap();
+            assert_eq!((back.endpoint, err), (ep, None));
+        }
+        let bad = hello(Endpoint::Hccl {
+            root_info: vec![1, 2, 3],
+            session: 1,
+            device: 0,
+            watch: "x:1".into(),
+        })
+        .encode(None);
+        let e = Hello::decode(&bad).unwrap_err().to_string();
+        assert!(e.contains("hccl_root is 6 hex digits"), "{e}");
     }
 }

@@ -10,11 +10,15 @@
 //!
 //! - [`shm`]: same host; the peer's memfd pools are mapped and ops are memcpys.
 //! - [`tcp`]: any network; a transfer server per node streams bytes in and
-//!   out of registered host pools.
+//!   out of registered pools (NPU pools staged through pinned host memory).
+//! - [`hccl`]: HCCL one-sided put/get through ascend-sys, one two-rank
+//!   communicator per peer pair (tested against the CANN emulator only).
 
 pub mod handshake;
+pub mod hccl;
 pub mod landed;
 pub mod shm;
+mod staging;
 pub mod tcp;
 
 use crate::config::ChannelKind;
@@ -258,6 +262,15 @@ pub enum ChannelError {
     /// A transfer worker died without reporting (a bug; logged, never a hang).
     #[error("transfer worker ended without a result: {0}")]
     WorkerLost(String),
+    /// The NPU runtime (ACL / HCCL) failed.
+    #[error("{context}: {source}")]
+    Npu {
+        /// What was being done.
+        context: String,
+        /// The runtime's error.
+        #[source]
+        source: ascend_sys::Error,
+    },
 }
 
 /// The result of a submitted batch, to wait on or poll.
@@ -360,6 +373,21 @@ pub enum Endpoint {
         /// `host:port`.
         addr: String,
     },
+    /// hccl: the communicator rendezvous. The connecting side offers a
+    /// fresh root info per connection (it becomes rank 0); the listening
+    /// side answers with an empty `root_info` and the same `session`.
+    Hccl {
+        /// The HCCL root info (exactly `ascend_sys::ROOT_INFO_LEN` bytes) in
+        /// an offer; empty in an answer or a plain advertisement.
+        root_info: Vec<u8>,
+        /// Names the offer (random), so the answer can be matched to it.
+        session: u64,
+        /// The NPU this side's communicator runs on (informational).
+        device: u32,
+        /// `host:port` of this side's liveness link listener: a TCP
+        /// connection per peer whose closing tells that the peer is gone.
+        watch: String,
+    },
 }
 
 /// A one-sided transfer channel over the local pools.
@@ -372,6 +400,27 @@ pub trait TransferChannel: Send + Sync {
 
     /// How a peer reaches our pools (sent in the handshake).
     fn endpoint(&self) -> Endpoint;
+
+    /// The endpoint to send when connecting, when it must be fresh for each
+    /// connection (hccl: a new root info). `None`: send [`TransferChannel::endpoint`].
+    fn offer(&self) -> Result<Option<Endpoint>, ChannelError> {
+        Ok(None)
+    }
+
+    /// The endpoint to answer a connecting peer's `offered` one with, when it
+    /// depends on the offer (hccl echoes the session). `None`: the hello's own.
+    fn answer(&self, offered: &Endpoint) -> Option<Endpoint> {
+        let _ = offered;
+        None
+    }
+
+    /// Waits (bounded by the channel's own setup timeout) until `peer` can
+    /// move data, and reports a failed setup. Channels whose attach is
+    /// complete on return have nothing to wait for.
+    fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
+        let _ = peer;
+        Ok(())
+    }
 
     /// Sets up access to a peer from its table and endpoint. `node` names the
     /// peer; attaching a node again replaces its old connection.
@@ -410,7 +459,9 @@ pub trait TransferChannel: Send + Sync {
 }
 
 /// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer
-/// server binds (the worker's own address).
+/// server (or the hccl liveness listener) binds (the worker's own address).
+/// `hccl` and NPU pools on `tcp` need pools allocated by the ACL runtime
+/// (`memory::npu`); the device comes from the pools.
 pub fn open(
     kind: ChannelKind,
     host: &str,
@@ -423,11 +474,11 @@ pub fn open(
             pools,
             tcp::TcpOptions::default(),
         )?),
-        ChannelKind::Hccl => {
-            return Err(ChannelError::Unsupported(
-                "the hccl channel is not built yet; use transfer_channel tcp or shm".into(),
-            ))
-        }
+        ChannelKind::Hccl => Arc::new(hccl::HcclChannel::new(
+            host,
+            pools,
+            hccl::HcclOptions::default(),
+        )?),
     })
 }
 

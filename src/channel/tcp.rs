@@ -8,17 +8,28 @@
 //! many slices are in flight at once. The server bounds-checks every request
 //! against its own pools, whatever the client checked.
 //!
+//! NPU pages (pools allocated by the ACL runtime, `memory::npu`) on either
+//! side are staged through pinned host memory, per connection, double
+//! buffered so device copies overlap the socket (see `staging`): the
+//! server receives a write into staging and copies it to the device, and
+//! stages a read with device-to-host copies while it sends; the client
+//! does the mirror image for its own NPU pages. A write's reply is sent
+//! only once its bytes are in device memory.
+//!
 //! Request (40 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
 //! 3 pad bytes, buffer uuid (16), page (u32), offset in page (u32), length
 //! (u64); a write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
 //! bytes, message length (u32), then the message, or a read's payload.
 
+use super::staging::{StageError, Stager};
 use super::{
     check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId, PeerTable,
     TransferChannel, TransferOp,
 };
 use crate::config::ChannelKind;
+use crate::memory::npu::device_buffer;
 use crate::memory::{DeviceKind, PagePool};
+use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -62,11 +73,16 @@ impl Default for TcpOptions {
     }
 }
 
-#[derive(Clone, Copy)]
+/// Bound on each device-copy wait of the server's staging.
+const SERVER_STAGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A served pool: host memory at `ptr`, or an NPU buffer.
+#[derive(Clone)]
 struct LocalPool {
     ptr: usize,
     page_size: usize,
     pages: usize,
+    device: Option<Arc<DeviceBuffer>>,
 }
 
 /// The tcp channel of one worker: its transfer server and its peers.
@@ -83,7 +99,28 @@ struct TcpPeer {
     node: String,
     addr: SocketAddr,
     table: PeerTable,
-    conns: Vec<Mutex<Option<TcpStream>>>,
+    conns: Vec<Mutex<Option<Conn>>>,
+}
+
+/// A client connection and its staging (made on first use of a local NPU page).
+struct Conn {
+    stream: TcpStream,
+    stagers: Stagers,
+}
+
+/// One [`Stager`] per NPU, made when first needed.
+#[derive(Default)]
+struct Stagers(HashMap<u32, Stager>);
+
+impl Stagers {
+    fn get(&mut self, buf: &DeviceBuffer, timeout: Duration) -> Result<&mut Stager, StageError> {
+        Ok(match self.0.entry(buf.device().id()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Stager::new(buf.device(), timeout)?)
+            }
+        })
+    }
 }
 
 struct ServerHandle {
@@ -122,19 +159,24 @@ impl TcpChannel {
         let mut served = HashMap::new();
         for p in pools {
             let b = p.buffer();
-            let Some(ptr) = b.host_ptr() else {
-                return Err(ChannelError::Unsupported(format!(
-                    "the tcp channel serves host pools; pool {} is on {} (NPU staging needs the ascend-sys runtime)",
-                    b.uuid().simple(),
-                    b.device()
-                )));
+            let (ptr, device) = match (b.host_ptr(), device_buffer(b)) {
+                (Some(ptr), _) => (ptr as usize, None),
+                (None, Some(dev)) => (0, Some(Arc::clone(dev))),
+                (None, None) => {
+                    return Err(ChannelError::Unsupported(format!(
+                        "the tcp channel stages NPU pools through the ACL runtime, but pool {} on {}                          was not allocated by it (build NPU pools with memory::npu::AclRuntime)",
+                        b.uuid().simple(),
+                        b.device()
+                    )))
+                }
             };
             served.insert(
                 b.uuid(),
                 LocalPool {
-                    ptr: ptr as usize,
+                    ptr,
                     page_size: b.page_size(),
                     pages: b.num_pages(),
+                    device,
                 },
             );
         }
@@ -238,6 +280,7 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
 /// length cannot be trusted to resynchronise).
 fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
     let mut req = [0u8; REQ_LEN];
+    let mut stagers = Stagers::default();
     loop {
         if stream.read_exact(&mut req).is_err() {
             return;
@@ -249,13 +292,20 @@ fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
         let offset = u32::from_le_bytes(req[28..32].try_into().expect("4")) as usize;
         let len = u64::from_le_bytes(req[32..40].try_into().expect("8"));
         let target = check_request(pools, magic, op, uuid, page, offset, len);
-        let (addr, len) = match target {
+        let (pool, at, len) = match target {
             Ok(t) => t,
             Err(msg) => {
                 let _ = reply(&mut stream, 1, &msg);
                 return;
             }
         };
+        if let Some(dev) = &pool.device {
+            if !serve_device(&mut stream, &mut stagers, op, dev, at, len) {
+                return;
+            }
+            continue;
+        }
+        let addr = pool.ptr + at;
         // SAFETY: check_request proved [addr, addr+len) lies inside one page
         // of a registered pool that outlives this thread (accept_loop joins
         // us before the pools can drop). Concurrent access to the page is
@@ -274,6 +324,71 @@ fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
     }
 }
 
+/// Serves one request on an NPU page (byte `at` of `dev`) through staging;
+/// false when the connection must close.
+fn serve_device(
+    stream: &mut TcpStream,
+    stagers: &mut Stagers,
+    op: u8,
+    dev: &DeviceBuffer,
+    at: usize,
+    len: usize,
+) -> bool {
+    let stager = match stagers.get(dev, SERVER_STAGE_TIMEOUT) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = reply(stream, 1, &format!("cannot stage NPU memory: {e:?}"));
+            return false;
+        }
+    };
+    // A status-0 reply header with no message.
+    let ok_header = [0u8; REPLY_LEN];
+    let mut out = Counted {
+        inner: &mut *stream,
+        written: 0,
+    };
+    let r = match op {
+        // The reply goes out only once the bytes are in device memory.
+        OP_WRITE => stager
+            .recv_into(out.inner, dev, at, len)
+            .and_then(|()| reply(out.inner, 0, "").map_err(StageError::Io)),
+        _ => stager.send_from(&mut out, dev, at, len, Some(&ok_header)),
+    };
+    let replied = out.written > 0;
+    match r {
+        Ok(()) => true,
+        Err(StageError::Io(_)) => false,
+        Err(StageError::Device(e)) => {
+            // Reported while nothing of the reply has gone out; the
+            // connection closes either way (the stream is out of step).
+            if !replied {
+                let _ = reply(stream, 1, &format!("NPU copy failed: {e}"));
+            }
+            false
+        }
+    }
+}
+
+/// A writer that counts what went through it.
+struct Counted<'a> {
+    inner: &'a mut TcpStream,
+    written: usize,
+}
+
+impl Write for Counted<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Checks a request against the served pools; returns the pool, the byte
+/// offset in it and the length.
 fn check_request(
     pools: &HashMap<Uuid, LocalPool>,
     magic: u32,
@@ -282,7 +397,7 @@ fn check_request(
     page: usize,
     offset: usize,
     len: u64,
-) -> Result<(usize, usize), String> {
+) -> Result<(&LocalPool, usize, usize), String> {
     if magic != MAGIC {
         return Err("bad magic: not an ascend-pd tcp transfer request".into());
     }
@@ -306,7 +421,7 @@ fn check_request(
             p.page_size
         ));
     }
-    Ok((p.ptr + page * p.page_size + offset, len))
+    Ok((p, page * p.page_size + offset, len))
 }
 
 /// One request of a batch: `len` bytes at `offset` within the op's pages.
@@ -350,14 +465,6 @@ impl TransferChannel for TcpChannel {
             .ok_or_else(|| {
                 ChannelError::Handshake(format!("peer {node}: bad transfer address {addr:?}"))
             })?;
-        for d in table {
-            if d.device != DeviceKind::Cpu {
-                return Err(ChannelError::Unsupported(format!(
-                    "peer {node} serves an {} pool; NPU pools over tcp need the ascend-sys runtime",
-                    d.device
-                )));
-            }
-        }
         let peer = Arc::new(TcpPeer {
             node: node.to_string(),
             addr,
@@ -387,7 +494,21 @@ impl TransferChannel for TcpChannel {
         ops: Vec<TransferOp>,
     ) -> Result<Completion, ChannelError> {
         let p = self.peer(peer)?;
-        check_ops(&p.table, &ops, true)?;
+        check_ops(&p.table, &ops, false)?;
+        for (i, op) in ops.iter().enumerate() {
+            let b = op.local.pool().buffer();
+            if op.local.device() != DeviceKind::Cpu && device_buffer(b).is_none() {
+                return Err(ChannelError::BadLocal {
+                    op: i,
+                    local: op.local.buffer_ref(),
+                    reason: format!(
+                        "{} memory not allocated by the ACL runtime; tcp can only stage NPU pages \
+                         of memory::npu pools",
+                        op.local.device()
+                    ),
+                });
+            }
+        }
         let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             let mut off = 0;
@@ -482,9 +603,27 @@ fn gone(p: &TcpPeer, op: Option<usize>, e: &io::Error, timeout: Duration) -> Cha
     }
 }
 
+/// The NPU buffer and byte offset of `len` bytes at `offset` in a local
+/// NPU page (`None` for host pages; submit refused NPU pages without one).
+fn local_device(op: &TransferOp, offset: usize) -> Option<(&DeviceBuffer, usize)> {
+    let b = op.local.pool().buffer();
+    let dev = device_buffer(b)?;
+    Some((dev, op.local.page() as usize * b.page_size() + offset))
+}
+
+fn stage_err(p: &TcpPeer, op: usize, e: StageError, timeout: Duration) -> ChannelError {
+    match e {
+        StageError::Io(e) => gone(p, Some(op), &e, timeout),
+        StageError::Device(source) => ChannelError::Npu {
+            context: format!("op {op}: staging the local NPU page for {}", p.node),
+            source,
+        },
+    }
+}
+
 fn run_on_connection(
     p: &TcpPeer,
-    conn: &mut Option<TcpStream>,
+    conn: &mut Option<Conn>,
     kind: OpKind,
     ops: &[TransferOp],
     slices: &[Slice],
@@ -496,9 +635,12 @@ fn run_on_connection(
         s.set_nodelay(true).ok();
         s.set_read_timeout(Some(opts.io_timeout)).ok();
         s.set_write_timeout(Some(opts.io_timeout)).ok();
-        *conn = Some(s);
+        *conn = Some(Conn {
+            stream: s,
+            stagers: Stagers::default(),
+        });
     }
-    let stream = conn.as_mut().expect("connected above");
+    let Conn { stream, stagers } = conn.as_mut().expect("connected above");
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
     while done < slices.len() {
@@ -520,6 +662,14 @@ fn run_on_connection(
                 .write_all(&h)
                 .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
             if kind == OpKind::Write {
+                if let Some((dev, at)) = local_device(op, sl.offset) {
+                    stagers
+                        .get(dev, opts.io_timeout)
+                        .and_then(|st| st.send_from(stream, dev, at, sl.len, None))
+                        .map_err(|e| stage_err(p, sl.op, e, opts.io_timeout))?;
+                    sent += 1;
+                    continue;
+                }
                 // SAFETY: check_ops proved sl.offset+sl.len <= op.len <= the
                 // local page size, and `ops` keeps the page alive.
                 let src = unsafe {
@@ -550,6 +700,14 @@ fn run_on_connection(
         }
         if kind == OpKind::Read {
             let op = &ops[sl.op];
+            if let Some((dev, at)) = local_device(op, sl.offset) {
+                stagers
+                    .get(dev, opts.io_timeout)
+                    .and_then(|st| st.recv_into(stream, dev, at, sl.len))
+                    .map_err(|e| stage_err(p, sl.op, e, opts.io_timeout))?;
+                done += 1;
+                continue;
+            }
             // SAFETY: as for writes; the local page is a distinct, live
             // allocation that this batch owns for its duration.
             let dst = unsafe {

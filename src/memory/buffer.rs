@@ -2,6 +2,7 @@
 
 use super::host::HostRegion;
 use super::MemoryError;
+use std::any::Any;
 use std::fmt;
 use std::os::fd::BorrowedFd;
 use uuid::Uuid;
@@ -51,6 +52,30 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     }
     /// Which NPU owns it.
     fn device_index(&self) -> u32;
+    /// The concrete allocation, for channels that need the runtime's own
+    /// handle (the ACL runtime's `DeviceBuffer`, see `memory::npu`). `None`
+    /// for implementations that offer nothing beyond this trait.
+    fn as_any(&self) -> Option<&dyn Any> {
+        None
+    }
+}
+
+/// Pinned host memory handed out by an NPU runtime (`aclrtMallocHost`):
+/// host-addressable, and registrable with the runtime's transfer engine
+/// (HCCL), which ordinary mapped memory may not be. Dropping it frees it.
+pub trait PinnedHostMemory: Send + Sync + fmt::Debug {
+    /// Host address of the first byte.
+    fn host_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the allocation is empty (never, for pools).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The concrete allocation (the ACL runtime's `HostBuffer`), if any.
+    fn as_any(&self) -> Option<&dyn Any> {
+        None
+    }
 }
 
 /// The source of NPU pools. The CANN runtime (or its emulator) implements it;
@@ -60,11 +85,23 @@ pub trait NpuRuntime: Send + Sync {
     fn alloc(&self, device: u32, len: usize) -> Result<Box<dyn DeviceMemory>, MemoryError>;
     /// A one-line description for logs ("CANN at /usr/local/...", "emulator").
     fn describe(&self) -> String;
+    /// Allocates `len` bytes of pinned host memory tied to NPU `device`, for
+    /// CPU pools the `hccl` channel registers. `None` when the runtime has no
+    /// such allocator.
+    fn alloc_pinned_host(
+        &self,
+        device: u32,
+        len: usize,
+    ) -> Option<Result<Box<dyn PinnedHostMemory>, MemoryError>> {
+        let _ = (device, len);
+        None
+    }
 }
 
 #[derive(Debug)]
 enum Backing {
     Host(HostRegion),
+    Pinned(Box<dyn PinnedHostMemory>),
     Device(Box<dyn DeviceMemory>),
 }
 
@@ -125,6 +162,39 @@ impl RegisteredBuffer {
         })
     }
 
+    /// A host pool of at least `bytes` (whole pages) in pinned host memory
+    /// from `runtime` (tied to NPU `device`): what the `hccl` channel needs
+    /// for a CPU pool, since HCCL registers only runtime-allocated memory.
+    /// It is still an ordinary CPU pool for every other purpose.
+    pub fn pinned_host(
+        runtime: &dyn NpuRuntime,
+        device: u32,
+        bytes: usize,
+        page_size: usize,
+    ) -> Result<Self, MemoryError> {
+        let (num_pages, len) = page_geometry(bytes, page_size)?;
+        let mem = runtime.alloc_pinned_host(device, len).ok_or_else(|| {
+            MemoryError::NoNpuRuntime(format!(
+                "{} cannot allocate pinned host memory",
+                runtime.describe()
+            ))
+        })??;
+        if mem.len() < len {
+            return Err(MemoryError::Device(format!(
+                "{} returned {} bytes of pinned host memory for a {len}-byte pool",
+                runtime.describe(),
+                mem.len()
+            )));
+        }
+        Ok(RegisteredBuffer {
+            uuid: Uuid::new_v4(),
+            device: DeviceKind::Cpu,
+            page_size,
+            num_pages,
+            backing: Backing::Pinned(mem),
+        })
+    }
+
     /// The UUID peers address this buffer by.
     pub fn uuid(&self) -> Uuid {
         self.uuid
@@ -139,6 +209,7 @@ impl RegisteredBuffer {
     pub fn base(&self) -> u64 {
         match &self.backing {
             Backing::Host(r) => r.as_ptr() as u64,
+            Backing::Pinned(m) => m.host_ptr() as u64,
             Backing::Device(m) => m.device_ptr(),
         }
     }
@@ -173,7 +244,24 @@ impl RegisteredBuffer {
     pub fn host_ptr(&self) -> Option<*mut u8> {
         match &self.backing {
             Backing::Host(r) => Some(r.as_ptr()),
+            Backing::Pinned(m) => Some(m.host_ptr()),
             Backing::Device(_) => None,
+        }
+    }
+
+    /// The device memory of an NPU pool.
+    pub fn device_memory(&self) -> Option<&dyn DeviceMemory> {
+        match &self.backing {
+            Backing::Device(m) => Some(m.as_ref()),
+            _ => None,
+        }
+    }
+
+    /// The pinned host memory of a CPU pool made by [`RegisteredBuffer::pinned_host`].
+    pub fn pinned_memory(&self) -> Option<&dyn PinnedHostMemory> {
+        match &self.backing {
+            Backing::Pinned(m) => Some(m.as_ref()),
+            _ => None,
         }
     }
 
@@ -181,11 +269,12 @@ impl RegisteredBuffer {
     pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
             Backing::Host(r) => r.fd(),
-            Backing::Device(_) => None,
+            Backing::Pinned(_) | Backing::Device(_) => None,
         }
     }
 
-    /// Faults in a CPU pool's pages now (no-op for NPU pools).
+    /// Faults in a CPU pool's pages now (no-op for NPU pools and pinned
+    /// pools, which the runtime zero-filled at allocation).
     pub fn prefault(&self) {
         if let Backing::Host(r) = &self.backing {
             r.prefault();

@@ -64,6 +64,19 @@ impl DualSpec {
     }
 }
 
+/// What a CPU pool is made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuBacking {
+    /// Mapped host memory: anonymous, or a memfd when [`DualSpec::shareable_cpu`].
+    Mapped,
+    /// Pinned host memory from the NPU runtime, tied to NPU `device`: what
+    /// the `hccl` channel registers (HCCL does not take ordinary memory).
+    Pinned {
+        /// The NPU the pinned memory belongs to.
+        device: u32,
+    },
+}
+
 /// A worker's CPU pool and/or NPU pool, with role-aware placement.
 #[derive(Debug)]
 pub struct DualAllocator {
@@ -85,6 +98,16 @@ impl DualAllocator {
     /// Builds the pools of `spec`. An NPU pool needs `npu_runtime`; without
     /// one the error says how to get one or how to avoid needing it.
     pub fn new(spec: &DualSpec, npu_runtime: Option<&dyn NpuRuntime>) -> Result<Self, MemoryError> {
+        Self::build(spec, npu_runtime, CpuBacking::Mapped)
+    }
+
+    /// Like [`DualAllocator::new`], choosing what the CPU pool is made of;
+    /// [`CpuBacking::Pinned`] needs `npu_runtime` even without an NPU pool.
+    pub fn build(
+        spec: &DualSpec,
+        npu_runtime: Option<&dyn NpuRuntime>,
+        cpu_backing: CpuBacking,
+    ) -> Result<Self, MemoryError> {
         let placement_exists = match spec.placement {
             PoolKind::Cpu => spec.cpu_bytes.is_some(),
             PoolKind::Npu => spec.npu.is_some(),
@@ -107,13 +130,27 @@ impl DualAllocator {
                 Some(PagePool::new(buf))
             }
         };
-        let cpu = match spec.cpu_bytes {
-            None => None,
-            Some(bytes) => Some(PagePool::new(RegisteredBuffer::host(
+        let cpu = match (spec.cpu_bytes, cpu_backing) {
+            (None, _) => None,
+            (Some(bytes), CpuBacking::Mapped) => Some(PagePool::new(RegisteredBuffer::host(
                 bytes,
                 spec.page_size,
                 spec.shareable_cpu,
             )?)),
+            (Some(bytes), CpuBacking::Pinned { device }) => {
+                let rt = npu_runtime.ok_or_else(|| {
+                    MemoryError::NoNpuRuntime(
+                        "no NPU runtime was given for the pinned CPU pool (transfer_channel: hccl)"
+                            .to_string(),
+                    )
+                })?;
+                Some(PagePool::new(RegisteredBuffer::pinned_host(
+                    rt,
+                    device,
+                    bytes,
+                    spec.page_size,
+                )?))
+            }
         };
         Ok(DualAllocator {
             cpu,

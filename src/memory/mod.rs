@@ -4,18 +4,22 @@
 //! pages of one full chunk. [`PagePool`] hands pages out as [`MemObj`]s;
 //! a page returns to its pool when the last `MemObj` clone drops, so no path
 //! (success, error, timeout, unwinding) can leak one. [`DualAllocator`]
-//! holds a worker's CPU and NPU pools and picks one by role.
+//! holds a worker's CPU and NPU pools and picks one by role. [`npu`] is the
+//! CANN (ACL) runtime behind NPU pools and pinned CPU pools.
 
 pub mod buffer;
 pub mod chunk;
 pub mod dual;
 pub mod host;
+pub mod npu;
 pub mod pattern;
 pub mod pool;
 
-pub use buffer::{BufferRef, DeviceKind, DeviceMemory, NpuRuntime, RegisteredBuffer};
+pub use buffer::{
+    BufferRef, DeviceKind, DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer,
+};
 pub use chunk::{ChunkLayout, Dtype, MemFormat};
-pub use dual::{placement, DualAllocator, DualSpec, DualStats, PoolKind};
+pub use dual::{placement, CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
 pub use host::HostRegion;
 pub use pool::{ChunkMeta, MemObj, PagePool, PoolStats};
 

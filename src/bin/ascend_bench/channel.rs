@@ -7,6 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
 use ascend_pd::channel::{self as chan, OpKind, PeerId, TransferChannel, TransferOp};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
+use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
     pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, PagePool, RegisteredBuffer,
 };
@@ -30,18 +31,82 @@ pub fn raw_layout(bytes: usize) -> Result<ChunkLayout> {
     })
 }
 
-/// A pool of `pages` pages of `bytes`, all allocated and returned.
+/// Where a pool lives: host memory, or NPU 0 (real or emulated).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolDevice {
+    /// Host memory (pinned by ACL for hccl, a memfd for shm).
+    Cpu,
+    /// NPU 0, through the CANN runtime.
+    Npu,
+}
+
+fn parse_device(s: &str) -> Result<PoolDevice> {
+    match s {
+        "cpu" => Ok(PoolDevice::Cpu),
+        "npu" => Ok(PoolDevice::Npu),
+        _ => bail!("--device {s:?}: expected cpu or npu"),
+    }
+}
+
+/// The CANN runtime, when `kind` and `device` need one (hccl always does).
+pub fn runtime_for(kind: ChannelKind, device: PoolDevice) -> Result<Option<AclRuntime>> {
+    if kind != ChannelKind::Hccl && device == PoolDevice::Cpu {
+        return Ok(None);
+    }
+    Ok(Some(AclRuntime::load().context(
+        "the hccl channel and NPU pools need CANN (or its emulator)",
+    )?))
+}
+
+/// A pool of `pages` pages of `bytes` for channel `kind` on `device`, all
+/// allocated and returned.
 pub fn make_pool(
     kind: ChannelKind,
+    device: PoolDevice,
+    runtime: Option<&AclRuntime>,
     pages: usize,
     bytes: usize,
 ) -> Result<(Arc<PagePool>, Vec<MemObj>)> {
     let layout = raw_layout(bytes)?;
-    let buf = RegisteredBuffer::host(pages * bytes, bytes, kind == ChannelKind::Shm)?;
+    let rt = || runtime.ok_or_else(|| anyhow!("no CANN runtime was loaded"));
+    let buf = match (device, kind) {
+        (PoolDevice::Npu, _) => RegisteredBuffer::npu(rt()?, 0, pages * bytes, bytes)?,
+        (PoolDevice::Cpu, ChannelKind::Hccl) => {
+            RegisteredBuffer::pinned_host(rt()?, 0, pages * bytes, bytes)?
+        }
+        (PoolDevice::Cpu, _) => {
+            RegisteredBuffer::host(pages * bytes, bytes, kind == ChannelKind::Shm)?
+        }
+    };
     buf.prefault();
     let pool = PagePool::new(buf);
     let objs = pool.allocate_batch(&vec![ChunkMeta::full(layout); pages])?;
     Ok((pool, objs))
+}
+
+/// Fills every page with the pattern of (`seed`, page index), wherever it lives.
+pub fn fill_pages(objs: &[MemObj], seed: u64) -> Result<()> {
+    let mut page = Vec::new();
+    for o in objs {
+        page.resize(o.byte_len(), 0);
+        pattern::fill(&mut page, pattern::page_seed(seed, u64::from(o.page())));
+        npu::write_page(o, 0, &page)?;
+    }
+    Ok(())
+}
+
+/// Whether every page holds the pattern of (`seed`, page index).
+pub fn pages_match(objs: &[MemObj], seed: u64) -> Result<bool> {
+    let mut page = Vec::new();
+    for o in objs {
+        page.resize(o.byte_len(), 0);
+        npu::read_page(o, 0, &mut page)?;
+        let s = pattern::page_seed(seed, u64::from(o.page()));
+        if pattern::first_mismatch(&page, s).is_some() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 fn parse_kind(s: &str) -> Result<ChannelKind> {
@@ -71,13 +136,12 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     let bytes: usize = a.get("page-bytes", 1 << 20).map_err(|e| anyhow!(e))?;
     let seed: u64 = a.get("seed", 1).map_err(|e| anyhow!(e))?;
     let node: String = a.get("node", "peer".to_string()).map_err(|e| anyhow!(e))?;
+    let device = parse_device(&a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?)?;
     a.finish().map_err(|e| anyhow!(e))?;
 
-    let (pool, mut objs) = make_pool(kind, pages, bytes)?;
-    for o in &mut objs {
-        let s = pattern::page_seed(seed, u64::from(o.page()));
-        pattern::fill(o.host_bytes_mut().expect("unique host page"), s);
-    }
+    let runtime = runtime_for(kind, device)?;
+    let (pool, objs) = make_pool(kind, device, runtime.as_ref(), pages, bytes)?;
+    fill_pages(&objs, seed)?;
     let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
     let hello = Hello::local(
         &node,
@@ -270,6 +334,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     let chunks: usize = a.get("chunks", 64).map_err(|e| anyhow!(e))?;
     let reps: usize = a.get("reps", 5).map_err(|e| anyhow!(e))?;
     let json: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
+    let device = parse_device(&a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?)?;
     a.finish().map_err(|e| anyhow!(e))?;
     if chunks == 0 || reps == 0 {
         bail!("--chunks and --reps must be at least 1");
@@ -280,17 +345,16 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         format!("--pages={chunks}"),
         format!("--page-bytes={chunk}"),
         format!("--seed={peer_seed}"),
+        format!("--device={}", device_name(device)),
     ])?;
-    let (pool, mut objs) = make_pool(kind, chunks, chunk)?;
+    let runtime = runtime_for(kind, device)?;
+    let (pool, objs) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
     let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
     let ctx = zmq::Context::new();
     let (peer_id, uuid) = connect(&ctx, &peer.url, channel.as_ref())?;
     let local_seed = 99u64;
     if op == OpKind::Write {
-        for o in &mut objs {
-            let s = pattern::page_seed(local_seed, u64::from(o.page()));
-            pattern::fill(o.host_bytes_mut().expect("unique"), s);
-        }
+        fill_pages(&objs, local_seed)?;
     }
     let ops: Vec<TransferOp> = objs
         .iter()
@@ -317,12 +381,9 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     // Verify every byte at the far end: reads against the peer's pattern;
     // writes by reading the peer's pages back into fresh local pages.
     let verified = match op {
-        OpKind::Read => objs.iter().all(|o| {
-            let s = pattern::page_seed(peer_seed, u64::from(o.page()));
-            pattern::first_mismatch(o.host_bytes().expect("host"), s).is_none()
-        }),
+        OpKind::Read => pages_match(&objs, peer_seed)?,
         OpKind::Write => {
-            let (back_pool, back) = make_pool(kind, chunks, chunk)?;
+            let (back_pool, back) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
             let ch2 = chan::open(kind, "127.0.0.1", &[Arc::clone(&back_pool)])?;
             let (p2, uuid2) = connect(&ctx, &peer.url, ch2.as_ref())?;
             let reads = back
@@ -337,10 +398,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 })
                 .collect();
             ch2.read(p2, reads)?;
-            back.iter().all(|o| {
-                let s = pattern::page_seed(local_seed, u64::from(o.page()));
-                pattern::first_mismatch(o.host_bytes().expect("host"), s).is_none()
-            })
+            pages_match(&back, local_seed)?
         }
     };
     let (baseline_name, baseline) = match kind {
@@ -349,10 +407,21 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     };
     let ratio = gbps / baseline;
     let op_name = if op == OpKind::Read { "read" } else { "write" };
+    // The shm/tcp report on host pools reads as it always did.
+    let pools = match device {
+        PoolDevice::Cpu => "",
+        PoolDevice::Npu => ", npu pools",
+    };
     println!(
-        "channel {} {op_name}: {chunks} x {chunk} bytes, {reps} reps (median)",
+        "channel {} {op_name}: {chunks} x {chunk} bytes{pools}, {reps} reps (median)",
         kind.name()
     );
+    if let Some(rt) = &runtime {
+        println!(
+            "  runtime   {}",
+            ascend_pd::memory::NpuRuntime::describe(rt)
+        );
+    }
     println!("  channel   {gbps:8.2} GB/s");
     println!("  baseline  {baseline:8.2} GB/s  ({baseline_name}, same run)");
     println!("  ratio     {ratio:8.3}");
@@ -361,7 +430,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         if verified { "every byte" } else { "MISMATCH" }
     );
     if let Some(path) = json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "channel": kind.name(),
             "op": op_name,
             "chunk_bytes": chunk,
@@ -373,8 +442,18 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             "ratio": ratio,
             "verified": verified,
         });
+        if device == PoolDevice::Npu || kind == ChannelKind::Hccl {
+            v["device"] = device_name(device).into();
+        }
         std::fs::write(&path, serde_json::to_string_pretty(&v)? + "\n")
             .with_context(|| format!("writing {path}"))?;
     }
     Ok(verified)
+}
+
+fn device_name(d: PoolDevice) -> &'static str {
+    match d {
+        PoolDevice::Cpu => "cpu",
+        PoolDevice::Npu => "npu",
+    }
 }

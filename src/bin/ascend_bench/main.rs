@@ -14,10 +14,12 @@ usage: ascend-bench [COMMAND]
 
 commands:
   check-config FILE...   validate configs, print the effective values (defaults filled in)
-  channel [--channel shm|tcp] [--op write|read] [--chunk-bytes N] [--chunks M]
-          [--reps R] [--json FILE]
+  channel [--channel shm|tcp|hccl] [--device cpu|npu] [--op write|read]
+          [--chunk-bytes N] [--chunks M] [--reps R] [--json FILE]
                          transfer-channel micro-benchmark between two processes,
-                         with a same-run baseline (memcpy for shm, one TCP stream for tcp)
+                         with a same-run baseline (memcpy for shm/hccl, one TCP stream
+                         for tcp); hccl and npu pools need CANN or the emulator
+                         (ASCEND_PD_CANN_LIB_DIR)
   help                   this text
 
 With no command, validates every file in configs/ (the 1P1D benchmark is not

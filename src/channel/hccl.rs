@@ -1,0 +1,912 @@
+//! `hccl`: HCCL one-sided put/get between Ascend devices, through ascend-sys.
+//!
+//! One two-rank communicator per peer pair. Every local pool is registered
+//! on it (NPU pools as device memory, CPU pools as ACL-pinned host memory;
+//! HCCL takes nothing else), the descriptors are exchanged, the peer's
+//! regions enabled, and batches become one `HcclBatchPut` (write) or
+//! `HcclBatchGet` (read) on a per-peer stream. Remote addresses are the
+//! peer's `base + page * page_size` from its buffer table, after
+//! [`check_ops`] bounds-checked them and setup checked that the regions the
+//! peer enabled cover its whole table.
+//!
+//! **Ranks and the handshake.** The connecting side (a sender, in
+//! [`handshake::connect`](super::handshake::connect)) makes a fresh root
+//! info for each connection ([`TransferChannel::offer`]) and is rank 0, as
+//! HCCL wants rank 0 in the process that made the root info. The listening
+//! side is rank 1; its answer echoes the offer's session.
+//!
+//! **No deadlock.** Communicator init and descriptor exchange are
+//! collectives that block until both ranks call them, and the listening
+//! side attaches *before* it replies, so neither side may run them inside
+//! [`TransferChannel::attach`]. Attach only validates, records the peer and
+//! starts the setup (liveness link → init → register every pool → exchange
+//! → enable access → check coverage → stream) on a thread, returning the
+//! [`PeerId`] at once. [`TransferChannel::wait_ready`] (called by
+//! `handshake::connect`) and every submit wait for that setup, bounded by
+//! [`HcclOptions::setup_timeout`], and report its failure.
+//!
+//! **Dead peers.** HCCL gives no per-peer liveness, and the emulator's
+//! one-sided copies even succeed into a dead peer's still-mapped memory. So
+//! each peer pair also holds a small TCP *liveness link* (rank 0 connects
+//! to the listener named in the endpoint; keepalive on): its closing means
+//! the peer process exited or detached. A batch is refused if the link is
+//! closed, and a batch that completes after the link closed is reported as
+//! [`ChannelError::PeerGone`]. Waits on the stream are sliced and bounded
+//! ([`HcclOptions::batch_timeout`], and [`HcclOptions::gone_grace`] after
+//! the peer is seen gone). A batch abandoned while the device may still be
+//! copying keeps its pages until the stream finishes them (never freed
+//! under DMA).
+//!
+//! Nothing here has run on Ascend hardware; it is tested against the CANN
+//! emulator (`ascend-sys/emu`).
+
+use super::{
+    check_ops, table_of, BufferDesc, ChannelError, Completion, CompletionSender, Endpoint, OpKind,
+    PeerId, PeerTable, TransferChannel, TransferOp,
+};
+use crate::config::ChannelKind;
+use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
+use crate::memory::PagePool;
+use ascend_sys::{
+    Comm, Device, DeviceBuffer, HostBuffer, OneSidedOp, RegisteredMem, RemoteMem, RootInfo, Stream,
+};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+/// Most peer descriptors accepted in one exchange (a worker has two pools).
+const MAX_REMOTE_DESCS: usize = 64;
+/// First bytes on a liveness link: magic, 4 pad bytes, the session.
+const WATCH_MAGIC: &[u8; 4] = b"APDW";
+/// How often a waiting batch looks at the liveness link.
+const WAIT_SLICE: Duration = Duration::from_millis(20);
+
+/// Tuning of the hccl channel.
+#[derive(Clone, Debug)]
+pub struct HcclOptions {
+    /// Longest a peer's setup (liveness link, communicator init,
+    /// registration, descriptor exchange) may take, counted from attach.
+    pub setup_timeout: Duration,
+    /// Longest one batch may run before it is reported as timed out.
+    pub batch_timeout: Duration,
+    /// How long a running batch may still finish after its peer was seen gone.
+    pub gone_grace: Duration,
+}
+
+impl Default for HcclOptions {
+    fn default() -> Self {
+        HcclOptions {
+            setup_timeout: Duration::from_secs(60),
+            batch_timeout: Duration::from_secs(60),
+            gone_grace: Duration::from_secs(2),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn npu_err(context: String) -> impl FnOnce(ascend_sys::Error) -> ChannelError {
+    move |source| ChannelError::Npu { context, source }
+}
+
+/// A local pool as HCCL registers it.
+#[derive(Clone)]
+enum LocalMem {
+    Device(Arc<DeviceBuffer>),
+    Host(Arc<HostBuffer>),
+}
+
+/// The hccl channel of one worker: its pools, its liveness listener, its peers.
+pub struct HcclChannel {
+    // Dropped first: stops routing liveness links to peers.
+    watch: WatchServer,
+    device: Device,
+    pools: Vec<Arc<PagePool>>,
+    local: Vec<LocalMem>,
+    local_uuids: HashSet<Uuid>,
+    opts: HcclOptions,
+    offers: Mutex<HashMap<u64, (RootInfo, Instant)>>,
+    peers: Mutex<HashMap<PeerId, Arc<HcclPeer>>>,
+    next_peer: AtomicU64,
+}
+
+struct HcclPeer {
+    node: String,
+    table: PeerTable,
+    setup: Arc<SetupCell>,
+}
+
+impl HcclChannel {
+    /// A channel over `pools` (every one allocated by the ACL runtime, all
+    /// for one NPU); the liveness listener binds `host`.
+    pub fn new(
+        host: &str,
+        pools: &[Arc<PagePool>],
+        opts: HcclOptions,
+    ) -> Result<HcclChannel, ChannelError> {
+        let mut local = Vec::new();
+        let mut device: Option<Device> = None;
+        for p in pools {
+            let b = p.buffer();
+            let mem = if let Some(d) = device_buffer(b) {
+                LocalMem::Device(Arc::clone(d))
+            } else if let Some(h) = pinned_buffer(b) {
+                LocalMem::Host(Arc::clone(h.buffer()))
+            } else {
+                return Err(ChannelError::Unsupported(format!(
+                    "the hccl channel registers pools allocated by the ACL runtime, but pool {} on {} \
+                     is not (build the allocator with memory::npu::allocator_for_config, which pins \
+                     the CPU pool for transfer_channel: hccl, or use transfer_channel: tcp)",
+                    b.uuid().simple(),
+                    b.device()
+                )));
+            };
+            let d = device_of(b).expect("ACL-backed pools know their device");
+            match &device {
+                Some(first) if first.id() != d.id() => {
+                    return Err(ChannelError::Unsupported(format!(
+                        "hccl pools must belong to one NPU; found NPU {} and NPU {}",
+                        first.id(),
+                        d.id()
+                    )))
+                }
+                Some(_) => {}
+                None => device = Some(d),
+            }
+            local.push(mem);
+        }
+        let device = device.ok_or_else(|| {
+            ChannelError::Unsupported("the hccl channel needs at least one pool".into())
+        })?;
+        let acl = device.acl();
+        acl.hccl_status()
+            .map_err(npu_err("loading HCCL for the hccl channel".into()))?;
+        if !acl.one_sided_supported() {
+            return Err(ChannelError::Unsupported(format!(
+                "{} lacks the HCCL one-sided API (HcclRegisterMem ... HcclBatchGet); \
+                 use a CANN release that has it, or transfer_channel: tcp",
+                acl.hccl_library_path()
+                    .map_or_else(|| "libhccl.so".into(), |p| p.display().to_string())
+            )));
+        }
+        Ok(HcclChannel {
+            watch: WatchServer::bind(host)?,
+            device,
+            local_uuids: pools.iter().map(|p| p.uuid()).collect(),
+            pools: pools.to_vec(),
+            local,
+            opts,
+            offers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+        })
+    }
+
+    /// The NPU the communicators run on.
+    pub fn device_id(&self) -> u32 {
+        self.device.id()
+    }
+
+    fn peer(&self, id: PeerId) -> Result<Arc<HcclPeer>, ChannelError> {
+        lock(&self.peers)
+            .get(&id)
+            .cloned()
+            .ok_or(ChannelError::UnknownPeer(id))
+    }
+
+    fn endpoint_with(&self, root_info: Vec<u8>, session: u64) -> Endpoint {
+        Endpoint::Hccl {
+            root_info,
+            session,
+            device: self.device.id(),
+            watch: self.watch.addr.to_string(),
+        }
+    }
+}
+
+impl TransferChannel for HcclChannel {
+    fn kind(&self) -> ChannelKind {
+        ChannelKind::Hccl
+    }
+
+    fn local_table(&self) -> Vec<BufferDesc> {
+        table_of(&self.pools)
+    }
+
+    fn endpoint(&self) -> Endpoint {
+        self.endpoint_with(Vec::new(), 0)
+    }
+
+    fn offer(&self) -> Result<Option<Endpoint>, ChannelError> {
+        let root = self
+            .device
+            .hccl_root_info()
+            .map_err(npu_err("creating an HCCL root info".into()))?;
+        let session = Uuid::new_v4().as_u64_pair().0;
+        let bytes = root.as_bytes().to_vec();
+        let mut offers = lock(&self.offers);
+        // Offers a peer refused are never answered; forget them eventually.
+        let stale = self.opts.setup_timeout * 2;
+        offers.retain(|_, (_, at)| at.elapsed() < stale);
+        offers.insert(session, (root, Instant::now()));
+        Ok(Some(self.endpoint_with(bytes, session)))
+    }
+
+    fn answer(&self, offered: &Endpoint) -> Option<Endpoint> {
+        match offered {
+            Endpoint::Hccl { session, .. } => Some(self.endpoint_with(Vec::new(), *session)),
+            _ => None,
+        }
+    }
+
+    fn attach(
+        &self,
+        node: &str,
+        table: &[BufferDesc],
+        endpoint: &Endpoint,
+    ) -> Result<PeerId, ChannelError> {
+        let Endpoint::Hccl {
+            root_info,
+            session,
+            watch,
+            ..
+        } = endpoint
+        else {
+            return Err(ChannelError::Handshake(format!(
+                "peer {node} did not send an hccl endpoint"
+            )));
+        };
+        let table = PeerTable::new(table)?;
+        let role = if root_info.is_empty() {
+            // We connected and offered: the answer names our offer.
+            let (root, _) = lock(&self.offers).remove(session).ok_or_else(|| {
+                ChannelError::Handshake(format!(
+                    "peer {node} answered hccl session {session:016x}, which this side never offered \
+                     or already used (the connecting side must offer a root info: use handshake::connect)"
+                ))
+            })?;
+            let addr = watch
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| {
+                    ChannelError::Handshake(format!("peer {node}: bad liveness address {watch:?}"))
+                })?;
+            SetupRole::Root {
+                root,
+                watch: addr,
+                session: *session,
+            }
+        } else {
+            let root = RootInfo::from_bytes(root_info).map_err(|e| {
+                ChannelError::Handshake(format!("peer {node} sent a bad root info: {e}"))
+            })?;
+            SetupRole::Joiner {
+                root,
+                watch: self.watch.expect(*session),
+            }
+        };
+        let setup = Arc::new(SetupCell::new());
+        let job = SetupJob {
+            node: node.to_string(),
+            device: self.device.clone(),
+            local: self.local.clone(),
+            table: table.clone(),
+            role,
+            opts: self.opts.clone(),
+        };
+        let cell = Arc::clone(&setup);
+        std::thread::Builder::new()
+            .name("pd-hccl-setup".into())
+            .spawn(move || cell.finish(job.run()))
+            .map_err(|source| ChannelError::Io {
+                context: "spawning the hccl setup thread".into(),
+                source,
+            })?;
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let peer = Arc::new(HcclPeer {
+            node: node.to_string(),
+            table,
+            setup,
+        });
+        let mut peers = lock(&self.peers);
+        let replaced: Vec<PeerId> = peers
+            .iter()
+            .filter(|(_, p)| p.node == node)
+            .map(|(id, _)| *id)
+            .collect();
+        for old in replaced {
+            if let Some(p) = peers.remove(&old) {
+                p.setup.close();
+            }
+        }
+        peers.insert(id, peer);
+        Ok(id)
+    }
+
+    fn detach(&self, peer: PeerId) {
+        let p = lock(&self.peers).remove(&peer);
+        if let Some(p) = p {
+            p.setup.close();
+        }
+    }
+
+    fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        p.setup.wait(&p.node, self.opts.setup_timeout).map(|_| ())
+    }
+
+    fn submit(
+        &self,
+        peer: PeerId,
+        kind: OpKind,
+        ops: Vec<TransferOp>,
+    ) -> Result<Completion, ChannelError> {
+        let p = self.peer(peer)?;
+        let offsets = check_ops(&p.table, &ops, false)?;
+        let mut batch = Vec::with_capacity(ops.len());
+        for (i, (op, off)) in ops.iter().zip(&offsets).enumerate() {
+            let pool = op.local.pool();
+            if !self.local_uuids.contains(&pool.uuid()) {
+                return Err(ChannelError::BadLocal {
+                    op: i,
+                    local: op.local.buffer_ref(),
+                    reason: "its pool is not registered with this hccl channel (open the channel \
+                             over every pool transfers use)"
+                        .into(),
+                });
+            }
+            if op.len == 0 {
+                continue;
+            }
+            let base = p
+                .table
+                .get(&op.remote.uuid)
+                .expect("check_ops resolved it")
+                .base;
+            batch.push(OneSidedOp {
+                local_addr: op.local.addr(),
+                remote_addr: base + off,
+                len: op.len as u64,
+            });
+        }
+        if batch.is_empty() {
+            return Ok(Completion::ready(Ok(())));
+        }
+        let link = p.setup.wait(&p.node, self.opts.setup_timeout)?;
+        if let Err(detail) = link.watch.check() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail,
+            });
+        }
+        let (call, done) = match kind {
+            OpKind::Write => (
+                "HcclBatchPut",
+                // SAFETY: every local range is inside a page (check_ops: len
+                // <= page size) of a pool registered on this communicator
+                // (local_uuids; setup registered every pool); every remote
+                // range is inside a page of the peer's table, which setup
+                // proved covered by regions enabled on this communicator.
+                // The registrations and enabled regions live in `link`, and
+                // the pages in `ops`; both are held by the in-flight entry
+                // until the stream has finished the batch.
+                unsafe { link.comm.batch_put(&link.stream, &batch) },
+            ),
+            OpKind::Read => (
+                "HcclBatchGet",
+                // SAFETY: as for the put; the local pages are owned by `ops`
+                // and the protocol does not touch them until completion.
+                unsafe { link.comm.batch_get(&link.stream, &batch) },
+            ),
+        };
+        let done = done.map_err(npu_err(format!(
+            "{call} of {} op(s) with {}",
+            batch.len(),
+            p.node
+        )))?;
+        let (tx, completion) = Completion::pending();
+        let entry = InFlight {
+            done,
+            ops,
+            link: Arc::clone(&link),
+            tx,
+            count: batch.len(),
+            deadline: Instant::now() + self.opts.batch_timeout,
+        };
+        if let Err(crossbeam_channel::SendError(entry)) = link.completer.send(entry) {
+            // The completer only ends when the link is dropped, which `link` prevents.
+            entry.tx.complete(Err(ChannelError::WorkerLost(
+                "hccl completion thread ended".into(),
+            )));
+        }
+        Ok(completion)
+    }
+}
+
+/// Which rank this side is, and what it needs for the rendezvous.
+enum SetupRole {
+    /// The connecting side: it made the root info and dials the liveness link.
+    Root {
+        root: RootInfo,
+        watch: SocketAddr,
+        session: u64,
+    },
+    /// The listening side: the liveness link arrives through the watch server.
+    Joiner {
+        root: RootInfo,
+        watch: Receiver<TcpStream>,
+    },
+}
+
+/// Everything a peer's setup thread needs.
+struct SetupJob {
+    node: String,
+    device: Device,
+    local: Vec<LocalMem>,
+    table: PeerTable,
+    role: SetupRole,
+    opts: HcclOptions,
+}
+
+impl SetupJob {
+    fn run(self) -> Result<Link, String> {
+        let deadline = Instant::now() + self.opts.setup_timeout;
+        let (root, rank, watch) = match self.role {
+            SetupRole::Root {
+                root,
+                watch,
+                session,
+            } => (root, 0, dial_watch(watch, session, deadline)?),
+            SetupRole::Joiner { root, watch } => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let s = watch.recv_timeout(left).map_err(|_| {
+                    format!("the peer did not open its liveness link within {left:?}")
+                })?;
+                (root, 1, s)
+            }
+        };
+        let watch = Arc::new(Watch::new(watch)?);
+        let e = |what: &str| {
+            let what = what.to_string();
+            move |err: ascend_sys::Error| format!("{what}: {err}")
+        };
+        let comm = Comm::init_two_ranks(&self.device, &root, rank)
+            .map_err(e("joining the two-rank communicator"))?;
+        let regs: Vec<RegisteredMem> = self
+            .local
+            .iter()
+            .map(|m| match m {
+                LocalMem::Device(b) => comm.register_device_buffer(b),
+                LocalMem::Host(b) => comm.register_host_buffer(b),
+            })
+            .collect::<Result<_, _>>()
+            .map_err(e("registering a pool"))?;
+        let refs: Vec<&RegisteredMem> = regs.iter().collect();
+        let descs = comm
+            .exchange_descriptors(&refs, MAX_REMOTE_DESCS)
+            .map_err(e("exchanging memory descriptors"))?;
+        let remotes: Vec<RemoteMem> = descs
+            .iter()
+            .map(|d| comm.enable_access(d))
+            .collect::<Result<_, _>>()
+            .map_err(e("enabling access to the peer's memory"))?;
+        // The peer's table (what ops address) must lie inside what it registered.
+        for d in self.table.descs() {
+            let covered = remotes
+                .iter()
+                .any(|r| r.addr() <= d.base && d.base + d.len <= r.addr().saturating_add(r.len()));
+            if !covered {
+                return Err(format!(
+                    "peer buffer {} ({} bytes at {:#x}) is not inside any memory the peer registered \
+                     with HCCL",
+                    d.uuid.simple(),
+                    d.len,
+                    d.base
+                ));
+            }
+        }
+        let stream = self
+            .device
+            .create_stream()
+            .map_err(e("creating the transfer stream"))?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (node, opts, w) = (self.node.clone(), self.opts.clone(), Arc::clone(&watch));
+        std::thread::Builder::new()
+            .name("pd-hccl-done".into())
+            .spawn(move || complete_loop(&rx, &w, &node, &opts))
+            .map_err(|e| format!("spawning the completion thread: {e}"))?;
+        Ok(Link {
+            completer: tx,
+            stream,
+            _remotes: remotes,
+            _regs: regs,
+            comm,
+            watch,
+        })
+    }
+}
+
+fn dial_watch(addr: SocketAddr, session: u64, deadline: Instant) -> Result<TcpStream, String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let io = |e: io::Error| format!("liveness link to {addr}: {e}");
+    let mut s =
+        TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))).map_err(io)?;
+    s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+        .map_err(io)?;
+    let mut hello = [0u8; 16];
+    hello[..4].copy_from_slice(WATCH_MAGIC);
+    hello[8..].copy_from_slice(&session.to_le_bytes());
+    s.write_all(&hello).map_err(io)?;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)
+        .map_err(|e| format!("the peer refused the liveness link for this session: {e}"))?;
+    Ok(s)
+}
+
+/// A peer's ready connection: communicator, registrations, enabled peer
+/// regions, stream, liveness link, and the completion thread's queue.
+struct Link {
+    completer: Sender<InFlight>,
+    // Field order is drop order: the stream finishes its work before the
+    // regions and registrations it uses go, and those before the communicator.
+    stream: Stream,
+    _remotes: Vec<RemoteMem>,
+    _regs: Vec<RegisteredMem>,
+    comm: Comm,
+    watch: Arc<Watch>,
+}
+
+/// The liveness link to one peer. Nothing is sent on it after the opening
+/// bytes; its closing (EOF or error) is the signal.
+struct Watch {
+    stream: TcpStream,
+}
+
+impl Watch {
+    fn new(stream: TcpStream) -> Result<Watch, String> {
+        set_keepalive(&stream);
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| format!("liveness link: {e}"))?;
+        Ok(Watch { stream })
+    }
+
+    /// `Err` with what was seen once the peer closed the link or it broke.
+    fn check(&self) -> Result<(), String> {
+        let mut b = [0u8; 1];
+        match self.stream.peek(&mut b) {
+            Ok(0) => Err("its liveness link closed (the process exited or detached)".into()),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(format!("its liveness link failed: {e}")),
+        }
+    }
+
+    fn close(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.watch.close();
+    }
+}
+
+/// Keepalive so a peer host that vanishes without closing is noticed too.
+fn set_keepalive(s: &TcpStream) {
+    let fd = s.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
+        // SAFETY: setsockopt on a socket we own, reading one c_int whose
+        // size we pass; failure only leaves the default in place.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 5);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 2);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+}
+
+/// A peer's setup outcome, waited on by submit and wait_ready.
+struct SetupCell {
+    state: Mutex<SetupState>,
+    changed: Condvar,
+    started: Instant,
+}
+
+enum SetupState {
+    Pending,
+    Ready(Arc<Link>),
+    Failed(String),
+    Closed,
+}
+
+impl SetupCell {
+    fn new() -> SetupCell {
+        SetupCell {
+            state: Mutex::new(SetupState::Pending),
+            changed: Condvar::new(),
+            started: Instant::now(),
+        }
+    }
+
+    fn finish(&self, r: Result<Link, String>) {
+        let mut s = lock(&self.state);
+        match (&*s, r) {
+            // Detached meanwhile: the link drops here, closing its liveness link.
+            (SetupState::Closed, _) => {}
+            (_, Ok(link)) => *s = SetupState::Ready(Arc::new(link)),
+            (_, Err(m)) => *s = SetupState::Failed(m),
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    fn close(&self) {
+        let mut s = lock(&self.state);
+        if let SetupState::Ready(link) = &*s {
+            link.watch.close();
+        }
+        *s = SetupState::Closed;
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    fn wait(&self, node: &str, timeout: Duration) -> Result<Arc<Link>, ChannelError> {
+        let deadline = self.started + timeout;
+        let mut s = lock(&self.state);
+        loop {
+            match &*s {
+                SetupState::Ready(l) => return Ok(Arc::clone(l)),
+                SetupState::Failed(m) => {
+                    return Err(ChannelError::Handshake(format!(
+                        "hccl setup with {node} failed: {m}"
+                    )))
+                }
+                SetupState::Closed => {
+                    return Err(ChannelError::PeerGone {
+                        peer: node.to_string(),
+                        op: None,
+                        detail: "detached".into(),
+                    })
+                }
+                SetupState::Pending => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ChannelError::Timeout {
+                    what: format!(
+                        "hccl setup with {node} (communicator init, registration, descriptor exchange)"
+                    ),
+                    after: timeout,
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A submitted batch: the stream's completion, and what must live until it.
+struct InFlight {
+    done: ascend_sys::Completion,
+    ops: Vec<TransferOp>,
+    link: Arc<Link>,
+    tx: CompletionSender,
+    count: usize,
+    deadline: Instant,
+}
+
+/// Work the stream may still be doing after its batch was reported failed:
+/// its pages and regions stay held until the stream finishes it.
+struct Abandoned {
+    done: ascend_sys::Completion,
+    _ops: Vec<TransferOp>,
+    _link: Arc<Link>,
+}
+
+/// Reports each batch of one peer as its stream finishes it (stream order,
+/// so one thread in submission order suffices).
+fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &HcclOptions) {
+    let mut abandoned: Vec<Abandoned> = Vec::new();
+    // Set once a batch was abandoned: the stream is stuck, later batches
+    // behind it get no grace.
+    let mut stuck = false;
+    for entry in rx.iter() {
+        abandoned.retain(|a| !a.done.is_complete().unwrap_or(true));
+        let InFlight {
+            done,
+            ops,
+            link,
+            tx,
+            count,
+            deadline,
+        } = entry;
+        match wait_batch(&done, watch, node, opts, stuck, count, deadline) {
+            Ok(result) => {
+                // Pages go back before the waiter hears the outcome.
+                drop((ops, done, link));
+                tx.complete(result);
+            }
+            Err(error) => {
+                stuck = true;
+                abandoned.push(Abandoned {
+                    done,
+                    _ops: ops,
+                    _link: link,
+                });
+                tx.complete(Err(error));
+            }
+        }
+    }
+    // The link is gone; give stuck work its time, then keep (leak) whatever
+    // the device may still write rather than free it under DMA.
+    for a in abandoned {
+        if a.done.wait(opts.batch_timeout).is_err() {
+            std::mem::forget(a);
+        }
+    }
+}
+
+/// `Ok(outcome)` once the stream finished the batch; `Err` when it was
+/// abandoned unfinished (peer gone past the grace, or past the deadline).
+fn wait_batch(
+    done: &ascend_sys::Completion,
+    watch: &Watch,
+    node: &str,
+    opts: &HcclOptions,
+    stuck: bool,
+    count: usize,
+    deadline: Instant,
+) -> Result<Result<(), ChannelError>, ChannelError> {
+    let gone = |detail: String| ChannelError::PeerGone {
+        peer: node.to_string(),
+        op: None,
+        detail,
+    };
+    let mut gone_at: Option<(Instant, String)> = None;
+    loop {
+        match done.wait(WAIT_SLICE) {
+            Ok(()) => {
+                return Ok(match watch.check() {
+                    Ok(()) => Ok(()),
+                    Err(d) => Err(gone(format!(
+                        "{d}; the batch of {count} op(s) ran, but not with a live peer"
+                    ))),
+                })
+            }
+            Err(ascend_sys::Error::Timeout { .. }) => {}
+            Err(source) => {
+                return Ok(Err(ChannelError::Npu {
+                    context: format!("batch of {count} op(s) with {node}"),
+                    source,
+                }))
+            }
+        }
+        let now = Instant::now();
+        if gone_at.is_none() {
+            if let Err(d) = watch.check() {
+                gone_at = Some((now, d));
+            }
+        }
+        if let Some((at, d)) = &gone_at {
+            if stuck || now.duration_since(*at) >= opts.gone_grace {
+                return Err(gone(format!(
+                    "{d}; the batch of {count} op(s) did not finish"
+                )));
+            }
+        }
+        if now >= deadline {
+            return Err(ChannelError::Timeout {
+                what: format!("hccl batch of {count} op(s) with peer {node}"),
+                after: opts.batch_timeout,
+            });
+        }
+    }
+}
+
+/// Accepts liveness links and hands each to the setup waiting for its session.
+struct WatchServer {
+    stop: Arc<AtomicBool>,
+    addr: SocketAddr,
+    waiting: Arc<Mutex<HashMap<u64, Sender<TcpStream>>>>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl WatchServer {
+    fn bind(host: &str) -> Result<WatchServer, ChannelError> {
+        let listener = TcpListener::bind((host, 0))
+            .or_else(|_| TcpListener::bind(host))
+            .map_err(|source| ChannelError::Io {
+                context: format!("binding the hccl liveness listener on {host}"),
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| ChannelError::Io {
+            context: "reading the liveness listener address".into(),
+            source,
+        })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let waiting: Arc<Mutex<HashMap<u64, Sender<TcpStream>>>> = Arc::default();
+        let (stop2, waiting2) = (Arc::clone(&stop), Arc::clone(&waiting));
+        let accept = std::thread::Builder::new()
+            .name("pd-hccl-watch".into())
+            .spawn(move || {
+                for s in listener.incoming() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    if let Ok(s) = s {
+                        route_watch(s, &waiting2);
+                    }
+                }
+            })
+            .map_err(|source| ChannelError::Io {
+                context: "spawning the liveness listener thread".into(),
+                source,
+            })?;
+        Ok(WatchServer {
+            stop,
+            addr,
+            waiting,
+            accept: Some(accept),
+        })
+    }
+
+    /// Where the link for `session` will be delivered.
+    fn expect(&self, session: u64) -> Receiver<TcpStream> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        lock(&self.waiting).insert(session, tx);
+        rx
+    }
+}
+
+fn route_watch(mut s: TcpStream, waiting: &Mutex<HashMap<u64, Sender<TcpStream>>>) {
+    let mut hello = [0u8; 16];
+    if s.set_read_timeout(Some(Duration::from_secs(5))).is_err()
+        || s.read_exact(&mut hello).is_err()
+        || &hello[..4] != WATCH_MAGIC
+    {
+        return;
+    }
+    let session = u64::from_le_bytes(hello[8..].try_into().expect("8 bytes"));
+    let Some(tx) = lock(waiting).remove(&session) else {
+        // Unknown session: closing tells the dialer it was refused.
+        return;
+    };
+    if s.write_all(&[1]).is_ok() {
+        let _ = tx.send(s);
+    }
+}
+
+impl Drop for WatchServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}

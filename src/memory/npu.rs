@@ -1,0 +1,432 @@
+//! NPU pools (and pinned CPU pools) over the CANN ACL runtime, through
+//! `ascend-sys`.
+//!
+//! [`AclRuntime`] is the product's [`NpuRuntime`]: NPU pools are
+//! `aclrtMalloc` buffers ([`AclDeviceMemory`]), and CPU pools the `hccl`
+//! channel must register are `aclrtMallocHost` buffers ([`AclHostMemory`]).
+//! Channels get the `ascend-sys` handles back with [`device_buffer`] and
+//! [`pinned_buffer`]; [`read_page`] / [`write_page`] move a page's bytes
+//! to and from host memory wherever the page lives. [`allocator_for_config`]
+//! builds a worker's allocator from its configuration.
+//!
+//! Nothing here has run on Ascend hardware; it is tested against the CANN
+//! emulator (`ascend-sys/emu`).
+
+use super::buffer::{DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer};
+use super::dual::{CpuBacking, DualAllocator, DualSpec};
+use super::pool::MemObj;
+use super::MemoryError;
+use crate::config::{ChannelKind, PdConfig};
+use ascend_sys::{Acl, Device, DeviceBuffer, HostBuffer};
+use std::any::Any;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The CANN runtime (or its emulator) as the source of NPU pools.
+#[derive(Clone, Debug)]
+pub struct AclRuntime {
+    acl: Acl,
+}
+
+/// The error for a CANN that cannot be loaded: what was tried and the two ways out.
+fn no_runtime(e: &ascend_sys::Error) -> MemoryError {
+    MemoryError::NoNpuRuntime(format!("cannot load the CANN runtime: {e}"))
+}
+
+fn device_error(what: &str, e: &ascend_sys::Error) -> MemoryError {
+    MemoryError::Device(format!("{what}: {e}"))
+}
+
+impl AclRuntime {
+    /// Wraps an initialised runtime.
+    pub fn new(acl: Acl) -> AclRuntime {
+        AclRuntime { acl }
+    }
+
+    /// Loads CANN from the default search (`ASCEND_PD_CANN_LIB_DIR` first,
+    /// see `ascend_sys::search_locations`), or takes the runtime this
+    /// process already loaded. The error lists what was tried and how to fix it.
+    pub fn load() -> Result<AclRuntime, MemoryError> {
+        Acl::init().map(AclRuntime::new).map_err(|e| no_runtime(&e))
+    }
+
+    /// Loads CANN (or the emulator) from `dir` only.
+    pub fn from_dir(dir: &Path) -> Result<AclRuntime, MemoryError> {
+        Acl::init_from_dir(dir)
+            .map(AclRuntime::new)
+            .map_err(|e| no_runtime(&e))
+    }
+
+    /// The runtime.
+    pub fn acl(&self) -> &Acl {
+        &self.acl
+    }
+
+    /// A context for NPU `id`.
+    pub fn device(&self, id: u32) -> Result<Device, MemoryError> {
+        self.acl
+            .device(id)
+            .map_err(|e| device_error(&format!("opening NPU {id}"), &e))
+    }
+}
+
+impl NpuRuntime for AclRuntime {
+    fn alloc(&self, device: u32, len: usize) -> Result<Box<dyn DeviceMemory>, MemoryError> {
+        let buffer = self
+            .device(device)?
+            .alloc(len)
+            .map_err(|e| device_error(&format!("allocating {len} bytes on NPU {device}"), &e))?;
+        Ok(Box::new(AclDeviceMemory {
+            buffer: Arc::new(buffer),
+        }))
+    }
+
+    fn describe(&self) -> String {
+        format!("CANN runtime at {}", self.acl.library_path().display())
+    }
+
+    fn alloc_pinned_host(
+        &self,
+        device: u32,
+        len: usize,
+    ) -> Option<Result<Box<dyn PinnedHostMemory>, MemoryError>> {
+        Some((|| {
+            let dev = self.device(device)?;
+            let buffer = dev.alloc_host(len).map_err(|e| {
+                device_error(&format!("allocating {len} bytes of pinned host memory"), &e)
+            })?;
+            Ok(Box::new(AclHostMemory {
+                buffer: Arc::new(buffer),
+                device: dev,
+            }) as Box<dyn PinnedHostMemory>)
+        })())
+    }
+}
+
+/// An NPU pool's memory: an `aclrtMalloc` buffer, shared with the channels
+/// that register it (HCCL) or copy through it (tcp staging).
+#[derive(Debug)]
+pub struct AclDeviceMemory {
+    buffer: Arc<DeviceBuffer>,
+}
+
+impl AclDeviceMemory {
+    /// The ascend-sys buffer.
+    pub fn buffer(&self) -> &Arc<DeviceBuffer> {
+        &self.buffer
+    }
+}
+
+impl DeviceMemory for AclDeviceMemory {
+    fn device_ptr(&self) -> u64 {
+        self.buffer.addr()
+    }
+
+    fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    fn device_index(&self) -> u32 {
+        self.buffer.device().id()
+    }
+
+    fn as_any(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+}
+
+/// A pinned CPU pool's memory: an `aclrtMallocHost` buffer and the NPU it
+/// was allocated for (the device an `hccl` communicator over it runs on).
+#[derive(Debug)]
+pub struct AclHostMemory {
+    buffer: Arc<HostBuffer>,
+    device: Device,
+}
+
+impl AclHostMemory {
+    /// The ascend-sys buffer.
+    pub fn buffer(&self) -> &Arc<HostBuffer> {
+        &self.buffer
+    }
+
+    /// The NPU the memory was allocated for.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl PinnedHostMemory for AclHostMemory {
+    fn host_ptr(&self) -> *mut u8 {
+        self.buffer.as_ptr().cast()
+    }
+
+    fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    fn as_any(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+}
+
+/// The `aclrtMalloc` buffer behind an NPU pool made by [`AclRuntime`]
+/// (`None` for CPU pools and NPU pools of other runtimes).
+pub fn device_buffer(buffer: &RegisteredBuffer) -> Option<&Arc<DeviceBuffer>> {
+    buffer
+        .device_memory()?
+        .as_any()?
+        .downcast_ref::<AclDeviceMemory>()
+        .map(AclDeviceMemory::buffer)
+}
+
+/// The pinned memory behind a CPU pool made by [`AclRuntime`]
+/// (`None` for mapped CPU pools and NPU pools).
+pub fn pinned_buffer(buffer: &RegisteredBuffer) -> Option<&AclHostMemory> {
+    buffer
+        .pinned_memory()?
+        .as_any()?
+        .downcast_ref::<AclHostMemory>()
+}
+
+/// The NPU an ACL-backed pool belongs to (device pools) or was pinned for
+/// (pinned CPU pools).
+pub fn device_of(buffer: &RegisteredBuffer) -> Option<Device> {
+    device_buffer(buffer)
+        .map(|b| b.device().clone())
+        .or_else(|| pinned_buffer(buffer).map(|h| h.device().clone()))
+}
+
+/// Where a page range lives, checked against the page.
+fn page_range(obj: &MemObj, offset: usize, len: usize) -> Result<usize, MemoryError> {
+    let page_size = obj.pool().buffer().page_size();
+    match offset.checked_add(len) {
+        Some(end) if end <= page_size => Ok(obj.page() as usize * page_size + offset),
+        _ => Err(MemoryError::InvalidGeometry(format!(
+            "{len} bytes at offset {offset} exceed the {page_size}-byte page"
+        ))),
+    }
+}
+
+/// Copies `dst.len()` bytes at `offset` in `obj`'s page into `dst`, wherever
+/// the page lives (host memory, or an NPU through a device-to-host copy).
+/// The caller makes sure no transfer into the page is running.
+pub fn read_page(obj: &MemObj, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
+    let at = page_range(obj, offset, dst.len())?;
+    let buffer = obj.pool().buffer();
+    if let Some(base) = buffer.host_ptr() {
+        // SAFETY: [at, at+len) lies inside the pool (page_range), the pool
+        // outlives `obj`, and `dst` is a distinct exclusive slice.
+        let src = unsafe { std::slice::from_raw_parts(base.add(at), dst.len()) };
+        dst.copy_from_slice(src);
+        return Ok(());
+    }
+    let dev = device_buffer(buffer).ok_or_else(|| not_acl(buffer))?;
+    dev.copy_to_host(at, dst)
+        .map_err(|e| device_error(&format!("reading {}", obj.buffer_ref()), &e))
+}
+
+/// Copies `src` into `obj`'s page at `offset`, wherever the page lives.
+/// The caller makes sure nothing else uses the page's bytes meanwhile
+/// (as with any page the protocol owns).
+pub fn write_page(obj: &MemObj, offset: usize, src: &[u8]) -> Result<(), MemoryError> {
+    let at = page_range(obj, offset, src.len())?;
+    let buffer = obj.pool().buffer();
+    if let Some(base) = buffer.host_ptr() {
+        // SAFETY: the range lies inside the pool; page ownership (the
+        // caller's contract) means no one else touches these bytes now.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(at), src.len()) };
+        return Ok(());
+    }
+    let dev = device_buffer(buffer).ok_or_else(|| not_acl(buffer))?;
+    dev.copy_from_host(at, src)
+        .map_err(|e| device_error(&format!("writing {}", obj.buffer_ref()), &e))
+}
+
+fn not_acl(buffer: &RegisteredBuffer) -> MemoryError {
+    MemoryError::Device(format!(
+        "pool {} on {} was not allocated by the ACL runtime; its bytes cannot be copied",
+        buffer.uuid().simple(),
+        buffer.device()
+    ))
+}
+
+/// Builds the allocator of a worker with `config` (`device_index` resolves a
+/// bare `npu`): the NPU pool from the CANN runtime when `pd_buffer_device`
+/// is `npu`, and with `transfer_channel: hccl` a CPU pool in the runtime's
+/// pinned host memory (HCCL registers nothing else). CANN is loaded from
+/// the default search (`ASCEND_PD_CANN_LIB_DIR` first) only when needed;
+/// when it cannot be, the error says how to point at it or how to avoid it.
+pub fn allocator_for_config(
+    config: &PdConfig,
+    device_index: u32,
+) -> Result<DualAllocator, MemoryError> {
+    let spec = DualSpec::from_config(config, device_index);
+    let hccl = config.transfer_channel == ChannelKind::Hccl;
+    let needs_runtime = spec.npu.is_some() || (hccl && spec.cpu_bytes.is_some());
+    let runtime = if needs_runtime {
+        Some(AclRuntime::load().map_err(|e| match (e, hccl) {
+            (MemoryError::NoNpuRuntime(m), true) => MemoryError::NoNpuRuntime(format!(
+                "{m}\n(transfer_channel: hccl always needs CANN; transfer_channel: tcp does not)"
+            )),
+            (e, _) => e,
+        })?)
+    } else {
+        None
+    };
+    let backing = if hccl {
+        CpuBacking::Pinned {
+            device: spec.npu.map_or(device_index, |(d, _)| d),
+        }
+    } else {
+        CpuBacking::Mapped
+    };
+    DualAllocator::build(
+        &spec,
+        runtime.as_ref().map(|r| r as &dyn NpuRuntime),
+        backing,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{ChunkLayout, ChunkMeta, DeviceKind, Dtype, MemFormat, PoolKind};
+
+    fn emulator() -> AclRuntime {
+        let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
+        AclRuntime::from_dir(&dir).expect("the emulator loads")
+    }
+
+    fn layout(bytes: usize) -> ChunkLayout {
+        ChunkLayout {
+            fmt: MemFormat::Kv2Ltd,
+            layers: 1,
+            tokens: 1,
+            hidden: bytes / 4,
+            dtype: Dtype::BFloat16,
+        }
+    }
+
+    #[test]
+    fn npu_pools_hold_device_buffers_and_pages_copy_both_ways() {
+        let rt = emulator();
+        let buf = RegisteredBuffer::npu(&rt, 1, 3 * 4096, 4096).unwrap();
+        assert_eq!(buf.device(), DeviceKind::Npu(1));
+        let dev = device_buffer(&buf).expect("ACL device buffer");
+        assert_eq!(dev.addr(), buf.base());
+        assert_eq!(dev.device().id(), 1);
+        assert!(pinned_buffer(&buf).is_none() && buf.host_ptr().is_none());
+        let pool = crate::memory::PagePool::new(buf);
+        let objs = pool
+            .allocate_batch(&[ChunkMeta::full(layout(4096)); 3])
+            .unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        write_page(&objs[1], 0, &data).unwrap();
+        write_page(&objs[2], 100, &data[..50]).unwrap();
+        let mut back = vec![0u8; 4096];
+        read_page(&objs[1], 0, &mut back).unwrap();
+        assert_eq!(back, data);
+        let mut part = vec![0u8; 50];
+        read_page(&objs[2], 100, &mut part).unwrap();
+        assert_eq!(part, &data[..50]);
+        // The copy went to page 1 only: page 0 is untouched (the emulator zero-fills).
+        let mut first = vec![1u8; 4096];
+        read_page(&objs[0], 0, &mut first).unwrap();
+        assert!(first.iter().all(|&b| b == 0));
+        let e = read_page(&objs[0], 4050, &mut part)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("exceed the 4096-byte page"), "{e}");
+        drop(objs);
+        assert_eq!(pool.stats().allocated, 0);
+    }
+
+    #[test]
+    fn pinned_cpu_pools_are_host_memory_with_an_acl_buffer() {
+        let rt = emulator();
+        let buf = RegisteredBuffer::pinned_host(&rt, 0, 2 * 1024, 1024).unwrap();
+        assert_eq!(buf.device(), DeviceKind::Cpu);
+        let pinned = pinned_buffer(&buf).expect("ACL host buffer");
+        assert_eq!(pinned.buffer().addr(), buf.base());
+        assert_eq!(Some(buf.base() as *mut u8), buf.host_ptr());
+        assert!(buf.shared_fd().is_none() && device_buffer(&buf).is_none());
+        assert_eq!(device_of(&buf).map(|d| d.id()), Some(0));
+        let pool = crate::memory::PagePool::new(buf);
+        let mut o = pool.allocate(ChunkMeta::full(layout(1024))).unwrap();
+        o.host_bytes_mut().unwrap().fill(0x5a);
+        let mut back = vec![0u8; 1024];
+        read_page(&o, 0, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 0x5a));
+    }
+
+    #[test]
+    fn the_dual_allocator_builds_pinned_cpu_and_npu_pools() {
+        let rt = emulator();
+        let spec = DualSpec {
+            cpu_bytes: Some(4 * 1024),
+            npu: Some((2, 8 * 1024)),
+            page_size: 1024,
+            placement: PoolKind::Npu,
+            shareable_cpu: false,
+        };
+        let a = DualAllocator::build(&spec, Some(&rt), CpuBacking::Pinned { device: 2 }).unwrap();
+        let cpu = a.pool(PoolKind::Cpu).unwrap().buffer();
+        assert!(pinned_buffer(cpu).is_some());
+        assert_eq!(device_of(cpu).map(|d| d.id()), Some(2));
+        assert_eq!(a.primary_device(), DeviceKind::Npu(2));
+        assert_eq!(a.stats().npu.unwrap().total, 8);
+        let e = DualAllocator::build(&spec, None, CpuBacking::Pinned { device: 0 })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("NPU runtime") && e.contains("ASCEND_PD_CANN_LIB_DIR"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_missing_cann_says_how_to_fix_it() {
+        let e = no_runtime(&ascend_sys::Error::LibraryNotFound {
+            library: "libascendcl.so",
+            attempts: vec![ascend_sys::LoadAttempt {
+                path: "/nowhere/libascendcl.so".into(),
+                outcome: "not found".into(),
+            }],
+        })
+        .to_string();
+        for words in [
+            "/nowhere/libascendcl.so",
+            "ASCEND_PD_CANN_LIB_DIR",
+            "pd_buffer_device: cpu",
+        ] {
+            assert!(e.contains(words), "{words}: {e}");
+        }
+    }
+
+    #[test]
+    fn allocator_for_config_uses_the_loaded_runtime_for_npu_and_hccl() {
+        // Load the emulator first: the default search then returns it.
+        let _rt = emulator();
+        let base = "enable_pd: true\npd_role: receiver\npd_buffer_size: 8192\n\
+            kv_num_layers: 1\nkv_num_heads: 1\nkv_head_size: 8\nchunk_size: 16\n\
+            pd_peer_host: 127.0.0.1\npd_peer_init_port: [7100]\npd_peer_alloc_port: [7200]\n";
+        let cfg = |extra: &str| {
+            PdConfig::from_yaml_str(&format!("{base}{extra}"), "test")
+                .unwrap()
+                .config
+        };
+        let a = allocator_for_config(&cfg("pd_buffer_device: npu:1\ntransfer_channel: tcp\n"), 0)
+            .unwrap();
+        let npu = a.pool(PoolKind::Npu).unwrap().buffer();
+        assert!(device_buffer(npu).is_some());
+        assert_eq!(npu.device(), DeviceKind::Npu(1));
+        let a = allocator_for_config(&cfg("pd_buffer_device: cpu\ntransfer_channel: hccl\n"), 3)
+            .unwrap();
+        let cpu = a.primary().buffer();
+        assert!(pinned_buffer(cpu).is_some());
+        assert_eq!(device_of(cpu).map(|d| d.id()), Some(3));
+        let a = allocator_for_config(&cfg("pd_buffer_device: cpu\ntransfer_channel: tcp\n"), 0)
+            .unwrap();
+        assert!(pinned_buffer(a.primary().buffer()).is_none());
+    }
+}
