@@ -79,7 +79,8 @@ fn request_streams_with_dedup_and_partial_chunks_arrive_byte_exact() {
             assert!(
                 matches!(
                     out,
-                    PutOutcome::Pushed { written: 6, .. } | PutOutcome::Announced { pinned: 6, .. }
+                    PutOutcome::Pushed { written: 6, .. }
+                        | PutOutcome::Announced { announced: 6, .. }
                 ),
                 "{ch:?} {mode:?}: {out:?}"
             );
@@ -97,11 +98,11 @@ fn request_streams_with_dedup_and_partial_chunks_arrive_byte_exact() {
                     assert_eq!((*written, *already_present), (3, 3), "{ch:?}")
                 }
                 PutOutcome::Announced {
-                    pinned,
+                    announced,
                     already_present,
                     ..
                 } => {
-                    assert_eq!((*pinned, *already_present), (3, 3), "{ch:?} {mode:?}")
+                    assert_eq!((*announced, *already_present), (3, 3), "{ch:?} {mode:?}")
                 }
                 other => panic!("{ch:?} {mode:?}: {other:?}"),
             }
@@ -170,7 +171,7 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
         assert!(
             matches!(
                 out,
-                PutOutcome::Pushed { written: 2, .. } | PutOutcome::Announced { pinned: 2, .. }
+                PutOutcome::Pushed { written: 2, .. } | PutOutcome::Announced { announced: 2, .. }
             ),
             "{mode:?}: {out:?}"
         );
@@ -192,7 +193,7 @@ fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
     let ks = keys("orphan", 5);
     let c = chunks(&s, &ks, 3);
     let out = s.put(&ks, &c, &spec_for(&rc, "orphan", true)).unwrap();
-    assert!(matches!(out, PutOutcome::Announced { pinned: 5, .. }));
+    assert!(matches!(out, PutOutcome::Announced { announced: 5, .. }));
     drop(c);
     assert_eq!(s.stats().pools.cpu.unwrap().pinned, 5);
     // The receiver goes away without reading or sending Done.

@@ -10,9 +10,9 @@ use crate::memory::{
     BufferRef, ChunkLayout, ChunkMeta, DualAllocator, DualSpec, DualStats, MemObj, NpuRuntime,
 };
 use crate::protocol::{
-    AckOutcome, Admission, AllocRequest, AscendAllocResponse, Backpressure, BreakerCounters,
-    BreakerState, CircuitBreaker, Delivery, DoneOutcome, InsertOutcome, Message, ProxyNotif,
-    PullCounters, PullPending, PullPendingLimits, PullReadyDoneAck, PullReadyNotif,
+    Admission, AllocRequest, AscendAllocResponse, Backpressure, BreakerCounters, BreakerState,
+    CircuitBreaker, Delivery, DoneOutcome, InsertOutcome, Message, ProxyNotif, PullCounters,
+    PullPending, PullPendingLimits, PullReadyDoneAck, PullReadyNotif,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,8 +51,9 @@ pub enum PutOutcome {
     Announced {
         /// The pull's id.
         pull_id: String,
-        /// Chunks the receiver will read.
-        pinned: usize,
+        /// Chunks the receiver will read (pinned until its Done, which may
+        /// already have arrived by the time `put` returns).
+        announced: usize,
         /// Chunks the receiver already had (unpinned at once).
         already_present: usize,
     },
@@ -448,7 +449,11 @@ impl Sender {
                             ReqFailure::NotSent(_) => Delivery::NotSent,
                             ReqFailure::NoReply(_) => Delivery::Unknown,
                         };
-                        lock(&s.pending).on_req_failed(&pull_id, delivery, Instant::now());
+                        {
+                            let mut pending = lock(&s.pending);
+                            let _released =
+                                pending.on_req_failed(&pull_id, delivery, Instant::now());
+                        }
                         s.released.notify_all();
                         return Err(self.req_failed(&mut link, f));
                     }
@@ -458,7 +463,11 @@ impl Sender {
                     Err(e) => {
                         s.counters.bump(MessageKind::Malformed);
                         // The receiver may still read: hold the pins until the lease.
-                        lock(&s.pending).on_req_failed(&pull_id, Delivery::Unknown, Instant::now());
+                        {
+                            let mut pending = lock(&s.pending);
+                            let _held =
+                                pending.on_req_failed(&pull_id, Delivery::Unknown, Instant::now());
+                        }
                         return Err(BackendError::BadReply {
                             peer: peer_key,
                             detail: e.to_string(),
@@ -466,18 +475,19 @@ impl Sender {
                     }
                 };
                 s.counters.bump(MessageKind::PullReadyDoneAck);
-                let outcome = lock(&s.pending).on_ack(&pull_id, &ack, Instant::now());
+                let opens_breaker = {
+                    let mut pending = lock(&s.pending);
+                    let outcome = pending.on_ack(&pull_id, &ack, Instant::now());
+                    outcome.opens_breaker()
+                };
                 s.released.notify_all();
-                if outcome.opens_breaker() {
+                if opens_breaker {
                     self.open_breaker(&peer_key);
                     return Ok(PutOutcome::ReceiverAllocFailed);
                 }
                 let already_present = ack.already_sent_indexes.len();
                 Ok(PutOutcome::Announced {
-                    pinned: match outcome {
-                        AckOutcome::Accepted { still_pinned, .. } => still_pinned,
-                        _ => 0,
-                    },
+                    announced: chunks.len().saturating_sub(already_present),
                     pull_id,
                     already_present,
                 })
@@ -702,13 +712,16 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
         match Message::decode(&frame) {
             Ok(Message::PullDoneSignal(d)) => {
                 s.counters.bump(MessageKind::PullDoneSignal);
-                let outcome = lock(&s.pending).on_done(&d.pull_id, Instant::now());
-                if let DoneOutcome::Early = outcome {
-                    pd_log!(debug, "PullDoneSignal for unknown pull {}", d.pull_id);
+                {
+                    // Released pages go back to the pool while the pending
+                    // lock is held, so whoever sees the pull gone (drain,
+                    // backpressure) also sees its pages free.
+                    let mut pending = lock(&s.pending);
+                    let outcome = pending.on_done(&d.pull_id, Instant::now());
+                    if let DoneOutcome::Early = outcome {
+                        pd_log!(debug, "PullDoneSignal for unknown pull {}", d.pull_id);
+                    }
                 }
-                // The released pages go back to the pool before anyone waiting
-                // on `released` (backpressure, drain) looks at the counters.
-                drop(outcome);
                 s.released.notify_all();
             }
             Ok(other) => {
