@@ -703,7 +703,7 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
     while !s.stop.load(Ordering::Acquire) {
         let frame = match sock.recv_bytes(0) {
             Ok(f) => f,
-            Err(zmq::Error::EAGAIN) => continue,
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {
                 pd_log!(warn, "PullDoneSignal socket failed: {e}");
                 break;

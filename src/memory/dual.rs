@@ -132,11 +132,13 @@ impl DualAllocator {
         };
         let cpu = match (spec.cpu_bytes, cpu_backing) {
             (None, _) => None,
-            (Some(bytes), CpuBacking::Mapped) => Some(PagePool::new(RegisteredBuffer::host(
-                bytes,
-                spec.page_size,
-                spec.shareable_cpu,
-            )?)),
+            (Some(bytes), CpuBacking::Mapped) => {
+                let buf = RegisteredBuffer::host(bytes, spec.page_size, spec.shareable_cpu)?;
+                // Fault every page in now: a transfer must not pay first-touch
+                // faults (thousands per chunk on 4 KiB shared-memory pages).
+                buf.prefault();
+                Some(PagePool::new(buf))
+            }
             (Some(bytes), CpuBacking::Pinned { device }) => {
                 let rt = npu_runtime.ok_or_else(|| {
                     MemoryError::NoNpuRuntime(

@@ -245,7 +245,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// Single-thread memcpy of `bytes` (in `chunk`-sized pieces) between two prefaulted buffers.
-fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
+pub fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
     let src = RegisteredBuffer::host(bytes, chunk, false)?;
     let dst = RegisteredBuffer::host(bytes, chunk, false)?;
     src.prefault();
@@ -270,7 +270,7 @@ fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
 }
 
 /// One TCP stream over loopback moving `bytes` from a buffer into a buffer.
-fn raw_tcp_gbps(bytes: usize, reps: usize) -> Result<f64> {
+pub fn raw_tcp_gbps(bytes: usize, reps: usize) -> Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {

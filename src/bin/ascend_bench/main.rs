@@ -1,11 +1,17 @@
 //! `ascend-bench`: the main job of ascend-pd.
 //!
-//! Subcommands: `check-config FILE...` validates configurations. The 1P1D
-//! benchmark (`run`, the default) arrives with the backend.
+//! With no command it runs the built-in 1P1D comparison of every mode on
+//! this machine (`run` with defaults). Subcommands run real sender,
+//! receiver and proxy processes, the channel micro-benchmark, and config
+//! validation.
 
 mod args;
 mod channel;
 mod check_config;
+mod metrics;
+mod report;
+mod roles;
+mod run;
 
 use std::process::ExitCode;
 
@@ -13,25 +19,54 @@ const USAGE: &str = "\
 usage: ascend-bench [COMMAND]
 
 commands:
-  check-config FILE...   validate configs, print the effective values (defaults filled in)
+  run [--config FILE] [--channel shm|tcp] [--device cpu]
+      [--modes push,pull-eager,pull-delay,pull-delay-offload]
+      [--requests N] [--prompt-tokens N] [--senders P] [--receivers D] [--tp N]
+      [--json FILE] [--plot FILE.svg]
+                         nPmD comparison of the modes with real sender, receiver and
+                         proxy processes on this machine; every byte is verified.
+                         The default (no command) is `run` with built-in settings.
+  sender --config FILE (--receiver HOST --init-port P[,P] --alloc-port P[,P] |
+         --to HOST/P[,P]/P[,P] ...) [--requests N] [--prompt-tokens N] [--rank R]
+         [--prefix NAME] [--metrics-port M]
+                         a prefill worker with a request generator
+  receiver --config FILE [--rank R] [--notify-port P] [--requests N] [--metrics-port M]
+                         a decode worker; loads and verifies each request announced
+                         by a ProxyNotif on --notify-port
+  proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]
+                         receives ProxyNotif from senders and forwards it to decoders
   channel [--channel shm|tcp|hccl] [--device cpu|npu] [--op write|read]
           [--chunk-bytes N] [--chunks M] [--reps R] [--json FILE]
                          transfer-channel micro-benchmark between two processes,
                          with a same-run baseline (memcpy for shm/hccl, one TCP stream
                          for tcp); hccl and npu pools need CANN or the emulator
                          (ASCEND_PD_CANN_LIB_DIR)
+  check-config FILE...   validate configs, print the effective values (defaults filled in)
   help                   this text
 
-With no command, validates every file in configs/ (the 1P1D benchmark is not
-built yet).";
+--metrics-port serves counters in Prometheus text format at http://HOST:PORT/metrics.
+Long-running processes stop cleanly on SIGINT / SIGTERM.";
+
+fn report(r: anyhow::Result<bool>) -> bool {
+    r.unwrap_or_else(|e| {
+        eprintln!("error: {e:#}");
+        false
+    })
+}
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (cmd, rest) = match args.split_first() {
         Some((c, r)) => (c.as_str(), r),
-        None => ("", &[][..]),
+        None => ("run", &[][..]),
     };
     let ok = match cmd {
+        "run" => report(run::run_main(rest)),
+        "sender" => report(roles::sender_main(rest)),
+        "receiver" => report(roles::receiver_main(rest)),
+        "proxy" => report(roles::proxy_main(rest)),
+        "channel" => report(channel::bench_main(rest)),
+        "channel-peer" => report(channel::peer_main(rest).map(|()| true)),
         "check-config" => {
             if rest.is_empty() {
                 eprintln!("error: check-config needs at least one FILE\n\n{USAGE}");
@@ -39,34 +74,6 @@ fn main() -> ExitCode {
             }
             check_config::run(rest, &mut std::io::stdout(), &mut std::io::stderr())
         }
-        "" => {
-            let files = match shipped_configs() {
-                Ok(f) => f,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            eprintln!(
-                "The 1P1D benchmark is not built yet; validating the {} files in configs/.",
-                files.len()
-            );
-            check_config::run(&files, &mut std::io::stdout(), &mut std::io::stderr())
-        }
-        "channel" => match channel::bench_main(rest) {
-            Ok(verified) => verified,
-            Err(e) => {
-                eprintln!("error: {e:#}");
-                false
-            }
-        },
-        "channel-peer" => match channel::peer_main(rest) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!("error: {e:#}");
-                false
-            }
-        },
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             true
@@ -81,20 +88,4 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
-}
-
-/// `configs/*.yaml` of the source tree (or of the working directory).
-fn shipped_configs() -> Result<Vec<String>, String> {
-    let dir = ["configs", concat!(env!("CARGO_MANIFEST_DIR"), "/configs")]
-        .into_iter()
-        .find(|d| std::path::Path::new(d).is_dir())
-        .ok_or("no configs/ directory here or in the source tree")?;
-    let mut files: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| format!("cannot list {dir}: {e}"))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
-        .map(|p| p.display().to_string())
-        .collect();
-    files.sort();
-    Ok(files)
 }

@@ -1,0 +1,347 @@
+//! Turning worker events into per-mode figures: the table, the JSON and the plot.
+
+use crate::run::RunSpec;
+use anyhow::Result;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// p50 and p99 of a latency, in milliseconds.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile (nearest rank).
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Nearest-rank p50 and p99 of `v`.
+    pub fn of(mut v: Vec<f64>) -> Percentiles {
+        if v.is_empty() {
+            return Percentiles::default();
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        let at = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Percentiles {
+            p50: at(0.50),
+            p99: at(0.99),
+        }
+    }
+
+    fn json(self) -> Value {
+        json!({"p50": round3(self.p50), "p99": round3(self.p99)})
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Everything measured for one mode.
+#[derive(Clone, Debug, Default)]
+pub struct ModeReport {
+    /// `push`, `pull-eager`, `pull-delay` or `pull-delay-offload`.
+    pub mode: String,
+    /// Channel name.
+    pub channel: String,
+    /// Buffer device.
+    pub device: String,
+    /// Bytes over the summed per-request transfer time.
+    pub gbps: f64,
+    /// The baseline's name.
+    pub baseline: String,
+    /// The baseline in GB/s, same run.
+    pub baseline_gbps: f64,
+    /// gbps / baseline_gbps.
+    pub ratio: f64,
+    /// How long `put` blocked the prefill side.
+    pub put_latency_ms: Percentiles,
+    /// put start → the receiver holds the request (landed, read, or proxies).
+    pub ready_latency_ms: Percentiles,
+    /// Fetch (+ scatter) on the decode side.
+    pub load_latency_ms: Percentiles,
+    /// put start (prefill done) → KV loaded on the decode side.
+    pub e2e_latency_ms: Percentiles,
+    /// Most receiver pool bytes in use at once.
+    pub receiver_peak_buffer_bytes: u64,
+    /// Most sender pages pinned at once.
+    pub sender_peak_pinned_pages: u64,
+    /// Bytes checked at the receiver.
+    pub bytes_verified: u64,
+    /// Every request arrived and every byte matched.
+    pub verified: bool,
+    /// Requests completed.
+    pub requests: usize,
+    /// Tokens per request.
+    pub prompt_tokens: usize,
+    /// Wall time of the mode.
+    pub wall_s: f64,
+}
+
+/// Joins the sender and receiver events of one mode.
+#[allow(clippy::too_many_arguments)]
+pub fn summarize(
+    mode: &str,
+    spec: &RunSpec,
+    puts: &HashMap<String, Value>,
+    loads: &HashMap<String, Value>,
+    sender_done: &[Value],
+    receiver_done: &[Value],
+    expected: usize,
+    clean: bool,
+    wall: Duration,
+) -> Result<ModeReport> {
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    let (mut put, mut ready, mut load, mut e2e) = (vec![], vec![], vec![], vec![]);
+    let mut moved_bytes = 0.0;
+    let mut transfer_s = 0.0;
+    let mut bytes_verified = 0u64;
+    let mut all_verified = clean && loads.len() == expected && puts.len() == expected;
+    for (req, p) in puts {
+        let (ps, pe) = (f(p, "put_start"), f(p, "put_end"));
+        put.push((pe - ps) * 1e3);
+        let Some(l) = loads.get(req) else {
+            all_verified = false;
+            continue;
+        };
+        if l["verified"] != true {
+            all_verified = false;
+        }
+        bytes_verified += l["bytes"].as_u64().unwrap_or(0);
+        let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));
+        ready.push((ra - ps).max(0.0) * 1e3);
+        load.push((le - ls) * 1e3);
+        e2e.push((le - ps) * 1e3);
+        // When the data is resident in receiver memory: push when put
+        // returns, eager when the receiver saw it landed, delay after the fetch.
+        let resident = match mode {
+            "push" => pe,
+            "pull-eager" => ra,
+            _ => le,
+        };
+        let bytes = p["bytes"].as_f64().unwrap_or(0.0);
+        // For pull-delay only the fetch moves data; don't count the wait for the notif.
+        let span = match mode {
+            "push" | "pull-eager" => resident - ps,
+            _ => le - ls,
+        };
+        if span > 0.0 {
+            moved_bytes += bytes;
+            transfer_s += span;
+        }
+    }
+    Ok(ModeReport {
+        mode: mode.to_string(),
+        channel: spec.channel.name().to_string(),
+        device: spec.device.to_string(),
+        gbps: if transfer_s > 0.0 {
+            moved_bytes / transfer_s / 1e9
+        } else {
+            0.0
+        },
+        put_latency_ms: Percentiles::of(put),
+        ready_latency_ms: Percentiles::of(ready),
+        load_latency_ms: Percentiles::of(load),
+        e2e_latency_ms: Percentiles::of(e2e),
+        receiver_peak_buffer_bytes: receiver_done
+            .iter()
+            .map(|v| v["peak_buffer_bytes"].as_u64().unwrap_or(0))
+            .max()
+            .unwrap_or(0),
+        sender_peak_pinned_pages: sender_done
+            .iter()
+            .map(|v| v["peak_pinned_pages"].as_u64().unwrap_or(0))
+            .max()
+            .unwrap_or(0),
+        bytes_verified,
+        verified: all_verified,
+        requests: loads.len(),
+        prompt_tokens: spec.prompt_tokens,
+        wall_s: wall.as_secs_f64(),
+        ..Default::default()
+    })
+}
+
+/// The summary table.
+pub fn table(modes: &[ModeReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{:<20} {:>7} {:>6} {:>16} {:>16} {:>16} {:>16} {:>10} {:>8} {:>9}",
+        "mode",
+        "GB/s",
+        "ratio",
+        "put ms p50/p99",
+        "ready ms p50/p99",
+        "load ms p50/p99",
+        "e2e ms p50/p99",
+        "recv peak",
+        "pinned",
+        "verified"
+    );
+    for m in modes {
+        let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
+        let _ = writeln!(
+            s,
+            "{:<20} {:>7.2} {:>6.2} {:>16} {:>16} {:>16} {:>16} {:>7} MiB {:>8} {:>9}",
+            m.mode,
+            m.gbps,
+            m.ratio,
+            pp(m.put_latency_ms),
+            pp(m.ready_latency_ms),
+            pp(m.load_latency_ms),
+            pp(m.e2e_latency_ms),
+            m.receiver_peak_buffer_bytes >> 20,
+            m.sender_peak_pinned_pages,
+            if m.verified {
+                format!("{} MiB", m.bytes_verified >> 20)
+            } else {
+                "FAILED".into()
+            }
+        );
+    }
+    if let Some(m) = modes.first() {
+        let _ = writeln!(
+            s,
+            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. {} over {}, {} requests x {} tokens per mode.",
+            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens
+        );
+    }
+    s
+}
+
+/// The machine-readable document (field names documented in the README).
+pub fn json_doc(modes: &[ModeReport]) -> Value {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    json!({
+        "tool": "ascend-bench",
+        "version": env!("CARGO_PKG_VERSION"),
+        "machine": {
+            "cpus": cpus,
+            "os": std::env::consts::OS,
+            "arch": std::env::consts::ARCH,
+            "npu": "none (cpu buffers); nothing here has run on Ascend hardware",
+        },
+        "modes": modes.iter().map(|m| json!({
+            "mode": m.mode,
+            "channel": m.channel,
+            "device": m.device,
+            "requests": m.requests,
+            "prompt_tokens": m.prompt_tokens,
+            "gbps": round3(m.gbps),
+            "baseline": m.baseline,
+            "baseline_gbps": round3(m.baseline_gbps),
+            "ratio": round3(m.ratio),
+            "put_latency_ms": m.put_latency_ms.json(),
+            "ready_latency_ms": m.ready_latency_ms.json(),
+            "load_latency_ms": m.load_latency_ms.json(),
+            "e2e_latency_ms": m.e2e_latency_ms.json(),
+            "receiver_peak_buffer_bytes": m.receiver_peak_buffer_bytes,
+            "sender_peak_pinned_pages": m.sender_peak_pinned_pages,
+            "bytes_verified": m.bytes_verified,
+            "verified": m.verified,
+            "wall_s": round3(m.wall_s),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// A two-panel SVG: p50 latencies per mode, and receiver peak memory / sender pins.
+pub fn svg(modes: &[ModeReport]) -> String {
+    let (w, h) = (900.0, 420.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"];
+    // Panel 1: latencies.
+    let series = ["put", "ready", "load", "e2e"];
+    let lat = |m: &ModeReport| {
+        [
+            m.put_latency_ms.p50,
+            m.ready_latency_ms.p50,
+            m.load_latency_ms.p50,
+            m.e2e_latency_ms.p50,
+        ]
+    };
+    let max = modes.iter().flat_map(lat).fold(0.0f64, f64::max).max(1e-3);
+    let (x0, y0, pw, ph) = (60.0, 40.0, 480.0, 300.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{x0}" y="24" font-size="14">p50 latency (ms) per mode</text>"#
+    );
+    let group = pw / modes.len().max(1) as f64;
+    let bar = group / 5.0;
+    for (i, m) in modes.iter().enumerate() {
+        for (j, v) in lat(m).iter().enumerate() {
+            let bh = v / max * ph;
+            let x = x0 + i as f64 * group + j as f64 * bar + bar / 2.0;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{}"><title>{} {}: {v:.2} ms</title></rect>"#,
+                y0 + ph - bh,
+                bar * 0.9,
+                colors[j],
+                m.mode,
+                series[j]
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            x0 + i as f64 * group + group / 2.0,
+            y0 + ph + 16.0,
+            m.mode
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{:.1}" text-anchor="end">{max:.1}</text><text x="{}" y="{:.1}" text-anchor="end">0</text>"#,
+        x0 - 4.0,
+        y0 + 10.0,
+        x0 - 4.0,
+        y0 + ph
+    );
+    for (j, name) in series.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            r#"<rect x="{}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}">{name}</text>"#,
+            x0 + j as f64 * 80.0,
+            y0 + ph + 30.0,
+            colors[j],
+            x0 + j as f64 * 80.0 + 14.0,
+            y0 + ph + 39.0
+        );
+    }
+    // Panel 2: memory.
+    let (x1, pw2) = (600.0, 260.0);
+    let mem_max = modes
+        .iter()
+        .map(|m| m.receiver_peak_buffer_bytes as f64 / (1 << 20) as f64)
+        .fold(0.0f64, f64::max)
+        .max(1.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{x1}" y="24" font-size="14">receiver peak buffer (MiB)</text>"#
+    );
+    let row = ph / modes.len().max(1) as f64;
+    for (i, m) in modes.iter().enumerate() {
+        let mib = m.receiver_peak_buffer_bytes as f64 / (1 << 20) as f64;
+        let bw = mib / mem_max * pw2;
+        let y = y0 + i as f64 * row + row * 0.2;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x1}" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="{}"/><text x="{x1}" y="{:.1}">{} — {mib:.0} MiB, sender pinned peak {} pages</text>"#,
+            row * 0.4,
+            colors[i % colors.len()],
+            y + row * 0.4 + 14.0,
+            m.mode,
+            m.sender_peak_pinned_pages
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}

@@ -1,0 +1,523 @@
+//! `ascend-bench sender | receiver | proxy`: long-running processes for
+//! real deployments (and the workers `run` starts). They log to stderr,
+//! print one JSON line per request on stdout, stop cleanly on SIGINT /
+//! SIGTERM, and can serve their counters in Prometheus text format.
+
+use crate::args::Args;
+use crate::metrics::{MetricsServer, Registry};
+use anyhow::{anyhow, bail, Context, Result};
+use ascend_pd::backend::{PutOutcome, Receiver, Sender, TransferSpec};
+use ascend_pd::config::{PdConfig, PortList, TransferMode};
+use ascend_pd::memory::{pattern, ChunkMeta, MemObj};
+use ascend_pd::protocol::{Message, ProxyNotif};
+use serde_json::json;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Set by SIGINT / SIGTERM.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Installs the SIGINT / SIGTERM handler that asks the loops to stop.
+pub fn install_signal_handlers() {
+    let handler: extern "C" fn(libc::c_int) = on_signal;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, handler as libc::sighandler_t);
+    }
+}
+
+fn stopping() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+/// Seconds since the epoch (both processes of a pair share one host clock).
+pub fn wall() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The key of chunk `i` of request `req_id`.
+pub fn chunk_key(req_id: &str, i: usize) -> String {
+    format!("{req_id}/{i}")
+}
+
+/// The pattern seed of a key (the receiver checks every byte against it).
+pub fn key_seed(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn emit(v: serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+fn load_config(a: &Args) -> Result<PdConfig> {
+    let path: String = a
+        .opt("config")
+        .map_err(|e| anyhow!(e))?
+        .ok_or_else(|| anyhow!("--config FILE is required"))?;
+    let loaded = PdConfig::load(&path)?;
+    for w in &loaded.warnings {
+        eprintln!("warning: {path}: {w}");
+    }
+    Ok(loaded.config)
+}
+
+/// Splits every `--name VALUE` / `--name=VALUE` out of `args`.
+fn take_repeated(args: &[String], name: &str) -> Result<(Vec<String>, Vec<String>)> {
+    let (flag, prefix) = (format!("--{name}"), format!("--{name}="));
+    let (mut found, mut rest) = (Vec::new(), Vec::new());
+    let mut it = args.iter();
+    while let Some(x) = it.next() {
+        if *x == flag {
+            found.push(
+                it.next()
+                    .ok_or_else(|| anyhow!("{flag} needs a value"))?
+                    .clone(),
+            );
+        } else if let Some(v) = x.strip_prefix(&prefix) {
+            found.push(v.to_string());
+        } else {
+            rest.push(x.clone());
+        }
+    }
+    Ok((found, rest))
+}
+
+/// `HOST/INIT_PORTS/ALLOC_PORTS`, ports comma-separated per TP rank.
+fn parse_target(t: &str) -> Result<(String, PortList, PortList)> {
+    let parts: Vec<&str> = t.split('/').collect();
+    if parts.len() != 3 {
+        bail!(
+            "--to {t:?}: expected HOST/INIT_PORTS/ALLOC_PORTS, e.g. 10.0.0.2/7300,7301/7400,7401"
+        );
+    }
+    Ok((
+        parts[0].to_string(),
+        parse_ports(parts[1])?,
+        parse_ports(parts[2])?,
+    ))
+}
+
+fn parse_ports(s: &str) -> Result<PortList> {
+    let ports: Vec<u16> = s
+        .split(',')
+        .map(|p| p.trim().parse().map_err(|e| anyhow!("port {p:?}: {e}")))
+        .collect::<Result<_>>()?;
+    Ok(if ports.len() == 1 {
+        PortList::Single(ports[0])
+    } else {
+        PortList::PerRank(ports)
+    })
+}
+
+/// `ascend-bench sender --config FILE --receiver HOST --init-port P[,P..]
+/// --alloc-port P[,P..] [--requests N] [--prompt-tokens T] [--rank R]
+/// [--prefix NAME] [--metrics-port M]`: generates requests and puts them.
+pub fn sender_main(args: &[String]) -> Result<bool> {
+    // --to may repeat: split it out before the flag parser.
+    let (tos, rest) = take_repeated(args, "to")?;
+    let a = Args::parse("sender", &rest).map_err(|e| anyhow!(e))?;
+    let config = load_config(&a)?;
+    let rank: usize = a.get("rank", 0).map_err(|e| anyhow!(e))?;
+    let mut targets: Vec<(String, PortList, PortList)> =
+        tos.iter().map(|t| parse_target(t)).collect::<Result<_>>()?;
+    if let Some(host) = a.opt::<String>("receiver").map_err(|e| anyhow!(e))? {
+        let need = |flag: &str, key: &str| -> Result<PortList> {
+            parse_ports(
+                &a.opt::<String>(flag)
+                    .map_err(|e| anyhow!(e))?
+                    .ok_or_else(|| {
+                        anyhow!("--{flag} is required with --receiver (the receiver's {key})")
+                    })?,
+            )
+        };
+        let init = need("init-port", "pd_peer_init_port")?;
+        let alloc = need("alloc-port", "pd_peer_alloc_port")?;
+        targets.push((host, init, alloc));
+    }
+    if targets.is_empty() {
+        bail!("give the receiver: --receiver HOST --init-port P --alloc-port P, or --to HOST/INIT_PORTS/ALLOC_PORTS (repeatable)");
+    }
+    let first: usize = a.get("first-receiver", 0).map_err(|e| anyhow!(e))?;
+    let requests: usize = a.get("requests", 8).map_err(|e| anyhow!(e))?;
+    let prompt: usize = a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?;
+    let prefix: String = a.get("prefix", "req".to_string()).map_err(|e| anyhow!(e))?;
+    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+    if prompt == 0 {
+        bail!("--prompt-tokens must be at least 1");
+    }
+    install_signal_handlers();
+
+    let sender = Arc::new(Sender::start(&config, rank, None, Default::default())?);
+    let registry = Registry::default();
+    let _metrics = metrics_port
+        .map(|p| MetricsServer::spawn(p, registry.clone()))
+        .transpose()?;
+    let layout = sender.chunk_layout();
+    let chunk = layout.tokens;
+    let n_chunks = prompt.div_ceil(chunk);
+    let mut tokens = vec![chunk; n_chunks];
+    if prompt % chunk != 0 {
+        tokens[n_chunks - 1] = prompt % chunk;
+    }
+    let metas: Vec<ChunkMeta> = tokens
+        .iter()
+        .map(|&t| ChunkMeta::partial(layout, t))
+        .collect();
+    eprintln!(
+        "sender: {} over {}, {requests} request(s) of {prompt} tokens ({n_chunks} chunks of {} bytes) to {} receiver(s)",
+        sender.mode(),
+        config.transfer_channel.name(),
+        layout.page_bytes(),
+        targets.len()
+    );
+    let mut ok = true;
+    for r in 0..requests {
+        if stopping() {
+            eprintln!("sender: stopping on signal");
+            break;
+        }
+        let req_id = format!("{prefix}-{r}");
+        let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
+        // Pages free up as receivers finish (pull modes pin until Done).
+        let mut chunks: Vec<MemObj> = sender
+            .allocator()
+            .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
+            .context("allocating a request's chunks")?;
+        for (c, k) in chunks.iter_mut().zip(&keys) {
+            pattern::fill(
+                c.host_bytes_mut().ok_or_else(|| {
+                    anyhow!("the bench fills host pages; use a cpu buffer device or offload")
+                })?,
+                key_seed(k),
+            );
+        }
+        let bytes: usize = chunks.iter().map(MemObj::byte_len).sum();
+        // Requests go round-robin over the receivers.
+        let (host, init, alloc) = &targets[(first + r) % targets.len()];
+        let spec = TransferSpec {
+            req_id: req_id.clone(),
+            receiver_host: host.clone(),
+            receiver_init_port: init.clone(),
+            receiver_alloc_port: alloc.clone(),
+            is_last_prefill: true,
+        };
+        let put_start = wall();
+        let outcome = sender.put(&keys, &chunks, &spec);
+        let put_end = wall();
+        drop(chunks);
+        let outcome_text = match &outcome {
+            Ok(PutOutcome::Pushed { .. }) => "pushed",
+            Ok(PutOutcome::Announced { .. }) => "announced",
+            Ok(PutOutcome::SkippedBreakerOpen) => "skipped_breaker_open",
+            Ok(PutOutcome::ReceiverAllocFailed) => "receiver_alloc_failed",
+            Err(_) => "error",
+        };
+        if let Err(e) = &outcome {
+            eprintln!("sender: {req_id}: {e}");
+            ok = false;
+        }
+        registry.add("ascend_pd_sender_puts_total", 1.0);
+        registry.add("ascend_pd_sender_put_bytes_total", bytes as f64);
+        emit(json!({
+            "event": "put", "req": req_id, "chunks": n_chunks, "bytes": bytes,
+            "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
+        }));
+        publish_sender(&registry, &sender);
+    }
+    // Pins are released by the receivers' Done; give them time, bounded.
+    let drained = sender.drain(Duration::from_secs(120));
+    let st = sender.stats();
+    publish_sender(&registry, &sender);
+    let primary = match config.has_cpu_pool() && (config.use_cpu_offload || !config.has_npu_pool())
+    {
+        true => st.pools.cpu,
+        false => st.pools.npu,
+    };
+    emit(json!({
+        "event": "sender_done",
+        "drained": drained,
+        "peak_pinned_pages": primary.map_or(0, |p| p.pinned_high_water),
+        "pool_allocated": primary.map_or(0, |p| p.allocated),
+        "bytes_written": st.bytes_written,
+        "pulls_expired": st.pulls.expired,
+    }));
+    Ok(ok && drained)
+}
+
+fn publish_sender(reg: &Registry, s: &Sender) {
+    let st = s.stats();
+    for (name, p) in [("cpu", st.pools.cpu), ("npu", st.pools.npu)] {
+        if let Some(p) = p {
+            reg.set(
+                &format!("ascend_pd_pool_pages_total{{pool=\"{name}\"}}"),
+                p.total as f64,
+            );
+            reg.set(
+                &format!("ascend_pd_pool_pages_free{{pool=\"{name}\"}}"),
+                p.free as f64,
+            );
+            reg.set(
+                &format!("ascend_pd_pool_pages_pinned{{pool=\"{name}\"}}"),
+                p.pinned as f64,
+            );
+        }
+    }
+    reg.set("ascend_pd_pulls_pending", st.pulls.pulls_pending as f64);
+    reg.set("ascend_pd_breaker_open_peers", st.breaker.open_peers as f64);
+    for (k, n) in st.messages {
+        reg.set(
+            &format!("ascend_pd_messages_total{{kind=\"{}\"}}", k.name()),
+            n as f64,
+        );
+    }
+}
+
+/// `ascend-bench receiver --config FILE [--rank R] [--notify-port P]
+/// [--requests N] [--metrics-port M]`: serves senders; on each ProxyNotif
+/// arriving at `--notify-port` (sent by a proxy forwarding the request, or
+/// by the sender directly) loads that request, verifies every byte, and
+/// reports. With `--requests N` it exits after N requests.
+pub fn receiver_main(args: &[String]) -> Result<bool> {
+    let a = Args::parse("receiver", args).map_err(|e| anyhow!(e))?;
+    let config = load_config(&a)?;
+    let rank: usize = a.get("rank", 0).map_err(|e| anyhow!(e))?;
+    let notify_port: Option<u16> = a.opt("notify-port").map_err(|e| anyhow!(e))?;
+    let requests: Option<usize> = a.opt("requests").map_err(|e| anyhow!(e))?;
+    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+    install_signal_handlers();
+    let receiver = Receiver::start(&config, rank, None)?;
+    let registry = Registry::default();
+    let _metrics = metrics_port
+        .map(|p| MetricsServer::spawn(p, registry.clone()))
+        .transpose()?;
+    let host = config
+        .peer_host
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1".into());
+    eprintln!(
+        "receiver: {} over {} on {host}, init port {}, alloc port {}",
+        receiver.mode(),
+        config.transfer_channel.name(),
+        config.init_port(rank).unwrap_or(0),
+        config.alloc_port(rank).unwrap_or(0)
+    );
+    let ctx = zmq::Context::new();
+    let notify = match notify_port {
+        Some(p) => {
+            let s = ctx.socket(zmq::PULL)?;
+            s.set_rcvtimeo(100)?;
+            s.set_linger(0)?;
+            s.bind(&format!("tcp://{host}:{p}"))
+                .with_context(|| format!("binding the notify port {p}"))?;
+            Some(s)
+        }
+        None => None,
+    };
+    emit(json!({"event": "receiver_ready"}));
+    let page = config.page_bytes();
+    let mut served = 0usize;
+    let mut ok = true;
+    while !stopping() && requests.is_none_or(|n| served < n) {
+        publish_receiver(&registry, &receiver, page);
+        let Some(sock) = &notify else {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        };
+        let frame = match sock.recv_bytes(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
+            Err(e) => bail!("notify socket: {e}"),
+        };
+        let req_id = match Message::decode(&frame) {
+            Ok(Message::ProxyNotif(ProxyNotif { req_id })) => req_id,
+            other => {
+                eprintln!(
+                    "receiver: ignoring a non-ProxyNotif frame on the notify port: {other:?}"
+                );
+                continue;
+            }
+        };
+        let notif_at = wall();
+        served += 1;
+        match load_request(&receiver, &req_id) {
+            Ok(v) => {
+                let good = v["verified"].as_bool().unwrap_or(false);
+                ok &= good;
+                let mut v = v;
+                v["notif_at"] = json!(notif_at);
+                emit(v);
+            }
+            Err(e) => {
+                ok = false;
+                eprintln!("receiver: {req_id}: {e:#}");
+                emit(
+                    json!({"event": "load", "req": req_id, "notif_at": notif_at, "verified": false, "error": format!("{e:#}")}),
+                );
+            }
+        }
+    }
+    let st = receiver.stats();
+    let peak_pages =
+        st.pools.cpu.map_or(0, |p| p.high_water) + st.pools.npu.map_or(0, |p| p.high_water);
+    emit(json!({
+        "event": "receiver_done",
+        "served": served,
+        "peak_buffer_bytes": peak_pages as u64 * page,
+        "bytes_read": st.bytes_read,
+    }));
+    receiver.close();
+    Ok(ok)
+}
+
+/// Waits for request `req_id`'s chunks, loads them, checks every byte, drops them.
+fn load_request(r: &Receiver, req_id: &str) -> Result<serde_json::Value> {
+    let mut keys = Vec::new();
+    while r.contains(&chunk_key(req_id, keys.len())) {
+        keys.push(chunk_key(req_id, keys.len()));
+    }
+    if keys.is_empty() {
+        bail!("no chunk of {req_id} is stored (skipped by the sender's breaker, or never sent)");
+    }
+    // Ready: the receiver holds the whole request (landed / read, or proxies).
+    if r.mode() != TransferMode::PullDelay {
+        for k in &keys {
+            if r.get_wait(k, Duration::from_secs(60)).is_none() {
+                bail!("{k} did not land within 60 s");
+            }
+        }
+    }
+    let ready_at = wall();
+    let load_start = wall();
+    let got = r.fetch(&keys)?;
+    let load_end = wall();
+    let mut bytes = 0u64;
+    let mut verified = true;
+    for (k, m) in &got {
+        bytes += m.byte_len() as u64;
+        let b = m
+            .host_bytes()
+            .ok_or_else(|| anyhow!("the bench verifies host pages"))?;
+        if let Some(at) = pattern::first_mismatch(b, key_seed(k)) {
+            eprintln!("receiver: {k}: byte {at} differs from what the sender wrote");
+            verified = false;
+        }
+    }
+    drop(got);
+    for k in &keys {
+        r.remove(k);
+    }
+    Ok(json!({
+        "event": "load", "req": req_id, "chunks": keys.len(), "bytes": bytes,
+        "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
+        "verified": verified,
+    }))
+}
+
+fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {
+    let st = r.stats();
+    for (name, p) in [("cpu", st.pools.cpu), ("npu", st.pools.npu)] {
+        if let Some(p) = p {
+            reg.set(
+                &format!("ascend_pd_pool_pages_total{{pool=\"{name}\"}}"),
+                p.total as f64,
+            );
+            reg.set(
+                &format!("ascend_pd_pool_pages_free{{pool=\"{name}\"}}"),
+                p.free as f64,
+            );
+            reg.set(
+                &format!("ascend_pd_pool_peak_bytes{{pool=\"{name}\"}}"),
+                (p.high_water as u64 * page) as f64,
+            );
+        }
+    }
+    reg.set("ascend_pd_proxies", st.store.proxies as f64);
+    reg.set(
+        "ascend_pd_transfer_contexts_open",
+        st.store.contexts_open as f64,
+    );
+    reg.set("ascend_pd_bytes_read_total", st.bytes_read as f64);
+    reg.set("ascend_pd_senders_attached", st.peers as f64);
+    for (k, n) in st.messages {
+        reg.set(
+            &format!("ascend_pd_messages_total{{kind=\"{}\"}}", k.name()),
+            n as f64,
+        );
+    }
+}
+
+/// `ascend-bench proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]`:
+/// receives ProxyNotif from senders, logs them, and forwards each to the
+/// decode workers' notify ports.
+pub fn proxy_main(args: &[String]) -> Result<bool> {
+    let (forwards, rest) = take_repeated(args, "forward")?;
+    let a = Args::parse("proxy", &rest).map_err(|e| anyhow!(e))?;
+    let port: u16 = a
+        .opt("port")
+        .map_err(|e| anyhow!(e))?
+        .ok_or_else(|| anyhow!("--port N is required (the senders' pd_proxy_port)"))?;
+    let host: String = a
+        .get("host", "127.0.0.1".to_string())
+        .map_err(|e| anyhow!(e))?;
+    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+    install_signal_handlers();
+    let registry = Registry::default();
+    let _metrics = metrics_port
+        .map(|p| MetricsServer::spawn(p, registry.clone()))
+        .transpose()?;
+    let ctx = zmq::Context::new();
+    let pull = ctx.socket(zmq::PULL)?;
+    pull.set_rcvtimeo(100)?;
+    pull.set_linger(0)?;
+    pull.bind(&format!("tcp://{host}:{port}"))
+        .with_context(|| format!("binding the proxy port {port}"))?;
+    let pushes = forwards
+        .iter()
+        .map(|f| -> Result<zmq::Socket> {
+            let s = ctx.socket(zmq::PUSH)?;
+            s.set_linger(200)?;
+            s.connect(&format!("tcp://{f}"))?;
+            Ok(s)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    eprintln!("proxy: listening on {host}:{port}, forwarding to {forwards:?}");
+    emit(json!({"event": "proxy_ready"}));
+    while !stopping() {
+        let frame = match pull.recv_bytes(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
+            Err(e) => bail!("proxy socket: {e}"),
+        };
+        match Message::decode(&frame) {
+            Ok(Message::ProxyNotif(n)) => {
+                registry.add("ascend_pd_proxy_notifs_total", 1.0);
+                emit(json!({"event": "proxy_notif", "req": n.req_id, "at": wall()}));
+                for s in &pushes {
+                    let _ = s.send(&frame[..], zmq::DONTWAIT);
+                }
+            }
+            other => {
+                registry.add("ascend_pd_proxy_malformed_total", 1.0);
+                eprintln!("proxy: ignoring a frame that is not a ProxyNotif: {other:?}");
+            }
+        }
+    }
+    eprintln!("proxy: stopping on signal");
+    Ok(true)
+}

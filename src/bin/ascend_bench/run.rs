@@ -1,0 +1,434 @@
+//! `ascend-bench run`: the nPmD comparison of every mode with real sender,
+//! receiver and proxy processes, a same-run baseline, a table, JSON and a plot.
+
+use crate::args::Args;
+use crate::channel::{memcpy_gbps, raw_tcp_gbps};
+use crate::report::{self, ModeReport};
+use anyhow::{anyhow, bail, Context, Result};
+use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The four modes, by their names in the table and the JSON.
+pub const MODES: [&str; 4] = ["push", "pull-eager", "pull-delay", "pull-delay-offload"];
+
+/// What one run measures.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    /// Transfer channel.
+    pub channel: ChannelKind,
+    /// Buffer device.
+    pub device: BufferDevice,
+    /// Modes to run, in order.
+    pub modes: Vec<String>,
+    /// Requests per sender (per rank).
+    pub requests: usize,
+    /// Tokens per request.
+    pub prompt_tokens: usize,
+    /// Sender processes (per rank).
+    pub senders: usize,
+    /// Receiver processes (per rank).
+    pub receivers: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// The model / pool shape (from `--config`, or the built-in default).
+    pub base: PdConfig,
+    /// Sender pool bytes, receiver pool bytes.
+    pub pools: (u64, u64),
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn ports(n: usize) -> Result<Vec<u16>> {
+    (0..n).map(|_| free_port()).collect()
+}
+
+/// The default workload: a Llama-3-8B-shaped cache (32 layers, 8 KV heads
+/// x 128, bf16, 256-token chunks = 32 MiB pages), requests of 4000 tokens.
+pub fn default_base() -> PdConfig {
+    PdConfig::with_defaults(Role::Sender)
+}
+
+pub fn run_main(args: &[String]) -> Result<bool> {
+    let a = Args::parse("run", args).map_err(|e| anyhow!(e))?;
+    let base = match a.opt::<String>("config").map_err(|e| anyhow!(e))? {
+        Some(path) => PdConfig::load(&path)?.config,
+        None => default_base(),
+    };
+    let channel: String = a
+        .get("channel", "shm".to_string())
+        .map_err(|e| anyhow!(e))?;
+    let channel: ChannelKind = channel
+        .parse()
+        .map_err(|_| anyhow!("--channel {channel:?}: expected shm, tcp or hccl"))?;
+    let device: String = a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?;
+    let device: BufferDevice = device
+        .parse()
+        .map_err(|_| anyhow!("--device {device:?}: expected cpu, npu or npu:N"))?;
+    let modes: String = a.get("modes", MODES.join(",")).map_err(|e| anyhow!(e))?;
+    let modes: Vec<String> = modes.split(',').map(|m| m.trim().to_string()).collect();
+    for m in &modes {
+        if !MODES.contains(&m.as_str()) {
+            bail!(
+                "--modes: unknown mode {m:?} (expected {})",
+                MODES.join(", ")
+            );
+        }
+    }
+    let spec = RunSpec {
+        channel,
+        device,
+        modes,
+        requests: a.get("requests", 8).map_err(|e| anyhow!(e))?,
+        prompt_tokens: a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?,
+        senders: a.get("senders", 1).map_err(|e| anyhow!(e))?,
+        receivers: a.get("receivers", 1).map_err(|e| anyhow!(e))?,
+        tp: a.get("tp", 1).map_err(|e| anyhow!(e))?,
+        pools: (0, 0),
+        base,
+    };
+    let json_path: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
+    let plot_path: Option<String> = a.opt("plot").map_err(|e| anyhow!(e))?;
+    a.finish().map_err(|e| anyhow!(e))?;
+    if spec.requests == 0 || spec.prompt_tokens == 0 {
+        bail!("--requests and --prompt-tokens must be at least 1");
+    }
+    if spec.senders == 0 || spec.receivers == 0 || spec.tp == 0 {
+        bail!("--senders, --receivers and --tp must be at least 1");
+    }
+    if spec.device.is_npu() {
+        bail!("--device npu: the bench's worker processes fill and verify chunks in host memory; NPU runs are not wired into `run` yet (use `ascend-bench channel --channel hccl --device npu` for the NPU data path)");
+    }
+    let result = run(spec)?;
+    let verified = result.iter().all(|m| m.verified);
+    println!("{}", report::table(&result));
+    let doc = report::json_doc(&result);
+    if let Some(p) = json_path {
+        std::fs::write(&p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if let Some(p) = plot_path {
+        std::fs::write(&p, report::svg(&result)).with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if !verified {
+        eprintln!("error: some bytes did not arrive intact (see above)");
+    }
+    Ok(verified)
+}
+
+/// Runs every mode of `spec` and reports each.
+pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
+    let page = spec.base.page_bytes();
+    let chunks = spec.prompt_tokens.div_ceil(spec.base.chunk_size) as u64;
+    // Sender pool: a few requests in flight (pull pins until Done).
+    // Receiver pool: push/eager hold requests until loaded.
+    spec.pools = (
+        (chunks * 4).max(8) * page,
+        (chunks * 4 * spec.senders as u64).max(8) * page,
+    );
+    let bytes_per_request = spec.base.chunk_layout().bytes_for(spec.base.chunk_size) as u64
+        * (spec.prompt_tokens / spec.base.chunk_size) as u64
+        + spec
+            .base
+            .chunk_layout()
+            .bytes_for(spec.prompt_tokens % spec.base.chunk_size) as u64;
+    eprintln!(
+        "ascend-bench run: {} over {}, {} sender(s) x {} receiver(s) x TP {}, {} request(s) of {} tokens ({:.0} MiB each), page {} MiB",
+        spec.modes.join(", "),
+        spec.channel.name(),
+        spec.senders,
+        spec.receivers,
+        spec.tp,
+        spec.requests,
+        spec.prompt_tokens,
+        bytes_per_request as f64 / (1 << 20) as f64,
+        page >> 20
+    );
+    let (baseline_name, baseline) = match spec.channel {
+        ChannelKind::Tcp => (
+            "single-stream TCP",
+            raw_tcp_gbps(bytes_per_request as usize, 3)?,
+        ),
+        _ => (
+            "single-thread memcpy",
+            memcpy_gbps(bytes_per_request as usize, page as usize, 3)?,
+        ),
+    };
+    eprintln!("baseline: {baseline_name} {baseline:.2} GB/s");
+    let dir = std::env::temp_dir().join(format!("ascend-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut out = Vec::new();
+    for mode in spec.modes.clone() {
+        let mut r = run_mode(&spec, &mode, &dir)?;
+        r.baseline = baseline_name.to_string();
+        r.baseline_gbps = baseline;
+        r.ratio = r.gbps / baseline;
+        out.push(r);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(out)
+}
+
+fn mode_flags(mode: &str) -> (bool, bool, bool) {
+    // (pull, delay, offload)
+    match mode {
+        "push" => (false, false, false),
+        "pull-eager" => (true, false, false),
+        "pull-delay" => (true, true, false),
+        _ => (true, true, true),
+    }
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Normally they have exited; never leave one behind.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(name: &str, args: &[String], tx: &mpsc::Sender<(String, Value)>) -> Result<Proc> {
+    let exe = std::env::current_exe().context("locating ascend-bench")?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, who) = (tx.clone(), name.to_string());
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                let _ = tx.send((who.clone(), v));
+            }
+        }
+        let _ = tx.send((who, json!({"event": "exit"})));
+    });
+    Ok(Proc {
+        name: name.to_string(),
+        child,
+    })
+}
+
+fn write_config(dir: &Path, name: &str, c: &PdConfig) -> Result<PathBuf> {
+    c.validate().map_err(|p| {
+        anyhow!(
+            "generated config {name} is invalid: {}",
+            p.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        )
+    })?;
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, c.to_effective_yaml())?;
+    Ok(path)
+}
+
+fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
+    let (pull, delay, offload) = mode_flags(mode);
+    let (tx, rx) = mpsc::channel();
+    let tp = spec.tp;
+    let proxy_port = free_port()?;
+    let mut procs = Vec::new();
+    // Receivers: each serves every TP rank on its own ports.
+    let mut receivers = Vec::new();
+    for d in 0..spec.receivers {
+        let (init, alloc) = (ports(tp)?, ports(tp)?);
+        let mut c = spec.base.clone();
+        c.role = Role::Receiver;
+        c.transfer_channel = spec.channel;
+        c.buffer_device = spec.device;
+        c.pull_mode = pull;
+        c.delay_pull = delay;
+        c.use_cpu_offload = false;
+        c.cpu_buffer_size = None;
+        c.peer_host = Some("127.0.0.1".into());
+        c.peer_init_port = Some(PortList::PerRank(init.clone()));
+        c.peer_alloc_port = Some(PortList::PerRank(alloc.clone()));
+        c.pull_done_port = None;
+        c.proxy_host = None;
+        c.proxy_port = None;
+        c.tp_size = tp;
+        c.buffer_size = spec.pools.1;
+        let path = write_config(dir, &format!("{mode}-receiver{d}"), &c)?;
+        receivers.push((path, init, alloc));
+    }
+    let mut notify_ports = Vec::new();
+    let expected: usize = spec.senders * spec.requests;
+    for (d, (path, _, _)) in receivers.iter().enumerate() {
+        // Sender s sends its request r to receiver (s + r) % D.
+        let mine = (0..spec.senders)
+            .flat_map(|s| (0..spec.requests).map(move |r| (s + r) % spec.receivers))
+            .filter(|&x| x == d)
+            .count();
+        for rank in 0..tp {
+            let np = free_port()?;
+            notify_ports.push(np);
+            let name = format!("receiver{d}.{rank}");
+            procs.push(spawn(
+                &name,
+                &[
+                    "receiver".into(),
+                    format!("--config={}", path.display()),
+                    format!("--rank={rank}"),
+                    format!("--notify-port={np}"),
+                    format!("--requests={mine}"),
+                ],
+                &tx,
+            )?);
+        }
+    }
+    let mut proxy_args = vec!["proxy".to_string(), format!("--port={proxy_port}")];
+    for np in &notify_ports {
+        proxy_args.push(format!("--forward=127.0.0.1:{np}"));
+    }
+    procs.push(spawn("proxy", &proxy_args, &tx)?);
+    // Wait until every receiver and the proxy listen.
+    let mut ready = 0;
+    let want = notify_ports.len() + 1;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ready < want {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (who, v) = rx
+            .recv_timeout(left)
+            .map_err(|_| anyhow!("{mode}: workers did not start within 60 s"))?;
+        match v["event"].as_str() {
+            Some("receiver_ready") | Some("proxy_ready") => ready += 1,
+            Some("exit") => bail!("{mode}: {who} exited during start-up"),
+            _ => {}
+        }
+    }
+    let t0 = Instant::now();
+    for s in 0..spec.senders {
+        let done = ports(tp)?;
+        let mut c = spec.base.clone();
+        c.role = Role::Sender;
+        c.transfer_channel = spec.channel;
+        c.buffer_device = spec.device;
+        c.pull_mode = pull;
+        c.delay_pull = delay;
+        c.use_cpu_offload = offload;
+        c.cpu_buffer_size = offload.then_some(spec.pools.0);
+        c.peer_host = Some("127.0.0.1".into());
+        c.peer_init_port = None;
+        c.peer_alloc_port = None;
+        c.pull_done_port = pull.then(|| PortList::PerRank(done.clone()));
+        c.proxy_host = Some("127.0.0.1".into());
+        c.proxy_port = Some(proxy_port);
+        c.tp_size = tp;
+        c.buffer_size = spec.pools.0;
+        let path = write_config(dir, &format!("{mode}-sender{s}"), &c)?;
+        for rank in 0..tp {
+            let mut args = vec![
+                "sender".to_string(),
+                format!("--config={}", path.display()),
+                format!("--rank={rank}"),
+                format!("--requests={}", spec.requests),
+                format!("--prompt-tokens={}", spec.prompt_tokens),
+                format!("--prefix={mode}-s{s}.{rank}"),
+                format!("--first-receiver={s}"),
+            ];
+            for (_, init, alloc) in &receivers {
+                args.push(format!("--to=127.0.0.1/{}/{}", join(init), join(alloc)));
+            }
+            procs.push(spawn(&format!("sender{s}.{rank}"), &args, &tx)?);
+        }
+    }
+    // Collect until every process exited.
+    let total = expected * tp;
+    let mut puts: HashMap<String, Value> = HashMap::new();
+    let mut loads: HashMap<String, Value> = HashMap::new();
+    let mut sender_done = Vec::new();
+    let mut receiver_done = Vec::new();
+    let mut exited = 0;
+    let mut failures = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while exited < procs.len() - 1 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok((who, v)) = rx.recv_timeout(left) else {
+            failures.push(format!("{mode}: timed out waiting for workers"));
+            break;
+        };
+        match v["event"].as_str() {
+            Some("put") => {
+                if v["outcome"] != "pushed" && v["outcome"] != "announced" {
+                    failures.push(format!("{who}: put {} -> {}", v["req"], v["outcome"]));
+                }
+                puts.insert(v["req"].as_str().unwrap_or("").to_string(), v);
+            }
+            Some("load") => {
+                if v["verified"] != true {
+                    failures.push(format!("{who}: load {} failed: {}", v["req"], v["error"]));
+                }
+                loads.insert(v["req"].as_str().unwrap_or("").to_string(), v);
+                progress(mode, loads.len(), total);
+            }
+            Some("sender_done") => sender_done.push(v),
+            Some("receiver_done") => receiver_done.push(v),
+            Some("exit") if who != "proxy" => exited += 1,
+            _ => {}
+        }
+    }
+    let elapsed = t0.elapsed();
+    eprintln!();
+    // Stop the proxy (it runs until signalled) and reap every process.
+    for p in &mut procs {
+        if p.name == "proxy" {
+            // SAFETY: sending SIGTERM to our own child process.
+            unsafe {
+                libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        let _ = p.child.wait();
+    }
+    for f in &failures {
+        eprintln!("  {f}");
+    }
+    report::summarize(
+        mode,
+        spec,
+        &puts,
+        &loads,
+        &sender_done,
+        &receiver_done,
+        total,
+        failures.is_empty(),
+        elapsed,
+    )
+}
+
+fn join(p: &[u16]) -> String {
+    p.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn progress(mode: &str, done: usize, total: usize) {
+    let width = 30;
+    let filled = (done * width).checked_div(total).unwrap_or(width);
+    let mut e = std::io::stderr().lock();
+    let _ = write!(
+        e,
+        "\r  {mode:<20} [{}{}] {done}/{total} requests",
+        "#".repeat(filled),
+        ".".repeat(width - filled)
+    );
+    let _ = e.flush();
+}

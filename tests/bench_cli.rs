@@ -1,0 +1,259 @@
+//! `ascend-bench` as a user runs it: `run` reports every mode in JSON and
+//! a plot; the sender / receiver / proxy subcommands move verified data
+//! between separate processes with the loopback YAMLs in configs/, serve
+//! Prometheus metrics and stop cleanly on SIGTERM.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+}
+
+fn config(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs")
+        .join(name)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("ascend-bench-test-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
+    let (json, plot) = (tmp("run.json"), tmp("run.svg"));
+    let out = bench()
+        .args(["run", "--requests", "2", "--prompt-tokens", "300", "--json"])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for m in ["push", "pull-eager", "pull-delay", "pull-delay-offload"] {
+        assert!(stdout.contains(m), "table lacks {m}: {stdout}");
+    }
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let modes = doc["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["push", "pull-eager", "pull-delay", "pull-delay-offload"]
+    );
+    // 300 tokens = one full 256-token chunk + a 44-token partial, 32 layers x 1024 x bf16.
+    let per_request = 2 * 32 * 300 * 1024 * 2u64;
+    for m in modes {
+        for k in [
+            "channel",
+            "device",
+            "gbps",
+            "baseline_gbps",
+            "ratio",
+            "receiver_peak_buffer_bytes",
+            "sender_peak_pinned_pages",
+        ] {
+            assert!(!m[k].is_null(), "{k} missing in {m}");
+        }
+        for k in [
+            "put_latency_ms",
+            "ready_latency_ms",
+            "load_latency_ms",
+            "e2e_latency_ms",
+        ] {
+            assert!(
+                m[k]["p50"].is_number() && m[k]["p99"].is_number(),
+                "{k} in {m}"
+            );
+            assert!(m[k]["p50"].as_f64().unwrap() <= m[k]["p99"].as_f64().unwrap());
+        }
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(
+            m["bytes_verified"].as_u64().unwrap(),
+            2 * per_request,
+            "{m}"
+        );
+        assert!(m["gbps"].as_f64().unwrap() > 0.0);
+        assert_eq!(m["channel"], "shm");
+    }
+    // Pull-delay keeps no pages for a request until it loads; push holds them all.
+    let peak = |i: usize| modes[i]["receiver_peak_buffer_bytes"].as_u64().unwrap();
+    assert!(peak(0) >= 2 * 33_554_432, "push holds the request's pages");
+    assert_eq!(modes[0]["sender_peak_pinned_pages"], 0, "push pins nothing");
+    assert!(modes[2]["sender_peak_pinned_pages"].as_u64().unwrap() >= 2);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("pull-delay-offload"));
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(plot);
+}
+
+struct Bg(Child);
+
+impl Drop for Bg {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> (Bg, BufReader<std::process::ChildStdout>) {
+    let mut c = bench()
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(c.stdout.take().unwrap());
+    (Bg(c), out)
+}
+
+fn next_event(out: &mut impl BufRead) -> Value {
+    let mut line = String::new();
+    assert!(out.read_line(&mut line).unwrap() > 0, "process ended early");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn sigterm(c: &Child) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+}
+
+fn wait_exit(c: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(s) = c.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn sender_receiver_and_proxy_processes_move_verified_data_with_the_loopback_configs() {
+    // The loopback configs' fixed ports: receiver 17300/17400, proxy 18500.
+    for mode in ["push", "pull-delay"] {
+        let notify = free_port().to_string();
+        let metrics = free_port();
+        let (mut proxy, mut pout) = spawn(&[
+            "proxy",
+            "--port",
+            "18500",
+            "--forward",
+            &format!("127.0.0.1:{notify}"),
+            "--metrics-port",
+            &metrics.to_string(),
+        ]);
+        assert_eq!(next_event(&mut pout)["event"], "proxy_ready");
+        let rconf = config(&format!("loopback-{mode}-receiver.yaml"));
+        let (mut recv, mut rout) = spawn(&[
+            "receiver",
+            "--config",
+            rconf.to_str().unwrap(),
+            "--notify-port",
+            &notify,
+            "--requests",
+            "2",
+        ]);
+        assert_eq!(next_event(&mut rout)["event"], "receiver_ready");
+        let sconf = config(&format!("loopback-{mode}-sender.yaml"));
+        let out = bench()
+            .args([
+                "sender",
+                "--config",
+                sconf.to_str().unwrap(),
+                "--receiver",
+                "127.0.0.1",
+                "--init-port",
+                "17300",
+                "--alloc-port",
+                "17400",
+                "--requests",
+                "2",
+                "--prompt-tokens",
+                "600",
+                "--prefix",
+                mode,
+            ])
+            .output()
+            .unwrap();
+        let sout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{mode}: {sout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            sout.lines()
+                .filter(|l| l.contains("\"event\":\"put\""))
+                .count(),
+            2
+        );
+        // The receiver loads both requests and checks every byte.
+        let mut loaded = 0;
+        while loaded < 2 {
+            let v = next_event(&mut rout);
+            if v["event"] == "load" {
+                assert_eq!(v["verified"], true, "{mode}: {v}");
+                assert_eq!(v["bytes"].as_u64().unwrap(), 2 * 32 * 600 * 1024 * 2, "{v}");
+                loaded += 1;
+            }
+        }
+        let status = wait_exit(&mut recv.0, Duration::from_secs(30))
+            .expect("receiver exits after its requests");
+        assert!(status.success());
+        // The proxy counted both notifs and serves them to Prometheus.
+        let mut body = String::new();
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", metrics)).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        c.read_to_string(&mut body).unwrap();
+        assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+        assert!(body.contains("ascend_pd_proxy_notifs_total 2"), "{body}");
+        // SIGTERM stops it cleanly.
+        sigterm(&proxy.0);
+        let status =
+            wait_exit(&mut proxy.0, Duration::from_secs(10)).expect("proxy stops on SIGTERM");
+        assert!(status.success(), "{status:?}");
+        drop(pout);
+    }
+}
+
+#[test]
+fn bad_arguments_name_the_problem() {
+    let out = bench()
+        .args(["run", "--modes", "push,teleport"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown mode \"teleport\""));
+    let out = bench()
+        .args([
+            "sender",
+            "--config",
+            config("loopback-push-sender.yaml").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--receiver HOST"));
+    let out = bench().args(["proxy"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--port N is required"));
+}
