@@ -5,16 +5,24 @@ use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
 use super::{pd_log, BackendError};
 use crate::channel::handshake::{HandshakeEvent, HandshakeServer, Hello};
+use crate::channel::Completion;
 use crate::channel::{self, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
+use crate::kv::{plan, KvCache, ScatterStats};
 use crate::memory::{
     ChunkMeta, DualAllocator, DualSpec, DualStats, MemObj, MemoryError, NpuRuntime,
 };
+use crate::pipeline::scatter::{ScatterItem, ScatterLane, ScatterTicket};
+use crate::pipeline::{
+    allocate_pools, ItemOutcome, KeyFailure, LoadError, LoadOptions, LoadReport, MicroBatch,
+    PingPongPipeline, PipelineIo,
+};
 use crate::protocol::{
     check_alloc_request, check_pull_notif, AscendAllocResponse, EagerRead, KeyState, KeyStore,
-    Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCounters, SendPullDone,
+    Lookup, Message, ProxyEntry, ReadOutcome, ReceiverConfig, ReceiverCounters, SendPullDone,
 };
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -266,6 +274,49 @@ impl Receiver {
         }
     }
 
+    /// Loads `keys` (one request, chunk `i` covering tokens
+    /// `[i * chunk_size, i * chunk_size + tokens_i)`) into `cache` at the
+    /// slots of `slot_mapping` (vLLM's: one slot per token,
+    /// `block * block_size + offset`, negative = padding). The reference's
+    /// `batched_to_gpu`. With [`LoadOptions::default`]; see
+    /// [`Receiver::load_with`].
+    pub fn load(
+        &self,
+        keys: &[String],
+        slot_mapping: &[i64],
+        cache: &mut KvCache,
+    ) -> Result<LoadReport, LoadError> {
+        self.load_with(keys, slot_mapping, cache, &LoadOptions::default())
+    }
+
+    /// Like [`Receiver::load`], with explicit options.
+    ///
+    /// Resident chunks (push, pull-eager) are scattered from their pages
+    /// and stay stored. Pull-delay proxies
+    /// ([`ProxyMemoryObj`](crate::pipeline::ProxyMemoryObj)s) are grouped
+    /// per sender and run through a [`PingPongPipeline`]: two pools of
+    /// `depth` pages (depth from the pages free now, at most
+    /// `opts.max_depth` and the request, at least 1; smaller when a
+    /// concurrent load took pages), micro-batch `i` read into pool `i % 2`
+    /// while micro-batch `i - 1` is scattered. A proxy is consumed (and,
+    /// with its pull's last one, the pull's PullDoneSignal sent, exactly
+    /// once) only after its data is in the cache. On a failure (read error,
+    /// sender gone, lease expired) that sender's remaining proxies in this
+    /// call are not read, in-flight work is drained, the failed proxies are
+    /// discarded so their pulls' Done still goes out, and the keys come
+    /// back in [`LoadError::Incomplete`]; no page is held afterwards.
+    /// Invalid input (slot mapping, cache geometry) is refused before
+    /// anything is touched.
+    pub fn load_with(
+        &self,
+        keys: &[String],
+        slot_mapping: &[i64],
+        cache: &mut KvCache,
+        opts: &LoadOptions,
+    ) -> Result<LoadReport, LoadError> {
+        load_keys(&self.shared, keys, slot_mapping, cache, opts)
+    }
+
     /// Counters.
     pub fn stats(&self) -> ReceiverStats {
         let s = &self.shared;
@@ -453,7 +504,7 @@ fn alloc_loop(s: &Arc<Shared>, rep: zmq::Socket) {
     while !s.stop.load(Ordering::Acquire) {
         let frame = match rep.recv_bytes(0) {
             Ok(f) => f,
-            Err(zmq::Error::EAGAIN) => continue,
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {
                 pd_log!(warn, "allocation socket failed: {e}");
                 break;
@@ -650,6 +701,403 @@ fn sweep_loop(s: &Shared) {
         }
         for d in report.done {
             send_done(s, d);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ load
+
+/// One key of a load: its place in the request and its tokens' slots.
+#[derive(Clone, Debug)]
+struct LoadItem {
+    index: usize,
+    key: String,
+    slots: Range<usize>,
+}
+
+/// The proxies of one sender in a load.
+struct SenderGroup {
+    sender_id: String,
+    items: Vec<(LoadItem, ProxyEntry)>,
+}
+
+fn key_failure(key: &str, proxy: Option<&ProxyEntry>, reason: impl Into<String>) -> KeyFailure {
+    KeyFailure {
+        key: key.to_owned(),
+        pull_id: proxy.map(|p| p.handle.pull_id.clone()),
+        sender_id: proxy.map(|p| p.sender_id.clone()),
+        reason: reason.into(),
+    }
+}
+
+/// Discards the proxy of `key` if it is still stored (its pull's Done may
+/// follow); returns whether a Done was sent.
+fn discard_proxy(s: &Shared, key: &str) -> bool {
+    let removed = {
+        let mut store = lock(&s.store);
+        if store.state(key) == Some(KeyState::Proxy) {
+            store.remove(key)
+        } else {
+            None
+        }
+    };
+    match removed.and_then(|r| r.done) {
+        Some(d) => {
+            send_done(s, d);
+            true
+        }
+        None => false,
+    }
+}
+
+#[derive(Default)]
+struct LoadTally {
+    loaded: Vec<usize>,
+    failed: Vec<KeyFailure>,
+    scatter: ScatterStats,
+    bytes_read: u64,
+    dones: usize,
+    batches: usize,
+    resident: usize,
+    proxies: usize,
+}
+
+fn load_keys(
+    s: &Shared,
+    keys: &[String],
+    slot_mapping: &[i64],
+    cache: &mut KvCache,
+    opts: &LoadOptions,
+) -> Result<LoadReport, LoadError> {
+    let start = Instant::now();
+    let layout = s.config.chunk_layout();
+    cache.spec().check_layout(&layout)?;
+    // Every slot is checked once here, so no copy can fail on one later.
+    plan::token_runs(slot_mapping, cache.spec().slots())?;
+
+    // Classify under one lock; nothing changes until the input is validated.
+    let mut tally = LoadTally::default();
+    let mut resident: Vec<(LoadItem, MemObj)> = Vec::new();
+    let mut groups: Vec<SenderGroup> = Vec::new();
+    let mut expired = Vec::new();
+    {
+        let store = lock(&s.store);
+        let now = Instant::now();
+        for (index, key) in keys.iter().enumerate() {
+            let first = index * layout.tokens;
+            let item = |tokens: usize| LoadItem {
+                index,
+                key: key.clone(),
+                slots: first..first + tokens,
+            };
+            match store.get(key, now) {
+                Lookup::Resident(m) => resident.push((item(m.tokens()), m.clone())),
+                Lookup::Proxy(p) => {
+                    let entry = (item(p.tokens()), p.clone());
+                    match groups.iter_mut().find(|g| g.sender_id == p.sender_id) {
+                        Some(g) => g.items.push(entry),
+                        None => groups.push(SenderGroup {
+                            sender_id: p.sender_id.clone(),
+                            items: vec![entry],
+                        }),
+                    }
+                }
+                Lookup::NotReady => {
+                    tally
+                        .failed
+                        .push(key_failure(key, None, "its data has not landed yet"))
+                }
+                Lookup::Expired => {
+                    tally
+                        .failed
+                        .push(key_failure(key, None, "its pull lease expired"));
+                    expired.push(key.clone());
+                }
+                Lookup::Missing => tally.failed.push(key_failure(key, None, "not stored")),
+            }
+        }
+    }
+    let items = resident
+        .iter()
+        .map(|(i, _)| i)
+        .chain(groups.iter().flat_map(|g| g.items.iter().map(|(i, _)| i)));
+    for i in items {
+        if i.slots.end > slot_mapping.len() {
+            return Err(LoadError::SlotMappingTooShort {
+                key: i.key.clone(),
+                index: i.index,
+                start: i.slots.start,
+                end: i.slots.end,
+                len: slot_mapping.len(),
+            });
+        }
+    }
+    for k in &expired {
+        tally.dones += usize::from(discard_proxy(s, k));
+    }
+
+    // The pools, sized for the largest sender group.
+    let largest = groups.iter().map(|g| g.items.len()).max().unwrap_or(0);
+    let mut pipe = None;
+    if largest > 0 {
+        let deadline = Instant::now() + s.config.alloc_fail_backoff_ttl;
+        match allocate_pools(
+            s.alloc.primary(),
+            ChunkMeta::full(layout),
+            largest,
+            opts.max_depth,
+            deadline,
+        ) {
+            Ok((pages, depth)) => pipe = PingPongPipeline::new(pages, depth),
+            Err(e) => {
+                let reason = format!("no pages to read into: {e}");
+                for g in groups.drain(..) {
+                    for (item, proxy) in g.items {
+                        tally.dones += usize::from(discard_proxy(s, &item.key));
+                        tally
+                            .failed
+                            .push(key_failure(&item.key, Some(&proxy), reason.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    std::thread::scope(|scope| {
+        let mut lane = ScatterLane::new(scope, &mut *cache, slot_mapping);
+        scatter_resident(&mut lane, &resident, opts, &mut tally);
+        if let Some(pipe) = &pipe {
+            for g in &groups {
+                load_group(s, pipe, g, &mut lane, &mut tally);
+            }
+        }
+    });
+
+    let mut loaded = tally.loaded;
+    loaded.sort_unstable();
+    let report = LoadReport {
+        loaded: loaded.into_iter().map(|i| keys[i].clone()).collect(),
+        resident: tally.resident,
+        proxies: tally.proxies,
+        senders: groups.len(),
+        depth: pipe.as_ref().map_or(0, PingPongPipeline::depth),
+        pools: pipe.as_ref().map_or(0, PingPongPipeline::pools),
+        micro_batches: tally.batches,
+        peak_buffer_bytes: pipe.as_ref().map_or(0, PingPongPipeline::buffer_bytes),
+        bytes_read: tally.bytes_read,
+        bytes_scattered: tally.scatter.bytes as u64,
+        copies: tally.scatter.copies as u64,
+        dones_sent: tally.dones,
+        elapsed: start.elapsed(),
+    };
+    // The pools go back before the caller sees the result.
+    drop(pipe);
+    if tally.failed.is_empty() {
+        Ok(report)
+    } else {
+        let mut failed = tally.failed;
+        let pos = |k: &str| keys.iter().position(|x| x == k).unwrap_or(usize::MAX);
+        failed.sort_by_key(|f| pos(&f.key));
+        Err(LoadError::Incomplete {
+            failed,
+            report: Box::new(report),
+        })
+    }
+}
+
+/// Scatters resident chunks from their own pages, `max_depth` per batch.
+fn scatter_resident(
+    lane: &mut ScatterLane<'_>,
+    resident: &[(LoadItem, MemObj)],
+    opts: &LoadOptions,
+    tally: &mut LoadTally,
+) {
+    let mut tickets = Vec::new();
+    for batch in resident.chunks(opts.max_depth.max(1)) {
+        let items = batch
+            .iter()
+            .map(|(i, page)| ScatterItem {
+                page: page.clone(),
+                tokens: page.tokens(),
+                slots: i.slots.clone(),
+            })
+            .collect();
+        tickets.push((batch, lane.submit(items)));
+    }
+    for (batch, ticket) in tickets {
+        match ticket.and_then(|t| lane.finish(t)) {
+            Ok(st) => {
+                tally.scatter.copies += st.copies;
+                tally.scatter.bytes += st.bytes;
+                tally.loaded.extend(batch.iter().map(|(i, _)| i.index));
+                tally.resident += batch.len();
+            }
+            Err(e) => tally.failed.extend(
+                batch
+                    .iter()
+                    .map(|(i, _)| key_failure(&i.key, None, e.clone())),
+            ),
+        }
+    }
+}
+
+/// Runs one sender's proxies through the pipeline, then resolves every
+/// proxy it did not consume.
+fn load_group(
+    s: &Shared,
+    pipe: &PingPongPipeline,
+    g: &SenderGroup,
+    lane: &mut ScatterLane<'_>,
+    tally: &mut LoadTally,
+) {
+    let peer = attached_peer(s, &g.sender_id).map(|p| p.0).ok_or_else(|| {
+        format!(
+            "sender {} is not attached (it never completed a handshake, or went away)",
+            g.sender_id
+        )
+    });
+    let mut io = ProxyIo {
+        s,
+        peer,
+        items: &g.items,
+        began: vec![None; g.items.len()],
+        lane,
+        tally,
+    };
+    let run = pipe.run(g.items.len(), &mut io);
+    let ProxyIo {
+        mut began, tally, ..
+    } = io;
+    tally.batches += run.batches;
+    for (j, outcome) in run.outcomes.into_iter().enumerate() {
+        let (item, proxy) = &g.items[j];
+        let reason = match outcome {
+            ItemOutcome::Scattered => continue,
+            ItemOutcome::Failed(e) => e,
+            ItemOutcome::NotStarted => format!(
+                "not read: an earlier micro-batch from sender {} failed",
+                g.sender_id
+            ),
+        };
+        // A pinned proxy ends its read as failed (discarded once no read is
+        // in flight); an unpinned one is discarded. Either way its pull's
+        // Done still goes out once all its proxies are resolved.
+        let done = match began[j].take() {
+            Some(p) => lock(&s.store).end_proxy_read(&p.handle, ReadOutcome::Failed),
+            None => {
+                tally.dones += usize::from(discard_proxy(s, &item.key));
+                None
+            }
+        };
+        if let Some(d) = done {
+            send_done(s, d);
+            tally.dones += 1;
+        }
+        tally
+            .failed
+            .push(key_failure(&item.key, Some(proxy), reason));
+    }
+}
+
+/// The pipeline's I/O for one sender: proxy pins, channel reads, scatters
+/// through the lane, and consumption once scattered.
+struct ProxyIo<'l, 'a> {
+    s: &'l Shared,
+    peer: Result<PeerId, String>,
+    items: &'l [(LoadItem, ProxyEntry)],
+    /// The proxy as pinned by `begin_proxy_read`, until its read is ended.
+    began: Vec<Option<ProxyEntry>>,
+    lane: &'l mut ScatterLane<'a>,
+    tally: &'l mut LoadTally,
+}
+
+impl PipelineIo for ProxyIo<'_, '_> {
+    /// The completion, the lease end of the batch, and its bytes.
+    type Read = (Completion, Instant, u64);
+    type Scatter = ScatterTicket;
+
+    fn start_read(&mut self, b: &MicroBatch, pages: &[MemObj]) -> Result<Self::Read, String> {
+        let peer = self.peer.clone()?;
+        let now = Instant::now();
+        let mut ops = Vec::with_capacity(b.len());
+        let mut lease_end = None::<Instant>;
+        {
+            let mut store = lock(&self.s.store);
+            for (j, page) in b.items.clone().zip(pages) {
+                let p = store
+                    .begin_proxy_read(&self.items[j].0.key, now)
+                    .map_err(|e| e.to_string())?;
+                lease_end = Some(lease_end.map_or(p.lease_deadline, |d| d.min(p.lease_deadline)));
+                ops.push(TransferOp {
+                    local: page.clone(),
+                    remote: p.remote,
+                    len: p.byte_len(),
+                });
+                self.began[j] = Some(p);
+            }
+        }
+        let bytes = ops.iter().map(|o| o.len as u64).sum();
+        let c = self.s.channel.submit_read(peer, ops).map_err(|e| {
+            self.s.counters.bump(MessageKind::TransferError);
+            format!("read from {peer}: {e}")
+        })?;
+        Ok((c, lease_end.unwrap_or(now), bytes))
+    }
+
+    fn finish_read(&mut self, b: &MicroBatch, read: Self::Read) -> Result<(), String> {
+        let (mut c, lease_end, bytes) = read;
+        let budget = lease_end.saturating_duration_since(Instant::now());
+        let r = match c.wait_timeout(budget) {
+            Some(Ok(())) => {
+                self.s.counters.add_bytes(bytes);
+                self.tally.bytes_read += bytes;
+                return Ok(());
+            }
+            Some(Err(e)) => format!("read of micro-batch {} failed: {e}", b.index),
+            // The op still holds its pages, so they return to the pool only
+            // when the channel is done with them.
+            None => format!(
+                "read of micro-batch {} did not finish within the pull's lease",
+                b.index
+            ),
+        };
+        self.s.counters.bump(MessageKind::TransferError);
+        Err(r)
+    }
+
+    fn start_scatter(&mut self, b: &MicroBatch, pages: &[MemObj]) -> Result<ScatterTicket, String> {
+        let items = b
+            .items
+            .clone()
+            .zip(pages)
+            .map(|(j, page)| ScatterItem {
+                page: page.clone(),
+                tokens: self.began[j].as_ref().map_or(0, ProxyEntry::tokens),
+                slots: self.items[j].0.slots.clone(),
+            })
+            .collect();
+        self.lane.submit(items)
+    }
+
+    fn finish_scatter(&mut self, _b: &MicroBatch, t: ScatterTicket) -> Result<(), String> {
+        let st = self.lane.finish(t)?;
+        self.tally.scatter.copies += st.copies;
+        self.tally.scatter.bytes += st.bytes;
+        Ok(())
+    }
+
+    fn scattered(&mut self, b: &MicroBatch) {
+        for j in b.items.clone() {
+            let Some(p) = self.began[j].take() else {
+                continue;
+            };
+            self.tally.loaded.push(self.items[j].0.index);
+            self.tally.proxies += 1;
+            let done = lock(&self.s.store).end_proxy_read(&p.handle, ReadOutcome::Consumed);
+            if let Some(d) = done {
+                send_done(self.s, d);
+                self.tally.dones += 1;
+            }
         }
     }
 }

@@ -1,0 +1,152 @@
+//! Pull-delay loading: proxy objects, transfer contexts, and the ping-pong
+//! pipeline that overlaps reading chunk N+1 from a sender with scattering
+//! chunk N into the paged KV cache.
+//!
+//! - [`ProxyMemoryObj`] (the protocol's [`ProxyEntry`]): a pull-delay key
+//!   held by the receiver without any local page — the sender's
+//!   [`BufferRef`](crate::memory::BufferRef), the chunk's meta, the sender,
+//!   its pull's slot and the lease. Looking one up or pinning it for a read
+//!   never consumes it; only [`KeyStore::end_proxy_read`] with
+//!   [`ReadOutcome::Consumed`], after its data was scattered, does.
+//! - [`TransferContext`]: one pull's proxies; it yields the pull's single
+//!   `PullDoneSignal` once every proxy is consumed or discarded.
+//! - [`PingPongPipeline`]: two pools of `depth` pages; micro-batch `i` is
+//!   read into pool `i % 2` while micro-batch `i - 1` is scattered, and a
+//!   pool is reused only after its scatter completed ([`pingpong`]).
+//!
+//! The receiver's entry point is
+//! [`Receiver::load`](crate::backend::Receiver::load), the
+//! `batched_to_gpu` of the reference implementation. [`bench`](mod@bench) measures
+//! the overlap the pipeline buys.
+//!
+//! [`KeyStore::end_proxy_read`]: crate::protocol::KeyStore::end_proxy_read
+//! [`ReadOutcome::Consumed`]: crate::protocol::ReadOutcome::Consumed
+
+pub mod bench;
+pub mod pingpong;
+pub(crate) mod scatter;
+
+pub use crate::protocol::{ProxyEntry, TransferContext};
+pub use pingpong::{
+    allocate_pools, choose_depth, micro_batches, pages_needed, ItemOutcome, MicroBatch,
+    PingPongPipeline, PipelineIo, PipelineRun,
+};
+
+use crate::kv::KvError;
+use std::fmt;
+use std::time::Duration;
+
+/// A pull-delay proxy: the receiver's handle on a chunk that still lives in
+/// a sender's pool (LMCache-Ascend's `ProxyMemoryObj`). See [`ProxyEntry`].
+pub type ProxyMemoryObj = ProxyEntry;
+
+/// Default upper bound on the pages per ping-pong pool.
+pub const DEFAULT_MAX_DEPTH: usize = 8;
+
+/// How a load runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Upper bound on the pages per pool; the depth used is also bounded by
+    /// the pages free when the load starts and by the request (at least 1).
+    pub max_depth: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            max_depth: DEFAULT_MAX_DEPTH,
+        }
+    }
+}
+
+/// What a load did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Keys whose data is now in the KV cache, in request order.
+    pub loaded: Vec<String>,
+    /// Of those, resident chunks (push / pull-eager) scattered from their pages.
+    pub resident: usize,
+    /// Of those, pull-delay proxies read and scattered (now consumed).
+    pub proxies: usize,
+    /// Senders whose proxies were loaded (one pipeline run each).
+    pub senders: usize,
+    /// Pages per pool (0 when there was no proxy).
+    pub depth: usize,
+    /// Pools used (2, or 1 when the request fits one batch or pages were short).
+    pub pools: usize,
+    /// Micro-batches run over all senders.
+    pub micro_batches: usize,
+    /// Bytes of pages the pipeline held at once: `pools × depth × page size`,
+    /// independent of the request length.
+    pub peak_buffer_bytes: usize,
+    /// Bytes read from senders.
+    pub bytes_read: u64,
+    /// Bytes scattered into the KV cache.
+    pub bytes_scattered: u64,
+    /// Copies issued into the KV cache (after coalescing slot runs).
+    pub copies: u64,
+    /// PullDoneSignals this load sent (pulls it completed).
+    pub dones_sent: usize,
+    /// Wall time of the load.
+    pub elapsed: Duration,
+}
+
+/// A key that was not loaded, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyFailure {
+    /// The key.
+    pub key: String,
+    /// Its pull (request), for proxies.
+    pub pull_id: Option<String>,
+    /// Its sender, for proxies.
+    pub sender_id: Option<String>,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl fmt::Display for KeyFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.key)?;
+        if let Some(p) = &self.pull_id {
+            write!(f, " (pull {p}")?;
+            if let Some(s) = &self.sender_id {
+                write!(f, " from {s}")?;
+            }
+            f.write_str(")")?;
+        }
+        write!(f, ": {}", self.reason)
+    }
+}
+
+/// Why a load did not load everything.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The slot mapping does not cover a key's tokens. Nothing was touched.
+    #[error("the slot mapping has {len} entries but key {key} (chunk {index}) covers tokens [{start}, {end}); pass one slot per token of the request, chunk i starting at token i × chunk_size")]
+    SlotMappingTooShort {
+        /// The key.
+        key: String,
+        /// Its position in the request.
+        index: usize,
+        /// Its first token.
+        start: usize,
+        /// One past its last token.
+        end: usize,
+        /// Entries in the slot mapping.
+        len: usize,
+    },
+    /// The KV cache cannot take these chunks (geometry, slots). Nothing was touched.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// Some keys could not be loaded; the others were (see `report`). Failed
+    /// proxies were discarded, so their pulls' Done still goes out; no page
+    /// is held.
+    #[error("{} of {} key(s) not loaded: {}", failed.len(), failed.len() + report.loaded.len(), failed.iter().map(|f| f.to_string()).collect::<Vec<_>>().join("; "))]
+    Incomplete {
+        /// Each key that was not loaded.
+        failed: Vec<KeyFailure>,
+        /// What was loaded.
+        report: Box<LoadReport>,
+    },
+}

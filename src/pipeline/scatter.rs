@@ -1,0 +1,114 @@
+//! Where scatters run: on the load stream of an NPU cache (asynchronous by
+//! nature, finished by a [`KvFence`]), or on a worker thread for a host
+//! cache, so that a host scatter really runs while the next read does.
+
+use crate::kv::{KvCache, KvFence, ScatterStats};
+use crate::memory::MemObj;
+use crossbeam_channel::{Receiver, Sender};
+use std::ops::Range;
+use std::thread::Scope;
+
+/// One chunk to scatter: its page, its real tokens, and its tokens' range
+/// in the request's slot mapping.
+#[derive(Clone, Debug)]
+pub(crate) struct ScatterItem {
+    pub page: MemObj,
+    pub tokens: usize,
+    pub slots: Range<usize>,
+}
+
+/// A scatter in flight.
+pub(crate) enum ScatterTicket {
+    /// Queued on the NPU stream.
+    Fence(KvFence, ScatterStats),
+    /// Queued on the host worker (results come back in order).
+    Queued,
+}
+
+type Job = Vec<ScatterItem>;
+type JobResult = Result<ScatterStats, String>;
+
+/// The scatter side of a load.
+pub(crate) enum ScatterLane<'a> {
+    Inline {
+        cache: &'a mut KvCache,
+        slots: &'a [i64],
+    },
+    Worker {
+        jobs: Sender<Job>,
+        results: Receiver<JobResult>,
+    },
+}
+
+fn scatter_all(cache: &mut KvCache, slots: &[i64], items: &[ScatterItem]) -> JobResult {
+    let mut total = ScatterStats::default();
+    for it in items {
+        let s = cache
+            .scatter(&it.page, it.tokens, &slots[it.slots.clone()])
+            .map_err(|e| format!("scatter into the KV cache: {e}"))?;
+        total.copies += s.copies;
+        total.bytes += s.bytes;
+    }
+    Ok(total)
+}
+
+impl<'a> ScatterLane<'a> {
+    /// A lane for `cache`: a worker thread in `scope` for a host cache, the
+    /// cache's own stream for an NPU cache.
+    pub(crate) fn new<'scope>(
+        scope: &'scope Scope<'scope, 'a>,
+        cache: &'a mut KvCache,
+        slots: &'a [i64],
+    ) -> ScatterLane<'a> {
+        if cache.is_async() {
+            return ScatterLane::Inline { cache, slots };
+        }
+        let (jobs, job_rx) = crossbeam_channel::unbounded::<Job>();
+        let (res_tx, results) = crossbeam_channel::unbounded();
+        scope.spawn(move || {
+            // Ends when the lane (the job sender) is dropped.
+            for job in job_rx {
+                let r = scatter_all(cache, slots, &job);
+                // The source pages go back before the result is reported.
+                drop(job);
+                if res_tx.send(r).is_err() {
+                    break;
+                }
+            }
+        });
+        ScatterLane::Worker { jobs, results }
+    }
+
+    /// Starts scattering `items`.
+    pub(crate) fn submit(&mut self, items: Vec<ScatterItem>) -> Result<ScatterTicket, String> {
+        match self {
+            ScatterLane::Inline { cache, slots } => {
+                let stats = scatter_all(cache, slots, &items)?;
+                let fence = cache
+                    .fence()
+                    .map_err(|e| format!("scatter into the KV cache: {e}"))?;
+                Ok(ScatterTicket::Fence(fence, stats))
+            }
+            ScatterLane::Worker { jobs, .. } => jobs
+                .send(items)
+                .map(|()| ScatterTicket::Queued)
+                .map_err(|_| "the scatter worker has stopped".to_string()),
+        }
+    }
+
+    /// Waits for a scatter. Tickets must be finished in submission order.
+    pub(crate) fn finish(&mut self, ticket: ScatterTicket) -> Result<ScatterStats, String> {
+        match (self, ticket) {
+            (_, ScatterTicket::Fence(f, stats)) => f
+                .wait()
+                .map(|()| stats)
+                .map_err(|e| format!("scatter into the KV cache: {e}")),
+            (ScatterLane::Worker { results, .. }, ScatterTicket::Queued) => results
+                .recv()
+                .unwrap_or_else(|_| Err("the scatter worker has stopped".to_string())),
+            (ScatterLane::Inline { .. }, ScatterTicket::Queued) => {
+                Err("a host ticket was given to the NPU scatter lane".to_string())
+            }
+        }
+    }
+}

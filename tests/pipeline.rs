@@ -1,0 +1,555 @@
+//! `Receiver::load`: pull-delay proxies read through the ping-pong pipeline
+//! and scattered into a paged KV cache, resident chunks scattered from
+//! their pages. Every byte is checked at its slot (and every other slot
+//! left untouched), Done counts and pool counters are checked after each
+//! scenario, including a read that fails mid-pipeline.
+
+mod common;
+
+use ascend_pd::backend::{MessageKind, Receiver, Sender};
+use ascend_pd::channel::{self as chan, handshake, handshake::Hello};
+use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
+use ascend_pd::kv::{KvCache, KvCacheSpec};
+use ascend_pd::memory::npu::AclRuntime;
+use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, PagePool, RegisteredBuffer};
+use ascend_pd::pipeline::{LoadError, LoadOptions, LoadReport};
+use ascend_pd::protocol::{Message, PullDoneSignal, PullReadyDoneAck, PullReadyNotif};
+use common::*;
+use std::time::Duration;
+
+/// xorshift64: deterministic "random" slot mappings.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+const BLOCK: usize = 8;
+
+/// Slots for `tokens` tokens: `Blocks` = a shuffled block table (runs of
+/// whole blocks, as vLLM hands them out), `Scattered` = every token on a
+/// random free slot (no two tokens adjacent in general).
+#[derive(Clone, Copy, Debug)]
+enum Mapping {
+    Blocks,
+    Scattered,
+}
+
+fn slot_mapping(tokens: usize, blocks: usize, how: Mapping, seed: u64) -> Vec<i64> {
+    let mut rng = Rng(seed | 1);
+    match how {
+        Mapping::Blocks => {
+            let mut table: Vec<usize> = (0..blocks).collect();
+            rng.shuffle(&mut table);
+            (0..tokens)
+                .map(|t| (table[t / BLOCK] * BLOCK + t % BLOCK) as i64)
+                .collect()
+        }
+        Mapping::Scattered => {
+            let mut slots: Vec<i64> = (0..(blocks * BLOCK) as i64).collect();
+            rng.shuffle(&mut slots);
+            slots.truncate(tokens);
+            slots
+        }
+    }
+}
+
+fn cache_for(cfg: &PdConfig, blocks: usize) -> KvCache {
+    KvCache::host(KvCacheSpec::for_layout(&cfg.chunk_layout(), blocks, BLOCK)).unwrap()
+}
+
+/// Checks that chunk `i` of `keys` (its tokens from `tokens`) sits at its
+/// slots in every layer and plane, and that every other slot is still zero.
+fn assert_cache_holds(
+    cache: &mut KvCache,
+    layout: &ChunkLayout,
+    keys: &[String],
+    tokens: &[usize],
+    slots: &[i64],
+) {
+    let spec = *cache.spec();
+    let tb = spec.token_bytes();
+    let mut used = vec![false; spec.slots()];
+    for (i, key) in keys.iter().enumerate() {
+        let n = tokens[i];
+        let mut chunk = vec![0u8; layout.bytes_for(n)];
+        pattern::fill(&mut chunk, seed_of(key));
+        for t in 0..n {
+            let slot = slots[i * layout.tokens + t] as usize;
+            used[slot] = true;
+            for plane in 0..spec.planes() {
+                for layer in 0..spec.layers {
+                    let at = ((plane * spec.layers + layer) * n + t) * tb;
+                    let got = cache.token(layer, plane, slot).unwrap();
+                    assert_eq!(
+                        got,
+                        &chunk[at..at + tb],
+                        "{key}: token {t} (slot {slot}) layer {layer} plane {plane}"
+                    );
+                }
+            }
+        }
+    }
+    for (slot, _) in used.iter().enumerate().filter(|(_, u)| !**u) {
+        for plane in 0..spec.planes() {
+            for layer in 0..spec.layers {
+                let got = cache.token(layer, plane, slot).unwrap();
+                assert!(got.iter().all(|&b| b == 0), "slot {slot} was written");
+            }
+        }
+    }
+}
+
+fn token_counts(n: usize, last: usize) -> Vec<usize> {
+    let mut t = vec![CHUNK; n];
+    *t.last_mut().unwrap() = last;
+    t
+}
+
+fn msg(stats: &[(MessageKind, u64)], kind: MessageKind) -> u64 {
+    stats
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or(0, |(_, n)| *n)
+}
+
+/// The sender got exactly `pulls` Dones, none twice, and holds no page.
+fn assert_released(s: &Sender, pulls: u64) {
+    assert!(s.drain(Duration::from_secs(10)), "{:?}", s.stats().pulls);
+    let p = s.stats().pulls;
+    assert_eq!(p.done_released, pulls, "{p:?}");
+    assert_eq!(p.done_already_released, 0, "{p:?}");
+    let pool = s.stats().pools.cpu.unwrap();
+    assert_eq!((pool.allocated, pool.pinned), (0, 0));
+}
+
+/// The receiver holds no page, no proxy and no open context.
+fn assert_receiver_idle(r: &Receiver) {
+    let st = r.stats();
+    assert_eq!(st.pools.cpu.unwrap().allocated, 0, "receiver pages");
+    assert_eq!(st.store.proxies, 0, "proxies left");
+    assert_eq!(st.store.contexts_open, 0, "contexts left");
+}
+
+fn put_delay(s: &Sender, rc: &PdConfig, req: &str, n: usize, last: usize) -> Vec<String> {
+    let ks = keys(req, n);
+    let c = chunks(s, &ks, last);
+    s.put(&ks, &c, &spec_for(rc, req, true)).unwrap();
+    ks
+}
+
+#[test]
+fn every_byte_lands_at_its_slot_for_random_slot_mappings() {
+    for (ch, how) in [
+        (ChannelKind::Shm, Mapping::Blocks),
+        (ChannelKind::Tcp, Mapping::Scattered),
+    ] {
+        let (r, rc, s) = pair(ch, TransferMode::PullDelay, 32);
+        // Ten chunks, the last one partial: 9 × 16 + 7 tokens.
+        let ks = put_delay(&s, &rc, "rand", 10, 7);
+        let tokens = token_counts(10, 7);
+        let blocks = 24;
+        let slots = slot_mapping(9 * CHUNK + 7, blocks, how, 42);
+        let mut cache = cache_for(&rc, blocks);
+        let opts = LoadOptions { max_depth: 3 };
+        let report = r.load_with(&ks, &slots, &mut cache, &opts).unwrap();
+        assert_eq!(report.loaded, ks, "{ch:?}");
+        assert_eq!((report.proxies, report.resident), (10, 0));
+        assert_eq!(
+            (report.depth, report.pools, report.micro_batches),
+            (3, 2, 4)
+        );
+        assert_eq!(report.dones_sent, 1);
+        let layout = rc.chunk_layout();
+        assert_eq!(
+            report.bytes_read,
+            (9 * layout.page_bytes() + layout.bytes_for(7)) as u64
+        );
+        assert_eq!(report.bytes_scattered, report.bytes_read);
+        if let Mapping::Blocks = how {
+            // Whole blocks coalesce: 2 per 16-token chunk (+1 for the 7-token one) per layer and plane.
+            assert_eq!(report.copies, ((9 * 2 + 1) * 2 * 2) as u64);
+        }
+        assert_cache_holds(&mut cache, &layout, &ks, &tokens, &slots);
+        // Consumed proxies leave the store; the pull's Done went out once.
+        assert!(!r.contains(&ks[0]));
+        assert_released(&s, 1);
+        assert_receiver_idle(&r);
+        assert_eq!(msg(&r.stats().messages, MessageKind::PullDoneSignal), 1);
+    }
+}
+
+#[test]
+fn mla_chunks_land_in_the_latent_plane() {
+    let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
+    rc.kv.use_mla = true;
+    rc.buffer_size = 16 * rc.page_bytes();
+    let r = Receiver::start(&rc, 0, None).unwrap();
+    let mut sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
+    sc.kv.use_mla = true;
+    sc.buffer_size = 16 * sc.page_bytes();
+    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let ks = put_delay(&s, &rc, "mla", 5, 3);
+    let slots = slot_mapping(4 * CHUNK + 3, 12, Mapping::Scattered, 7);
+    let mut cache = cache_for(&rc, 12);
+    assert_eq!(cache.spec().planes(), 1);
+    let report = r.load(&ks, &slots, &mut cache).unwrap();
+    assert_eq!(report.loaded.len(), 5);
+    assert_cache_holds(
+        &mut cache,
+        &rc.chunk_layout(),
+        &ks,
+        &token_counts(5, 3),
+        &slots,
+    );
+    assert_released(&s, 1);
+    assert_receiver_idle(&r);
+}
+
+#[test]
+fn depth_one_and_depth_beyond_the_request_both_load_everything() {
+    let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 32);
+    let blocks = 16;
+    for (max_depth, n, expect) in [(1, 6, (1, 2, 6)), (64, 5, (5, 1, 1))] {
+        let req = format!("depth{max_depth}");
+        let ks = put_delay(&s, &rc, &req, n, CHUNK);
+        let slots = slot_mapping(n * CHUNK, blocks, Mapping::Blocks, max_depth as u64);
+        let mut cache = cache_for(&rc, blocks);
+        let report = r
+            .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth })
+            .unwrap();
+        assert_eq!(
+            (report.depth, report.pools, report.micro_batches),
+            expect,
+            "max_depth {max_depth}"
+        );
+        let page = rc.chunk_layout().page_bytes();
+        assert_eq!(report.peak_buffer_bytes, expect.0 * expect.1 * page);
+        assert_cache_holds(&mut cache, &rc.chunk_layout(), &ks, &vec![CHUNK; n], &slots);
+        assert_receiver_idle(&r);
+    }
+    assert_released(&s, 2);
+}
+
+#[test]
+fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
+    let (r, rc, a) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    let b = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let ka = put_delay(&a, &rc, "alpha", 4, CHUNK);
+    let kb = put_delay(&b, &rc, "beta", 3, 5);
+    // The request interleaves them: a0 b0 a1 b1 a2 a3 b2 (b2 is the partial last chunk).
+    let order = [&ka[0], &kb[0], &ka[1], &kb[1], &ka[2], &ka[3], &kb[2]];
+    let req: Vec<String> = order.iter().map(|k| (*k).clone()).collect();
+    let tokens = token_counts(7, 5);
+    let slots = slot_mapping(6 * CHUNK + 5, 16, Mapping::Blocks, 3);
+    let mut cache = cache_for(&rc, 16);
+    let report = r
+        .load_with(&req, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .unwrap();
+    assert_eq!(report.senders, 2);
+    assert_eq!(report.loaded, req, "request order");
+    // alpha: 4 proxies in 2 batches, beta: 3 in 2.
+    assert_eq!(report.micro_batches, 4);
+    assert_eq!(report.dones_sent, 2);
+    assert_cache_holds(&mut cache, &rc.chunk_layout(), &req, &tokens, &slots);
+    assert_released(&a, 1);
+    assert_released(&b, 1);
+    assert_receiver_idle(&r);
+}
+
+#[test]
+fn resident_chunks_are_scattered_from_their_pages_without_reads() {
+    for mode in [TransferMode::Push, TransferMode::PullEager] {
+        let (r, rc, s) = pair(ChannelKind::Shm, mode, 32);
+        let ks = keys("res", 6);
+        let c = chunks(&s, &ks, 9);
+        s.put(&ks, &c, &spec_for(&rc, "res", true)).unwrap();
+        drop(c);
+        for k in &ks {
+            assert!(r.get_wait(k, Duration::from_secs(10)).is_some(), "{k}");
+        }
+        let read_before = r.stats().bytes_read;
+        let slots = slot_mapping(5 * CHUNK + 9, 12, Mapping::Scattered, 9);
+        let mut cache = cache_for(&rc, 12);
+        let report = r.load(&ks, &slots, &mut cache).unwrap();
+        assert_eq!((report.resident, report.proxies), (6, 0), "{mode:?}");
+        assert_eq!((report.bytes_read, report.depth), (0, 0));
+        assert_eq!(r.stats().bytes_read, read_before);
+        assert_cache_holds(
+            &mut cache,
+            &rc.chunk_layout(),
+            &ks,
+            &token_counts(6, 9),
+            &slots,
+        );
+        // Resident chunks stay stored until removed.
+        assert!(r.contains(&ks[0]));
+        for k in &ks {
+            r.remove(k);
+        }
+        assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0);
+    }
+}
+
+#[test]
+fn bad_input_is_refused_before_anything_is_touched_and_missing_keys_are_named() {
+    let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 16);
+    let ks = put_delay(&s, &rc, "bad", 3, CHUNK);
+    let mut cache = cache_for(&rc, 8);
+    // Too short a slot mapping.
+    let e = r.load(&ks, &[0; 40], &mut cache).unwrap_err().to_string();
+    assert!(
+        e.contains("bad-2") && e.contains("[32, 48)") && e.contains("40"),
+        "{e}"
+    );
+    // A slot beyond the cache.
+    let mut slots: Vec<i64> = (0..48).collect();
+    slots[20] = 64;
+    let e = r.load(&ks, &slots, &mut cache).unwrap_err().to_string();
+    assert!(e.contains("slot 64") && e.contains("64 slots"), "{e}");
+    // A cache of another geometry.
+    let mut other = KvCache::host(KvCacheSpec {
+        hidden: 16,
+        ..*cache.spec()
+    })
+    .unwrap();
+    let e = r.load(&ks, &slots, &mut other).unwrap_err().to_string();
+    assert!(e.contains("hidden 16") && e.contains("hidden 32"), "{e}");
+    // Nothing was consumed: all three proxies are still there.
+    assert_eq!(r.stats().store.proxies, 3);
+    // Missing keys are named; the rest still load.
+    let slots: Vec<i64> = (0..64).collect();
+    let mut req = ks.clone();
+    req.push("nowhere".into());
+    let e = r.load(&req, &slots, &mut cache).unwrap_err();
+    let LoadError::Incomplete { failed, report } = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(failed.len(), 1);
+    assert_eq!(
+        (failed[0].key.as_str(), failed[0].reason.as_str()),
+        ("nowhere", "not stored")
+    );
+    assert_eq!(report.loaded, ks);
+    assert!(e.to_string().contains("1 of 4 key(s) not loaded"), "{e}");
+    assert_released(&s, 1);
+    assert_receiver_idle(&r);
+}
+
+/// A sender driven by hand: a real tcp channel and handshake, a raw REQ for
+/// its PullReadyNotif (whose page indexes the test chooses), a PULL socket
+/// counting the Dones it gets.
+struct ScriptedSender {
+    _pool: std::sync::Arc<PagePool>,
+    _ch: std::sync::Arc<dyn chan::TransferChannel>,
+    _pages: Vec<ascend_pd::memory::MemObj>,
+    done: zmq::Socket,
+    _ctx: zmq::Context,
+}
+
+impl ScriptedSender {
+    /// Announces `keys` (full chunks) as one pull; `bad` replaces one page index.
+    fn announce(rc: &PdConfig, pull_id: &str, keys: &[String], bad: Option<(usize, u64)>) -> Self {
+        let layout = rc.chunk_layout();
+        let page = layout.page_bytes();
+        let pool = PagePool::new(RegisteredBuffer::host(keys.len() * page, page, false).unwrap());
+        let mut pages = pool
+            .allocate_batch(&vec![ChunkMeta::full(layout); keys.len()])
+            .unwrap();
+        for (p, k) in pages.iter_mut().zip(keys) {
+            pattern::fill(p.host_bytes_mut().unwrap(), seed_of(k));
+        }
+        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", std::slice::from_ref(&pool)).unwrap();
+        let node = "scripted-sender:1";
+        let hello = Hello::local(
+            node,
+            Role::Sender,
+            TransferMode::PullDelay,
+            Duration::from_secs(60),
+            ch.as_ref(),
+        );
+        let ctx = zmq::Context::new();
+        let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());
+        handshake::connect(&ctx, &init, ch.as_ref(), &hello, Duration::from_secs(10)).unwrap();
+        let done = ctx.socket(zmq::PULL).unwrap();
+        let done_port = free_port();
+        done.bind(&format!("tcp://127.0.0.1:{done_port}")).unwrap();
+        let mut indexes: Vec<u64> = pages.iter().map(|p| u64::from(p.page())).collect();
+        if let Some((i, page)) = bad {
+            indexes[i] = page;
+        }
+        let notif = PullReadyNotif {
+            pull_id: pull_id.into(),
+            keys: keys.to_vec(),
+            sender_buffer_uuids: vec![pool.uuid().simple().to_string(); keys.len()],
+            sender_mem_indexes: indexes,
+            sender_id: node.into(),
+            sender_done_url: format!("127.0.0.1:{done_port}"),
+            fmt: layout.fmt.code(),
+            shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
+            dtype: layout.dtype.name().into(),
+            last_chunk_toks: layout.tokens as u64,
+        };
+        let req = ctx.socket(zmq::REQ).unwrap();
+        req.set_rcvtimeo(10_000).unwrap();
+        req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
+            .unwrap();
+        req.send(Message::PullReadyNotif(notif).encode(), 0)
+            .unwrap();
+        let ack = PullReadyDoneAck::decode(&req.recv_bytes(0).unwrap()).unwrap();
+        assert!(!ack.alloc_failed, "{ack:?}");
+        ScriptedSender {
+            _pool: pool,
+            _ch: ch,
+            _pages: pages,
+            done,
+            _ctx: ctx,
+        }
+    }
+
+    /// The Dones that arrive within `wait` of each other.
+    fn dones(&self, wait: Duration) -> Vec<String> {
+        let mut out = Vec::new();
+        self.done.set_rcvtimeo(wait.as_millis() as i32).unwrap();
+        while let Ok(frame) = self.done.recv_bytes(0) {
+            out.push(PullDoneSignal::decode(&frame).unwrap().pull_id);
+        }
+        out
+    }
+}
+
+#[test]
+fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_done_once() {
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
+    let r = Receiver::start(&rc, 0, None).unwrap();
+    let start = r.stats();
+    let ks = keys("broken", 8);
+    // Chunk 5 names a page the sender never registered: micro-batch 2
+    // (chunks 4 and 5, depth 2) fails after batches 0 and 1 were loaded.
+    let fake = ScriptedSender::announce(&rc, "pull-broken", &ks, Some((5, 999)));
+    let slots = slot_mapping(8 * CHUNK, 16, Mapping::Blocks, 5);
+    let mut cache = cache_for(&rc, 16);
+    let e = r
+        .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .unwrap_err();
+    let text = e.to_string();
+    let LoadError::Incomplete { failed, report } = e else {
+        panic!("{text}")
+    };
+    assert_eq!(report.loaded, ks[..4].to_vec(), "{text}");
+    let failed_keys: Vec<&str> = failed.iter().map(|f| f.key.as_str()).collect();
+    assert_eq!(
+        failed_keys,
+        ["broken-4", "broken-5", "broken-6", "broken-7"]
+    );
+    for f in &failed {
+        assert_eq!(f.pull_id.as_deref(), Some("pull-broken"));
+        assert_eq!(f.sender_id.as_deref(), Some("scripted-sender:1"));
+    }
+    assert!(failed[0].reason.contains("page 999 out of range"), "{text}");
+    assert!(failed[2].reason.contains("earlier micro-batch"), "{text}");
+    assert!(text.contains("4 of 8 key(s) not loaded"), "{text}");
+    // What was loaded is right; what failed never reached the cache.
+    assert_cache_holds(
+        &mut cache,
+        &rc.chunk_layout(),
+        &ks[..4],
+        &[CHUNK; 4],
+        &slots,
+    );
+    // The pull's Done went out exactly once, and the load said so.
+    assert_eq!(report.dones_sent, 1);
+    assert_eq!(fake.dones(Duration::from_millis(500)), ["pull-broken"]);
+    assert_eq!(msg(&r.stats().messages, MessageKind::PullDoneSignal), 1);
+    // Pools and store are back where they started.
+    let end = r.stats();
+    assert_eq!(
+        end.pools.cpu.unwrap().allocated,
+        start.pools.cpu.unwrap().allocated
+    );
+    assert_eq!((end.store.proxies, end.store.contexts_open), (0, 0));
+    assert_eq!(end.store.dones_emitted, 1);
+    assert!(msg(&end.messages, MessageKind::TransferError) >= 1);
+}
+
+#[test]
+fn concurrent_loads_competing_for_pages_fall_back_to_a_smaller_depth() {
+    // A receiver with 6 pages for its pipelines.
+    let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 6);
+    let mut sc = sender_config(ChannelKind::Shm, TransferMode::PullDelay, 64);
+    sc.buffer_size = 64 * sc.page_bytes();
+    let s2 = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    drop(s);
+    // Three pages held elsewhere: a load for 16 chunks gets depth 1, not a failure.
+    let held = r
+        .allocator()
+        .allocate_batch(&[ChunkMeta::full(rc.chunk_layout()); 3])
+        .unwrap();
+    let ks = put_delay(&s2, &rc, "squeezed", 16, CHUNK);
+    let slots = slot_mapping(16 * CHUNK, 32, Mapping::Blocks, 1);
+    let mut cache = cache_for(&rc, 32);
+    let report = r.load(&ks, &slots, &mut cache).unwrap();
+    assert_eq!((report.depth, report.pools), (1, 2));
+    assert_cache_holds(&mut cache, &rc.chunk_layout(), &ks, &[CHUNK; 16], &slots);
+    drop(held);
+    // Two loads at once over 6 pages: each gets what is free, both complete.
+    let ka = put_delay(&s2, &rc, "left", 12, CHUNK);
+    let kb = put_delay(&s2, &rc, "right", 12, 4);
+    let sa = slot_mapping(12 * CHUNK, 24, Mapping::Blocks, 2);
+    let sb = slot_mapping(11 * CHUNK + 4, 24, Mapping::Scattered, 3);
+    let (mut ca, mut cb) = (cache_for(&rc, 24), cache_for(&rc, 24));
+    let (ra, rb): (LoadReport, LoadReport) = std::thread::scope(|sc| {
+        let a = sc.spawn(|| r.load(&ka, &sa, &mut ca).unwrap());
+        let b = sc.spawn(|| r.load(&kb, &sb, &mut cb).unwrap());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(ra.depth >= 1 && rb.depth >= 1);
+    assert!(ra.depth * ra.pools <= 6 && rb.depth * rb.pools <= 6);
+    assert_cache_holds(&mut ca, &rc.chunk_layout(), &ka, &[CHUNK; 12], &sa);
+    assert_cache_holds(&mut cb, &rc.chunk_layout(), &kb, &token_counts(12, 4), &sb);
+    assert!(r.stats().pools.cpu.unwrap().high_water <= 6);
+    assert_released(&s2, 3);
+    assert_receiver_idle(&r);
+}
+
+#[test]
+fn an_npu_cache_is_loaded_through_the_emulator() {
+    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
+    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
+    let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 8);
+    rc.buffer_device = BufferDevice::Npu(Some(0));
+    let r = Receiver::start(&rc, 0, Some(&rt)).unwrap();
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
+    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let ks = put_delay(&s, &rc, "npu", 9, 11);
+    let slots = slot_mapping(8 * CHUNK + 11, 20, Mapping::Blocks, 17);
+    let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 20, BLOCK);
+    let mut cache = KvCache::npu(&rt.device(0).unwrap(), spec).unwrap();
+    let report = r
+        .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .unwrap();
+    assert_eq!((report.depth, report.micro_batches), (2, 5));
+    assert_cache_holds(
+        &mut cache,
+        &rc.chunk_layout(),
+        &ks,
+        &token_counts(9, 11),
+        &slots,
+    );
+    assert_released(&s, 1);
+    assert_eq!(r.stats().pools.npu.unwrap().allocated, 0);
+    assert_eq!(r.stats().store.contexts_open, 0);
+}
