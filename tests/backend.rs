@@ -132,10 +132,10 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
     for mode in [TransferMode::Push, TransferMode::PullEager] {
         let mut rc = receiver_config(ChannelKind::Tcp, mode, 4);
         rc.alloc_fail_backoff_ttl = Duration::from_millis(100);
-        let r = Receiver::start(&rc, 0, None).unwrap();
+        let r = Receiver::start(&rc, 0).unwrap();
         let mut sc = sender_config(ChannelKind::Tcp, mode, 64);
         sc.alloc_fail_backoff_ttl = Duration::from_millis(400);
-        let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+        let s = Sender::start(&sc, 0, Default::default()).unwrap();
         let peer_key = format!("127.0.0.1:{}", rc.alloc_port(0).unwrap());
         // Eight chunks into a four-page receiver: it rolls back and says so.
         let big = keys("big", 8);
@@ -186,10 +186,10 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
 #[test]
 fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
     let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
-    let r = Receiver::start(&rc, 0, None).unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
     let mut sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
     sc.pull_pending_ttl = Duration::from_millis(600);
-    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
     let ks = keys("orphan", 5);
     let c = chunks(&s, &ks, 3);
     let out = s.put(&ks, &c, &spec_for(&rc, "orphan", true)).unwrap();
@@ -301,7 +301,7 @@ fn done_before_ack_releases_the_pins_once() {
         std::thread::sleep(Duration::from_millis(300));
     });
     let sc = sender_config(ChannelKind::Tcp, TransferMode::PullEager, 16);
-    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
     let ks = keys("race", 3);
     let c = chunks(&s, &ks, CHUNK);
     let out = s.put(&ks, &c, &spec_for(&fake.rc, "race", true)).unwrap();
@@ -330,14 +330,14 @@ fn a_dead_receiver_does_not_block_puts_to_another() {
     silent.bind(&dead.alloc_url).unwrap();
     let (live, live_rc) = {
         let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 16);
-        (Receiver::start(&rc, 0, None).unwrap(), rc)
+        (Receiver::start(&rc, 0).unwrap(), rc)
     };
     let sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 32);
     let timeouts = ascend_pd::backend::SenderTimeouts {
         request: Duration::from_millis(1500),
         ..Default::default()
     };
-    let s = Arc::new(Sender::start(&sc, 0, None, timeouts).unwrap());
+    let s = Arc::new(Sender::start(&sc, 0, timeouts).unwrap());
     let dead_done = Arc::new(AtomicBool::new(false));
     let (s2, flag, spec) = (
         Arc::clone(&s),

@@ -196,11 +196,11 @@ fn mla_chunks_land_in_the_latent_plane() {
     let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
     rc.kv.use_mla = true;
     rc.buffer_size = 16 * rc.page_bytes();
-    let r = Receiver::start(&rc, 0, None).unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
     let mut sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
     sc.kv.use_mla = true;
     sc.buffer_size = 16 * sc.page_bytes();
-    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
     let ks = put_delay(&s, &rc, "mla", 5, 3);
     let slots = slot_mapping(4 * CHUNK + 3, 12, Mapping::Scattered, 7);
     let mut cache = cache_for(&rc, 12);
@@ -247,7 +247,7 @@ fn depth_one_and_depth_beyond_the_request_both_load_everything() {
 fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
     let (r, rc, a) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);
     let sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
-    let b = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let b = Sender::start(&sc, 0, Default::default()).unwrap();
     let ka = put_delay(&a, &rc, "alpha", 4, CHUNK);
     let kb = put_delay(&b, &rc, "beta", 3, 5);
     // The request interleaves them: a0 b0 a1 b1 a2 a3 b2 (b2 is the partial last chunk).
@@ -434,7 +434,7 @@ impl ScriptedSender {
 #[test]
 fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_done_once() {
     let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
-    let r = Receiver::start(&rc, 0, None).unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
     let start = r.stats();
     let ks = keys("broken", 8);
     // Chunk 5 names a page the sender never registered: micro-batch 2
@@ -491,7 +491,7 @@ fn concurrent_loads_competing_for_pages_fall_back_to_a_smaller_depth() {
     let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 6);
     let mut sc = sender_config(ChannelKind::Shm, TransferMode::PullDelay, 64);
     sc.buffer_size = 64 * sc.page_bytes();
-    let s2 = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s2 = Sender::start(&sc, 0, Default::default()).unwrap();
     drop(s);
     // Three pages held elsewhere: a load for 16 chunks gets depth 1, not a failure.
     let held = r
@@ -531,9 +531,9 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
     let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 8);
     rc.buffer_device = BufferDevice::Npu(Some(0));
-    let r = Receiver::start(&rc, 0, Some(&rt)).unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
     let sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
-    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
     let ks = put_delay(&s, &rc, "npu", 9, 11);
     let slots = slot_mapping(8 * CHUNK + 11, 20, Mapping::Blocks, 17);
     let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 20, BLOCK);

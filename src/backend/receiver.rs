@@ -9,9 +9,7 @@ use crate::channel::Completion;
 use crate::channel::{self, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
 use crate::kv::{plan, KvCache, ScatterStats};
-use crate::memory::{
-    ChunkMeta, DualAllocator, DualSpec, DualStats, MemObj, MemoryError, NpuRuntime,
-};
+use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, MemoryError};
 use crate::pipeline::scatter::{ScatterItem, ScatterLane, ScatterTicket};
 use crate::pipeline::{
     allocate_pools, ItemOutcome, KeyFailure, LoadError, LoadOptions, LoadReport, MicroBatch,
@@ -87,11 +85,10 @@ const PUSH_LANDING_TIMEOUT: Duration = Duration::from_secs(30);
 impl Receiver {
     /// Starts a receiver for TP rank `rank` (role must be receiver): binds
     /// `pd_peer_init_port[rank]` and `pd_peer_alloc_port[rank]` on `pd_peer_host`.
-    pub fn start(
-        config: &PdConfig,
-        rank: usize,
-        npu: Option<&dyn NpuRuntime>,
-    ) -> Result<Receiver, BackendError> {
+    ///
+    /// NPU pools (and hccl's pinned host pool) come from the CANN runtime,
+    /// found as `ascend_sys` searches for it (`ASCEND_PD_CANN_LIB_DIR` first).
+    pub fn start(config: &PdConfig, rank: usize) -> Result<Receiver, BackendError> {
         if config.role != Role::Receiver {
             return Err(BackendError::Setup(
                 "pd_role: Receiver::start needs pd_role: receiver".into(),
@@ -116,7 +113,8 @@ impl Receiver {
                 "pd_peer_init_port / pd_peer_alloc_port: no port for TP rank {rank}"
             )));
         };
-        let alloc = DualAllocator::new(&DualSpec::from_config(config, rank as u32), npu)?;
+        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
+        let alloc = crate::memory::npu::allocator_for_config(config, rank as u32)?;
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let channel = channel::open(config.transfer_channel, &host, &pools)?;
         let ctx = zmq::Context::new();
@@ -197,6 +195,14 @@ impl Receiver {
     /// Whether `key` is stored (resident, pending, or a proxy).
     pub fn contains(&self, key: &str) -> bool {
         lock(&self.shared.store).contains(key)
+    }
+
+    /// Tokens of the pull-delay proxy stored for `key` (looking never consumes it).
+    pub fn proxy_tokens(&self, key: &str) -> Option<usize> {
+        match lock(&self.shared.store).get(key, Instant::now()) {
+            Lookup::Proxy(p) => Some(p.tokens()),
+            _ => None,
+        }
     }
 
     /// The state of `key`, if stored.

@@ -6,9 +6,7 @@ use super::{pd_log, BackendError};
 use crate::channel::handshake::{self, Hello};
 use crate::channel::{self, landed, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
-use crate::memory::{
-    BufferRef, ChunkLayout, ChunkMeta, DualAllocator, DualSpec, DualStats, MemObj, NpuRuntime,
-};
+use crate::memory::{BufferRef, ChunkLayout, ChunkMeta, DualAllocator, DualStats, MemObj};
 use crate::protocol::{
     Admission, AllocRequest, AscendAllocResponse, Backpressure, BreakerCounters, BreakerState,
     CircuitBreaker, Delivery, DoneOutcome, InsertOutcome, Message, ProxyNotif, PullCounters,
@@ -145,11 +143,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Sender {
     /// Starts a sender for TP rank `rank` with `config` (role must be sender).
-    /// `npu` provides NPU pools when `pd_buffer_device` is `npu*`.
+    /// NPU pools (and hccl's pinned host pool) come from the CANN runtime,
+    /// found as `ascend_sys` searches for it (`ASCEND_PD_CANN_LIB_DIR` first).
     pub fn start(
         config: &PdConfig,
         rank: usize,
-        npu: Option<&dyn NpuRuntime>,
         timeouts: SenderTimeouts,
     ) -> Result<Sender, BackendError> {
         if config.role != Role::Sender {
@@ -171,7 +169,8 @@ impl Sender {
             .peer_host
             .clone()
             .unwrap_or_else(|| "127.0.0.1".to_string());
-        let alloc = DualAllocator::new(&DualSpec::from_config(config, rank as u32), npu)?;
+        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
+        let alloc = crate::memory::npu::allocator_for_config(config, rank as u32)?;
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let channel = channel::open(config.transfer_channel, &host, &pools)?;
         let local_uuids = pools.iter().map(|p| p.uuid()).collect();

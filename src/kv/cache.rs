@@ -7,8 +7,28 @@ use crate::memory::{DeviceKind, MemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
+/// A host cache's memory: a private, 2 MiB-aligned, prefaulted region
+/// (allocated once and warm, like a serving engine's cache).
+struct HostKv(crate::memory::HostRegion);
+
+impl std::ops::Deref for HostKv {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the region is private anonymous memory owned by this cache;
+        // nothing else maps or writes it.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr(), self.0.len()) }
+    }
+}
+
+impl std::ops::DerefMut for HostKv {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_ptr(), self.0.len()) }
+    }
+}
+
 enum Memory {
-    Host(Vec<u8>),
+    Host(HostKv),
     Npu {
         buf: DeviceBuffer,
         stream: Stream,
@@ -118,9 +138,13 @@ impl KvCache {
     /// A zeroed cache in host memory (the `cpu` device).
     pub fn host(spec: KvCacheSpec) -> Result<KvCache, KvError> {
         spec.validate()?;
+        let bytes = spec.bytes();
+        let region = crate::memory::HostRegion::anonymous(bytes)
+            .map_err(|source| crate::memory::MemoryError::HostAlloc { bytes, source })?;
+        region.prefault();
         Ok(KvCache {
             spec,
-            mem: Memory::Host(vec![0; spec.bytes()]),
+            mem: Memory::Host(HostKv(region)),
             pending: Vec::new(),
         })
     }

@@ -392,9 +392,8 @@ pub fn measure_peak_buffer(
     sizes: &[usize],
     opts: &LoadOptions,
 ) -> Result<Vec<PeakFigure>, BenchError> {
-    let r = Receiver::start(receiver, 0, None).map_err(err("starting the receiver"))?;
-    let s =
-        Sender::start(sender, 0, None, Default::default()).map_err(err("starting the sender"))?;
+    let r = Receiver::start(receiver, 0).map_err(err("starting the receiver"))?;
+    let s = Sender::start(sender, 0, Default::default()).map_err(err("starting the sender"))?;
     let layout = receiver.chunk_layout();
     let page = layout.page_bytes();
     let block_size = 16;

@@ -106,8 +106,8 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
 /// Starts a receiver and a sender for `mode` over `channel`.
 pub fn pair(channel: ChannelKind, mode: TransferMode, pages: u64) -> (Receiver, PdConfig, Sender) {
     let rc = receiver_config(channel, mode, pages);
-    let r = Receiver::start(&rc, 0, None).unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
     let sc = sender_config(channel, mode, pages);
-    let s = Sender::start(&sc, 0, None, Default::default()).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
     (r, rc, s)
 }

@@ -30,7 +30,8 @@ commands:
          --to HOST/P[,P]/P[,P] ...) [--requests N] [--prompt-tokens N] [--rank R]
          [--prefix NAME] [--metrics-port M]
                          a prefill worker with a request generator
-  receiver --config FILE [--rank R] [--notify-port P] [--requests N] [--metrics-port M]
+  receiver --config FILE [--rank R] [--notify-port P] [--requests N] [--kv-tokens N]
+           [--depth N] [--metrics-port M]
                          a decode worker; loads and verifies each request announced
                          by a ProxyNotif on --notify-port
   proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]

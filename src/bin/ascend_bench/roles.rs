@@ -8,7 +8,9 @@ use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{PutOutcome, Receiver, Sender, TransferSpec};
 use ascend_pd::config::{PdConfig, PortList, TransferMode};
-use ascend_pd::memory::{pattern, ChunkMeta, MemObj};
+use ascend_pd::kv::{KvCache, KvCacheSpec};
+use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
+use ascend_pd::pipeline::LoadOptions;
 use ascend_pd::protocol::{Message, ProxyNotif};
 use serde_json::json;
 use std::io::Write;
@@ -155,13 +157,16 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     let prompt: usize = a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?;
     let prefix: String = a.get("prefix", "req".to_string()).map_err(|e| anyhow!(e))?;
     let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
+    // Closed loop: before each request after the first, wait for a line on
+    // stdin (the orchestrator sends one when the previous request loaded).
+    let paced: bool = a.get("paced", false).map_err(|e| anyhow!(e))?;
     a.finish().map_err(|e| anyhow!(e))?;
     if prompt == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
     install_signal_handlers();
 
-    let sender = Arc::new(Sender::start(&config, rank, None, Default::default())?);
+    let sender = Arc::new(Sender::start(&config, rank, Default::default())?);
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -189,6 +194,13 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         if stopping() {
             eprintln!("sender: stopping on signal");
             break;
+        }
+        if paced && r > 0 {
+            let mut go = String::new();
+            if std::io::stdin().read_line(&mut go)? == 0 {
+                eprintln!("sender: stdin closed, stopping");
+                break;
+            }
         }
         let req_id = format!("{prefix}-{r}");
         let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
@@ -298,9 +310,12 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     let notify_port: Option<u16> = a.opt("notify-port").map_err(|e| anyhow!(e))?;
     let requests: Option<usize> = a.opt("requests").map_err(|e| anyhow!(e))?;
     let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
+    let kv_tokens: usize = a.get("kv-tokens", 4096).map_err(|e| anyhow!(e))?;
+    let depth: usize = a.get("depth", 4).map_err(|e| anyhow!(e))?;
     a.finish().map_err(|e| anyhow!(e))?;
     install_signal_handlers();
-    let receiver = Receiver::start(&config, rank, None)?;
+    let receiver = Receiver::start(&config, rank)?;
+    let mut decode = DecodeSide::new(&config, kv_tokens, depth)?;
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -354,7 +369,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         };
         let notif_at = wall();
         served += 1;
-        match load_request(&receiver, &req_id) {
+        match decode.load_request(&receiver, &req_id) {
             Ok(v) => {
                 let good = v["verified"].as_bool().unwrap_or(false);
                 ok &= good;
@@ -384,48 +399,118 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     Ok(ok)
 }
 
-/// Waits for request `req_id`'s chunks, loads them, checks every byte, drops them.
-fn load_request(r: &Receiver, req_id: &str) -> Result<serde_json::Value> {
-    let mut keys = Vec::new();
-    while r.contains(&chunk_key(req_id, keys.len())) {
-        keys.push(chunk_key(req_id, keys.len()));
+/// The decode worker's KV cache and the scratch page used to check it.
+struct DecodeSide {
+    cache: KvCache,
+    block_size: usize,
+    scratch: Arc<PagePool>,
+    layout: ChunkLayout,
+    rng: u64,
+    opts: LoadOptions,
+}
+
+impl DecodeSide {
+    /// A host KV cache for requests of up to `kv_tokens` tokens, in 128-token blocks.
+    fn new(config: &PdConfig, kv_tokens: usize, depth: usize) -> Result<DecodeSide> {
+        let layout = config.chunk_layout();
+        let block_size = 128;
+        let spec =
+            KvCacheSpec::for_layout(&layout, kv_tokens.div_ceil(block_size).max(1), block_size);
+        let cache = KvCache::host(spec)?;
+        let page = layout.page_bytes();
+        let scratch = PagePool::new(RegisteredBuffer::host(page, page, false)?);
+        Ok(DecodeSide {
+            cache,
+            block_size,
+            scratch,
+            layout,
+            rng: 0x9e37_79b9_7f4a_7c15,
+            opts: LoadOptions {
+                max_depth: depth.max(1),
+            },
+        })
     }
-    if keys.is_empty() {
-        bail!("no chunk of {req_id} is stored (skipped by the sender's breaker, or never sent)");
+
+    /// A vLLM-style slot mapping over a shuffled block table.
+    fn slot_mapping(&mut self, tokens: usize) -> Result<Vec<i64>> {
+        let blocks = self.cache.spec().num_blocks;
+        let need = tokens.div_ceil(self.block_size);
+        if need > blocks {
+            bail!("a request of {tokens} tokens needs {need} KV blocks; the cache has {blocks} (raise --kv-tokens)");
+        }
+        let mut table: Vec<usize> = (0..blocks).collect();
+        for i in (1..blocks).rev() {
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            table.swap(i, (self.rng % (i as u64 + 1)) as usize);
+        }
+        Ok((0..tokens)
+            .map(|t| (table[t / self.block_size] * self.block_size + t % self.block_size) as i64)
+            .collect())
     }
-    // Ready: the receiver holds the whole request (landed / read, or proxies).
-    if r.mode() != TransferMode::PullDelay {
+
+    /// Waits for request `req_id`'s chunks, loads them into the KV cache
+    /// (fetch + scatter), checks every byte by gathering each chunk back out
+    /// of the cache, then drops the request.
+    fn load_request(&mut self, r: &Receiver, req_id: &str) -> Result<serde_json::Value> {
+        let mut keys = Vec::new();
+        while r.contains(&chunk_key(req_id, keys.len())) {
+            keys.push(chunk_key(req_id, keys.len()));
+        }
+        if keys.is_empty() {
+            bail!(
+                "no chunk of {req_id} is stored (skipped by the sender's breaker, or never sent)"
+            );
+        }
+        // Ready: the receiver holds the whole request (landed / read, or proxies).
+        let mut tokens = Vec::with_capacity(keys.len());
         for k in &keys {
-            if r.get_wait(k, Duration::from_secs(60)).is_none() {
-                bail!("{k} did not land within 60 s");
+            if r.mode() == TransferMode::PullDelay {
+                tokens.push(
+                    r.proxy_tokens(k)
+                        .ok_or_else(|| anyhow!("{k} is not a proxy"))?,
+                );
+            } else {
+                let m = r
+                    .get_wait(k, Duration::from_secs(60))
+                    .ok_or_else(|| anyhow!("{k} did not land within 60 s"))?;
+                tokens.push(m.tokens());
             }
         }
-    }
-    let ready_at = wall();
-    let load_start = wall();
-    let got = r.fetch(&keys)?;
-    let load_end = wall();
-    let mut bytes = 0u64;
-    let mut verified = true;
-    for (k, m) in &got {
-        bytes += m.byte_len() as u64;
-        let b = m
-            .host_bytes()
-            .ok_or_else(|| anyhow!("the bench verifies host pages"))?;
-        if let Some(at) = pattern::first_mismatch(b, key_seed(k)) {
-            eprintln!("receiver: {k}: byte {at} differs from what the sender wrote");
-            verified = false;
+        let ready_at = wall();
+        let total: usize = tokens.iter().sum();
+        let slots = self.slot_mapping(total)?;
+        let load_start = wall();
+        let report = r.load_with(&keys, &slots, &mut self.cache, &self.opts)?;
+        let load_end = wall();
+        let mut bytes = 0u64;
+        let mut verified = report.loaded.len() == keys.len();
+        let mut first = 0;
+        for (k, &t) in keys.iter().zip(&tokens) {
+            let page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
+            self.cache.gather(&slots[first..first + t], &page)?;
+            first += t;
+            bytes += page.byte_len() as u64;
+            let b = page
+                .host_bytes()
+                .ok_or_else(|| anyhow!("scratch pages are host pages"))?;
+            if let Some(at) = pattern::first_mismatch(b, key_seed(k)) {
+                eprintln!(
+                    "receiver: {k}: byte {at} in the KV cache differs from what the sender wrote"
+                );
+                verified = false;
+            }
         }
+        for k in &keys {
+            r.remove(k);
+        }
+        Ok(json!({
+            "event": "load", "req": req_id, "chunks": keys.len(), "bytes": bytes,
+            "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
+            "depth": report.depth, "verified": verified,
+        }))
     }
-    drop(got);
-    for k in &keys {
-        r.remove(k);
-    }
-    Ok(json!({
-        "event": "load", "req": req_id, "chunks": keys.len(), "bytes": bytes,
-        "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
-        "verified": verified,
-    }))
 }
 
 fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {

@@ -207,7 +207,7 @@ fn spawn(name: &str, args: &[String], tx: &mpsc::Sender<(String, Value)>) -> Res
     let exe = std::env::current_exe().context("locating ascend-bench")?;
     let mut child = Command::new(exe)
         .args(args)
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -292,6 +292,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                     format!("--rank={rank}"),
                     format!("--notify-port={np}"),
                     format!("--requests={mine}"),
+                    format!("--kv-tokens={}", spec.prompt_tokens),
                 ],
                 &tx,
             )?);
@@ -346,6 +347,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--prompt-tokens={}", spec.prompt_tokens),
                 format!("--prefix={mode}-s{s}.{rank}"),
                 format!("--first-receiver={s}"),
+                "--paced=true".to_string(),
             ];
             for (_, init, alloc) in &receivers {
                 args.push(format!("--to=127.0.0.1/{}/{}", join(init), join(alloc)));
@@ -379,7 +381,15 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 if v["verified"] != true {
                     failures.push(format!("{who}: load {} failed: {}", v["req"], v["error"]));
                 }
-                loads.insert(v["req"].as_str().unwrap_or("").to_string(), v);
+                let req = v["req"].as_str().unwrap_or("").to_string();
+                // Closed loop: the sender of this request may start its next one.
+                let sender = format!("sender{}", sender_of(&req));
+                if let Some(p) = procs.iter_mut().find(|p| p.name == sender) {
+                    if let Some(stdin) = p.child.stdin.as_mut() {
+                        let _ = stdin.write_all(b"go\n").and_then(|()| stdin.flush());
+                    }
+                }
+                loads.insert(req, v);
                 progress(mode, loads.len(), total);
             }
             Some("sender_done") => sender_done.push(v),
@@ -414,6 +424,12 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         failures.is_empty(),
         elapsed,
     )
+}
+
+/// `s.r` of a request id `MODE-sS.R-N` (its sender process name suffix).
+fn sender_of(req: &str) -> &str {
+    let tail = req.rsplit_once("-s").map_or("", |(_, t)| t);
+    tail.rsplit_once('-').map_or(tail, |(who, _)| who)
 }
 
 fn join(p: &[u16]) -> String {
