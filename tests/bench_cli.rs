@@ -257,3 +257,71 @@ fn bad_arguments_name_the_problem() {
     let out = bench().args(["proxy"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--port N is required"));
 }
+
+#[test]
+fn run_on_an_emulated_npu_over_hccl_verifies_and_says_which_runtime() {
+    let dir = ascend_emu::install_dir().expect("the emulator is built as a dev-dependency");
+    let json = tmp("npu.json");
+    let out = bench()
+        .env("ASCEND_PD_CANN_LIB_DIR", &dir)
+        .args([
+            "run",
+            "--device",
+            "npu",
+            "--channel",
+            "hccl",
+            "--modes",
+            "push,pull-delay",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "300",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{}\n{err}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        err.contains("CANN emulator (ascend-emu)"),
+        "says which runtime: {err}"
+    );
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(doc["machine"]["npu"].as_str().unwrap().contains("emulator"));
+    assert_eq!(doc["machine"]["ascend_hardware_tested"], false);
+    for m in doc["modes"].as_array().unwrap() {
+        assert_eq!(m["device"], "npu");
+        assert_eq!(m["channel"], "hccl");
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(
+            m["bytes_verified"].as_u64().unwrap(),
+            2 * 2 * 32 * 300 * 1024 * 2
+        );
+    }
+    let _ = std::fs::remove_file(json);
+    // Without a runtime the error says how to get one.
+    let out = bench()
+        .env("ASCEND_PD_CANN_LIB_DIR", "/nonexistent")
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("ASCEND_TOOLKIT_HOME")
+        .args([
+            "run",
+            "--device",
+            "npu",
+            "--channel",
+            "tcp",
+            "--requests",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ASCEND_PD_CANN_LIB_DIR"));
+    let out = bench().args(["run", "--device", "npu"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --channel tcp or hccl"));
+}

@@ -19,7 +19,7 @@ const USAGE: &str = "\
 usage: ascend-bench [COMMAND]
 
 commands:
-  run [--config FILE] [--channel shm|tcp] [--device cpu]
+  run [--config FILE] [--channel shm|tcp|hccl] [--device cpu|npu] [--depth N]
       [--modes push,pull-eager,pull-delay,pull-delay-offload]
       [--requests N] [--prompt-tokens N] [--senders P] [--receivers D] [--tp N]
       [--json FILE] [--plot FILE.svg]

@@ -78,6 +78,8 @@ pub struct ModeReport {
     pub prompt_tokens: usize,
     /// Wall time of the mode.
     pub wall_s: f64,
+    /// The NPU runtime the workers used, if any.
+    pub npu_runtime: Option<String>,
 }
 
 /// Joins the sender and receiver events of one mode.
@@ -222,7 +224,8 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "cpus": cpus,
             "os": std::env::consts::OS,
             "arch": std::env::consts::ARCH,
-            "npu": "none (cpu buffers); nothing here has run on Ascend hardware",
+            "npu": modes.iter().find_map(|m| m.npu_runtime.clone()).unwrap_or_else(|| "none (cpu buffers)".into()),
+            "ascend_hardware_tested": false,
         },
         "modes": modes.iter().map(|m| json!({
             "mode": m.mode,

@@ -7,9 +7,12 @@ use crate::args::Args;
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{PutOutcome, Receiver, Sender, TransferSpec};
-use ascend_pd::config::{PdConfig, PortList, TransferMode};
+use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
-use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
+use ascend_pd::memory::npu::{self, AclRuntime};
+use ascend_pd::memory::{
+    pattern, ChunkLayout, ChunkMeta, MemObj, NpuRuntime, PagePool, RegisteredBuffer,
+};
 use ascend_pd::pipeline::LoadOptions;
 use ascend_pd::protocol::{Message, ProxyNotif};
 use serde_json::json;
@@ -167,6 +170,9 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     install_signal_handlers();
 
     let sender = Arc::new(Sender::start(&config, rank, Default::default())?);
+    if let Some(note) = npu_runtime_note(&config)? {
+        eprintln!("sender: NPU via the {note}");
+    }
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -210,12 +216,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
             .context("allocating a request's chunks")?;
         for (c, k) in chunks.iter_mut().zip(&keys) {
-            pattern::fill(
-                c.host_bytes_mut().ok_or_else(|| {
-                    anyhow!("the bench fills host pages; use a cpu buffer device or offload")
-                })?,
-                key_seed(k),
-            );
+            fill_chunk(c, key_seed(k))?;
         }
         let bytes: usize = chunks.iter().map(MemObj::byte_len).sum();
         // Requests go round-robin over the receivers.
@@ -270,6 +271,27 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     Ok(ok && drained)
 }
 
+/// Writes the key's pattern into a chunk: directly on host pages, through
+/// the runtime's host-to-device copy on NPU pages (prefill wrote it there).
+fn fill_chunk(c: &mut MemObj, seed: u64) -> Result<()> {
+    if let Some(b) = c.host_bytes_mut() {
+        pattern::fill(b, seed);
+        return Ok(());
+    }
+    let mut v = vec![0u8; c.byte_len()];
+    pattern::fill(&mut v, seed);
+    npu::write_page(c, 0, &v)?;
+    Ok(())
+}
+
+/// "CANN runtime at ..." when the config needs an NPU, for the logs and the report.
+pub fn npu_runtime_note(config: &PdConfig) -> Result<Option<String>> {
+    if !config.buffer_device.is_npu() && config.transfer_channel != ChannelKind::Hccl {
+        return Ok(None);
+    }
+    Ok(Some(AclRuntime::load()?.describe()))
+}
+
 fn publish_sender(reg: &Registry, s: &Sender) {
     let st = s.stats();
     for (name, p) in [("cpu", st.pools.cpu), ("npu", st.pools.npu)] {
@@ -315,7 +337,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     a.finish().map_err(|e| anyhow!(e))?;
     install_signal_handlers();
     let receiver = Receiver::start(&config, rank)?;
-    let mut decode = DecodeSide::new(&config, kv_tokens, depth)?;
+    let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth)?;
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -343,7 +365,11 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         }
         None => None,
     };
-    emit(json!({"event": "receiver_ready"}));
+    let runtime = npu_runtime_note(&config)?;
+    if let Some(note) = &runtime {
+        eprintln!("receiver: NPU via the {note}");
+    }
+    emit(json!({"event": "receiver_ready", "npu_runtime": runtime}));
     let page = config.page_bytes();
     let mut served = 0usize;
     let mut ok = true;
@@ -411,12 +437,19 @@ struct DecodeSide {
 
 impl DecodeSide {
     /// A host KV cache for requests of up to `kv_tokens` tokens, in 128-token blocks.
-    fn new(config: &PdConfig, kv_tokens: usize, depth: usize) -> Result<DecodeSide> {
+    fn new(config: &PdConfig, rank: usize, kv_tokens: usize, depth: usize) -> Result<DecodeSide> {
         let layout = config.chunk_layout();
         let block_size = 128;
         let spec =
             KvCacheSpec::for_layout(&layout, kv_tokens.div_ceil(block_size).max(1), block_size);
-        let cache = KvCache::host(spec)?;
+        // The KV cache lives where the decode worker's buffers do.
+        let cache = match config.buffer_device {
+            BufferDevice::Npu(n) => {
+                let device = AclRuntime::load()?.device(n.unwrap_or(rank as u32))?;
+                KvCache::npu(&device, spec)?
+            }
+            BufferDevice::Cpu => KvCache::host(spec)?,
+        };
         let page = layout.page_bytes();
         let scratch = PagePool::new(RegisteredBuffer::host(page, page, false)?);
         Ok(DecodeSide {

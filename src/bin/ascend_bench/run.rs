@@ -36,6 +36,8 @@ pub struct RunSpec {
     pub receivers: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
+    /// Pages per ping-pong pool on the decode side (pull-delay).
+    pub depth: usize,
     /// The model / pool shape (from `--config`, or the built-in default).
     pub base: PdConfig,
     /// Sender pool bytes, receiver pool bytes.
@@ -93,6 +95,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         senders: a.get("senders", 1).map_err(|e| anyhow!(e))?,
         receivers: a.get("receivers", 1).map_err(|e| anyhow!(e))?,
         tp: a.get("tp", 1).map_err(|e| anyhow!(e))?,
+        depth: a.get("depth", 4).map_err(|e| anyhow!(e))?,
         pools: (0, 0),
         base,
     };
@@ -105,8 +108,22 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     if spec.senders == 0 || spec.receivers == 0 || spec.tp == 0 {
         bail!("--senders, --receivers and --tp must be at least 1");
     }
-    if spec.device.is_npu() {
-        bail!("--device npu: the bench's worker processes fill and verify chunks in host memory; NPU runs are not wired into `run` yet (use `ascend-bench channel --channel hccl --device npu` for the NPU data path)");
+    if spec.device.is_npu() && spec.channel == ChannelKind::Shm {
+        bail!("--device npu needs --channel tcp or hccl: shm moves host memory only");
+    }
+    if spec.device.is_npu() || spec.channel == ChannelKind::Hccl {
+        // Say which runtime the workers will load (they search the same way).
+        match ascend_pd::memory::npu::AclRuntime::load() {
+            Ok(rt) => eprintln!(
+                "NPU: {} (nothing here has run on Ascend hardware)",
+                ascend_pd::memory::NpuRuntime::describe(&rt)
+            ),
+            Err(e) => bail!(
+                "--device {} / --channel {}: {e}",
+                spec.device,
+                spec.channel.name()
+            ),
+        }
     }
     let result = run(spec)?;
     let verified = result.iter().all(|m| m.verified);
@@ -293,6 +310,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                     format!("--notify-port={np}"),
                     format!("--requests={mine}"),
                     format!("--kv-tokens={}", spec.prompt_tokens),
+                    format!("--depth={}", spec.depth),
                 ],
                 &tx,
             )?);
@@ -305,6 +323,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     procs.push(spawn("proxy", &proxy_args, &tx)?);
     // Wait until every receiver and the proxy listen.
     let mut ready = 0;
+    let mut runtime: Option<String> = None;
     let want = notify_ports.len() + 1;
     let deadline = Instant::now() + Duration::from_secs(60);
     while ready < want {
@@ -313,7 +332,12 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
             .recv_timeout(left)
             .map_err(|_| anyhow!("{mode}: workers did not start within 60 s"))?;
         match v["event"].as_str() {
-            Some("receiver_ready") | Some("proxy_ready") => ready += 1,
+            Some("receiver_ready") | Some("proxy_ready") => {
+                if let Some(rt) = v["npu_runtime"].as_str() {
+                    runtime = Some(rt.to_string());
+                }
+                ready += 1
+            }
             Some("exit") => bail!("{mode}: {who} exited during start-up"),
             _ => {}
         }
@@ -413,7 +437,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     for f in &failures {
         eprintln!("  {f}");
     }
-    report::summarize(
+    let mut r = report::summarize(
         mode,
         spec,
         &puts,
@@ -423,7 +447,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         total,
         failures.is_empty(),
         elapsed,
-    )
+    )?;
+    r.npu_runtime = runtime;
+    Ok(r)
 }
 
 /// `s.r` of a request id `MODE-sS.R-N` (its sender process name suffix).
