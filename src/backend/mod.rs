@@ -87,6 +87,23 @@ impl BackendError {
     }
 }
 
+/// Locks `m`, carrying on after a panic elsewhere poisoned it (every
+/// critical section here leaves its data consistent).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Starts a named backend thread.
+pub(crate) fn spawn(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>, BackendError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))
+}
+
 /// Log lines go to stderr; `ASCEND_PD_LOG=debug` adds the chatty ones.
 pub(crate) fn log_enabled(debug: bool) -> bool {
     use std::sync::OnceLock;

@@ -3,7 +3,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use super::{pd_log, BackendError};
+use super::{lock, pd_log, spawn, BackendError};
 use crate::channel::handshake::{HandshakeEvent, HandshakeServer, Hello};
 use crate::channel::Completion;
 use crate::channel::{self, PeerId, TransferChannel, TransferOp};
@@ -22,7 +22,7 @@ use crate::protocol::{
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -73,10 +73,6 @@ pub struct Receiver {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     handshake: Option<HandshakeServer>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// How long a pushed chunk may stay unwritten before its pages are reclaimed.
@@ -354,13 +350,6 @@ impl Drop for Receiver {
     fn drop(&mut self) {
         self.stop_threads();
     }
-}
-
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, BackendError> {
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(f)
-        .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))
 }
 
 fn send_done(s: &Shared, d: SendPullDone) {
@@ -644,22 +633,29 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
     let spawned = std::thread::Builder::new()
         .name("pd-eager-read".into())
         .spawn(move || {
-            let bytes: u64 = read.items.iter().map(|i| i.bytes as u64).sum();
-            let ops: Vec<TransferOp> = read
-                .items
-                .iter()
+            let EagerRead {
+                pull_id,
+                read_by,
+                items,
+                ..
+            } = read;
+            let bytes: u64 = items.iter().map(|i| i.bytes as u64).sum();
+            // The ops take the pages over: once the channel is done with them
+            // the store holds the only references (no clone outlives the read).
+            let ops: Vec<TransferOp> = items
+                .into_iter()
                 .map(|i| TransferOp {
-                    local: i.local.clone(),
+                    local: i.local,
                     remote: i.remote,
                     len: i.bytes,
                 })
                 .collect();
-            let budget = read.read_by.saturating_duration_since(Instant::now());
+            let budget = read_by.saturating_duration_since(Instant::now());
             let ok = match s2.channel.submit_read(peer, ops) {
                 Ok(mut c) => match c.wait_timeout(budget) {
                     Some(Ok(())) => true,
                     Some(Err(e)) => {
-                        pd_log!(warn, "eager read of pull {} failed: {e}", read.pull_id);
+                        pd_log!(warn, "eager read of pull {} failed: {e}", pull_id);
                         false
                     }
                     None => {
@@ -668,17 +664,13 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
                         pd_log!(
                             warn,
                             "eager read of pull {} did not finish within its lease",
-                            read.pull_id
+                            pull_id
                         );
                         false
                     }
                 },
                 Err(e) => {
-                    pd_log!(
-                        warn,
-                        "eager read of pull {} could not start: {e}",
-                        read.pull_id
-                    );
+                    pd_log!(warn, "eager read of pull {} could not start: {e}", pull_id);
                     false
                 }
             };
@@ -687,7 +679,7 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
             } else {
                 s2.counters.bump(MessageKind::TransferError);
             }
-            let done = lock(&s2.store).on_read_complete(&read.pull_id, ok);
+            let done = lock(&s2.store).on_read_complete(&pull_id, ok);
             s2.landed.notify_all();
             if let Some(d) = done {
                 send_done(&s2, d);

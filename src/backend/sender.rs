@@ -2,7 +2,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
-use super::{pd_log, BackendError};
+use super::{lock, pd_log, spawn, BackendError};
 use crate::channel::handshake::{self, Hello};
 use crate::channel::{self, landed, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
@@ -14,7 +14,7 @@ use crate::protocol::{
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -135,10 +135,6 @@ struct Shared {
 pub struct Sender {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Sender {
@@ -605,13 +601,6 @@ impl Drop for Sender {
     fn drop(&mut self) {
         self.stop_threads();
     }
-}
-
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, BackendError> {
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(f)
-        .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))
 }
 
 /// Checks a put's inputs: one chunk per key, pages of our pools, one layout,

@@ -41,8 +41,8 @@
 //! emulator (`ascend-sys/emu`).
 
 use super::{
-    check_ops, table_of, BufferDesc, ChannelError, Completion, CompletionSender, Endpoint, OpKind,
-    PeerId, PeerTable, TransferChannel, TransferOp,
+    bind_listener, check_ops, table_of, BufferDesc, ChannelError, Completion, CompletionSender,
+    Endpoint, OpKind, PeerId, PeerRegistry, PeerTable, TransferChannel, TransferOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
@@ -53,9 +53,9 @@ use ascend_sys::{
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -115,8 +115,7 @@ pub struct HcclChannel {
     local_uuids: HashSet<Uuid>,
     opts: HcclOptions,
     offers: Mutex<HashMap<u64, (RootInfo, Instant)>>,
-    peers: Mutex<HashMap<PeerId, Arc<HcclPeer>>>,
-    next_peer: AtomicU64,
+    peers: PeerRegistry<HcclPeer>,
 }
 
 struct HcclPeer {
@@ -186,8 +185,7 @@ impl HcclChannel {
             local,
             opts,
             offers: Mutex::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: PeerRegistry::default(),
         })
     }
 
@@ -197,10 +195,7 @@ impl HcclChannel {
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<HcclPeer>, ChannelError> {
-        lock(&self.peers)
-            .get(&id)
-            .cloned()
-            .ok_or(ChannelError::UnknownPeer(id))
+        self.peers.get(id)
     }
 
     fn endpoint_with(&self, root_info: Vec<u8>, session: u64) -> Endpoint {
@@ -312,30 +307,20 @@ impl TransferChannel for HcclChannel {
                 context: "spawning the hccl setup thread".into(),
                 source,
             })?;
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let peer = Arc::new(HcclPeer {
             node: node.to_string(),
             table,
             setup,
         });
-        let mut peers = lock(&self.peers);
-        let replaced: Vec<PeerId> = peers
-            .iter()
-            .filter(|(_, p)| p.node == node)
-            .map(|(id, _)| *id)
-            .collect();
+        let (id, replaced) = self.peers.insert(node, peer);
         for old in replaced {
-            if let Some(p) = peers.remove(&old) {
-                p.setup.close();
-            }
+            old.setup.close();
         }
-        peers.insert(id, peer);
         Ok(id)
     }
 
     fn detach(&self, peer: PeerId) {
-        let p = lock(&self.peers).remove(&peer);
-        if let Some(p) = p {
+        if let Some(p) = self.peers.remove(peer) {
             p.setup.close();
         }
     }
@@ -838,16 +823,7 @@ struct WatchServer {
 
 impl WatchServer {
     fn bind(host: &str) -> Result<WatchServer, ChannelError> {
-        let listener = TcpListener::bind((host, 0))
-            .or_else(|_| TcpListener::bind(host))
-            .map_err(|source| ChannelError::Io {
-                context: format!("binding the hccl liveness listener on {host}"),
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| ChannelError::Io {
-            context: "reading the liveness listener address".into(),
-            source,
-        })?;
+        let (listener, addr) = bind_listener(host, "hccl liveness listener")?;
         let stop = Arc::new(AtomicBool::new(false));
         let waiting: Arc<Mutex<HashMap<u64, Sender<TcpStream>>>> = Arc::default();
         let (stop2, waiting2) = (Arc::clone(&stop), Arc::clone(&waiting));

@@ -524,6 +524,76 @@ pub(crate) fn check_ops(
         .collect()
 }
 
+/// The peers attached to a channel, by id. Attaching a node again replaces
+/// its old entry (a restarted peer), so stale ids fail as `UnknownPeer`.
+pub(crate) struct PeerRegistry<P> {
+    peers: std::sync::Mutex<HashMap<PeerId, (String, Arc<P>)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl<P> Default for PeerRegistry<P> {
+    fn default() -> Self {
+        PeerRegistry {
+            peers: std::sync::Mutex::new(HashMap::new()),
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+}
+
+impl<P> PeerRegistry<P> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, (String, Arc<P>)>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `peer` as `node`; returns its id and the entries it replaced.
+    pub(crate) fn insert(&self, node: &str, peer: Arc<P>) -> (PeerId, Vec<Arc<P>>) {
+        let id = PeerId(self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let mut peers = self.lock();
+        let old: Vec<PeerId> = peers
+            .iter()
+            .filter(|(_, (n, _))| n == node)
+            .map(|(id, _)| *id)
+            .collect();
+        let replaced = old
+            .into_iter()
+            .filter_map(|id| peers.remove(&id).map(|(_, p)| p))
+            .collect();
+        peers.insert(id, (node.to_string(), peer));
+        (id, replaced)
+    }
+
+    /// The peer `id`.
+    pub(crate) fn get(&self, id: PeerId) -> Result<Arc<P>, ChannelError> {
+        self.lock()
+            .get(&id)
+            .map(|(_, p)| Arc::clone(p))
+            .ok_or(ChannelError::UnknownPeer(id))
+    }
+
+    /// Forgets the peer `id`.
+    pub(crate) fn remove(&self, id: PeerId) -> Option<Arc<P>> {
+        self.lock().remove(&id).map(|(_, p)| p)
+    }
+}
+
+/// Binds a TCP listener on `host` (any free port) for `what`; returns it and its address.
+pub(crate) fn bind_listener(
+    host: &str,
+    what: &str,
+) -> Result<(std::net::TcpListener, std::net::SocketAddr), ChannelError> {
+    let listener = std::net::TcpListener::bind((host, 0))
+        .or_else(|_| std::net::TcpListener::bind(host))
+        .map_err(|source| ChannelError::Io {
+            context: format!("binding the {what} on {host}"),
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| ChannelError::Io {
+        context: format!("reading the {what} address"),
+        source,
+    })?;
+    Ok((listener, addr))
+}
+
 /// Registers pools with a channel: every pool's descriptor, and the pools kept alive.
 pub(crate) fn table_of(pools: &[Arc<PagePool>]) -> Vec<BufferDesc> {
     pools.iter().map(|p| BufferDesc::of(p.buffer())).collect()

@@ -8,15 +8,14 @@
 //! the peer died reports [`ChannelError::PeerGone`].
 
 use super::{
-    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId, PeerTable,
-    TransferChannel, TransferOp,
+    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId,
+    PeerRegistry, PeerTable, TransferChannel, TransferOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::{DeviceKind, PagePool};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use uuid::Uuid;
 
 /// Batches larger than this are split across threads.
@@ -27,8 +26,7 @@ const SLICE_BYTES: usize = 4 << 20;
 /// The shm channel of one worker.
 pub struct ShmChannel {
     pools: Vec<Arc<PagePool>>,
-    peers: Mutex<HashMap<PeerId, Arc<ShmPeer>>>,
-    next_peer: AtomicU64,
+    peers: PeerRegistry<ShmPeer>,
     threads: usize,
 }
 
@@ -107,19 +105,13 @@ impl ShmChannel {
             .clamp(1, 4);
         Ok(ShmChannel {
             pools: pools.to_vec(),
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: PeerRegistry::default(),
             threads,
         })
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<ShmPeer>, ChannelError> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned()
-            .ok_or(ChannelError::UnknownPeer(id))
+        self.peers.get(id)
     }
 }
 
@@ -242,19 +234,12 @@ impl TransferChannel for ShmChannel {
             pidfd: pidfd_open(*pid),
             pid: *pid,
         });
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        // A reconnect from the same node replaces the old mapping.
-        peers.retain(|_, p| p.node != node);
-        peers.insert(id, peer);
-        Ok(id)
+        // A reconnect from the same node replaces (and unmaps) the old mapping.
+        Ok(self.peers.insert(node, peer).0)
     }
 
     fn detach(&self, peer: PeerId) {
-        self.peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer);
+        self.peers.remove(peer);
     }
 
     fn submit(

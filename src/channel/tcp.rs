@@ -23,8 +23,8 @@
 
 use super::staging::{StageError, Stager};
 use super::{
-    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId, PeerTable,
-    TransferChannel, TransferOp,
+    bind_listener, check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind,
+    PeerId, PeerRegistry, PeerTable, TransferChannel, TransferOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::npu::device_buffer;
@@ -33,7 +33,7 @@ use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -91,8 +91,7 @@ pub struct TcpChannel {
     server: ServerHandle,
     pools: Vec<Arc<PagePool>>,
     opts: TcpOptions,
-    peers: Mutex<HashMap<PeerId, Arc<TcpPeer>>>,
-    next_peer: AtomicU64,
+    peers: PeerRegistry<TcpPeer>,
 }
 
 struct TcpPeer {
@@ -180,16 +179,7 @@ impl TcpChannel {
                 },
             );
         }
-        let listener = TcpListener::bind((host, 0))
-            .or_else(|_| TcpListener::bind(host))
-            .map_err(|source| ChannelError::Io {
-                context: format!("binding the tcp transfer server on {host}"),
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| ChannelError::Io {
-            context: "reading the transfer server address".into(),
-            source,
-        })?;
+        let (listener, addr) = bind_listener(host, "tcp transfer server")?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(Mutex::new(Vec::new()));
         let (stop2, conns2) = (Arc::clone(&stop), Arc::clone(&conns));
@@ -206,8 +196,7 @@ impl TcpChannel {
         Ok(TcpChannel {
             pools: pools.to_vec(),
             opts,
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: PeerRegistry::default(),
             server: ServerHandle {
                 stop,
                 addr,
@@ -223,12 +212,7 @@ impl TcpChannel {
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<TcpPeer>, ChannelError> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned()
-            .ok_or(ChannelError::UnknownPeer(id))
+        self.peers.get(id)
     }
 }
 
@@ -473,18 +457,11 @@ impl TransferChannel for TcpChannel {
                 .map(|_| Mutex::new(None))
                 .collect(),
         });
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        peers.retain(|_, p| p.node != node);
-        peers.insert(id, peer);
-        Ok(id)
+        Ok(self.peers.insert(node, peer).0)
     }
 
     fn detach(&self, peer: PeerId) {
-        self.peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer);
+        self.peers.remove(peer);
     }
 
     fn submit(
