@@ -536,3 +536,57 @@ fn a_batch_above_the_high_water_mark_is_an_error_not_a_deadlock() {
     drop(c);
     assert_eq!(s.stats().pools.cpu.unwrap().pinned, 0);
 }
+
+#[test]
+fn a_sender_process_killed_during_shm_delay_pull_fails_the_fetch_without_a_hang() {
+    use std::io::BufRead;
+    // shm keeps the peer's memfd mapped after it dies, so only a real
+    // process death (seen through its pidfd) can prove the fetch refuses.
+    let rc = receiver_config(ChannelKind::Shm, TransferMode::PullDelay, 32);
+    let r = Receiver::start(&rc, 0).unwrap();
+    let sc = sender_config(ChannelKind::Shm, TransferMode::PullDelay, 32);
+    let dir = std::env::temp_dir().join(format!("ascend-pd-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let yaml = dir.join("sender.yaml");
+    std::fs::write(&yaml, sc.to_effective_yaml()).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+        .args([
+            "sender",
+            "--config",
+            yaml.to_str().unwrap(),
+            "--receiver",
+            "127.0.0.1",
+        ])
+        .arg(format!("--init-port={}", rc.init_port(0).unwrap()))
+        .arg(format!("--alloc-port={}", rc.alloc_port(0).unwrap()))
+        .args([
+            "--requests",
+            "1",
+            "--prompt-tokens",
+            "48",
+            "--prefix",
+            "killme",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.contains("\"announced\""), "{line}");
+    let ks: Vec<String> = (0..3).map(|i| format!("killme-0/{i}")).collect();
+    assert!(ks.iter().all(|k| r.contains(k)));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    let e = r.fetch(&ks).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(30), "bounded");
+    assert_eq!(e.failed.len(), 3, "{e}");
+    assert!(
+        e.to_string().contains("exited"),
+        "the pidfd saw the death: {e}"
+    );
+    assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0, "pages returned");
+    assert_eq!(r.stats().store.contexts_open, 0);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -109,6 +109,11 @@ fn check_config_prints_effective_values_for_a_valid_file() {
         err.contains("warning:") && err.contains("rounded up"),
         "{err}"
     );
+    // This machine has no CANN (unless the environment points at one).
+    if std::env::var_os("ASCEND_PD_CANN_LIB_DIR").is_none() && !ascend_sys::available() {
+        assert!(err.contains("needs the CANN runtime"), "{err}");
+        assert!(err.contains("ASCEND_PD_CANN_LIB_DIR"), "{err}");
+    }
 }
 
 #[test]
