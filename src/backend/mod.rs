@@ -87,6 +87,30 @@ impl BackendError {
     }
 }
 
+/// Refuses a config for the wrong role, or one that does not validate
+/// (every problem, each naming its key and fix).
+pub(crate) fn check_config(
+    config: &crate::config::PdConfig,
+    role: crate::config::Role,
+) -> Result<(), BackendError> {
+    if config.role != role {
+        return Err(BackendError::Setup(format!(
+            "pd_role: this is a {} config, but a {} was started with it",
+            config.role.name(),
+            role.name()
+        )));
+    }
+    config.validate().map(|_| ()).map_err(|problems| {
+        BackendError::Setup(
+            problems
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    })
+}
+
 /// Locks `m`, carrying on after a panic elsewhere poisoned it (every
 /// critical section here leaves its data consistent).
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

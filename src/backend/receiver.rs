@@ -3,7 +3,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use super::{lock, pd_log, spawn, BackendError};
+use super::{check_config, lock, pd_log, spawn, BackendError};
 use crate::channel::handshake::{HandshakeEvent, HandshakeServer, Hello};
 use crate::channel::Completion;
 use crate::channel::{self, PeerId, TransferChannel, TransferOp};
@@ -85,20 +85,7 @@ impl Receiver {
     /// NPU pools (and hccl's pinned host pool) come from the CANN runtime,
     /// found as `ascend_sys` searches for it (`ASCEND_PD_CANN_LIB_DIR` first).
     pub fn start(config: &PdConfig, rank: usize) -> Result<Receiver, BackendError> {
-        if config.role != Role::Receiver {
-            return Err(BackendError::Setup(
-                "pd_role: Receiver::start needs pd_role: receiver".into(),
-            ));
-        }
-        config.validate().map_err(|problems| {
-            BackendError::Setup(
-                problems
-                    .iter()
-                    .map(|p| p.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+        check_config(config, Role::Receiver)?;
         let host = config
             .peer_host
             .clone()

@@ -2,7 +2,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
-use super::{lock, pd_log, spawn, BackendError};
+use super::{check_config, lock, pd_log, spawn, BackendError};
 use crate::channel::handshake::{self, Hello};
 use crate::channel::{self, landed, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
@@ -146,20 +146,7 @@ impl Sender {
         rank: usize,
         timeouts: SenderTimeouts,
     ) -> Result<Sender, BackendError> {
-        if config.role != Role::Sender {
-            return Err(BackendError::Setup(
-                "pd_role: Sender::start needs pd_role: sender".into(),
-            ));
-        }
-        config.validate().map_err(|problems| {
-            BackendError::Setup(
-                problems
-                    .iter()
-                    .map(|p| p.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
+        check_config(config, Role::Sender)?;
         let mode = config.mode();
         let host = config
             .peer_host
