@@ -597,11 +597,20 @@ fn starting_with_the_wrong_role_or_an_invalid_config_names_the_key() {
     let e = Receiver::start(&sc, 0).err().unwrap().to_string();
     assert!(e.contains("pd_role") && e.contains("sender config"), "{e}");
     let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 4);
-    let e = Sender::start(&rc, 0, Default::default()).err().unwrap().to_string();
-    assert!(e.contains("pd_role") && e.contains("receiver config"), "{e}");
+    let e = Sender::start(&rc, 0, Default::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("pd_role") && e.contains("receiver config"),
+        "{e}"
+    );
     rc.delay_pull = true;
     let e = Receiver::start(&rc, 0).err().unwrap().to_string();
-    assert!(e.contains("pd_delay_pull") && e.contains("pd_pull_mode: true"), "{e}");
+    assert!(
+        e.contains("pd_delay_pull") && e.contains("pd_pull_mode: true"),
+        "{e}"
+    );
     // The same ports are free again: nothing was bound by the failed starts.
     rc.delay_pull = false;
     let r = Receiver::start(&rc, 0).unwrap();
