@@ -325,3 +325,58 @@ fn run_on_an_emulated_npu_over_hccl_verifies_and_says_which_runtime() {
     let out = bench().args(["run", "--device", "npu"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs --channel tcp or hccl"));
 }
+
+#[test]
+fn n_senders_m_receivers_and_tp_ranks_each_load_only_their_own_requests() {
+    // A small model keeps the 9 processes per mode light.
+    let cfg = tmp("small.yaml");
+    std::fs::write(
+        &cfg,
+        "enable_pd: true\npd_role: receiver\npd_peer_host: 127.0.0.1\npd_peer_init_port: 1\n\
+         pd_peer_alloc_port: 2\npd_buffer_size: 1\nkv_num_layers: 2\nkv_num_heads: 2\n\
+         kv_head_size: 64\nchunk_size: 64\n",
+    )
+    .unwrap();
+    let json = tmp("npm.json");
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--senders",
+            "2",
+            "--receivers",
+            "2",
+            "--tp",
+            "2",
+            "--requests",
+            "3",
+            "--prompt-tokens",
+            "150",
+            "--modes",
+            "push,pull-delay",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // 2 senders x 2 ranks x 3 requests, each 150 tokens of 2 x 2 layers x 128 x bf16.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    for m in doc["modes"].as_array().unwrap() {
+        assert_eq!(m["requests"], 12, "{m}");
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(
+            m["bytes_verified"].as_u64().unwrap(),
+            12 * per_request,
+            "{m}"
+        );
+    }
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(cfg);
+}

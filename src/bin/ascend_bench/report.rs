@@ -109,7 +109,9 @@ pub fn summarize(
             continue;
         };
         if l["verified"] != true {
+            // A failed load has no timestamps to measure.
             all_verified = false;
+            continue;
         }
         bytes_verified += l["bytes"].as_u64().unwrap_or(0);
         let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));

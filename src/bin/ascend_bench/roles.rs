@@ -394,6 +394,13 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
             }
         };
         let notif_at = wall();
+        // A proxy announces every request to every decode worker; only the
+        // worker that holds its first chunk loads it. (By the time a
+        // ProxyNotif leaves, the owner's store has the keys: push landed,
+        // pull acked.)
+        if !receiver.contains(&chunk_key(&req_id, 0)) {
+            continue;
+        }
         served += 1;
         match decode.load_request(&receiver, &req_id) {
             Ok(v) => {
@@ -492,9 +499,7 @@ impl DecodeSide {
             keys.push(chunk_key(req_id, keys.len()));
         }
         if keys.is_empty() {
-            bail!(
-                "no chunk of {req_id} is stored (skipped by the sender's breaker, or never sent)"
-            );
+            bail!("no chunk of {req_id} is stored any more (removed while loading?)");
         }
         // Ready: the receiver holds the whole request (landed / read, or proxies).
         let mut tokens = Vec::with_capacity(keys.len());
