@@ -254,6 +254,9 @@ fn bad_arguments_name_the_problem() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--receiver HOST"));
+    // Flags without a command belong to `run`.
+    let out = bench().args(["--modes", "teleport"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown mode \"teleport\""));
     let out = bench().args(["proxy"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--port N is required"));
 }

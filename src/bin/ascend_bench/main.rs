@@ -57,9 +57,10 @@ fn report(r: anyhow::Result<bool>) -> bool {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // No command, or flags without one (`ascend-bench --json F`), means `run`.
     let (cmd, rest) = match args.split_first() {
-        Some((c, r)) => (c.as_str(), r),
-        None => ("run", &[][..]),
+        Some((c, r)) if !c.starts_with("--") || c == "--help" => (c.as_str(), r),
+        _ => ("run", &args[..]),
     };
     let ok = match cmd {
         "run" => report(run::run_main(rest)),
