@@ -139,7 +139,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         eprintln!("wrote {p}");
     }
     if !verified {
-        eprintln!("error: some bytes did not arrive intact (see above)");
+        eprintln!("error: the run did not complete with every byte verified (see above)");
     }
     Ok(verified)
 }
@@ -387,7 +387,10 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     let mut receiver_done = Vec::new();
     let mut exited = 0;
     let mut failures = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut deadline = Instant::now() + Duration::from_secs(600);
+    let senders = spec.senders * tp;
+    let mut senders_exited = 0;
+    let mut reported: Vec<String> = Vec::new();
     while exited < procs.len() - 1 {
         let left = deadline.saturating_duration_since(Instant::now());
         let Ok((who, v)) = rx.recv_timeout(left) else {
@@ -398,6 +401,8 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
             Some("put") => {
                 if v["outcome"] != "pushed" && v["outcome"] != "announced" {
                     failures.push(format!("{who}: put {} -> {}", v["req"], v["outcome"]));
+                    // No load will follow: let that sender go on regardless.
+                    go(&mut procs, &who);
                 }
                 puts.insert(v["req"].as_str().unwrap_or("").to_string(), v);
             }
@@ -407,25 +412,52 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 }
                 let req = v["req"].as_str().unwrap_or("").to_string();
                 // Closed loop: the sender of this request may start its next one.
-                let sender = format!("sender{}", sender_of(&req));
-                if let Some(p) = procs.iter_mut().find(|p| p.name == sender) {
-                    if let Some(stdin) = p.child.stdin.as_mut() {
-                        let _ = stdin.write_all(b"go\n").and_then(|()| stdin.flush());
-                    }
-                }
+                go(&mut procs, &format!("sender{}", sender_of(&req)));
                 loads.insert(req, v);
                 progress(mode, loads.len(), total);
             }
-            Some("sender_done") => sender_done.push(v),
-            Some("receiver_done") => receiver_done.push(v),
-            Some("exit") if who != "proxy" => exited += 1,
+            Some("sender_done") => {
+                reported.push(who.clone());
+                sender_done.push(v)
+            }
+            Some("receiver_done") => {
+                reported.push(who.clone());
+                receiver_done.push(v)
+            }
+            Some("exit") if who != "proxy" => {
+                exited += 1;
+                if !reported.contains(&who) {
+                    // A worker that dies before its final report ends the mode.
+                    failures.push(format!("{mode}: {who} exited before finishing"));
+                    break;
+                }
+                if who.starts_with("sender") {
+                    senders_exited += 1;
+                    if senders_exited == senders {
+                        // Every request was sent; receivers still waiting for
+                        // one that failed upstream must not hold the run.
+                        deadline = deadline.min(Instant::now() + Duration::from_secs(30));
+                    }
+                }
+            }
             _ => {}
         }
     }
     let elapsed = t0.elapsed();
     eprintln!();
-    // Stop the proxy (it runs until signalled) and reap every process.
+    // Stop the proxy (it runs until signalled), anything still running after
+    // a failure or timeout, and reap every process.
+    let grace = Instant::now() + Duration::from_secs(5);
     for p in &mut procs {
+        // Closing stdout comes a moment before the process can be reaped.
+        while p.name != "proxy" && Instant::now() < grace && matches!(p.child.try_wait(), Ok(None))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if p.name != "proxy" && matches!(p.child.try_wait(), Ok(None)) {
+            failures.push(format!("{mode}: {} had to be stopped", p.name));
+            let _ = p.child.kill();
+        }
         if p.name == "proxy" {
             // SAFETY: sending SIGTERM to our own child process.
             unsafe {
@@ -450,6 +482,15 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     )?;
     r.npu_runtime = runtime;
     Ok(r)
+}
+
+/// Lets a paced sender start its next request.
+fn go(procs: &mut [Proc], sender: &str) {
+    if let Some(p) = procs.iter_mut().find(|p| p.name == sender) {
+        if let Some(stdin) = p.child.stdin.as_mut() {
+            let _ = stdin.write_all(b"go\n").and_then(|()| stdin.flush());
+        }
+    }
 }
 
 /// `s.r` of a request id `MODE-sS.R-N` (its sender process name suffix).
