@@ -383,3 +383,70 @@ fn n_senders_m_receivers_and_tp_ranks_each_load_only_their_own_requests() {
     let _ = std::fs::remove_file(json);
     let _ = std::fs::remove_file(cfg);
 }
+
+/// Children of `pid` whose command line contains `word`.
+fn children_with(pid: u32, word: &str) -> Vec<u32> {
+    let list =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .filter(|c: &u32| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).contains(word))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[test]
+fn a_worker_dying_mid_run_fails_the_run_quickly_and_names_it() {
+    let cfg = tmp("small-kill.yaml");
+    std::fs::write(
+        &cfg,
+        "enable_pd: true\npd_role: receiver\npd_peer_host: 127.0.0.1\npd_peer_init_port: 1\n\
+         pd_peer_alloc_port: 2\npd_buffer_size: 1\nkv_num_layers: 2\nkv_num_heads: 2\n\
+         kv_head_size: 64\nchunk_size: 64\n",
+    )
+    .unwrap();
+    // Killed on drop, so a failing assertion never leaves the run behind.
+    let mut run = Bg(bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push",
+            "--requests",
+            "100000",
+            "--prompt-tokens",
+            "150",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let receiver = loop {
+        if let Some(&r) = children_with(run.0.id(), "receiver").first() {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "no receiver started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: killing the run's own receiver child.
+    unsafe { libc::kill(receiver as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    let status =
+        wait_exit(&mut run.0, Duration::from_secs(60)).expect("the run ends instead of stalling");
+    assert!(!status.success());
+    assert!(killed.elapsed() < Duration::from_secs(60));
+    let mut err = String::new();
+    run.0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(err.contains("exited before finishing"), "{err}");
+    let _ = std::fs::remove_file(cfg);
+}
