@@ -19,6 +19,19 @@ fn config(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// A `--config` base for `run` with a small model (2 layers, 2 x 64 heads, 64-token chunks).
+fn small_model_config(name: &str) -> PathBuf {
+    let cfg = tmp(name);
+    std::fs::write(
+        &cfg,
+        "enable_pd: true\npd_role: receiver\npd_peer_host: 127.0.0.1\npd_peer_init_port: 1\n\
+         pd_peer_alloc_port: 2\npd_buffer_size: 1\nkv_num_layers: 2\nkv_num_heads: 2\n\
+         kv_head_size: 64\nchunk_size: 64\n",
+    )
+    .unwrap();
+    cfg
+}
+
 fn tmp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("ascend-bench-test-{}-{name}", std::process::id()))
 }
@@ -332,14 +345,7 @@ fn run_on_an_emulated_npu_over_hccl_verifies_and_says_which_runtime() {
 #[test]
 fn n_senders_m_receivers_and_tp_ranks_each_load_only_their_own_requests() {
     // A small model keeps the 9 processes per mode light.
-    let cfg = tmp("small.yaml");
-    std::fs::write(
-        &cfg,
-        "enable_pd: true\npd_role: receiver\npd_peer_host: 127.0.0.1\npd_peer_init_port: 1\n\
-         pd_peer_alloc_port: 2\npd_buffer_size: 1\nkv_num_layers: 2\nkv_num_heads: 2\n\
-         kv_head_size: 64\nchunk_size: 64\n",
-    )
-    .unwrap();
+    let cfg = small_model_config("small.yaml");
     let json = tmp("npm.json");
     let out = bench()
         .args(["run", "--config"])
@@ -400,14 +406,7 @@ fn children_with(pid: u32, word: &str) -> Vec<u32> {
 
 #[test]
 fn a_worker_dying_mid_run_fails_the_run_quickly_and_names_it() {
-    let cfg = tmp("small-kill.yaml");
-    std::fs::write(
-        &cfg,
-        "enable_pd: true\npd_role: receiver\npd_peer_host: 127.0.0.1\npd_peer_init_port: 1\n\
-         pd_peer_alloc_port: 2\npd_buffer_size: 1\nkv_num_layers: 2\nkv_num_heads: 2\n\
-         kv_head_size: 64\nchunk_size: 64\n",
-    )
-    .unwrap();
+    let cfg = small_model_config("small-kill.yaml");
     // Killed on drop, so a failing assertion never leaves the run behind.
     let mut run = Bg(bench()
         .args(["run", "--config"])
