@@ -236,7 +236,7 @@ struct ScriptedReceiver {
 
 fn scripted_receiver(mode: TransferMode) -> ScriptedReceiver {
     let rc = receiver_config(ChannelKind::Tcp, mode, 8);
-    let alloc = DualAllocator::new(&DualSpec::from_config(&rc, 0), None).unwrap();
+    let alloc = DualAllocator::new(&ascend_pd::backend::pools::pool_spec(&rc, 0), None).unwrap();
     let pools: Vec<_> = alloc.pools().cloned().collect();
     let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", &pools).unwrap();
     let hello = Hello::local(

@@ -13,6 +13,7 @@
 //! [`crate::protocol`]; this module only moves frames and bytes.
 
 mod counters;
+pub mod pools;
 mod receiver;
 mod sender;
 mod zmq_io;
@@ -127,29 +128,3 @@ pub(crate) fn spawn(
         .spawn(f)
         .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))
 }
-
-/// Log lines go to stderr; `ASCEND_PD_LOG=debug` adds the chatty ones.
-pub(crate) fn log_enabled(debug: bool) -> bool {
-    use std::sync::OnceLock;
-    static LEVEL: OnceLock<u8> = OnceLock::new();
-    let level = *LEVEL.get_or_init(|| match std::env::var("ASCEND_PD_LOG").as_deref() {
-        Ok("debug") => 2,
-        Ok("off") | Ok("0") => 0,
-        _ => 1,
-    });
-    level >= if debug { 2 } else { 1 }
-}
-
-macro_rules! pd_log {
-    (debug, $($t:tt)*) => {
-        if $crate::backend::log_enabled(true) {
-            eprintln!("[ascend-pd] {}", format_args!($($t)*));
-        }
-    };
-    (warn, $($t:tt)*) => {
-        if $crate::backend::log_enabled(false) {
-            eprintln!("[ascend-pd] warning: {}", format_args!($($t)*));
-        }
-    };
-}
-pub(crate) use pd_log;

@@ -3,7 +3,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use super::{check_config, lock, pd_log, spawn, BackendError};
+use super::{check_config, lock, spawn, BackendError};
 use crate::channel::handshake::{HandshakeEvent, HandshakeServer, Hello};
 use crate::channel::Completion;
 use crate::channel::{self, PeerId, TransferChannel, TransferOp};
@@ -97,7 +97,7 @@ impl Receiver {
             )));
         };
         // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
-        let alloc = crate::memory::npu::allocator_for_config(config, rank as u32)?;
+        let alloc = super::pools::allocator_for(config, rank as u32)?;
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let channel = channel::open(config.transfer_channel, &host, &pools)?;
         let ctx = zmq::Context::new();
@@ -404,7 +404,7 @@ fn peer_events(s: &Shared, rx: crossbeam_channel::Receiver<HandshakeEvent>) {
     while !s.stop.load(Ordering::Acquire) {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(HandshakeEvent::Attached(a)) => {
-                pd_log!(debug, "sender {} attached as {}", a.remote.node, a.peer);
+                log::debug!("sender {} attached as {}", a.remote.node, a.peer);
                 lock(&s.peers).insert(
                     a.remote.node.clone(),
                     PeerLink {
@@ -415,8 +415,7 @@ fn peer_events(s: &Shared, rx: crossbeam_channel::Receiver<HandshakeEvent>) {
                 s.peers_changed.notify_all();
             }
             Ok(HandshakeEvent::Refused { node, error }) => {
-                pd_log!(
-                    warn,
+                log::warn!(
                     "refused a handshake from {}: {error}",
                     node.as_deref().unwrap_or("an unreadable peer")
                 );
@@ -424,8 +423,7 @@ fn peer_events(s: &Shared, rx: crossbeam_channel::Receiver<HandshakeEvent>) {
             Ok(HandshakeEvent::Landed { node, refs }) => {
                 let report = lock(&s.store).mark_landed_refs(&refs);
                 if !report.not_pending.is_empty() {
-                    pd_log!(
-                        warn,
+                    log::warn!(
                         "{node} reported {} page(s) landed that were not pending (reclaimed?)",
                         report.not_pending.len()
                     );
@@ -488,13 +486,13 @@ fn alloc_loop(s: &Arc<Shared>, rep: zmq::Socket) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {
-                pd_log!(warn, "allocation socket failed: {e}");
+                log::warn!("allocation socket failed: {e}");
                 break;
             }
         };
         let (reply, after) = handle_frame(s, &frame);
         if let Err(e) = rep.send(reply, 0) {
-            pd_log!(warn, "could not reply on the allocation socket: {e}");
+            log::warn!("could not reply on the allocation socket: {e}");
         }
         // Work that must follow the reply (ack always before Done / reads).
         for d in after.dones {
@@ -518,7 +516,7 @@ fn handle_frame(s: &Shared, frame: &[u8]) -> (Vec<u8>, AfterReply) {
         Ok(m) => m,
         Err(e) => {
             if s.counters.bump(MessageKind::Malformed) == 0 {
-                pd_log!(warn, "malformed frame on the allocation socket: {e} (replied alloc_failed; logged once)");
+                log::warn!("malformed frame on the allocation socket: {e} (replied alloc_failed; logged once)");
             }
             return (failed_reply(), after);
         }
@@ -548,7 +546,7 @@ fn handle_frame(s: &Shared, frame: &[u8]) -> (Vec<u8>, AfterReply) {
             let link = attached_peer(s, &notif.sender_id);
             let Some((peer, lease)) = link else {
                 if s.counters.bump(MessageKind::Rejected) == 0 {
-                    pd_log!(warn, "PullReadyNotif from {} which never completed a handshake (refused; logged once)", notif.sender_id);
+                    log::warn!("PullReadyNotif from {} which never completed a handshake (refused; logged once)", notif.sender_id);
                 }
                 return (failed_ack(), after);
             };
@@ -575,9 +573,7 @@ fn handle_frame(s: &Shared, frame: &[u8]) -> (Vec<u8>, AfterReply) {
         }
         other => {
             if s.counters.bump(MessageKind::Malformed) == 0 {
-                pd_log!(
-                    warn,
-                    "{} does not belong on a {} receiver's allocation socket (replied alloc_failed; logged once)",
+                log::warn!("{} does not belong on a {} receiver's allocation socket (replied alloc_failed; logged once)",
                     other.message_type(),
                     s.mode
                 );
@@ -603,11 +599,11 @@ fn note_verdict(s: &Shared, v: &crate::protocol::Verdict) {
     match v {
         crate::protocol::Verdict::Accepted { .. } => {}
         crate::protocol::Verdict::AllocFailed(e) => {
-            pd_log!(warn, "allocation failed, replied alloc_failed: {e}");
+            log::warn!("allocation failed, replied alloc_failed: {e}");
         }
         crate::protocol::Verdict::Rejected(e) => {
             if s.counters.bump(MessageKind::Rejected) == 0 {
-                pd_log!(warn, "rejected a message: {e} (logged once)");
+                log::warn!("rejected a message: {e} (logged once)");
             }
         }
     }
@@ -642,14 +638,13 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
                 Ok(mut c) => match c.wait_timeout(budget) {
                     Some(Ok(())) => true,
                     Some(Err(e)) => {
-                        pd_log!(warn, "eager read of pull {} failed: {e}", pull_id);
+                        log::warn!("eager read of pull {} failed: {e}", pull_id);
                         false
                     }
                     None => {
                         // The lease ran out: drop the keys; the sender keeps
                         // its pages until the lease anyway.
-                        pd_log!(
-                            warn,
+                        log::warn!(
                             "eager read of pull {} did not finish within its lease",
                             pull_id
                         );
@@ -657,7 +652,7 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
                     }
                 },
                 Err(e) => {
-                    pd_log!(warn, "eager read of pull {} could not start: {e}", pull_id);
+                    log::warn!("eager read of pull {} could not start: {e}", pull_id);
                     false
                 }
             };
@@ -673,7 +668,7 @@ fn start_eager_read(s: &Arc<Shared>, (read, peer): (EagerRead, PeerId)) {
             }
         });
     if let Err(e) = spawned {
-        pd_log!(warn, "cannot start an eager read thread: {e}");
+        log::warn!("cannot start an eager read thread: {e}");
     }
 }
 
@@ -682,7 +677,7 @@ fn sweep_loop(s: &Shared) {
         std::thread::sleep(Duration::from_millis(200));
         let report = lock(&s.store).sweep(Instant::now());
         for k in &report.reclaimed_pushes {
-            pd_log!(warn, "push of {k} never landed; its page was reclaimed");
+            log::warn!("push of {k} never landed; its page was reclaimed");
         }
         for d in report.done {
             send_done(s, d);

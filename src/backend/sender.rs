@@ -2,7 +2,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
-use super::{check_config, lock, pd_log, spawn, BackendError};
+use super::{check_config, lock, spawn, BackendError};
 use crate::channel::handshake::{self, Hello};
 use crate::channel::{self, landed, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
@@ -153,7 +153,7 @@ impl Sender {
             .clone()
             .unwrap_or_else(|| "127.0.0.1".to_string());
         // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
-        let alloc = crate::memory::npu::allocator_for_config(config, rank as u32)?;
+        let alloc = super::pools::allocator_for(config, rank as u32)?;
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let channel = channel::open(config.transfer_channel, &host, &pools)?;
         let local_uuids = pools.iter().map(|p| p.uuid()).collect();
@@ -333,7 +333,7 @@ impl Sender {
                     &hello,
                     s.timeouts.handshake,
                 )?;
-                pd_log!(debug, "attached receiver {} as {}", a.remote.node, a.peer);
+                log::debug!("attached receiver {} as {}", a.remote.node, a.peer);
                 link.peer = Some((a.peer, a.lease));
                 (a.peer, a.lease)
             }
@@ -483,15 +483,14 @@ impl Sender {
         // The receiver may have restarted: handshake again next time.
         link.peer = None;
         let e = f.into_error();
-        pd_log!(warn, "{e}");
+        log::warn!("{e}");
         e
     }
 
     fn open_breaker(&self, peer_key: &str) {
         let s = &self.shared;
         lock(&s.breaker).open(peer_key, Instant::now(), s.config.alloc_fail_backoff_ttl);
-        pd_log!(
-            warn,
+        log::warn!(
             "receiver {peer_key} could not allocate; skipping it for {:?}",
             s.config.alloc_fail_backoff_ttl
         );
@@ -680,7 +679,7 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {
-                pd_log!(warn, "PullDoneSignal socket failed: {e}");
+                log::warn!("PullDoneSignal socket failed: {e}");
                 break;
             }
         };
@@ -694,15 +693,14 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
                     let mut pending = lock(&s.pending);
                     let outcome = pending.on_done(&d.pull_id, Instant::now());
                     if let DoneOutcome::Early = outcome {
-                        pd_log!(debug, "PullDoneSignal for unknown pull {}", d.pull_id);
+                        log::debug!("PullDoneSignal for unknown pull {}", d.pull_id);
                     }
                 }
                 s.released.notify_all();
             }
             Ok(other) => {
                 if s.counters.bump(MessageKind::Malformed) == 0 {
-                    pd_log!(
-                        warn,
+                    log::warn!(
                         "unexpected {} on the PullDoneSignal socket (ignored; logged once)",
                         other.message_type()
                     );
@@ -710,8 +708,7 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
             }
             Err(e) => {
                 if s.counters.bump(MessageKind::Malformed) == 0 {
-                    pd_log!(
-                        warn,
+                    log::warn!(
                         "malformed frame on the PullDoneSignal socket: {e} (ignored; logged once)"
                     );
                 }
@@ -727,8 +724,7 @@ fn sweep_loop(s: &Shared) {
         let expired = lock(&s.pending).sweep(now, s.config.pull_pending_ttl);
         if !expired.is_empty() {
             for e in &expired {
-                pd_log!(
-                    warn,
+                log::warn!(
                     "pull {} to {} expired after the TTL: {} pinned pages released",
                     e.pull_id,
                     e.peer,

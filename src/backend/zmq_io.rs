@@ -2,7 +2,7 @@
 //! after a timeout (a REQ socket that missed a reply is stuck forever), and
 //! a PUSH pool for fire-and-forget signals.
 
-use super::{pd_log, BackendError};
+use super::BackendError;
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::HashMap;
 use std::thread::JoinHandle;
@@ -161,7 +161,7 @@ fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
             let s = match ctx.socket(zmq::PUSH) {
                 Ok(s) => s,
                 Err(e) => {
-                    pd_log!(warn, "cannot create PUSH socket for {}: {e}", p.url);
+                    log::warn!("cannot create PUSH socket for {}: {e}", p.url);
                     on_drop(&p.url);
                     continue;
                 }
@@ -171,7 +171,7 @@ fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
             s.set_linger(200).ok();
             s.set_sndhwm(10_000).ok();
             if let Err(e) = s.connect(&format!("tcp://{}", p.url)) {
-                pd_log!(warn, "cannot connect PUSH socket to {}: {e}", p.url);
+                log::warn!("cannot connect PUSH socket to {}: {e}", p.url);
                 on_drop(&p.url);
                 continue;
             }
@@ -179,7 +179,7 @@ fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
         }
         let s = &socks[&p.url];
         if let Err(e) = s.send(p.frame, zmq::DONTWAIT) {
-            pd_log!(warn, "dropping a signal to {}: {e}", p.url);
+            log::warn!("dropping a signal to {}: {e}", p.url);
             on_drop(&p.url);
         }
     }

@@ -12,7 +12,7 @@
 use super::{BufferDesc, ChannelError, Endpoint, PeerId, PeerTable, TransferChannel};
 use crate::config::{ChannelKind, Role, TransferMode};
 use crate::memory::DeviceKind;
-use crate::protocol::codec::{RawError, Reader, Writer};
+use crate::wire::{RawError, Reader, Writer};
 use crossbeam_channel::Sender;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};

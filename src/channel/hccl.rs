@@ -143,7 +143,7 @@ impl HcclChannel {
             } else {
                 return Err(ChannelError::Unsupported(format!(
                     "the hccl channel registers pools allocated by the ACL runtime, but pool {} on {} \
-                     is not (build the allocator with memory::npu::allocator_for_config, which pins \
+                     is not (build the allocator with backend::pools::allocator_for, which pins \
                      the CPU pool for transfer_channel: hccl, or use transfer_channel: tcp)",
                     b.uuid().simple(),
                     b.device()

@@ -5,7 +5,7 @@
 //! socket.)
 
 use crate::memory::BufferRef;
-use crate::protocol::codec::{Reader, Writer};
+use crate::wire::{Reader, Writer};
 use uuid::Uuid;
 
 /// The most refs one notice may carry (a batch is at most a few thousand chunks).

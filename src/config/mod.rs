@@ -10,7 +10,7 @@ mod yaml;
 
 pub use error::{ConfigError, ConfigProblem};
 
-use crate::memory::chunk::{ChunkLayout, Dtype, MemFormat};
+use crate::layout::{ChunkLayout, Dtype, MemFormat};
 use std::fmt::{self, Write as _};
 use std::path::Path;
 use std::str::FromStr;

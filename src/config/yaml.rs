@@ -3,7 +3,7 @@
 use super::{
     BufferDevice, ChannelKind, ConfigError, ConfigProblem, KvLayout, PdConfig, PortList, Role,
 };
-use crate::memory::chunk::Dtype;
+use crate::layout::Dtype;
 use serde_yaml::{Mapping, Value};
 use std::time::Duration;
 

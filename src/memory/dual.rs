@@ -3,7 +3,6 @@
 use super::buffer::{DeviceKind, NpuRuntime, RegisteredBuffer};
 use super::pool::{ChunkMeta, MemObj, PagePool, PoolStats};
 use super::MemoryError;
-use crate::config::{BufferDevice, PdConfig, Role};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,18 +15,8 @@ pub enum PoolKind {
     Npu,
 }
 
-/// Where this worker's transfer pages come from (DESIGN.md §3):
-/// an offloading sender uses the CPU pool, any other sender the NPU pool, a
-/// receiver the NPU pool unless its buffer device is `cpu`.
-pub fn placement(role: Role, use_cpu_offload: bool, device: BufferDevice) -> PoolKind {
-    match (role, use_cpu_offload, device) {
-        (Role::Sender, true, _) => PoolKind::Cpu,
-        (_, _, BufferDevice::Cpu) => PoolKind::Cpu,
-        (_, _, BufferDevice::Npu(_)) => PoolKind::Npu,
-    }
-}
-
-/// Everything needed to build a [`DualAllocator`] (usually from a [`PdConfig`]).
+/// Everything needed to build a [`DualAllocator`]: the pool specification
+/// (the backend derives it from a worker's configuration).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DualSpec {
     /// Bytes of the CPU pool, if there is one.
@@ -40,28 +29,6 @@ pub struct DualSpec {
     pub placement: PoolKind,
     /// Put the CPU pool in shared memory (the `shm` channel maps it from the peer).
     pub shareable_cpu: bool,
-}
-
-impl DualSpec {
-    /// The pools a worker with `config` needs; `device_index` resolves a bare `npu`.
-    pub fn from_config(config: &PdConfig, device_index: u32) -> DualSpec {
-        let page_size = config.page_bytes() as usize;
-        DualSpec {
-            cpu_bytes: config
-                .has_cpu_pool()
-                .then(|| config.cpu_pool_bytes() as usize),
-            npu: match config.buffer_device {
-                BufferDevice::Npu(n) => Some((
-                    n.unwrap_or(device_index),
-                    config.buffer_pool_bytes() as usize,
-                )),
-                BufferDevice::Cpu => None,
-            },
-            page_size,
-            placement: placement(config.role, config.use_cpu_offload, config.buffer_device),
-            shareable_cpu: config.transfer_channel == crate::config::ChannelKind::Shm,
-        }
-    }
 }
 
 /// What a CPU pool is made of.
@@ -226,53 +193,6 @@ impl DualAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn placement_table_matches_design() {
-        let npu = BufferDevice::Npu(None);
-        assert_eq!(placement(Role::Sender, true, npu), PoolKind::Cpu);
-        assert_eq!(placement(Role::Sender, false, npu), PoolKind::Npu);
-        assert_eq!(placement(Role::Receiver, false, npu), PoolKind::Npu);
-        assert_eq!(
-            placement(Role::Receiver, false, BufferDevice::Cpu),
-            PoolKind::Cpu
-        );
-        assert_eq!(
-            placement(Role::Sender, false, BufferDevice::Cpu),
-            PoolKind::Cpu
-        );
-    }
-
-    fn cfg(yaml: &str) -> PdConfig {
-        PdConfig::from_yaml_str(yaml, "test").unwrap().config
-    }
-
-    const BASE_SENDER: &str =
-        "enable_pd: true\npd_role: sender\npd_proxy_host: 127.0.0.1\npd_proxy_port: 8500\n\
-        pd_buffer_size: 4096\nkv_num_layers: 1\nkv_num_heads: 1\nkv_head_size: 8\nchunk_size: 16\n";
-
-    #[test]
-    fn spec_from_config_follows_pool_existence_rules() {
-        // Offloading sender on npu: both pools, pages from CPU.
-        let c = cfg(&format!(
-            "{BASE_SENDER}pd_buffer_device: npu:3\npd_pull_mode: true\npd_pull_done_port: 7600\npd_use_cpu_offload: true\npd_cpu_buffer_size: 8192\n"
-        ));
-        let s = DualSpec::from_config(&c, 0);
-        assert_eq!(s.page_size, 2 * 16 * 8 * 2);
-        assert_eq!(s.npu.map(|n| n.0), Some(3));
-        assert_eq!(s.cpu_bytes, Some(8192));
-        assert_eq!(s.placement, PoolKind::Cpu);
-        // CPU device: CPU pool only, placement CPU.
-        let c = cfg(&format!("{BASE_SENDER}pd_buffer_device: cpu\n"));
-        let s = DualSpec::from_config(&c, 5);
-        assert_eq!(
-            (s.npu, s.cpu_bytes, s.placement),
-            (None, Some(4096), PoolKind::Cpu)
-        );
-        // Bare npu resolves to the worker's device.
-        let c = cfg(&format!("{BASE_SENDER}pd_buffer_device: npu\n"));
-        assert_eq!(DualSpec::from_config(&c, 5).npu.map(|n| n.0), Some(5));
-    }
 
     #[test]
     fn npu_pool_without_runtime_is_a_clear_error() {

@@ -8,18 +8,17 @@
 //! CANN (ACL) runtime behind NPU pools and pinned CPU pools.
 
 pub mod buffer;
-pub mod chunk;
 pub mod dual;
 pub mod host;
 pub mod npu;
 pub mod pattern;
 pub mod pool;
 
+pub use crate::layout::{ChunkLayout, Dtype, MemFormat, UnknownDtype};
 pub use buffer::{
     BufferRef, DeviceKind, DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer,
 };
-pub use chunk::{ChunkLayout, Dtype, MemFormat};
-pub use dual::{placement, CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
+pub use dual::{CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
 pub use host::HostRegion;
 pub use pool::{ChunkMeta, MemObj, PagePool, PoolStats};
 

@@ -6,17 +6,14 @@
 //! channel must register are `aclrtMallocHost` buffers ([`AclHostMemory`]).
 //! Channels get the `ascend-sys` handles back with [`device_buffer`] and
 //! [`pinned_buffer`]; [`read_page`] / [`write_page`] move a page's bytes
-//! to and from host memory wherever the page lives. [`allocator_for_config`]
-//! builds a worker's allocator from its configuration.
+//! to and from host memory wherever the page lives.
 //!
 //! Nothing here has run on Ascend hardware; it is tested against the CANN
 //! emulator (`ascend-sys/emu`).
 
 use super::buffer::{DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer};
-use super::dual::{CpuBacking, DualAllocator, DualSpec};
 use super::pool::MemObj;
 use super::MemoryError;
-use crate::config::{ChannelKind, PdConfig};
 use ascend_sys::{Acl, Device, DeviceBuffer, HostBuffer};
 use std::any::Any;
 use std::path::Path;
@@ -260,47 +257,13 @@ fn not_acl(buffer: &RegisteredBuffer) -> MemoryError {
     ))
 }
 
-/// Builds the allocator of a worker with `config` (`device_index` resolves a
-/// bare `npu`): the NPU pool from the CANN runtime when `pd_buffer_device`
-/// is `npu`, and with `transfer_channel: hccl` a CPU pool in the runtime's
-/// pinned host memory (HCCL registers nothing else). CANN is loaded from
-/// the default search (`ASCEND_PD_CANN_LIB_DIR` first) only when needed;
-/// when it cannot be, the error says how to point at it or how to avoid it.
-pub fn allocator_for_config(
-    config: &PdConfig,
-    device_index: u32,
-) -> Result<DualAllocator, MemoryError> {
-    let spec = DualSpec::from_config(config, device_index);
-    let hccl = config.transfer_channel == ChannelKind::Hccl;
-    let needs_runtime = spec.npu.is_some() || (hccl && spec.cpu_bytes.is_some());
-    let runtime = if needs_runtime {
-        Some(AclRuntime::load().map_err(|e| match (e, hccl) {
-            (MemoryError::NoNpuRuntime(m), true) => MemoryError::NoNpuRuntime(format!(
-                "{m}\n(transfer_channel: hccl always needs CANN; transfer_channel: tcp does not)"
-            )),
-            (e, _) => e,
-        })?)
-    } else {
-        None
-    };
-    let backing = if hccl {
-        CpuBacking::Pinned {
-            device: spec.npu.map_or(device_index, |(d, _)| d),
-        }
-    } else {
-        CpuBacking::Mapped
-    };
-    DualAllocator::build(
-        &spec,
-        runtime.as_ref().map(|r| r as &dyn NpuRuntime),
-        backing,
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{ChunkLayout, ChunkMeta, DeviceKind, Dtype, MemFormat, PoolKind};
+    use crate::memory::{
+        ChunkLayout, ChunkMeta, CpuBacking, DeviceKind, Dtype, DualAllocator, DualSpec, MemFormat,
+        PoolKind,
+    };
 
     fn emulator() -> AclRuntime {
         let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
@@ -411,32 +374,5 @@ mod tests {
         ] {
             assert!(e.contains(words), "{words}: {e}");
         }
-    }
-
-    #[test]
-    fn allocator_for_config_uses_the_loaded_runtime_for_npu_and_hccl() {
-        // Load the emulator first: the default search then returns it.
-        let _rt = emulator();
-        let base = "enable_pd: true\npd_role: receiver\npd_buffer_size: 8192\n\
-            kv_num_layers: 1\nkv_num_heads: 1\nkv_head_size: 8\nchunk_size: 16\n\
-            pd_peer_host: 127.0.0.1\npd_peer_init_port: [7100]\npd_peer_alloc_port: [7200]\n";
-        let cfg = |extra: &str| {
-            PdConfig::from_yaml_str(&format!("{base}{extra}"), "test")
-                .unwrap()
-                .config
-        };
-        let a = allocator_for_config(&cfg("pd_buffer_device: npu:1\ntransfer_channel: tcp\n"), 0)
-            .unwrap();
-        let npu = a.pool(PoolKind::Npu).unwrap().buffer();
-        assert!(device_buffer(npu).is_some());
-        assert_eq!(npu.device(), DeviceKind::Npu(1));
-        let a = allocator_for_config(&cfg("pd_buffer_device: cpu\ntransfer_channel: hccl\n"), 3)
-            .unwrap();
-        let cpu = a.primary().buffer();
-        assert!(pinned_buffer(cpu).is_some());
-        assert_eq!(device_of(cpu).map(|d| d.id()), Some(3));
-        let a = allocator_for_config(&cfg("pd_buffer_device: cpu\ntransfer_channel: tcp\n"), 0)
-            .unwrap();
-        assert!(pinned_buffer(a.primary().buffer()).is_none());
     }
 }

@@ -2,8 +2,8 @@
 //! reference-counted page it hands out.
 
 use super::buffer::{BufferRef, DeviceKind, RegisteredBuffer};
-use super::chunk::{ChunkLayout, Dtype, MemFormat};
 use super::MemoryError;
+use crate::layout::{ChunkLayout, Dtype, MemFormat};
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -2,8 +2,8 @@
 
 use std::fmt;
 
-use super::codec::{RawError, Reader, Writer};
 use super::error::{shorten, DecodeError, EncodeError};
+use crate::wire::{RawError, Reader, Writer};
 
 /// `fmt` value of the `KV_2LTD` memory format: shape `[2, layers, tokens, hidden]`.
 pub const FMT_KV_2LTD: i64 = 1;

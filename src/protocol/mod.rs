@@ -39,7 +39,6 @@
 //! # Ok::<(), ascend_pd::protocol::DecodeError>(())
 //! ```
 
-pub(crate) mod codec;
 mod error;
 mod messages;
 

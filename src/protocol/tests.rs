@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::codec::{Reader, Writer};
 use super::*;
+use crate::wire::{Reader, Writer};
 
 // ---------------------------------------------------------------- helpers
 

@@ -56,6 +56,9 @@ fn report(r: anyhow::Result<bool>) -> bool {
 }
 
 fn main() -> ExitCode {
+    // The library logs through `log`; ASCEND_PD_LOG takes env_logger filters
+    // ("debug", "ascend_pd=debug", "off"), warnings by default.
+    env_logger::Builder::from_env(env_logger::Env::new().filter_or("ASCEND_PD_LOG", "warn")).init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     // No command, or flags without one (`ascend-bench --json F`), means `run`.
     let (cmd, rest) = match args.split_first() {

@@ -1,4 +1,5 @@
-//! Low-level msgpack writer and bounded reader used by the side-channel codec.
+//! The msgpack writer and bounded reader at the bottom of the crate: the
+//! side-channel messages, the channel handshake and landed notices use it.
 //!
 //! The writer always picks the *smallest* msgpack encoding for every value,
 //! which is what msgspec (the encoder used by LMCache-Ascend peers) does, so

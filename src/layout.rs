@@ -1,4 +1,5 @@
 //! What one KV chunk looks like: element type, memory format and shape.
+//! The bottom of the crate: `config` and `memory` both build on these values.
 //!
 //! A page of a pool holds exactly one full chunk; a partial chunk (only the
 //! last chunk of a request may be one) occupies a prefix of its page.
