@@ -10,6 +10,25 @@
 //! by the input against the bytes that are actually left before using it.
 
 use rmp::Marker;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// This process's clock epoch for wire timestamps.
+fn clock_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// `t` as microseconds of this process's monotonic clock, for the wire
+/// (only differences and handshake-measured offsets mean anything).
+pub(crate) fn micros(t: Instant) -> u64 {
+    t.saturating_duration_since(clock_epoch()).as_micros() as u64
+}
+
+/// The instant of a wire timestamp of this process's clock.
+pub(crate) fn from_micros(us: u64) -> Instant {
+    clock_epoch() + Duration::from_micros(us)
+}
 
 /// Width selection failed: a string or array is longer than msgpack's
 /// 32-bit length fields allow.

@@ -9,7 +9,7 @@ use ascend_pd::backend::{BackendError, MessageKind, PutOutcome, Receiver, Sender
 use ascend_pd::channel::handshake::{HandshakeServer, Hello};
 use ascend_pd::channel::{self as chan};
 use ascend_pd::config::{ChannelKind, PortList, Role, TransferMode};
-use ascend_pd::memory::{ChunkMeta, DualAllocator, DualSpec, PoolKind};
+use ascend_pd::memory::{ChunkMeta, DualAllocator, DualSpec, MemObj, PoolKind};
 use ascend_pd::protocol::{
     BreakerState, Message, PullDoneSignal, PullReadyDoneAck, PullReadyNotif,
 };
@@ -40,7 +40,7 @@ fn consume_and_verify(
     ks: &[String],
     last_tokens: &[(usize, usize)],
 ) {
-    let got: Vec<(String, ascend_pd::memory::MemObj)> = match mode {
+    let got: Vec<(String, ascend_pd::memory::SealedMemObj)> = match mode {
         TransferMode::PullDelay => r.fetch(ks).unwrap(),
         _ => ks
             .iter()
@@ -238,7 +238,7 @@ fn scripted_receiver(mode: TransferMode) -> ScriptedReceiver {
     let rc = receiver_config(ChannelKind::Tcp, mode, 8);
     let alloc = DualAllocator::new(&ascend_pd::backend::pools::pool_spec(&rc, 0), None).unwrap();
     let pools: Vec<_> = alloc.pools().cloned().collect();
-    let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", &pools).unwrap();
+    let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "scripted", &pools).unwrap();
     let hello = Hello::local(
         "scripted",
         Role::Receiver,
@@ -493,6 +493,7 @@ fn bad_puts_are_refused_by_name_and_send_nothing() {
     for (o, k) in partial.iter_mut().zip(&ks) {
         ascend_pd::memory::pattern::fill(o.host_bytes_mut().unwrap(), seed_of(k));
     }
+    let partial: Vec<_> = partial.into_iter().map(MemObj::seal).collect();
     let e = s.put(&ks, &partial, &spec).unwrap_err();
     assert!(e.to_string().contains("only the last chunk may be"), "{e}");
     // A page that is not from this sender's pools.
@@ -507,9 +508,12 @@ fn bad_puts_are_refused_by_name_and_send_nothing() {
         None,
     )
     .unwrap();
-    let foreign = other
+    let foreign: Vec<_> = other
         .allocate_batch(&[ChunkMeta::full(s.chunk_layout()); 2])
-        .unwrap();
+        .unwrap()
+        .into_iter()
+        .map(MemObj::seal)
+        .collect();
     let e = s.put(&ks, &foreign, &spec).unwrap_err();
     assert!(
         e.to_string().contains("not a page of this sender's pools"),

@@ -8,7 +8,7 @@ mod common;
 use ascend_pd::backend::{PutOutcome, Receiver, Sender};
 use ascend_pd::config::{BufferDevice, ChannelKind, TransferMode};
 use ascend_pd::memory::npu::{read_page, AclRuntime};
-use ascend_pd::memory::{pattern, DeviceKind, MemObj};
+use ascend_pd::memory::{pattern, DeviceKind, Page, SealedMemObj};
 use common::*;
 use std::time::Duration;
 
@@ -17,14 +17,14 @@ fn emulator() {
     AclRuntime::from_dir(&dir).expect("the emulator loads");
 }
 
-fn bytes_of(o: &MemObj) -> Vec<u8> {
+fn bytes_of(o: &Page) -> Vec<u8> {
     let mut v = vec![0u8; o.byte_len()];
     read_page(o, 0, &mut v).unwrap();
     v
 }
 
 fn verify(r: &Receiver, mode: TransferMode, ks: &[String]) {
-    let got: Vec<(String, MemObj)> = match mode {
+    let got: Vec<(String, SealedMemObj)> = match mode {
         TransferMode::PullDelay => r.fetch(ks).unwrap(),
         _ => ks
             .iter()

@@ -9,12 +9,12 @@
 //! Ascend hardware.
 
 use ascend_pd::channel::handshake::{self, Hello};
-use ascend_pd::channel::{self as chan, ChannelError, OpKind, PeerId, TransferChannel, TransferOp};
+use ascend_pd::channel::{self as chan, ChannelError, PeerId, ReadOp, TransferChannel, WriteOp};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
     pattern, BufferRef, ChunkLayout, ChunkMeta, DeviceKind, DeviceMemory, Dtype, MemFormat, MemObj,
-    MemoryError, NpuRuntime, PagePool, RegisteredBuffer,
+    MemoryError, NpuRuntime, Page, PagePool, RegisteredBuffer, SealedMemObj,
 };
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
@@ -71,7 +71,7 @@ fn pool_on(kind: ChannelKind, dev: Dev, bytes: usize, page: usize) -> Arc<PagePo
 }
 
 /// The first `len` bytes of a page, wherever it lives.
-fn page_bytes(o: &MemObj, len: usize) -> Vec<u8> {
+fn page_bytes(o: &Page, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     npu::read_page(o, 0, &mut v).unwrap();
     v
@@ -165,7 +165,7 @@ fn local_on(kind: ChannelKind, dev: Dev, pages: usize) -> Local {
     let objs = pool
         .allocate_batch(&vec![ChunkMeta::full(layout(PAGE)); pages])
         .unwrap();
-    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)]).unwrap();
+    let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)]).unwrap();
     Local {
         pool,
         channel,
@@ -173,8 +173,11 @@ fn local_on(kind: ChannelKind, dev: Dev, pages: usize) -> Local {
     }
 }
 
+/// The node id these tests present to the peer.
+const NODE: &str = "tester";
+
 fn hello(ch: &dyn TransferChannel, mode: TransferMode) -> Hello {
-    Hello::local("tester", Role::Sender, mode, Duration::from_secs(30), ch)
+    Hello::local(NODE, Role::Sender, mode, Duration::from_secs(30), ch)
 }
 
 fn connect(ctx: &zmq::Context, l: &Local, peer: &Peer) -> (PeerId, Uuid) {
@@ -189,12 +192,41 @@ fn connect(ctx: &zmq::Context, l: &Local, peer: &Peer) -> (PeerId, Uuid) {
     (a.peer, a.remote.buffers[0].uuid)
 }
 
-fn op(local: &MemObj, uuid: Uuid, page: u32, len: usize) -> TransferOp {
-    TransferOp {
-        local: local.clone(),
-        remote: BufferRef { uuid, page },
-        len,
-    }
+/// Reads into `pages` (which the ops own), page `i` from the peer's page `page(i)`.
+fn reads(pages: Vec<MemObj>, uuid: Uuid, page: impl Fn(usize) -> u32) -> Vec<ReadOp> {
+    pages
+        .into_iter()
+        .enumerate()
+        .map(|(i, local)| ReadOp {
+            local,
+            remote: BufferRef {
+                uuid,
+                page: page(i),
+            },
+            len: PAGE,
+        })
+        .collect()
+}
+
+/// Writes of sealed `pages`, page `i` to the peer's page `page(i)`, `len(i)` bytes.
+fn writes(
+    pages: &[SealedMemObj],
+    uuid: Uuid,
+    page: impl Fn(usize) -> u32,
+    len: impl Fn(usize) -> usize,
+) -> Vec<WriteOp> {
+    pages
+        .iter()
+        .enumerate()
+        .map(|(i, p)| WriteOp {
+            local: p.clone(),
+            remote: BufferRef {
+                uuid,
+                page: page(i),
+            },
+            len: len(i),
+        })
+        .collect()
 }
 
 fn host(o: &MemObj) -> &[u8] {
@@ -209,6 +241,21 @@ fn peer_page_ok(o: &MemObj, page: u32, len: usize) -> bool {
     .is_none()
 }
 
+/// Waits (bounded) until `pool` holds nothing: no page allocated or quarantined.
+fn settles(pool: &PagePool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = pool.stats();
+        if s.allocated == 0 && s.quarantined == 0 {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn batches_of_1_to_64_ops_move_every_byte_both_ways() {
     for kind in KINDS {
@@ -219,49 +266,43 @@ fn batches_of_1_to_64_ops_move_every_byte_both_ways() {
 
         // Reads of batches of 1, 7 and 64 ops, every byte checked against the peer's pattern.
         for n in [1usize, 7, 64] {
-            let ops: Vec<_> = (0..n)
-                .map(|i| op(&l.objs[i], uuid, (63 - i) as u32, PAGE))
-                .collect();
-            l.channel.read(pid, ops).unwrap();
-            for i in 0..n {
+            let pages: Vec<MemObj> = l.objs.drain(..n).collect();
+            let back = l
+                .channel
+                .read(pid, reads(pages, uuid, |i| (63 - i) as u32))
+                .unwrap();
+            for (i, o) in back.iter().enumerate() {
                 assert!(
-                    peer_page_ok(&l.objs[i], (63 - i) as u32, PAGE),
+                    peer_page_ok(o, (63 - i) as u32, PAGE),
                     "{kind:?} n={n} i={i}"
                 );
             }
+            l.objs.splice(0..0, back);
         }
 
         // Writes, full pages and a partial last chunk, then read back into other pages.
         let seed = 0xabc;
-        for (i, o) in l.objs.iter_mut().take(64).enumerate() {
+        let mut src: Vec<MemObj> = l.objs.drain(..64).collect();
+        for (i, o) in src.iter_mut().enumerate() {
             pattern::fill(
                 o.host_bytes_mut().unwrap(),
                 pattern::page_seed(seed, i as u64),
             );
         }
+        let src: Vec<SealedMemObj> = src.into_iter().map(MemObj::seal).collect();
         let partial = PAGE / 3 + 5;
-        let writes: Vec<_> = (0..64)
-            .map(|i| {
-                op(
-                    &l.objs[i],
-                    uuid,
-                    i as u32,
-                    if i == 63 { partial } else { PAGE },
-                )
-            })
-            .collect();
-        l.channel.write(pid, writes).unwrap();
-        let (back, rest) = l.objs.split_at(64 + 64);
-        let back = &back[64..];
-        let _ = rest;
-        let reads: Vec<_> = (0..64)
-            .map(|i| op(&back[i], uuid, i as u32, PAGE))
-            .collect();
-        l.channel.read(pid, reads).unwrap();
+        let len = |i: usize| if i == 63 { partial } else { PAGE };
+        l.channel
+            .write(pid, writes(&src, uuid, |i| i as u32, len))
+            .unwrap();
+        let back_pages: Vec<MemObj> = l.objs.drain(..64).collect();
+        let back = l
+            .channel
+            .read(pid, reads(back_pages, uuid, |i| i as u32))
+            .unwrap();
         for (i, b) in back.iter().enumerate() {
-            let len = if i == 63 { partial } else { PAGE };
             assert_eq!(
-                pattern::first_mismatch(&host(b)[..len], pattern::page_seed(seed, i as u64)),
+                pattern::first_mismatch(&host(b)[..len(i)], pattern::page_seed(seed, i as u64)),
                 None,
                 "{kind:?} page {i}"
             );
@@ -273,43 +314,40 @@ fn batches_of_1_to_64_ops_move_every_byte_both_ways() {
                 assert_eq!(&full[partial..], &expect[partial..], "{kind:?}");
             }
         }
-        drop(l.objs);
+        drop((src, back));
         assert_eq!(l.pool.stats().allocated, 0);
     }
 }
 
 #[test]
-fn submitted_reads_can_be_awaited_out_of_order() {
+fn submitted_reads_can_be_awaited_out_of_order_and_give_their_pages_back() {
     for kind in KINDS {
         let peer = Peer::spawn(kind, 48, PAGE, "push", "peer");
         let ctx = zmq::Context::new();
-        let l = local(kind, 48);
+        let mut l = local(kind, 48);
         let (pid, uuid) = connect(&ctx, &l, &peer);
         let mut batches: Vec<_> = (0..3)
             .map(|b| {
-                let ops = (0..16)
-                    .map(|i| {
-                        let p = b * 16 + i;
-                        op(&l.objs[p], uuid, p as u32, PAGE)
-                    })
-                    .collect();
+                let pages: Vec<MemObj> = l.objs.drain(..16).collect();
+                let ops = reads(pages, uuid, |i| (b * 16 + i) as u32);
                 Some(l.channel.submit_read(pid, ops).unwrap())
             })
             .collect();
         for b in [2usize, 0, 1] {
             let mut c = batches[b].take().unwrap();
-            let r = c.wait_timeout(Duration::from_secs(20)).expect("finished");
-            r.unwrap();
-            for i in 0..16 {
-                let p = b * 16 + i;
+            let done = c.wait_timeout(Duration::from_secs(20)).expect("finished");
+            done.result.unwrap();
+            assert_eq!(done.pages.len(), 16, "{kind:?}: the pages come back");
+            for (i, o) in done.pages.iter().enumerate() {
                 assert!(
-                    peer_page_ok(&l.objs[p], p as u32, PAGE),
+                    peer_page_ok(o, (b * 16 + i) as u32, PAGE),
                     "{kind:?} batch {b}"
                 );
             }
-            // A finished completion polls as done.
-            assert!(c.poll().is_some());
+            // A finished completion has nothing more to give.
+            assert!(c.poll().is_some_and(|d| d.pages.is_empty()));
         }
+        assert_eq!(l.pool.stats().allocated, 0);
     }
 }
 
@@ -320,26 +358,27 @@ fn bad_references_are_rejected_and_nothing_is_written() {
         let ctx = zmq::Context::new();
         let mut l = local(kind, 4);
         let (pid, uuid) = connect(&ctx, &l, &peer);
+        let back: Vec<MemObj> = l.objs.split_off(2);
         for o in &mut l.objs {
             o.host_bytes_mut().unwrap().fill(0xEE);
         }
-        let cases: Vec<(Vec<TransferOp>, &str)> = vec![
+        let src: Vec<SealedMemObj> = l.objs.drain(..).map(MemObj::seal).collect();
+        let op = |i: usize, uuid: Uuid, page: u32, len: usize| WriteOp {
+            local: src[i].clone(),
+            remote: BufferRef { uuid, page },
+            len,
+        };
+        let cases: Vec<(Vec<WriteOp>, &str)> = vec![
             (
-                vec![
-                    op(&l.objs[0], uuid, 0, PAGE),
-                    op(&l.objs[1], Uuid::new_v4(), 1, PAGE),
-                ],
+                vec![op(0, uuid, 0, PAGE), op(1, Uuid::new_v4(), 1, PAGE)],
                 "unknown buffer",
             ),
             (
-                vec![op(&l.objs[0], uuid, 0, PAGE), op(&l.objs[1], uuid, 4, PAGE)],
+                vec![op(0, uuid, 0, PAGE), op(1, uuid, 4, PAGE)],
                 "page 4 out of range",
             ),
             (
-                vec![
-                    op(&l.objs[0], uuid, 0, PAGE),
-                    op(&l.objs[1], uuid, 1, PAGE + 1),
-                ],
+                vec![op(0, uuid, 0, PAGE), op(1, uuid, 1, PAGE + 1)],
                 "exceed",
             ),
         ];
@@ -355,19 +394,18 @@ fn bad_references_are_rejected_and_nothing_is_written() {
                 "{kind:?}: {e:?}"
             );
         }
-        // Op 0 of every rejected batch was valid, but nothing moved: page 0 and 1 keep the pattern.
-        let (_, back) = l.objs.split_at(2);
-        l.channel
-            .read(
-                pid,
-                vec![op(&back[0], uuid, 0, PAGE), op(&back[1], uuid, 1, PAGE)],
-            )
+        // Op 0 of every rejected batch was valid, but nothing moved: peer pages 0 and 1 keep the pattern.
+        let back = l
+            .channel
+            .read(pid, reads(back, uuid, |i| i as u32))
             .unwrap();
         assert!(peer_page_ok(&back[0], 0, PAGE), "{kind:?}");
         assert!(peer_page_ok(&back[1], 1, PAGE), "{kind:?}");
         // Unknown peers are refused by name.
         let e = l.channel.read(PeerId(9999), vec![]).unwrap_err();
         assert!(e.to_string().contains("peer#9999 is not attached"), "{e}");
+        drop((src, back));
+        assert_eq!(l.pool.stats().allocated, 0, "{kind:?}");
     }
 }
 
@@ -384,10 +422,13 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
         let mut peer = Peer::spawn_on(kind, dev, 64, 1 << 20, "push", "peer");
         let ctx = zmq::Context::new();
         let pool = pool_on(kind, dev, 64 << 20, 1 << 20);
-        let objs = pool
+        let objs: Vec<SealedMemObj> = pool
             .allocate_batch(&vec![ChunkMeta::full(layout(1 << 20)); 64])
-            .unwrap();
-        let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)]).unwrap();
+            .unwrap()
+            .into_iter()
+            .map(MemObj::seal)
+            .collect();
+        let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)]).unwrap();
         let a = handshake::connect(
             &ctx,
             &peer.url,
@@ -397,28 +438,21 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
         )
         .unwrap();
         let uuid = a.remote.buffers[0].uuid;
-        let ops = |n: usize| -> Vec<TransferOp> {
-            (0..n)
-                .map(|i| op(&objs[i % 64], uuid, (i % 64) as u32, 1 << 20))
-                .collect()
-        };
-        // Many batches in flight, the peer killed under them.
+        // Writes share their sealed sources, so many batches can be in flight.
+        let ops = |n: usize| writes(&objs[..n], uuid, |i| i as u32, |_| 1 << 20);
         let mut inflight: Vec<_> = (0..8)
-            .map(|_| channel.submit(a.peer, OpKind::Read, ops(64)).unwrap())
+            .map(|_| channel.submit_write(a.peer, ops(64)).unwrap())
             .collect();
         std::thread::sleep(Duration::from_millis(5));
         peer.kill();
         let start = Instant::now();
-        let mut failed = false;
         for c in &mut inflight {
-            let r = c.wait_timeout(Duration::from_secs(15)).expect("no hang");
-            failed |= r.is_err();
+            c.wait_timeout(Duration::from_secs(15)).expect("no hang");
         }
         // Whatever finished before the kill, the next batch must fail.
-        let next = channel
-            .submit(a.peer, OpKind::Read, ops(4))
-            .and_then(|c| c.wait());
-        let e = next.expect_err("a batch to a dead peer must fail");
+        let e = channel
+            .write(a.peer, ops(4))
+            .expect_err("a batch to a dead peer must fail");
         assert!(
             matches!(
                 e,
@@ -437,13 +471,12 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
             );
         }
         assert!(start.elapsed() < Duration::from_secs(30));
-        let _ = failed;
         drop(inflight);
         drop(objs);
-        assert_eq!(
-            pool.stats().allocated,
-            0,
-            "{kind:?} {dev:?}: pages returned"
+        assert!(
+            settles(&pool),
+            "{kind:?} {dev:?}: pages returned: {:?}",
+            pool.stats()
         );
     }
 }
@@ -510,15 +543,16 @@ fn reconnecting_to_a_restarted_peer_replaces_the_old_connection() {
         let second = Peer::spawn(kind, 2, PAGE, "push", "decoder-0");
         let (new, uuid) = connect(&ctx, &l, &second);
         assert_ne!(old, new);
+        let mut l = l;
+        let page = l.objs.pop().unwrap();
         let e = l
             .channel
-            .read(old, vec![op(&l.objs[0], uuid, 0, PAGE)])
+            .read(old, reads(vec![page], uuid, |_| 0))
             .unwrap_err();
         assert!(matches!(e, ChannelError::UnknownPeer(p) if p == old), "{e}");
-        l.channel
-            .read(new, vec![op(&l.objs[0], uuid, 1, PAGE)])
-            .unwrap();
-        assert!(peer_page_ok(&l.objs[0], 1, PAGE));
+        let page = l.objs.pop().unwrap();
+        let back = l.channel.read(new, reads(vec![page], uuid, |_| 1)).unwrap();
+        assert!(peer_page_ok(&back[0], 1, PAGE));
     }
 }
 
@@ -535,12 +569,11 @@ fn a_malformed_hello_is_refused_and_the_server_keeps_serving() {
     assert_eq!(server_hello.node, "peer");
     assert!(error.unwrap().contains("malformed hello"));
     // The same server still attaches a well-formed peer.
-    let l = local(ChannelKind::Tcp, 1);
+    let mut l = local(ChannelKind::Tcp, 1);
     let (pid, uuid) = connect(&ctx, &l, &peer);
-    l.channel
-        .read(pid, vec![op(&l.objs[0], uuid, 0, PAGE)])
-        .unwrap();
-    assert!(peer_page_ok(&l.objs[0], 0, PAGE));
+    let page = l.objs.pop().unwrap();
+    let back = l.channel.read(pid, reads(vec![page], uuid, |_| 0)).unwrap();
+    assert!(peer_page_ok(&back[0], 0, PAGE));
 }
 
 /// Host memory posing as device memory, only to reach the channels' refusal paths.
@@ -575,7 +608,7 @@ fn an_npu_pool_on_shm_is_a_clear_configuration_error() {
     let buf = RegisteredBuffer::npu(&FakeNpu, 0, PAGE, PAGE).unwrap();
     assert_eq!(buf.device(), DeviceKind::Npu(0));
     let pool = PagePool::new(buf);
-    let e = chan::open(ChannelKind::Shm, "127.0.0.1", &[pool])
+    let e = chan::open(ChannelKind::Shm, "127.0.0.1", NODE, &[pool])
         .err()
         .unwrap();
     let text = e.to_string();
@@ -604,13 +637,15 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
             let (pid, uuid) = connect(&ctx, &l, &peer);
 
             // Read every peer page into local pages in reverse order.
-            let reads: Vec<_> = (0..PAGES)
-                .map(|i| op(&l.objs[i], uuid, (PAGES - 1 - i) as u32, PAGE))
-                .collect();
-            l.channel.read(pid, reads).unwrap();
-            for i in 0..PAGES {
+            let mut l = l;
+            let pages: Vec<MemObj> = l.objs.drain(..PAGES).collect();
+            let mut got = l
+                .channel
+                .read(pid, reads(pages, uuid, |i| (PAGES - 1 - i) as u32))
+                .unwrap();
+            for (i, o) in got.iter().enumerate() {
                 assert!(
-                    peer_page_ok(&l.objs[i], (PAGES - 1 - i) as u32, PAGE),
+                    peer_page_ok(o, (PAGES - 1 - i) as u32, PAGE),
                     "{what}: read page {i}"
                 );
             }
@@ -618,21 +653,21 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
             // Write a new pattern (the last chunk partial), read it back elsewhere.
             let seed = 0x5eed;
             let mut buf = vec![0u8; PAGE];
-            for (i, o) in l.objs.iter().take(PAGES).enumerate() {
+            for (i, o) in got.iter_mut().enumerate() {
                 pattern::fill(&mut buf, pattern::page_seed(seed, i as u64));
                 npu::write_page(o, 0, &buf).unwrap();
             }
+            let src: Vec<SealedMemObj> = got.into_iter().map(MemObj::seal).collect();
             let partial = PAGE / 3 + 5;
             let len = |i: usize| if i == PAGES - 1 { partial } else { PAGE };
-            let writes: Vec<_> = (0..PAGES)
-                .map(|i| op(&l.objs[i], uuid, i as u32, len(i)))
-                .collect();
-            l.channel.write(pid, writes).unwrap();
-            let back = &l.objs[PAGES..];
-            let reads: Vec<_> = (0..PAGES)
-                .map(|i| op(&back[i], uuid, i as u32, PAGE))
-                .collect();
-            l.channel.read(pid, reads).unwrap();
+            l.channel
+                .write(pid, writes(&src, uuid, |i| i as u32, len))
+                .unwrap();
+            let back_pages: Vec<MemObj> = l.objs.drain(..PAGES).collect();
+            let back = l
+                .channel
+                .read(pid, reads(back_pages, uuid, |i| i as u32))
+                .unwrap();
             for (i, b) in back.iter().enumerate() {
                 let got = page_bytes(b, PAGE);
                 assert_eq!(
@@ -653,10 +688,7 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
                 .channel
                 .write(
                     pid,
-                    vec![
-                        op(&l.objs[PAGES], uuid, 0, PAGE),
-                        op(&l.objs[PAGES + 1], uuid, PAGES as u32, PAGE),
-                    ],
+                    writes(&src[..2], uuid, |i| (i * PAGES) as u32, |_| PAGE),
                 )
                 .unwrap_err();
             assert!(
@@ -664,16 +696,16 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
                     && e.to_string().contains("out of range"),
                 "{what}: {e}"
             );
-            l.channel
-                .read(pid, vec![op(&l.objs[0], uuid, 0, PAGE)])
-                .unwrap();
+            let mut back = back;
+            let one = back.pop().unwrap();
+            let one = l.channel.read(pid, reads(vec![one], uuid, |_| 0)).unwrap();
             assert_eq!(
-                pattern::first_mismatch(&page_bytes(&l.objs[0], PAGE), pattern::page_seed(seed, 0)),
+                pattern::first_mismatch(&page_bytes(&one[0], PAGE), pattern::page_seed(seed, 0)),
                 None,
                 "{what}: peer page 0 kept the written pattern"
             );
 
-            drop(l.objs);
+            drop((src, back, one));
             assert_eq!(l.pool.stats().allocated, 0, "{what}: pages returned");
             assert_eq!(start.allocated, 2 * PAGES);
         }
@@ -683,7 +715,7 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
 #[test]
 fn hccl_refuses_pools_the_acl_runtime_did_not_allocate() {
     let buf = RegisteredBuffer::host(PAGE, PAGE, false).unwrap();
-    let e = chan::open(ChannelKind::Hccl, "127.0.0.1", &[PagePool::new(buf)])
+    let e = chan::open(ChannelKind::Hccl, "127.0.0.1", NODE, &[PagePool::new(buf)])
         .err()
         .unwrap()
         .to_string();

@@ -5,7 +5,7 @@
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{
-    pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, PagePool, RegisteredBuffer,
+    pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, PagePool, RegisteredBuffer,
 };
 use std::sync::Arc;
 
@@ -46,14 +46,16 @@ fn round_trip(src: &mut KvCache, dst: &mut KvCache, pool: &Arc<PagePool>, l: &Ch
     let from: Vec<i64> = (0..40).map(|t| (63 - t) as i64).collect();
     let to: Vec<i64> = (0..40).map(|t| ((t * 5) % 64) as i64).collect();
     let tokens = [16, 16, 8];
-    let pages = pool
+    let mut pages = pool
         .allocate_batch(&tokens.map(|t| ChunkMeta::partial(*l, t)))
         .unwrap();
-    for (i, page) in pages.iter().enumerate() {
+    for (i, page) in pages.iter_mut().enumerate() {
         let r = &from[i * 16..i * 16 + tokens[i]];
         let g = src.gather(r, page).unwrap();
         assert_eq!(g.bytes, l.bytes_for(tokens[i]));
     }
+    // Gathered: from now on only read.
+    let pages: Vec<_> = pages.into_iter().map(MemObj::seal).collect();
     for (i, page) in pages.iter().enumerate() {
         dst.scatter(page, tokens[i], &to[i * 16..i * 16 + tokens[i]])
             .unwrap();
@@ -112,7 +114,7 @@ fn mismatched_chunks_and_bad_slots_are_named() {
     let l = layout(MemFormat::Kv2Ltd);
     let mut cache = KvCache::host(KvCacheSpec::for_layout(&l, 2, 8)).unwrap();
     let pool = host_pool(&l, 1);
-    let page = pool.allocate(ChunkMeta::full(l)).unwrap();
+    let page = pool.allocate(ChunkMeta::full(l)).unwrap().seal();
     let slots: Vec<i64> = (0..16).collect();
     let mla = KvCacheSpec::for_layout(&layout(MemFormat::Mla), 2, 8);
     let e = KvCache::host(mla)

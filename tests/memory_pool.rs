@@ -3,7 +3,7 @@
 
 use ascend_pd::memory::{
     ChunkLayout, ChunkMeta, DeviceKind, Dtype, MemFormat, MemObj, MemoryError, PagePool, PoolStats,
-    RegisteredBuffer,
+    RegisteredBuffer, SealedMemObj,
 };
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -31,16 +31,16 @@ fn full() -> ChunkMeta {
 fn assert_idle(p: &PagePool, total: usize) {
     let s = p.stats();
     assert_eq!(
-        (s.total, s.free, s.allocated, s.pinned),
-        (total, total, 0, 0),
+        (s.total, s.free, s.allocated, s.pinned, s.quarantined),
+        (total, total, 0, 0, 0),
         "{s:?}"
     );
 }
 
 #[test]
-fn drop_returns_the_page_and_clones_share_it() {
+fn drop_returns_the_page_and_sealed_clones_share_it() {
     let p = pool(4);
-    let a = p.allocate(full()).unwrap();
+    let a = p.allocate(full()).unwrap().seal();
     let b = a.clone();
     assert_eq!(a.ref_count(), 2);
     assert_eq!(a.buffer_ref(), b.buffer_ref());
@@ -56,7 +56,7 @@ fn drop_returns_the_page_and_clones_share_it() {
 fn pages_are_distinct_and_addressed_by_uuid_and_index() {
     let p = pool(3);
     let objs = p.allocate_batch(&[full(), full(), full()]).unwrap();
-    let mut pages: Vec<u32> = objs.iter().map(MemObj::page).collect();
+    let mut pages: Vec<u32> = objs.iter().map(|o| o.page()).collect();
     pages.sort();
     assert_eq!(pages, vec![0, 1, 2]);
     for o in &objs {
@@ -145,18 +145,21 @@ fn partial_chunk_is_a_prefix_of_its_page() {
     o.host_bytes_mut().unwrap().fill(7);
     assert_eq!(o.host_bytes().unwrap().len(), o.byte_len());
     assert!(o.host_bytes().unwrap().iter().all(|&b| b == 7));
-    // Mutable access needs the only handle.
-    let c = o.clone();
-    assert!(o.host_bytes_mut().is_none());
+    // Writing again needs the only handle: a sealed page is writable only
+    // once every other holder let go.
+    let sealed = o.seal();
+    let c = sealed.clone();
+    let sealed = sealed.try_unseal().expect_err("a clone still reads it");
     drop(c);
+    let mut o = sealed.try_unseal().expect("the last holder");
     assert!(o.host_bytes_mut().is_some());
 }
 
 #[test]
 fn pins_are_counted_per_page_and_cleared_on_drop() {
     let p = pool(3);
-    let a = p.allocate(full()).unwrap();
-    let b = p.allocate(full()).unwrap();
+    let a = p.allocate(full()).unwrap().seal();
+    let b = p.allocate(full()).unwrap().seal();
     a.pin();
     a.pin();
     b.pin();
@@ -185,11 +188,11 @@ fn clone_drop_storm_across_threads_leaks_nothing() {
             let barrier = Arc::clone(&barrier);
             thread::spawn(move || {
                 barrier.wait();
-                let mut held: Vec<MemObj> = Vec::new();
+                let mut held: Vec<SealedMemObj> = Vec::new();
                 for i in 0..2_000usize {
                     match (i + t) % 5 {
                         0 | 1 => {
-                            if let Ok(o) = p.allocate(full()) {
+                            if let Ok(o) = p.allocate(full()).map(MemObj::seal) {
                                 if i % 3 == 0 {
                                     o.pin();
                                 }
@@ -210,7 +213,7 @@ fn clone_drop_storm_across_threads_leaks_nothing() {
                         }
                         _ => {
                             if let Ok(batch) = p.allocate_batch(&[full(), full()]) {
-                                held.extend(batch);
+                                held.extend(batch.into_iter().map(MemObj::seal));
                             }
                         }
                     }
@@ -281,7 +284,12 @@ fn panic_unwinding_returns_pages() {
     let p = pool(4);
     let p2 = Arc::clone(&p);
     let r = thread::spawn(move || {
-        let objs = p2.allocate_batch(&[full(), full(), full()]).unwrap();
+        let objs: Vec<SealedMemObj> = p2
+            .allocate_batch(&[full(), full(), full()])
+            .unwrap()
+            .into_iter()
+            .map(MemObj::seal)
+            .collect();
         objs[0].pin();
         panic!("worker died holding {} pages", objs.len());
     })

@@ -7,15 +7,15 @@
 mod common;
 
 use ascend_pd::backend::{MessageKind, Receiver, Sender};
-use ascend_pd::channel::{self as chan, handshake, handshake::Hello};
+use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
-use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, PagePool, RegisteredBuffer};
+use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
 use ascend_pd::pipeline::{LoadError, LoadOptions, LoadReport};
-use ascend_pd::protocol::{Message, PullDoneSignal, PullReadyDoneAck, PullReadyNotif};
+use ascend_pd::protocol::{Message, PullDoneSignal, PullId, PullReadyDoneAck, PullReadyNotif};
 use common::*;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// xorshift64: deterministic "random" slot mappings.
 struct Rng(u64);
@@ -355,14 +355,16 @@ fn bad_input_is_refused_before_anything_is_touched_and_missing_keys_are_named() 
 struct ScriptedSender {
     _pool: std::sync::Arc<PagePool>,
     _ch: std::sync::Arc<dyn chan::TransferChannel>,
-    _pages: Vec<ascend_pd::memory::MemObj>,
+    _pages: Vec<ascend_pd::memory::SealedMemObj>,
     done: zmq::Socket,
     _ctx: zmq::Context,
+    pull_id: String,
 }
 
 impl ScriptedSender {
-    /// Announces `keys` (full chunks) as one pull; `bad` replaces one page index.
-    fn announce(rc: &PdConfig, pull_id: &str, keys: &[String], bad: Option<(usize, u64)>) -> Self {
+    /// Announces `keys` (full chunks) as one pull with a 60 s lease; `bad`
+    /// replaces one page index.
+    fn announce(rc: &PdConfig, keys: &[String], bad: Option<(usize, u64)>) -> Self {
         let layout = rc.chunk_layout();
         let page = layout.page_bytes();
         let pool = PagePool::new(RegisteredBuffer::host(keys.len() * page, page, false).unwrap());
@@ -372,8 +374,15 @@ impl ScriptedSender {
         for (p, k) in pages.iter_mut().zip(keys) {
             pattern::fill(p.host_bytes_mut().unwrap(), seed_of(k));
         }
-        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", std::slice::from_ref(&pool)).unwrap();
+        let pages: Vec<_> = pages.into_iter().map(MemObj::seal).collect();
         let node = "scripted-sender:1";
+        let ch = chan::open(
+            ChannelKind::Tcp,
+            "127.0.0.1",
+            node,
+            std::slice::from_ref(&pool),
+        )
+        .unwrap();
         let hello = Hello::local(
             node,
             Role::Sender,
@@ -383,7 +392,14 @@ impl ScriptedSender {
         );
         let ctx = zmq::Context::new();
         let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());
-        handshake::connect(&ctx, &init, ch.as_ref(), &hello, Duration::from_secs(10)).unwrap();
+        let a =
+            handshake::connect(&ctx, &init, ch.as_ref(), &hello, Duration::from_secs(10)).unwrap();
+        // The receiver may read exactly the announced pages.
+        let refs: Vec<_> = pages.iter().map(|p| p.buffer_ref()).collect();
+        ch.grant(a.peer, Access::Read, &refs).unwrap();
+        // Same process as the receiver: its clock is ours.
+        let pull_id =
+            PullId::due_in_this_process(Instant::now() + Duration::from_secs(60)).encode();
         let done = ctx.socket(zmq::PULL).unwrap();
         let done_port = free_port();
         done.bind(&format!("tcp://127.0.0.1:{done_port}")).unwrap();
@@ -392,7 +408,7 @@ impl ScriptedSender {
             indexes[i] = page;
         }
         let notif = PullReadyNotif {
-            pull_id: pull_id.into(),
+            pull_id: pull_id.clone(),
             keys: keys.to_vec(),
             sender_buffer_uuids: vec![pool.uuid().simple().to_string(); keys.len()],
             sender_mem_indexes: indexes,
@@ -417,6 +433,7 @@ impl ScriptedSender {
             _pages: pages,
             done,
             _ctx: ctx,
+            pull_id,
         }
     }
 
@@ -439,7 +456,7 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
     let ks = keys("broken", 8);
     // Chunk 5 names a page the sender never registered: micro-batch 2
     // (chunks 4 and 5, depth 2) fails after batches 0 and 1 were loaded.
-    let fake = ScriptedSender::announce(&rc, "pull-broken", &ks, Some((5, 999)));
+    let fake = ScriptedSender::announce(&rc, &ks, Some((5, 999)));
     let slots = slot_mapping(8 * CHUNK, 16, Mapping::Blocks, 5);
     let mut cache = cache_for(&rc, 16);
     let e = r
@@ -456,7 +473,7 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
         ["broken-4", "broken-5", "broken-6", "broken-7"]
     );
     for f in &failed {
-        assert_eq!(f.pull_id.as_deref(), Some("pull-broken"));
+        assert_eq!(f.pull_id.as_deref(), Some(fake.pull_id.as_str()));
         assert_eq!(f.sender_id.as_deref(), Some("scripted-sender:1"));
     }
     assert!(failed[0].reason.contains("page 999 out of range"), "{text}");
@@ -472,7 +489,7 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
     );
     // The pull's Done went out exactly once, and the load said so.
     assert_eq!(report.dones_sent, 1);
-    assert_eq!(fake.dones(Duration::from_millis(500)), ["pull-broken"]);
+    assert_eq!(fake.dones(Duration::from_millis(500)), vec![fake.pull_id]);
     assert_eq!(msg(&r.stats().messages, MessageKind::PullDoneSignal), 1);
     // Pools and store are back where they started.
     let end = r.stats();

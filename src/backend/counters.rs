@@ -17,6 +17,8 @@ pub enum MessageKind {
     PullDoneSignal,
     /// `ProxyNotif` sent.
     ProxyNotif,
+    /// Push notice (landed / aborted) sent or received.
+    PushNotice,
     /// A frame that could not be decoded, or a message on the wrong socket.
     Malformed,
     /// A message that decoded but failed validation.
@@ -29,7 +31,7 @@ pub enum MessageKind {
     BreakerSkip,
 }
 
-const KINDS: usize = 11;
+const KINDS: usize = 12;
 
 impl MessageKind {
     /// Every kind, in counter order.
@@ -40,6 +42,7 @@ impl MessageKind {
         MessageKind::PullReadyDoneAck,
         MessageKind::PullDoneSignal,
         MessageKind::ProxyNotif,
+        MessageKind::PushNotice,
         MessageKind::Malformed,
         MessageKind::Rejected,
         MessageKind::Timeout,
@@ -56,6 +59,7 @@ impl MessageKind {
             MessageKind::PullReadyDoneAck => "pull_ready_done_ack",
             MessageKind::PullDoneSignal => "pull_done_signal",
             MessageKind::ProxyNotif => "proxy_notif",
+            MessageKind::PushNotice => "push_notice",
             MessageKind::Malformed => "malformed",
             MessageKind::Rejected => "rejected",
             MessageKind::Timeout => "timeout",

@@ -2,15 +2,16 @@
 //! the transfer channel.
 //!
 //! - [`Sender`] (prefill): `put(keys, chunks, spec)` in push, pull-eager or
-//!   pull-delay mode, a PULL socket for PullDoneSignal, a TTL sweeper, the
-//!   circuit breaker and backpressure.
-//! - [`Receiver`] (decode): the handshake and allocation REP sockets, the
-//!   key store, eager reads, pull-delay proxies and a plain fetch path, a
-//!   PUSH pool for PullDoneSignal, and a sweeper.
+//!   pull-delay mode, a PULL socket for PullDoneSignal and a TTL sweeper
+//!   around the [`SenderCore`](crate::protocol::SenderCore).
+//! - [`Receiver`] (decode): the handshake socket and the request (ROUTER)
+//!   socket, eager reads, the load path, a PUSH pool for PullDoneSignal and
+//!   a sweeper around the [`ReceiverCore`](crate::protocol::ReceiverCore).
 //!
 //! Every socket wait is bounded; one slow or dead peer holds only its own
-//! lock, never the others'. Bookkeeping decisions are made by
-//! [`crate::protocol`]; this module only moves frames and bytes.
+//! lock, never the others'. What to send and which pages to grant or
+//! release is decided by [`crate::protocol`]; this module only moves frames
+//! and bytes.
 
 mod counters;
 pub mod pools;
@@ -18,13 +19,15 @@ mod receiver;
 mod sender;
 mod zmq_io;
 
+pub use crate::protocol::PutOutcome;
 pub use counters::{MessageCounters, MessageKind};
 pub use receiver::{FetchError, Receiver, ReceiverStats};
-pub use sender::{PutOutcome, Sender, SenderStats, SenderTimeouts, TransferSpec};
+pub use sender::{Sender, SenderStats, SenderTimeouts, TransferSpec};
 
 use crate::channel::ChannelError;
 use crate::config::ConfigError;
 use crate::memory::MemoryError;
+use crate::protocol::PutRejected;
 use std::time::Duration;
 
 /// Why a backend call failed.
@@ -76,9 +79,70 @@ pub enum BackendError {
     /// Pull backpressure did not clear in time, or the batch can never fit.
     #[error("backpressure: {0}")]
     Backpressure(String),
+    /// The receiver refused our push notice: the chunks are not resident
+    /// there (the allocation expired, or the notice named the wrong pages).
+    #[error("{peer} refused the push notice: {why}")]
+    NoticeRefused {
+        /// Which peer.
+        peer: String,
+        /// Its reason.
+        why: String,
+    },
     /// The backend is shutting down.
     #[error("the backend is closed")]
     Closed,
+}
+
+impl From<PutRejected> for BackendError {
+    fn from(r: PutRejected) -> Self {
+        match r {
+            PutRejected::InvalidInput(m) => BackendError::InvalidInput(m),
+            PutRejected::Backpressure(m) => BackendError::Backpressure(m),
+            PutRejected::BadReply { peer, detail } => BackendError::BadReply { peer, detail },
+            PutRejected::NoticeRefused { peer, why } => BackendError::NoticeRefused { peer, why },
+        }
+    }
+}
+
+/// A worker's node id: how peers, grants and routes name it.
+///
+/// A receiver is `host:alloc_port` (one process binds that port). A sender
+/// is `host:done_port/p<pid>r<rank>-<nonce>`: unique per process and TP
+/// rank (two push senders on one host have no port of their own) and per
+/// start (a restarted process gets a new nonce).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct NodeId {
+    id: String,
+    rank: usize,
+}
+
+impl NodeId {
+    pub(crate) fn sender(host: &str, done_port: Option<u16>, rank: usize) -> NodeId {
+        let nonce = uuid::Uuid::new_v4().as_u64_pair().0 as u32;
+        NodeId {
+            id: format!(
+                "{host}:{}/p{}r{rank}-{nonce:08x}",
+                done_port.unwrap_or(0),
+                std::process::id()
+            ),
+            rank,
+        }
+    }
+
+    pub(crate) fn receiver(host: &str, alloc_port: u16, rank: usize) -> NodeId {
+        NodeId {
+            id: format!("{host}:{alloc_port}"),
+            rank,
+        }
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.id
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
 }
 
 impl BackendError {

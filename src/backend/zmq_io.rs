@@ -1,6 +1,7 @@
 //! ZMQ plumbing with bounded waits: a REQ client that replaces its socket
-//! after a timeout (a REQ socket that missed a reply is stuck forever), and
-//! a PUSH pool for fire-and-forget signals.
+//! after a timeout (a REQ socket that missed a reply is stuck forever) and
+//! whose identity is the route the sender core names, a ROUTER receive /
+//! reply pair for the receiver, and a PUSH pool for fire-and-forget signals.
 
 use super::BackendError;
 use crossbeam_channel::{Receiver, Sender};
@@ -25,12 +26,13 @@ impl ReqFailure {
     }
 }
 
-/// A REQ socket to one peer, recreated after any failure.
+/// A REQ socket to one peer, recreated after any failure or when the
+/// route (its identity) changes.
 pub(crate) struct ReqClient {
     ctx: zmq::Context,
     url: String,
     timeout: Duration,
-    sock: Option<zmq::Socket>,
+    sock: Option<(String, zmq::Socket)>,
 }
 
 impl ReqClient {
@@ -43,7 +45,10 @@ impl ReqClient {
         }
     }
 
-    fn socket(&mut self) -> Result<&zmq::Socket, BackendError> {
+    fn socket(&mut self, route: &str) -> Result<&zmq::Socket, BackendError> {
+        if self.sock.as_ref().is_some_and(|(r, _)| r != route) {
+            self.sock = None;
+        }
         if self.sock.is_none() {
             let s = self
                 .ctx
@@ -56,18 +61,28 @@ impl ReqClient {
             s.set_linger(0).ok();
             s.set_rcvtimeo(ms).ok();
             s.set_sndtimeo(ms).ok();
+            s.set_identity(route.as_bytes())
+                .map_err(BackendError::zmq(format!(
+                    "naming the REQ socket {route:?}"
+                )))?;
             s.connect(&self.url)
                 .map_err(BackendError::zmq(format!("connecting to {}", self.url)))?;
-            self.sock = Some(s);
+            self.sock = Some((route.to_string(), s));
         }
-        Ok(self.sock.as_ref().expect("created above"))
+        Ok(&self.sock.as_ref().expect("created above").1)
     }
 
-    /// Sends `frame` and waits (bounded) for one reply frame.
-    pub(crate) fn request(&mut self, frame: &[u8], what: &str) -> Result<Vec<u8>, ReqFailure> {
+    /// Sends `frame` from a socket named `route` and waits (bounded) for
+    /// one reply frame.
+    pub(crate) fn request(
+        &mut self,
+        route: &str,
+        frame: &[u8],
+        what: &str,
+    ) -> Result<Vec<u8>, ReqFailure> {
         let timeout = self.timeout;
         let url = self.url.clone();
-        let sock = self.socket().map_err(ReqFailure::NotSent)?;
+        let sock = self.socket(route).map_err(ReqFailure::NotSent)?;
         if let Err(e) = sock.send(frame, 0) {
             self.sock = None;
             return Err(ReqFailure::NotSent(match e {
@@ -100,6 +115,36 @@ impl ReqClient {
             }
         }
     }
+}
+
+/// One request read from a ROUTER socket: the requester's identity (its
+/// route) and the frame.
+pub(crate) struct Routed {
+    pub(crate) route: Vec<u8>,
+    pub(crate) frame: Vec<u8>,
+}
+
+/// Receives one request on a ROUTER socket that REQ peers talk to
+/// (`[identity, empty, body]`); `Ok(None)` on timeout or a malformed envelope.
+pub(crate) fn router_recv(sock: &zmq::Socket) -> Result<Option<Routed>, zmq::Error> {
+    let parts = match sock.recv_multipart(0) {
+        Ok(p) => p,
+        Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match <[Vec<u8>; 3]>::try_from(parts) {
+        Ok([route, empty, frame]) if empty.is_empty() => Ok(Some(Routed { route, frame })),
+        _ => Ok(None),
+    }
+}
+
+/// Replies to the REQ peer named `route` on a ROUTER socket.
+pub(crate) fn router_reply(
+    sock: &zmq::Socket,
+    route: &[u8],
+    reply: &[u8],
+) -> Result<(), zmq::Error> {
+    sock.send_multipart([route, &[][..], reply], 0)
 }
 
 /// One signal to push: the peer (`host:port`) and the frame.

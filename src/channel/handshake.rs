@@ -8,6 +8,12 @@
 //! is versioned msgpack (never pickle); every field of a received hello is
 //! validated, and the two sides must agree on version, channel and transfer
 //! mode. The pull lease is the shorter of the two proposals.
+//!
+//! Each hello carries its sender's monotonic clock (`clock_us`, read as it
+//! is sent); with the instants the connecting side sent its hello and got
+//! the answer, that bounds the two clocks' offset (the pull lease's
+//! deadline is converted with it, see `protocol::lease`). [`probe_clock`]
+//! measures it again later on the same socket.
 
 use super::{BufferDesc, ChannelError, Endpoint, PeerId, PeerTable, TransferChannel};
 use crate::config::{ChannelKind, Role, TransferMode};
@@ -18,11 +24,11 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// Version of the hello format; both sides must send the same.
-pub const HANDSHAKE_VERSION: u64 = 1;
+pub const HANDSHAKE_VERSION: u64 = 2;
 
 /// Cap on buffers in one table (a worker has two pools; this only bounds garbage).
 const MAX_BUFFERS: usize = 64;
@@ -47,6 +53,8 @@ pub struct Hello {
     pub buffers: Vec<BufferDesc>,
     /// How to reach the buffers.
     pub endpoint: Endpoint,
+    /// The sender's monotonic clock when the hello left (µs, its own epoch).
+    pub clock_us: u64,
 }
 
 /// What both sides agreed on.
@@ -58,6 +66,9 @@ pub struct Agreement {
     pub remote: Hello,
     /// The agreed lease (the shorter proposal).
     pub lease: Duration,
+    /// Connecting side: when our hello left and when the answer arrived
+    /// (the answer's `clock_us` was read in between).
+    pub exchange: Option<(Instant, Instant)>,
 }
 
 impl Hello {
@@ -78,6 +89,7 @@ impl Hello {
             lease,
             buffers: channel.local_table(),
             endpoint: channel.endpoint(),
+            clock_us: 0,
         }
     }
 
@@ -118,8 +130,8 @@ impl Hello {
     /// Encodes as a msgpack map, with `error` when refusing.
     pub fn encode(&self, error: Option<&str>) -> Vec<u8> {
         let mut w = Writer::with_capacity(256);
-        // Eight fields and `error` (nil when accepting).
-        w.map_len(9).expect("small map");
+        // Nine fields and `error` (nil when accepting).
+        w.map_len(10).expect("small map");
         let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
         s(&mut w, "v");
         w.uint(self.version);
@@ -133,6 +145,8 @@ impl Hello {
         s(&mut w, self.channel.name());
         s(&mut w, "lease_ms");
         w.uint(self.lease.as_millis().min(u128::from(u64::MAX)) as u64);
+        s(&mut w, "clock_us");
+        w.uint(self.clock_us);
         s(&mut w, "buffers");
         w.array_len(self.buffers.len()).expect("few buffers");
         for b in &self.buffers {
@@ -207,6 +221,7 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
     let n = r.map_len().map_err(|e| raw(e, "<top>"))?;
     let (mut version, mut node, mut role, mut mode, mut channel, mut lease) =
         (None, None, None, None, None, None);
+    let mut clock_us = None;
     let mut buffers = None;
     let mut endpoint = None;
     let mut error = None;
@@ -234,6 +249,7 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
                     Some(ChannelKind::from_str(v).map_err(|_| format!("unknown channel {v:?}"))?);
             }
             "lease_ms" => lease = Some(Duration::from_millis(r.uint().map_err(|e| raw(e, key))?)),
+            "clock_us" => clock_us = Some(r.uint().map_err(|e| raw(e, key))?),
             "buffers" => {
                 let count = r.array_len().map_err(|e| raw(e, key))?;
                 if count > MAX_BUFFERS {
@@ -286,6 +302,7 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
         lease: lease.ok_or_else(|| missing("lease_ms"))?,
         buffers: buffers.ok_or_else(|| missing("buffers"))?,
         endpoint: endpoint.ok_or_else(|| missing("endpoint"))?,
+        clock_us: clock_us.ok_or_else(|| missing("clock_us"))?,
     };
     Ok((hello, error))
 }
@@ -396,7 +413,9 @@ pub fn connect(
         endpoint,
         ..local.clone()
     });
-    let local = offered.as_ref().unwrap_or(local);
+    let mut local = offered.unwrap_or_else(|| local.clone());
+    let sent = Instant::now();
+    local.clock_us = crate::wire::micros(sent);
     sock.send(local.encode(None), 0).map_err(|e| match e {
         zmq::Error::EAGAIN => ChannelError::Timeout {
             what: format!("handshake send to {url}"),
@@ -419,6 +438,7 @@ pub fn connect(
             source,
         },
     })?;
+    let received = Instant::now();
     let (remote, error) = Hello::decode(&reply)?;
     // A mode mismatch gets the same typed error on both sides.
     let lease = local.agree(&remote)?;
@@ -438,7 +458,63 @@ pub fn connect(
         peer,
         remote,
         lease,
+        exchange: Some((sent, received)),
     })
+}
+
+/// Measures the peer's clock again over its handshake socket at `url`:
+/// returns when our probe left, when the answer arrived, and the peer's
+/// clock read in between (µs, its own epoch).
+pub fn probe_clock(
+    ctx: &zmq::Context,
+    url: &str,
+    timeout: Duration,
+) -> Result<(Instant, Instant, u64), ChannelError> {
+    let zerr = |context: &str| {
+        let context = format!("{context} {url}");
+        move |source| ChannelError::Zmq { context, source }
+    };
+    let sock = ctx
+        .socket(zmq::REQ)
+        .map_err(zerr("creating REQ socket for"))?;
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    sock.set_linger(0).map_err(zerr("configuring"))?;
+    sock.set_rcvtimeo(ms).map_err(zerr("configuring"))?;
+    sock.set_sndtimeo(ms).map_err(zerr("configuring"))?;
+    sock.connect(url).map_err(zerr("connecting to"))?;
+    let mut w = Writer::with_capacity(16);
+    w.map_len(1).expect("1");
+    w.str("clock_probe").expect("short");
+    w.bool(true);
+    let sent = Instant::now();
+    let timeout_err = |what: &str| ChannelError::Timeout {
+        what: format!("clock probe {what} {url}"),
+        after: timeout,
+    };
+    sock.send(w.into_bytes(), 0)
+        .map_err(|_| timeout_err("to"))?;
+    let reply = sock.recv_bytes(0).map_err(|_| timeout_err("answer from"))?;
+    let received = Instant::now();
+    let bad = || ChannelError::Handshake(format!("malformed clock probe answer from {url}"));
+    let mut r = Reader::new(&reply);
+    if r.map_len().map_err(|_| bad())? != 1 || r.str().map_err(|_| bad())? != "clock_us" {
+        return Err(bad());
+    }
+    let clock = r.uint().map_err(|_| bad())?;
+    Ok((sent, received, clock))
+}
+
+/// Whether `frame` is a clock probe; the answer to it.
+fn clock_probe_answer(frame: &[u8]) -> Option<Vec<u8>> {
+    let mut r = Reader::new(frame);
+    if r.map_len().ok()? != 1 || r.str().ok()? != "clock_probe" {
+        return None;
+    }
+    let mut w = Writer::with_capacity(16);
+    w.map_len(1).expect("1");
+    w.str("clock_us").expect("short");
+    w.uint(crate::wire::micros(Instant::now()));
+    Some(w.into_bytes())
 }
 
 /// What the listening side reports for each incoming handshake.
@@ -446,13 +522,6 @@ pub fn connect(
 pub enum HandshakeEvent {
     /// A peer was attached.
     Attached(Agreement),
-    /// A peer reported that its one-sided writes into these pages completed.
-    Landed {
-        /// The writer's node id.
-        node: String,
-        /// The pages written.
-        refs: Vec<crate::memory::BufferRef>,
-    },
     /// A hello was refused (the peer was told why).
     Refused {
         /// The peer's node id, if the hello could be read.
@@ -540,19 +609,8 @@ fn serve(
         let Ok(frame) = sock.recv_bytes(0) else {
             continue;
         };
-        if let Some(notice) = super::landed::decode(&frame) {
-            let (reply, event) = match notice {
-                Ok((node, refs)) => (super::landed::ack(), HandshakeEvent::Landed { node, refs }),
-                Err(e) => (
-                    local.encode(Some(&e)),
-                    HandshakeEvent::Refused {
-                        node: None,
-                        error: ChannelError::Handshake(e),
-                    },
-                ),
-            };
-            let _ = sock.send(reply, 0);
-            let _ = events.send(event);
+        if let Some(answer) = clock_probe_answer(&frame) {
+            let _ = sock.send(answer, 0);
             continue;
         }
         let (reply, event) = match Hello::decode(&frame) {
@@ -568,19 +626,19 @@ fn serve(
                             peer,
                             remote: remote.clone(),
                             lease,
+                            exchange: None,
                         })
                 });
                 match outcome {
                     Ok(a) => {
-                        let reply = match channel.answer(&remote.endpoint) {
-                            Some(endpoint) => Hello {
-                                endpoint,
-                                ..local.clone()
-                            }
-                            .encode(None),
-                            None => local.encode(None),
-                        };
-                        (reply, HandshakeEvent::Attached(a))
+                        let mut answer = local.clone();
+                        if let Some(endpoint) = channel.answer(&remote.endpoint) {
+                            answer.endpoint = endpoint;
+                        }
+                        // Read as late as possible: the connecting side
+                        // bounds our clock by when the answer arrives.
+                        answer.clock_us = crate::wire::micros(Instant::now());
+                        (answer.encode(None), HandshakeEvent::Attached(a))
                     }
                     Err(error) => (
                         local.encode(Some(&error.to_string())),
@@ -612,6 +670,7 @@ mod tests {
             lease: Duration::from_millis(1500),
             buffers: vec![],
             endpoint,
+            clock_us: 7,
         }
     }
 

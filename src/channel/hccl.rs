@@ -34,19 +34,29 @@
 //! [`ChannelError::PeerGone`]. Waits on the stream are sliced and bounded
 //! ([`HcclOptions::batch_timeout`], and [`HcclOptions::gone_grace`] after
 //! the peer is seen gone). A batch abandoned while the device may still be
-//! copying keeps its pages until the stream finishes them (never freed
-//! under DMA).
+//! copying is reported failed at once, but keeps its pages, quarantined,
+//! until the stream finishes them (never freed under DMA).
+//!
+//! **Closing is a promise.** A side closes its end of the liveness link
+//! (half-close: it keeps reading the other end) only when its `Link` is
+//! dropped, which is after every batch that used it has left the stream.
+//! So the peer closing its end proves it can no longer touch our memory:
+//! that is when a revoked grant is quiescent (the peer's process exiting
+//! closes it too). Nothing else can prove it: HCCL cannot refuse a peer's
+//! one-sided access.
 //!
 //! Nothing here has run on Ascend hardware; it is tested against the CANN
 //! emulator (`ascend-sys/emu`).
 
+use super::grant::GrantTable;
 use super::{
-    bind_listener, check_ops, table_of, BufferDesc, ChannelError, Completion, CompletionSender,
-    Endpoint, OpKind, PeerId, PeerRegistry, PeerTable, TransferChannel, TransferOp,
+    bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
+    ChannelError, Completion, CompletionSender, Endpoint, GrantId, GrantStats, LocalPage, OpKind,
+    PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
-use crate::memory::PagePool;
+use crate::memory::{BufferRef, MemObj, PagePool, SealedMemObj};
 use ascend_sys::{
     Comm, Device, DeviceBuffer, HostBuffer, OneSidedOp, RegisteredMem, RemoteMem, RootInfo, Stream,
 };
@@ -116,6 +126,7 @@ pub struct HcclChannel {
     opts: HcclOptions,
     offers: Mutex<HashMap<u64, (RootInfo, Instant)>>,
     peers: PeerRegistry<HcclPeer>,
+    grants: GrantTable<Arc<SetupCell>>,
 }
 
 struct HcclPeer {
@@ -186,6 +197,7 @@ impl HcclChannel {
             opts,
             offers: Mutex::new(HashMap::new()),
             peers: PeerRegistry::default(),
+            grants: GrantTable::default(),
         })
     }
 
@@ -330,12 +342,58 @@ impl TransferChannel for HcclChannel {
         p.setup.wait(&p.node, self.opts.setup_timeout).map(|_| ())
     }
 
-    fn submit(
+    fn submit_read(
+        &self,
+        peer: PeerId,
+        ops: Vec<ReadOp>,
+    ) -> Result<Completion<MemObj>, ChannelError> {
+        self.submit(peer, OpKind::Read, ops)
+    }
+
+    fn submit_write(
+        &self,
+        peer: PeerId,
+        ops: Vec<WriteOp>,
+    ) -> Result<Completion<SealedMemObj>, ChannelError> {
+        self.submit(peer, OpKind::Write, ops)
+    }
+
+    fn grant(
+        &self,
+        peer: PeerId,
+        access: Access,
+        pages: &[BufferRef],
+    ) -> Result<GrantId, ChannelError> {
+        check_grant_pages(&self.pools, pages)?;
+        let (node, p) = self.peers.entry(peer)?;
+        Ok(self.grants.add(&node, access, pages, Arc::clone(&p.setup)))
+    }
+
+    fn release(&self, grant: GrantId) {
+        self.grants.release(grant);
+    }
+
+    fn revoke(&self, grant: GrantId) {
+        self.grants.revoke(grant);
+    }
+
+    fn is_quiescent(&self, grant: GrantId) -> bool {
+        self.grants
+            .settle(grant, |e| e.session.peer_cannot_access())
+    }
+
+    fn grant_stats(&self) -> GrantStats {
+        self.grants.stats()
+    }
+}
+
+impl HcclChannel {
+    fn submit<P: LocalPage>(
         &self,
         peer: PeerId,
         kind: OpKind,
-        ops: Vec<TransferOp>,
-    ) -> Result<Completion, ChannelError> {
+        ops: Vec<TransferOp<P>>,
+    ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
         let offsets = check_ops(&p.table, &ops, false)?;
         let mut batch = Vec::with_capacity(ops.len());
@@ -365,7 +423,7 @@ impl TransferChannel for HcclChannel {
             });
         }
         if batch.is_empty() {
-            return Ok(Completion::ready(Ok(())));
+            return Ok(Completion::ready(Ok(()), pages_of(ops)));
         }
         let link = p.setup.wait(&p.node, self.opts.setup_timeout)?;
         if let Err(detail) = link.watch.check() {
@@ -400,20 +458,22 @@ impl TransferChannel for HcclChannel {
             batch.len(),
             p.node
         )))?;
-        let (tx, completion) = Completion::pending();
+        let (tx, completion) = Completion::pending(watch_ops(&ops));
         let entry = InFlight {
             done,
-            ops,
+            batch: Box::new(Batch { ops, tx }),
             link: Arc::clone(&link),
-            tx,
             count: batch.len(),
             deadline: Instant::now() + self.opts.batch_timeout,
         };
         if let Err(crossbeam_channel::SendError(entry)) = link.completer.send(entry) {
-            // The completer only ends when the link is dropped, which `link` prevents.
-            entry.tx.complete(Err(ChannelError::WorkerLost(
+            // The completer only ends when the link is dropped, which `link`
+            // prevents; should it be gone, keep the pages as the device may
+            // still use them.
+            let keep = entry.batch.abandon(Err(ChannelError::WorkerLost(
                 "hccl completion thread ended".into(),
             )));
+            std::mem::forget(keep);
         }
         Ok(completion)
     }
@@ -579,8 +639,16 @@ impl Watch {
         }
     }
 
+    /// Whether the peer closed its end (or the link broke): it can no
+    /// longer touch our memory (see the module docs).
+    fn peer_closed(&self) -> bool {
+        self.check().is_err()
+    }
+
+    /// Closes our end for writing: the peer sees EOF, and we keep reading
+    /// its end to learn when it closes too.
     fn close(&self) {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = self.stream.shutdown(Shutdown::Write);
     }
 }
 
@@ -623,7 +691,9 @@ enum SetupState {
     Pending,
     Ready(Arc<Link>),
     Failed(String),
-    Closed,
+    /// Detached; the liveness link of a setup that had completed, to learn
+    /// when the peer closes its end.
+    Closed(Option<Arc<Watch>>),
 }
 
 impl SetupCell {
@@ -638,8 +708,12 @@ impl SetupCell {
     fn finish(&self, r: Result<Link, String>) {
         let mut s = lock(&self.state);
         match (&*s, r) {
-            // Detached meanwhile: the link drops here, closing its liveness link.
-            (SetupState::Closed, _) => {}
+            // Detached meanwhile: the link drops here, closing its end of
+            // the liveness link; keep reading the peer's end.
+            (SetupState::Closed(_), Ok(link)) => {
+                *s = SetupState::Closed(Some(Arc::clone(&link.watch)))
+            }
+            (SetupState::Closed(_), Err(_)) => {}
             (_, Ok(link)) => *s = SetupState::Ready(Arc::new(link)),
             (_, Err(m)) => *s = SetupState::Failed(m),
         }
@@ -647,14 +721,30 @@ impl SetupCell {
         self.changed.notify_all();
     }
 
+    /// Detaches: new batches are refused; the link (and our end of the
+    /// liveness link) closes once the batches still holding it have ended.
     fn close(&self) {
         let mut s = lock(&self.state);
-        if let SetupState::Ready(link) = &*s {
-            link.watch.close();
-        }
-        *s = SetupState::Closed;
+        let watch = match &*s {
+            SetupState::Ready(link) => Some(Arc::clone(&link.watch)),
+            SetupState::Closed(w) => w.clone(),
+            _ => None,
+        };
+        *s = SetupState::Closed(watch);
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// Whether the peer can no longer touch our memory: its setup never
+    /// completed, or it closed its end of the liveness link (after its last
+    /// batch) or exited.
+    fn peer_cannot_access(&self) -> bool {
+        match &*lock(&self.state) {
+            SetupState::Pending => false,
+            SetupState::Ready(link) => link.watch.peer_closed(),
+            SetupState::Failed(_) | SetupState::Closed(None) => true,
+            SetupState::Closed(Some(w)) => w.peer_closed(),
+        }
     }
 
     fn wait(&self, node: &str, timeout: Duration) -> Result<Arc<Link>, ChannelError> {
@@ -668,7 +758,7 @@ impl SetupCell {
                         "hccl setup with {node} failed: {m}"
                     )))
                 }
-                SetupState::Closed => {
+                SetupState::Closed(_) => {
                     return Err(ChannelError::PeerGone {
                         peer: node.to_string(),
                         op: None,
@@ -698,60 +788,91 @@ impl SetupCell {
 /// A submitted batch: the stream's completion, and what must live until it.
 struct InFlight {
     done: ascend_sys::Completion,
-    ops: Vec<TransferOp>,
+    batch: Box<dyn Finish>,
     link: Arc<Link>,
-    tx: CompletionSender,
     count: usize,
     deadline: Instant,
 }
 
+/// A batch's pages and its waiter, whatever the pages' type.
+trait Finish: Send {
+    /// The stream finished the batch: report with the pages.
+    fn complete(self: Box<Self>, result: Result<(), ChannelError>);
+    /// The batch is given up while the device may still use its pages:
+    /// report now without them; they stay quarantined in what is returned
+    /// until the stream is done with them.
+    fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send>;
+}
+
+struct Batch<P> {
+    ops: Vec<TransferOp<P>>,
+    tx: CompletionSender<P>,
+}
+
+impl<P: LocalPage> Finish for Batch<P> {
+    fn complete(self: Box<Self>, result: Result<(), ChannelError>) {
+        let Batch { ops, tx } = *self;
+        tx.complete(result, pages_of(ops));
+    }
+
+    fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send> {
+        let Batch { ops, tx } = *self;
+        for op in &ops {
+            op.local.watch().quarantine_if_held();
+        }
+        tx.complete(result, Vec::new());
+        Box::new(ops)
+    }
+}
+
 /// Work the stream may still be doing after its batch was reported failed:
-/// its pages and regions stay held until the stream finishes it.
+/// its pages (quarantined) and regions stay held until the stream finishes it.
 struct Abandoned {
     done: ascend_sys::Completion,
-    _ops: Vec<TransferOp>,
+    _pages: Box<dyn Send>,
     _link: Arc<Link>,
 }
 
+/// How often abandoned work is looked at when no batch comes.
+const ABANDONED_CHECK: Duration = Duration::from_millis(200);
+
 /// Reports each batch of one peer as its stream finishes it (stream order,
-/// so one thread in submission order suffices).
+/// so one thread in submission order suffices). Ends when the link is
+/// dropped (no batch holds it any more).
 fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &HcclOptions) {
     let mut abandoned: Vec<Abandoned> = Vec::new();
     // Set once a batch was abandoned: the stream is stuck, later batches
     // behind it get no grace.
     let mut stuck = false;
-    for entry in rx.iter() {
+    loop {
+        // Abandoned work that finished frees its pages and its hold on the link.
         abandoned.retain(|a| !a.done.is_complete().unwrap_or(true));
+        let entry = match rx.recv_timeout(ABANDONED_CHECK) {
+            Ok(e) => e,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
         let InFlight {
             done,
-            ops,
+            batch,
             link,
-            tx,
             count,
             deadline,
         } = entry;
         match wait_batch(&done, watch, node, opts, stuck, count, deadline) {
             Ok(result) => {
-                // Pages go back before the waiter hears the outcome.
-                drop((ops, done, link));
-                tx.complete(result);
+                drop(link);
+                batch.complete(result);
             }
             Err(error) => {
                 stuck = true;
+                let pages = batch.abandon(Err(error));
                 abandoned.push(Abandoned {
                     done,
-                    _ops: ops,
+                    _pages: pages,
                     _link: link,
                 });
-                tx.complete(Err(error));
             }
-        }
-    }
-    // The link is gone; give stuck work its time, then keep (leak) whatever
-    // the device may still write rather than free it under DMA.
-    for a in abandoned {
-        if a.done.wait(opts.batch_timeout).is_err() {
-            std::mem::forget(a);
         }
     }
 }

@@ -4,9 +4,19 @@
 //! Every implementation works the same way: a channel is built over the
 //! local pools; a [handshake](handshake) exchanges buffer tables (and the
 //! channel's own endpoint data) with a peer and yields a [`PeerId`]; then
-//! [`TransferChannel::submit`] moves bytes between local pages and the
-//! peer's pages, addressed by [`BufferRef`] and bounds-checked against the
-//! peer's table before anything is copied.
+//! [`TransferChannel::submit_read`] / [`TransferChannel::submit_write`]
+//! move bytes between local pages and the peer's pages, addressed by
+//! [`BufferRef`] and bounds-checked against the peer's table before
+//! anything is copied.
+//!
+//! **Pages belong to their transfer.** A batch takes its local pages by
+//! value — [`MemObj`]s to read into, [`SealedMemObj`]s to write from — and
+//! its [`Completion`] gives them back once the channel can no longer touch
+//! them. A waiter that gives up leaves them with the transfer, counted as
+//! quarantined, until it ends. Pages a *peer* accesses one-sidedly are
+//! covered by [grants](grant): tcp refuses what no live grant allows, and
+//! a revoked grant's pages stay with their owner until
+//! [`TransferChannel::is_quiescent`].
 //!
 //! - [`shm`]: same host; the peer's memfd pools are mapped and ops are memcpys.
 //! - [`tcp`]: any network; a transfer server per node streams bytes in and
@@ -14,16 +24,22 @@
 //! - [`hccl`]: HCCL one-sided put/get through ascend-sys, one two-rank
 //!   communicator per peer pair (tested against the CANN emulator only).
 
+mod completion;
+pub mod grant;
 pub mod handshake;
 pub mod hccl;
-pub mod landed;
 pub mod shm;
 mod staging;
 pub mod tcp;
 
+pub use completion::{Completion, Done};
+pub(crate) use completion::{CompletionSender, LocalPage};
+pub use grant::{Access, GrantId, GrantStats};
+
 use crate::config::ChannelKind;
-use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, RegisteredBuffer};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crate::memory::{
+    BufferRef, DeviceKind, MemObj, Page, PagePool, RegisteredBuffer, SealedMemObj,
+};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -134,24 +150,31 @@ impl PeerTable {
 }
 
 /// One transfer: `len` bytes between the start of a local page and the
-/// start of a remote page. The op owns its local page until it completes.
-#[derive(Clone, Debug)]
-pub struct TransferOp {
-    /// The local page (source of a write, destination of a read).
-    pub local: MemObj,
+/// start of a remote page. The op owns its local page until its batch
+/// completes.
+#[derive(Debug)]
+pub struct TransferOp<P> {
+    /// The local page (destination of a read, source of a write).
+    pub local: P,
     /// The remote page.
     pub remote: BufferRef,
     /// Bytes to move (at most one page on both sides).
     pub len: usize,
 }
 
-impl TransferOp {
+impl<P: std::ops::Deref<Target = Page>> TransferOp<P> {
     /// An op moving the local chunk's real bytes (`local.byte_len()`).
-    pub fn chunk(local: MemObj, remote: BufferRef) -> TransferOp {
+    pub fn chunk(local: P, remote: BufferRef) -> TransferOp<P> {
         let len = local.byte_len();
         TransferOp { local, remote, len }
     }
 }
+
+/// A read: the peer's page into a local page this op owns.
+pub type ReadOp = TransferOp<MemObj>;
+
+/// A write: a sealed local page into the peer's page.
+pub type WriteOp = TransferOp<SealedMemObj>;
 
 /// Read (remote → local) or write (local → remote).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -273,91 +296,6 @@ pub enum ChannelError {
     },
 }
 
-/// The result of a submitted batch, to wait on or poll.
-#[must_use = "a completion must be waited on to learn whether the transfer succeeded"]
-pub struct Completion {
-    state: CompletionState,
-}
-
-enum CompletionState {
-    Done(Option<Result<(), ChannelError>>),
-    Pending(Receiver<Result<(), ChannelError>>),
-}
-
-/// The worker's half of a [`Completion`].
-pub struct CompletionSender(Sender<Result<(), ChannelError>>);
-
-impl CompletionSender {
-    /// Reports the batch's outcome.
-    pub fn complete(self, result: Result<(), ChannelError>) {
-        // The waiter may have dropped its Completion; nothing to tell then.
-        let _ = self.0.send(result);
-    }
-}
-
-impl Completion {
-    /// A completion that is already finished.
-    pub fn ready(result: Result<(), ChannelError>) -> Completion {
-        Completion {
-            state: CompletionState::Done(Some(result)),
-        }
-    }
-
-    /// A pending completion and the sender that finishes it.
-    pub fn pending() -> (CompletionSender, Completion) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        (
-            CompletionSender(tx),
-            Completion {
-                state: CompletionState::Pending(rx),
-            },
-        )
-    }
-
-    /// Blocks until the batch finished.
-    pub fn wait(mut self) -> Result<(), ChannelError> {
-        match &mut self.state {
-            CompletionState::Done(r) => r.take().unwrap_or(Ok(())),
-            CompletionState::Pending(rx) => rx
-                .recv()
-                .unwrap_or_else(|_| Err(ChannelError::WorkerLost("sender dropped".into()))),
-        }
-    }
-
-    /// Waits up to `timeout`; `None` if still running.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), ChannelError>> {
-        match &mut self.state {
-            CompletionState::Done(r) => Some(r.take().unwrap_or(Ok(()))),
-            CompletionState::Pending(rx) => match rx.recv_timeout(timeout) {
-                Ok(r) => Some(self.finish(r)),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => {
-                    Some(self.finish(Err(ChannelError::WorkerLost("sender dropped".into()))))
-                }
-            },
-        }
-    }
-
-    /// Checks without blocking; `None` if still running. Returns the result once.
-    pub fn poll(&mut self) -> Option<Result<(), ChannelError>> {
-        match &mut self.state {
-            CompletionState::Done(r) => r.take().map(Some).unwrap_or(Some(Ok(()))),
-            CompletionState::Pending(rx) => match rx.try_recv() {
-                Ok(r) => Some(self.finish(r)),
-                Err(TryRecvError::Empty) => None,
-                Err(TryRecvError::Disconnected) => {
-                    Some(self.finish(Err(ChannelError::WorkerLost("sender dropped".into()))))
-                }
-            },
-        }
-    }
-
-    fn finish(&mut self, r: Result<(), ChannelError>) -> Result<(), ChannelError> {
-        self.state = CompletionState::Done(None);
-        r
-    }
-}
-
 /// What the channel puts in our half of the handshake so the peer can reach our pools.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -431,46 +369,77 @@ pub trait TransferChannel: Send + Sync {
         endpoint: &Endpoint,
     ) -> Result<PeerId, ChannelError>;
 
-    /// Drops a peer's connection (in-flight batches finish or fail on their own).
+    /// Drops a peer's connection (in-flight batches finish or fail on
+    /// their own, keeping their pages until they do).
     fn detach(&self, peer: PeerId);
 
-    /// Starts a batch; every op is validated before any byte moves.
-    fn submit(
+    /// Starts reading into `ops`' pages; every op is validated before any
+    /// byte moves (a refused batch's pages are dropped untouched).
+    fn submit_read(
         &self,
         peer: PeerId,
-        kind: OpKind,
-        ops: Vec<TransferOp>,
-    ) -> Result<Completion, ChannelError>;
+        ops: Vec<ReadOp>,
+    ) -> Result<Completion<MemObj>, ChannelError>;
+
+    /// Starts writing `ops`' sealed pages into the peer's pages.
+    fn submit_write(
+        &self,
+        peer: PeerId,
+        ops: Vec<WriteOp>,
+    ) -> Result<Completion<SealedMemObj>, ChannelError>;
+
+    /// Reads a batch and waits for it; the pages come back on success.
+    fn read(&self, peer: PeerId, ops: Vec<ReadOp>) -> Result<Vec<MemObj>, ChannelError> {
+        let done = self.submit_read(peer, ops)?.wait();
+        done.result.map(|()| done.pages)
+    }
 
     /// Writes a batch and waits for it.
-    fn write(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<(), ChannelError> {
-        self.submit(peer, OpKind::Write, ops)?.wait()
+    fn write(&self, peer: PeerId, ops: Vec<WriteOp>) -> Result<(), ChannelError> {
+        self.submit_write(peer, ops)?.wait().result
     }
 
-    /// Reads a batch and waits for it.
-    fn read(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<(), ChannelError> {
-        self.submit(peer, OpKind::Read, ops)?.wait()
-    }
+    /// Lets `peer` access `pages` of our pools with `access` until the
+    /// grant is released or revoked (see [`grant`]).
+    fn grant(
+        &self,
+        peer: PeerId,
+        access: Access,
+        pages: &[BufferRef],
+    ) -> Result<GrantId, ChannelError>;
 
-    /// Starts a read and returns its completion.
-    fn submit_read(&self, peer: PeerId, ops: Vec<TransferOp>) -> Result<Completion, ChannelError> {
-        self.submit(peer, OpKind::Read, ops)
-    }
+    /// The peer reported it is done with the grant's pages (its write
+    /// landed or failed quiescently, its reads ended, its lease passed).
+    fn release(&self, grant: GrantId);
+
+    /// Ends a grant without the peer's report: tcp refuses its later
+    /// requests; the pages must wait for [`TransferChannel::is_quiescent`].
+    fn revoke(&self, grant: GrantId);
+
+    /// Whether the peer of a revoked grant can no longer touch its pages
+    /// (true for grants that are gone).
+    fn is_quiescent(&self, grant: GrantId) -> bool;
+
+    /// The grant counters.
+    fn grant_stats(&self) -> GrantStats;
 }
 
 /// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer
-/// server (or the hccl liveness listener) binds (the worker's own address).
+/// server (or the hccl liveness listener) binds (the worker's own address),
+/// `node` this worker's id (its handshake node; tcp presents it to peers).
 /// `hccl` and NPU pools on `tcp` need pools allocated by the ACL runtime
 /// (`memory::npu`); the device comes from the pools.
 pub fn open(
     kind: ChannelKind,
     host: &str,
+    node: &str,
     pools: &[Arc<PagePool>],
 ) -> Result<Arc<dyn TransferChannel>, ChannelError> {
     Ok(match kind {
         ChannelKind::Shm => Arc::new(shm::ShmChannel::new(pools)?),
         ChannelKind::Tcp => Arc::new(tcp::TcpChannel::bind(
             host,
+            node,
             pools,
             tcp::TcpOptions::default(),
         )?),
@@ -485,9 +454,9 @@ pub fn open(
 /// Validates a batch against the peer table: the remote range exists and
 /// the local page is host memory large enough. Returns each op's remote
 /// page offset in its buffer.
-pub(crate) fn check_ops(
+pub(crate) fn check_ops<P: LocalPage>(
     table: &PeerTable,
-    ops: &[TransferOp],
+    ops: &[TransferOp<P>],
     local_host_only: bool,
 ) -> Result<Vec<u64>, ChannelError> {
     ops.iter()
@@ -562,6 +531,14 @@ impl<P> PeerRegistry<P> {
         (id, replaced)
     }
 
+    /// The peer `id` and its node.
+    pub(crate) fn entry(&self, id: PeerId) -> Result<(String, Arc<P>), ChannelError> {
+        self.lock()
+            .get(&id)
+            .map(|(n, p)| (n.clone(), Arc::clone(p)))
+            .ok_or(ChannelError::UnknownPeer(id))
+    }
+
     /// The peer `id`.
     pub(crate) fn get(&self, id: PeerId) -> Result<Arc<P>, ChannelError> {
         self.lock()
@@ -592,6 +569,36 @@ pub(crate) fn bind_listener(
         source,
     })?;
     Ok((listener, addr))
+}
+
+/// Watches on the local pages of a batch (for its completion).
+pub(crate) fn watch_ops<P: LocalPage>(ops: &[TransferOp<P>]) -> Vec<crate::memory::PageWatch> {
+    ops.iter().map(|o| o.local.watch()).collect()
+}
+
+/// The local pages of a batch, in op order.
+pub(crate) fn pages_of<P>(ops: Vec<TransferOp<P>>) -> Vec<P> {
+    ops.into_iter().map(|o| o.local).collect()
+}
+
+/// Checks that every page to grant is a page of one of `pools`.
+pub(crate) fn check_grant_pages(
+    pools: &[Arc<PagePool>],
+    pages: &[BufferRef],
+) -> Result<(), ChannelError> {
+    for (i, r) in pages.iter().enumerate() {
+        let known = pools
+            .iter()
+            .any(|p| p.uuid() == r.uuid && (r.page as usize) < p.buffer().num_pages());
+        if !known {
+            return Err(ChannelError::BadLocal {
+                op: i,
+                local: *r,
+                reason: "not a page of this channel's pools; nothing to grant".into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Registers pools with a channel: every pool's descriptor, and the pools kept alive.
@@ -674,18 +681,5 @@ mod tests {
         let d = desc(2);
         let e = PeerTable::new(&[d, d]).unwrap_err().to_string();
         assert!(e.contains("twice"), "{e}");
-    }
-
-    #[test]
-    fn completions_report_once_and_survive_lost_workers() {
-        let (tx, mut c) = Completion::pending();
-        assert!(c.poll().is_none());
-        tx.complete(Ok(()));
-        assert!(matches!(c.poll(), Some(Ok(()))));
-        let (tx, c) = Completion::pending();
-        drop(tx);
-        assert!(matches!(c.wait(), Err(ChannelError::WorkerLost(_))));
-        let (_tx, mut c) = Completion::pending();
-        assert!(c.wait_timeout(Duration::from_millis(5)).is_none());
     }
 }

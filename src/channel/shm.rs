@@ -6,13 +6,18 @@
 //! NPU pool is refused (device memory is not host-mappable on real hardware).
 //! The peer's liveness is watched through a pidfd: a batch that ran while
 //! the peer died reports [`ChannelError::PeerGone`].
+//!
+//! A peer maps our pools, so nothing here can refuse its access: a revoked
+//! write grant is quiescent only once the peer process has exited.
 
+use super::grant::GrantTable;
 use super::{
-    check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind, PeerId,
-    PeerRegistry, PeerTable, TransferChannel, TransferOp,
+    check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
+    Completion, Endpoint, GrantId, GrantStats, LocalPage, OpKind, PeerId, PeerRegistry, PeerTable,
+    ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
-use crate::memory::{DeviceKind, PagePool};
+use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -27,6 +32,7 @@ const SLICE_BYTES: usize = 4 << 20;
 pub struct ShmChannel {
     pools: Vec<Arc<PagePool>>,
     peers: PeerRegistry<ShmPeer>,
+    grants: GrantTable<Arc<ShmPeer>>,
     threads: usize,
 }
 
@@ -106,6 +112,7 @@ impl ShmChannel {
         Ok(ShmChannel {
             pools: pools.to_vec(),
             peers: PeerRegistry::default(),
+            grants: GrantTable::default(),
             threads,
         })
     }
@@ -242,12 +249,58 @@ impl TransferChannel for ShmChannel {
         self.peers.remove(peer);
     }
 
-    fn submit(
+    fn submit_read(
+        &self,
+        peer: PeerId,
+        ops: Vec<ReadOp>,
+    ) -> Result<Completion<MemObj>, ChannelError> {
+        self.submit(peer, OpKind::Read, ops)
+    }
+
+    fn submit_write(
+        &self,
+        peer: PeerId,
+        ops: Vec<WriteOp>,
+    ) -> Result<Completion<SealedMemObj>, ChannelError> {
+        self.submit(peer, OpKind::Write, ops)
+    }
+
+    fn grant(
+        &self,
+        peer: PeerId,
+        access: Access,
+        pages: &[BufferRef],
+    ) -> Result<GrantId, ChannelError> {
+        check_grant_pages(&self.pools, pages)?;
+        let (node, p) = self.peers.entry(peer)?;
+        Ok(self.grants.add(&node, access, pages, p))
+    }
+
+    fn release(&self, grant: GrantId) {
+        self.grants.release(grant);
+    }
+
+    fn revoke(&self, grant: GrantId) {
+        self.grants.revoke(grant);
+    }
+
+    fn is_quiescent(&self, grant: GrantId) -> bool {
+        // The peer's mapping of our pools lives as long as its process.
+        self.grants.settle(grant, |e| !e.session.alive())
+    }
+
+    fn grant_stats(&self) -> GrantStats {
+        self.grants.stats()
+    }
+}
+
+impl ShmChannel {
+    fn submit<P: LocalPage>(
         &self,
         peer: PeerId,
         kind: OpKind,
-        ops: Vec<TransferOp>,
-    ) -> Result<Completion, ChannelError> {
+        ops: Vec<TransferOp<P>>,
+    ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
         let offsets = check_ops(&p.table, &ops, true)?;
         if !p.alive() {
@@ -265,15 +318,15 @@ impl TransferChannel for ShmChannel {
         };
         if threads == 1 {
             // Small batches copy inline: a thread hop costs more than the copy.
-            return Ok(Completion::ready(run_copies(&p, kind, &ops, &offsets, 1)));
+            let r = run_copies(&p, kind, &ops, &offsets, 1);
+            return Ok(Completion::ready(r, pages_of(ops)));
         }
-        let (tx, completion) = Completion::pending();
+        let (tx, completion) = Completion::pending(watch_ops(&ops));
         std::thread::Builder::new()
             .name("pd-shm-copy".into())
             .spawn(move || {
                 let r = run_copies(&p, kind, &ops, &offsets, threads);
-                drop(ops);
-                tx.complete(r);
+                tx.complete(r, pages_of(ops));
             })
             .map_err(|source| ChannelError::Io {
                 context: "spawning an shm copy thread".into(),
@@ -291,10 +344,10 @@ struct Piece {
     len: usize,
 }
 
-fn run_copies(
+fn run_copies<P: LocalPage>(
     p: &ShmPeer,
     kind: OpKind,
-    ops: &[TransferOp],
+    ops: &[TransferOp<P>],
     offsets: &[u64],
     threads: usize,
 ) -> Result<(), ChannelError> {

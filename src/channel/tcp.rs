@@ -16,19 +16,29 @@
 //! does the mirror image for its own NPU pages. A write's reply is sent
 //! only once its bytes are in device memory.
 //!
+//! **Who may touch what.** Every connection opens with a hello naming the
+//! client's node (magic `APDH`, node length u16, the node id). The server
+//! serves a request only under a live [grant](super::grant) of that node
+//! covering the page with that access; anything else is refused (counted,
+//! logged once per node) and the connection closed. A revoked grant is
+//! quiescent once the requests it was serving have ended; served sockets
+//! have read and write timeouts, so that is bounded.
+//!
 //! Request (40 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
 //! 3 pad bytes, buffer uuid (16), page (u32), offset in page (u32), length
 //! (u64); a write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
 //! bytes, message length (u32), then the message, or a read's payload.
 
+use super::grant::GrantTable;
 use super::staging::{StageError, Stager};
 use super::{
-    bind_listener, check_ops, table_of, BufferDesc, ChannelError, Completion, Endpoint, OpKind,
-    PeerId, PeerRegistry, PeerTable, TransferChannel, TransferOp,
+    bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
+    ChannelError, Completion, Endpoint, GrantId, GrantStats, LocalPage, OpKind, PeerId,
+    PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::npu::device_buffer;
-use crate::memory::{DeviceKind, PagePool};
+use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -40,6 +50,9 @@ use std::time::Duration;
 use uuid::Uuid;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"APDT");
+const HELLO_MAGIC: &[u8; 4] = b"APDH";
+/// Longest node id a connection hello may carry.
+const MAX_NODE_LEN: usize = 1024;
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
 const REQ_LEN: usize = 40;
@@ -85,10 +98,19 @@ struct LocalPool {
     device: Option<Arc<DeviceBuffer>>,
 }
 
+/// What every serving thread shares: the pools and the grants.
+struct Served {
+    pools: HashMap<Uuid, LocalPool>,
+    grants: GrantTable<()>,
+    io_timeout: Duration,
+}
+
 /// The tcp channel of one worker: its transfer server and its peers.
 pub struct TcpChannel {
     // Declared first so it drops first: serving threads touch the pools.
     server: ServerHandle,
+    served: Arc<Served>,
+    node: String,
     pools: Vec<Arc<PagePool>>,
     opts: TcpOptions,
     peers: PeerRegistry<TcpPeer>,
@@ -149,12 +171,21 @@ impl Drop for ServerHandle {
 }
 
 impl TcpChannel {
-    /// Binds the transfer server on `host` (port 0 picks a free port) over `pools`.
+    /// Binds the transfer server on `host` (port 0 picks a free port) over
+    /// `pools`; `node` is this worker's id, presented on every connection
+    /// it opens to a peer.
     pub fn bind(
         host: &str,
+        node: &str,
         pools: &[Arc<PagePool>],
         opts: TcpOptions,
     ) -> Result<TcpChannel, ChannelError> {
+        if node.is_empty() || node.len() > MAX_NODE_LEN {
+            return Err(ChannelError::Handshake(format!(
+                "node id of {} bytes: it must be 1..={MAX_NODE_LEN} bytes",
+                node.len()
+            )));
+        }
         let mut served = HashMap::new();
         for p in pools {
             let b = p.buffer();
@@ -185,15 +216,22 @@ impl TcpChannel {
         let (stop2, conns2) = (Arc::clone(&stop), Arc::clone(&conns));
         // Served pools stay alive while the server runs: the channel owns them
         // and its `server` field (dropped first) joins every serving thread.
-        let served = Arc::new(served);
+        let served = Arc::new(Served {
+            pools: served,
+            grants: GrantTable::default(),
+            io_timeout: opts.io_timeout,
+        });
+        let served2 = Arc::clone(&served);
         let accept = std::thread::Builder::new()
             .name("pd-tcp-accept".into())
-            .spawn(move || accept_loop(listener, served, stop2, conns2))
+            .spawn(move || accept_loop(listener, served2, stop2, conns2))
             .map_err(|source| ChannelError::Io {
                 context: "spawning the tcp accept thread".into(),
                 source,
             })?;
         Ok(TcpChannel {
+            served,
+            node: node.to_string(),
             pools: pools.to_vec(),
             opts,
             peers: PeerRegistry::default(),
@@ -218,7 +256,7 @@ impl TcpChannel {
 
 fn accept_loop(
     listener: TcpListener,
-    pools: Arc<HashMap<Uuid, LocalPool>>,
+    served: Arc<Served>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
 ) {
@@ -232,10 +270,10 @@ fn accept_loop(
         if let Ok(c) = stream.try_clone() {
             conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
         }
-        let pools = Arc::clone(&pools);
+        let served = Arc::clone(&served);
         if let Ok(h) = std::thread::Builder::new()
             .name("pd-tcp-serve".into())
-            .spawn(move || serve_connection(stream, &pools))
+            .spawn(move || serve_connection(stream, &served))
         {
             workers.push(h);
         }
@@ -259,10 +297,40 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
     stream.write_all(m)
 }
 
-/// Serves one connection until EOF or error. A malformed or out-of-range
-/// request gets an error reply and closes the connection (its payload
-/// length cannot be trusted to resynchronise).
-fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
+/// Reads a connection's hello: the client's node id.
+fn read_hello(stream: &mut TcpStream) -> Result<String, String> {
+    let mut h = [0u8; 6];
+    stream
+        .read_exact(&mut h)
+        .map_err(|e| format!("no connection hello: {e}"))?;
+    if &h[..4] != HELLO_MAGIC {
+        return Err("bad hello magic: not an ascend-pd tcp transfer client".into());
+    }
+    let len = usize::from(u16::from_le_bytes([h[4], h[5]]));
+    if len == 0 || len > MAX_NODE_LEN {
+        return Err(format!("hello node id of {len} bytes (1..={MAX_NODE_LEN})"));
+    }
+    let mut node = vec![0u8; len];
+    stream
+        .read_exact(&mut node)
+        .map_err(|e| format!("truncated hello: {e}"))?;
+    String::from_utf8(node).map_err(|_| "hello node id is not UTF-8".into())
+}
+
+/// Serves one connection until EOF or error. A malformed, out-of-range or
+/// ungranted request gets an error reply and closes the connection (its
+/// payload length cannot be trusted to resynchronise).
+fn serve_connection(mut stream: TcpStream, served: &Served) {
+    // A stalled client must not hold a grant's request open forever.
+    let _ = stream.set_read_timeout(Some(served.io_timeout));
+    let _ = stream.set_write_timeout(Some(served.io_timeout));
+    let node = match read_hello(&mut stream) {
+        Ok(n) => n,
+        Err(msg) => {
+            let _ = reply(&mut stream, 1, &msg);
+            return;
+        }
+    };
     let mut req = [0u8; REQ_LEN];
     let mut stagers = Stagers::default();
     loop {
@@ -272,11 +340,18 @@ fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
         let magic = u32::from_le_bytes(req[0..4].try_into().expect("4"));
         let op = req[4];
         let uuid = Uuid::from_bytes(req[8..24].try_into().expect("16"));
-        let page = u32::from_le_bytes(req[24..28].try_into().expect("4")) as usize;
+        let page = u32::from_le_bytes(req[24..28].try_into().expect("4"));
         let offset = u32::from_le_bytes(req[28..32].try_into().expect("4")) as usize;
         let len = u64::from_le_bytes(req[32..40].try_into().expect("8"));
-        let target = check_request(pools, magic, op, uuid, page, offset, len);
-        let (pool, at, len) = match target {
+        let target = check_request(&served.pools, magic, op, uuid, page as usize, offset, len)
+            .and_then(|t| {
+                let serving =
+                    served
+                        .grants
+                        .begin(&node, BufferRef { uuid, page }, op == OP_WRITE)?;
+                Ok((t, serving))
+            });
+        let ((pool, at, len), _serving) = match target {
             Ok(t) => t,
             Err(msg) => {
                 let _ = reply(&mut stream, 1, &msg);
@@ -289,18 +364,26 @@ fn serve_connection(mut stream: TcpStream, pools: &HashMap<Uuid, LocalPool>) {
             }
             continue;
         }
-        let addr = pool.ptr + at;
-        // SAFETY: check_request proved [addr, addr+len) lies inside one page
-        // of a registered pool that outlives this thread (accept_loop joins
-        // us before the pools can drop). Concurrent access to the page is
-        // the one-sided contract: the protocol never lets two parties use
-        // a page's bytes at once.
-        let page_bytes = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+        let addr = (pool.ptr + at) as *mut u8;
         let ok = match op {
-            OP_WRITE => stream
-                .read_exact(page_bytes)
-                .and_then(|_| reply(&mut stream, 0, "")),
-            _ => reply(&mut stream, 0, "").and_then(|_| stream.write_all(page_bytes)),
+            OP_WRITE => {
+                // SAFETY: check_request proved [addr, addr+len) lies inside
+                // one page of a registered pool that outlives this thread
+                // (accept_loop joins us before the pools can drop). The page
+                // is under a live write grant of this client (`_serving`
+                // holds it): its owner lent it out and keeps no handle to
+                // its bytes until the grant is over, which waits for us.
+                let dst = unsafe { std::slice::from_raw_parts_mut(addr, len) };
+                stream
+                    .read_exact(dst)
+                    .and_then(|_| reply(&mut stream, 0, ""))
+            }
+            _ => {
+                // SAFETY: in the pool as above; under a live read grant the
+                // page is sealed (only read) until the grant is over.
+                let src = unsafe { std::slice::from_raw_parts(addr.cast_const(), len) };
+                reply(&mut stream, 0, "").and_then(|_| stream.write_all(src))
+            }
         };
         if ok.is_err() {
             return;
@@ -464,12 +547,58 @@ impl TransferChannel for TcpChannel {
         self.peers.remove(peer);
     }
 
-    fn submit(
+    fn submit_read(
+        &self,
+        peer: PeerId,
+        ops: Vec<ReadOp>,
+    ) -> Result<Completion<MemObj>, ChannelError> {
+        self.submit(peer, OpKind::Read, ops)
+    }
+
+    fn submit_write(
+        &self,
+        peer: PeerId,
+        ops: Vec<WriteOp>,
+    ) -> Result<Completion<SealedMemObj>, ChannelError> {
+        self.submit(peer, OpKind::Write, ops)
+    }
+
+    fn grant(
+        &self,
+        peer: PeerId,
+        access: Access,
+        pages: &[BufferRef],
+    ) -> Result<GrantId, ChannelError> {
+        check_grant_pages(&self.pools, pages)?;
+        let (node, _) = self.peers.entry(peer)?;
+        Ok(self.served.grants.add(&node, access, pages, ()))
+    }
+
+    fn release(&self, grant: GrantId) {
+        self.served.grants.release(grant);
+    }
+
+    fn revoke(&self, grant: GrantId) {
+        self.served.grants.revoke(grant);
+    }
+
+    fn is_quiescent(&self, grant: GrantId) -> bool {
+        // Refused from the revoke on; quiescent once nothing is in flight.
+        self.served.grants.settle(grant, |_| true)
+    }
+
+    fn grant_stats(&self) -> GrantStats {
+        self.served.grants.stats()
+    }
+}
+
+impl TcpChannel {
+    fn submit<P: LocalPage>(
         &self,
         peer: PeerId,
         kind: OpKind,
-        ops: Vec<TransferOp>,
-    ) -> Result<Completion, ChannelError> {
+        ops: Vec<TransferOp<P>>,
+    ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
         check_ops(&p.table, &ops, false)?;
         for (i, op) in ops.iter().enumerate() {
@@ -500,13 +629,15 @@ impl TransferChannel for TcpChannel {
             }
         }
         let opts = self.opts.clone();
-        let (tx, completion) = Completion::pending();
+        let node = self.node.clone();
+        let (tx, completion) = Completion::pending(watch_ops(&ops));
         std::thread::Builder::new()
             .name("pd-tcp-batch".into())
             .spawn(move || {
-                let r = run_batch(&p, kind, &ops, &slices, &opts);
-                drop(ops);
-                tx.complete(r);
+                let r = run_batch(&p, &node, kind, &ops, &slices, &opts);
+                // Every connection thread of the batch has ended: the pages
+                // are no longer touched.
+                tx.complete(r, pages_of(ops));
             })
             .map_err(|source| ChannelError::Io {
                 context: "spawning a tcp batch thread".into(),
@@ -516,10 +647,11 @@ impl TransferChannel for TcpChannel {
     }
 }
 
-fn run_batch(
+fn run_batch<P: LocalPage>(
     p: &TcpPeer,
+    node: &str,
     kind: OpKind,
-    ops: &[TransferOp],
+    ops: &[TransferOp<P>],
     slices: &[Slice],
     opts: &TcpOptions,
 ) -> Result<(), ChannelError> {
@@ -534,7 +666,7 @@ fn run_batch(
                 let mine: Vec<Slice> = slices.iter().skip(c).step_by(conns).copied().collect();
                 s.spawn(move || {
                     let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
-                    let r = run_on_connection(p, &mut guard, kind, ops, &mine, opts);
+                    let r = run_on_connection(p, node, &mut guard, kind, ops, &mine, opts);
                     if r.is_err() {
                         // The stream's state is unknown after an error: reconnect next time.
                         *guard = None;
@@ -582,7 +714,7 @@ fn gone(p: &TcpPeer, op: Option<usize>, e: &io::Error, timeout: Duration) -> Cha
 
 /// The NPU buffer and byte offset of `len` bytes at `offset` in a local
 /// NPU page (`None` for host pages; submit refused NPU pages without one).
-fn local_device(op: &TransferOp, offset: usize) -> Option<(&DeviceBuffer, usize)> {
+fn local_device<P: LocalPage>(op: &TransferOp<P>, offset: usize) -> Option<(&DeviceBuffer, usize)> {
     let b = op.local.pool().buffer();
     let dev = device_buffer(b)?;
     Some((dev, op.local.page() as usize * b.page_size() + offset))
@@ -598,11 +730,12 @@ fn stage_err(p: &TcpPeer, op: usize, e: StageError, timeout: Duration) -> Channe
     }
 }
 
-fn run_on_connection(
+fn run_on_connection<P: LocalPage>(
     p: &TcpPeer,
+    node: &str,
     conn: &mut Option<Conn>,
     kind: OpKind,
-    ops: &[TransferOp],
+    ops: &[TransferOp<P>],
     slices: &[Slice],
     opts: &TcpOptions,
 ) -> Result<(), ChannelError> {
@@ -612,6 +745,14 @@ fn run_on_connection(
         s.set_nodelay(true).ok();
         s.set_read_timeout(Some(opts.io_timeout)).ok();
         s.set_write_timeout(Some(opts.io_timeout)).ok();
+        // The server serves us only under grants made to our node.
+        let mut hello = Vec::with_capacity(6 + node.len());
+        hello.extend_from_slice(HELLO_MAGIC);
+        hello.extend_from_slice(&(node.len() as u16).to_le_bytes());
+        hello.extend_from_slice(node.as_bytes());
+        let mut s = s;
+        s.write_all(&hello)
+            .map_err(|e| gone(p, None, &e, opts.io_timeout))?;
         *conn = Some(Conn {
             stream: s,
             stagers: Stagers::default(),

@@ -267,6 +267,13 @@ pub struct PdConfig {
     pub pull_pending_ttl: Duration,
     /// `pd_pull_backpressure_reserve_pct` (default 2.0).
     pub backpressure_reserve_pct: f64,
+    /// `pd_push_landing_timeout` (receiver, default 30 s): how long pages
+    /// allocated for a push wait for the sender's notice before they are
+    /// revoked (and kept quarantined until the sender can no longer write them).
+    pub push_landing_timeout: Duration,
+    /// `pd_pull_read_margin_pct` (receiver, default 10): the last share of
+    /// a pull's agreed lease in which no read is started.
+    pub pull_read_margin_pct: f64,
     /// `chunk_size` in tokens (default 256).
     pub chunk_size: usize,
     /// `local_cpu` (LMCache's local CPU cache; carried, not used by this backend).
@@ -299,6 +306,8 @@ impl PdConfig {
             alloc_fail_backoff_ttl: Duration::from_secs(2),
             pull_pending_ttl: Duration::from_secs(360),
             backpressure_reserve_pct: 2.0,
+            push_landing_timeout: Duration::from_secs(30),
+            pull_read_margin_pct: 10.0,
             chunk_size: 256,
             local_cpu: false,
             tp_size: 1,
@@ -499,6 +508,23 @@ impl PdConfig {
                 "use a percentage such as 2.0",
             );
         }
+        if self.push_landing_timeout.is_zero() {
+            bad(
+                "pd_push_landing_timeout",
+                "is 0, so every push would be reclaimed before its data could land".into(),
+                "use a positive number of seconds longer than a push write takes, e.g. 30.0",
+            );
+        }
+        if !(0.0..100.0).contains(&self.pull_read_margin_pct) {
+            bad(
+                "pd_pull_read_margin_pct",
+                format!(
+                    "is {}, outside [0, 100): it is the share of the pull lease, at its end, in which no read starts",
+                    self.pull_read_margin_pct
+                ),
+                "use a percentage such as 10.0",
+            );
+        }
         if self.pull_pending_ttl.is_zero() {
             bad(
                 "pd_pull_pending_ttl",
@@ -680,6 +706,16 @@ impl PdConfig {
             s,
             "pd_pull_backpressure_reserve_pct: {:?}",
             self.backpressure_reserve_pct
+        );
+        let _ = writeln!(
+            s,
+            "pd_push_landing_timeout: {}",
+            secs(self.push_landing_timeout)
+        );
+        let _ = writeln!(
+            s,
+            "pd_pull_read_margin_pct: {:?}",
+            self.pull_read_margin_pct
         );
         let _ = writeln!(s, "chunk_size: {}", self.chunk_size);
         let _ = writeln!(s, "local_cpu: {}", self.local_cpu);

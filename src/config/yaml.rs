@@ -27,6 +27,8 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "pd_alloc_fail_backoff_ttl",
     "pd_pull_pending_ttl",
     "pd_pull_backpressure_reserve_pct",
+    "pd_push_landing_timeout",
+    "pd_pull_read_margin_pct",
     "chunk_size",
     "local_cpu",
     "tp_size",
@@ -109,7 +111,17 @@ impl<'a> Reader<'a> {
             ));
             return Duration::from_secs_f64(default);
         }
-        Duration::from_secs_f64(s)
+        match Duration::try_from_secs_f64(s) {
+            Ok(d) => d,
+            Err(_) => {
+                self.problems.push(ConfigProblem::new(
+                    key,
+                    format!("is {s}, too large for a duration"),
+                    "use a number of seconds below 1e18",
+                ));
+                Duration::from_secs_f64(default)
+            }
+        }
     }
 
     fn string(&mut self, key: &str) -> Option<String> {
@@ -294,6 +306,8 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
         alloc_fail_backoff_ttl: r.seconds("pd_alloc_fail_backoff_ttl", 2.0),
         pull_pending_ttl: r.seconds("pd_pull_pending_ttl", 360.0),
         backpressure_reserve_pct: r.float("pd_pull_backpressure_reserve_pct", 2.0),
+        push_landing_timeout: r.seconds("pd_push_landing_timeout", 30.0),
+        pull_read_margin_pct: r.float("pd_pull_read_margin_pct", 10.0),
         chunk_size: r.usize_or("chunk_size", d.chunk_size),
         local_cpu: r.bool("local_cpu", false),
         tp_size: r.usize_or("tp_size", 1),

@@ -3,7 +3,7 @@
 use super::plan::{chunk_copies, CopyRun};
 use super::{KvCacheSpec, KvError};
 use crate::memory::npu::{read_page, write_page};
-use crate::memory::{DeviceKind, MemObj};
+use crate::memory::{DeviceKind, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
@@ -45,7 +45,7 @@ pub struct KvCache {
     spec: KvCacheSpec,
     mem: Memory,
     /// Source pages of copies queued since the last fence.
-    pending: Vec<MemObj>,
+    pending: Vec<SealedMemObj>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -81,7 +81,7 @@ impl ScatterStats {
 #[must_use = "a fence is how you learn the scatters have finished"]
 pub struct KvFence {
     event: Option<Event>,
-    pages: Vec<MemObj>,
+    pages: Vec<SealedMemObj>,
 }
 
 impl std::fmt::Debug for KvFence {
@@ -190,7 +190,7 @@ impl KvCache {
         matches!(self.mem, Memory::Npu { .. })
     }
 
-    fn check_page(&self, page: &MemObj, tokens: usize) -> Result<(), KvError> {
+    fn check_page(&self, page: &Page, tokens: usize) -> Result<(), KvError> {
         self.spec.check_layout(&page.meta().layout)?;
         if tokens > page.tokens() {
             return Err(KvError::TooManyTokens {
@@ -215,11 +215,11 @@ impl KvCache {
     /// slots `slots` (one per token; negative = padding, skipped).
     ///
     /// Host cache: done on return. NPU cache: queued on the load stream;
-    /// call [`KvCache::fence`] and wait on it before the page's bytes may
-    /// change. The page must not be written while the copies run.
+    /// the cache holds a clone of the (sealed, so unchanging) page until a
+    /// [`KvCache::fence`] after it completes.
     pub fn scatter(
         &mut self,
-        page: &MemObj,
+        page: &SealedMemObj,
         tokens: usize,
         slots: &[i64],
     ) -> Result<ScatterStats, KvError> {
@@ -310,8 +310,8 @@ impl KvCache {
     /// Copies the slots `slots` (one per token of `page`'s chunk) into
     /// `page` in chunk layout: the sender side of a transfer. An NPU cache
     /// into a CPU page is a device-to-host copy (CPU offload). Blocks until
-    /// the copies are done. Nothing else may use the page meanwhile.
-    pub fn gather(&mut self, slots: &[i64], page: &MemObj) -> Result<ScatterStats, KvError> {
+    /// the copies are done; `&mut` keeps the page ours meanwhile.
+    pub fn gather(&mut self, slots: &[i64], page: &mut MemObj) -> Result<ScatterStats, KvError> {
         let tokens = page.tokens();
         self.check_page(page, tokens)?;
         let copies = chunk_copies(&self.spec, tokens, slots)?;
@@ -319,7 +319,7 @@ impl KvCache {
             Memory::Host(cache) => {
                 for c in &copies {
                     write_page(
-                        page,
+                        &mut *page,
                         c.chunk_offset,
                         &cache[c.cache_offset..c.cache_offset + c.len],
                     )?;

@@ -1,9 +1,13 @@
 //! Memory: registered pools, the paged allocator, and chunk objects.
 //!
 //! A pool is a [`RegisteredBuffer`] (CPU or NPU memory with a UUID) cut into
-//! pages of one full chunk. [`PagePool`] hands pages out as [`MemObj`]s;
-//! a page returns to its pool when the last `MemObj` clone drops, so no path
-//! (success, error, timeout, unwinding) can leak one. [`DualAllocator`]
+//! pages of one full chunk. [`PagePool`] hands pages out as [`MemObj`]s
+//! (one owner, writable), which can be sealed into [`SealedMemObj`]s
+//! (shared, read-only) or lent to a peer as [`LentPage`]s (no local access);
+//! see [`pool`] for who may touch a page's bytes when. A page returns to its
+//! pool when its last handle drops, so no path (success, error, timeout,
+//! unwinding) can leak one, and never while a peer or a transfer may still
+//! write it (such pages are counted as quarantined). [`DualAllocator`]
 //! holds a worker's CPU and NPU pools and picks one by role. [`npu`] is the
 //! CANN (ACL) runtime behind NPU pools and pinned CPU pools.
 
@@ -20,7 +24,8 @@ pub use buffer::{
 };
 pub use dual::{CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
 pub use host::HostRegion;
-pub use pool::{ChunkMeta, MemObj, PagePool, PoolStats};
+pub(crate) use pool::PageWatch;
+pub use pool::{ChunkMeta, LentPage, MemObj, Page, PagePool, PoolStats, SealedMemObj};
 
 /// Why memory could not be had.
 #[derive(Debug, thiserror::Error)]

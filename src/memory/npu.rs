@@ -12,7 +12,7 @@
 //! emulator (`ascend-sys/emu`).
 
 use super::buffer::{DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer};
-use super::pool::MemObj;
+use super::pool::{MemObj, Page};
 use super::MemoryError;
 use ascend_sys::{Acl, Device, DeviceBuffer, HostBuffer};
 use std::any::Any;
@@ -204,7 +204,7 @@ pub fn device_of(buffer: &RegisteredBuffer) -> Option<Device> {
 }
 
 /// Where a page range lives, checked against the page.
-fn page_range(obj: &MemObj, offset: usize, len: usize) -> Result<usize, MemoryError> {
+fn page_range(obj: &Page, offset: usize, len: usize) -> Result<usize, MemoryError> {
     let page_size = obj.pool().buffer().page_size();
     match offset.checked_add(len) {
         Some(end) if end <= page_size => Ok(obj.page() as usize * page_size + offset),
@@ -216,13 +216,15 @@ fn page_range(obj: &MemObj, offset: usize, len: usize) -> Result<usize, MemoryEr
 
 /// Copies `dst.len()` bytes at `offset` in `obj`'s page into `dst`, wherever
 /// the page lives (host memory, or an NPU through a device-to-host copy).
-/// The caller makes sure no transfer into the page is running.
-pub fn read_page(obj: &MemObj, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
+/// `obj` is a [`MemObj`] or a [`SealedMemObj`](super::SealedMemObj): a page
+/// no transfer writes.
+pub fn read_page(obj: &Page, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
     let at = page_range(obj, offset, dst.len())?;
     let buffer = obj.pool().buffer();
     if let Some(base) = buffer.host_ptr() {
         // SAFETY: [at, at+len) lies inside the pool (page_range), the pool
-        // outlives `obj`, and `dst` is a distinct exclusive slice.
+        // outlives `obj`, `dst` is a distinct exclusive slice, and a `&Page`
+        // comes from a sole owner or a sealed page: nobody writes it now.
         let src = unsafe { std::slice::from_raw_parts(base.add(at), dst.len()) };
         dst.copy_from_slice(src);
         return Ok(());
@@ -233,14 +235,13 @@ pub fn read_page(obj: &MemObj, offset: usize, dst: &mut [u8]) -> Result<(), Memo
 }
 
 /// Copies `src` into `obj`'s page at `offset`, wherever the page lives.
-/// The caller makes sure nothing else uses the page's bytes meanwhile
-/// (as with any page the protocol owns).
-pub fn write_page(obj: &MemObj, offset: usize, src: &[u8]) -> Result<(), MemoryError> {
+/// `&mut MemObj`: the page's sole owner, so nobody reads or writes it meanwhile.
+pub fn write_page(obj: &mut MemObj, offset: usize, src: &[u8]) -> Result<(), MemoryError> {
     let at = page_range(obj, offset, src.len())?;
     let buffer = obj.pool().buffer();
     if let Some(base) = buffer.host_ptr() {
-        // SAFETY: the range lies inside the pool; page ownership (the
-        // caller's contract) means no one else touches these bytes now.
+        // SAFETY: the range lies inside the pool; `&mut MemObj` is the only
+        // handle to the page (never cloned, not lent, not in a transfer).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(at), src.len()) };
         return Ok(());
     }
@@ -290,12 +291,12 @@ mod tests {
         assert_eq!(dev.device().id(), 1);
         assert!(pinned_buffer(&buf).is_none() && buf.host_ptr().is_none());
         let pool = crate::memory::PagePool::new(buf);
-        let objs = pool
+        let mut objs = pool
             .allocate_batch(&[ChunkMeta::full(layout(4096)); 3])
             .unwrap();
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
-        write_page(&objs[1], 0, &data).unwrap();
-        write_page(&objs[2], 100, &data[..50]).unwrap();
+        write_page(&mut objs[1], 0, &data).unwrap();
+        write_page(&mut objs[2], 100, &data[..50]).unwrap();
         let mut back = vec![0u8; 4096];
         read_page(&objs[1], 0, &mut back).unwrap();
         assert_eq!(back, data);

@@ -1,12 +1,39 @@
-//! The paged allocator over one [`RegisteredBuffer`], and [`MemObj`], the
-//! reference-counted page it hands out.
+//! The paged allocator over one [`RegisteredBuffer`], and the page
+//! handles it gives out.
+//!
+//! # Who may touch a page's bytes
+//!
+//! A page has exactly one of these owners at any time, and the types say
+//! which:
+//!
+//! | handle | who has it | bytes |
+//! |---|---|---|
+//! | [`MemObj`] | one owner (not `Clone`) | read and write ([`MemObj::host_bytes_mut`]) |
+//! | [`SealedMemObj`] | any number of holders (`Clone`) | read only, never written again |
+//! | [`LentPage`] | a remote peer or a device copy is using it | none |
+//!
+//! [`MemObj::seal`] freezes a page so it can be shared (a chunk to send, a
+//! chunk the load path scatters from); [`SealedMemObj::try_unseal`] gives
+//! the writable handle back only when no other holder is left. A transfer
+//! takes its pages by value and its completion gives them back (see
+//! `channel`). [`MemObj::lend`] hands a page to a peer that writes it
+//! one-sidedly; [`LentPage::landed`] takes it back once the peer reported
+//! completion, [`LentPage::release_quiescent`] returns it to the pool once
+//! the peer can no longer touch it. Until then a lent page whose lending
+//! ended early is *quarantined*: counted in [`PoolStats::quarantined`],
+//! and never handed to anyone else. A [`LentPage`] dropped without either
+//! call stays quarantined for good rather than risk a late write landing in
+//! a page someone else owns.
+//!
+//! Pages held by a transfer whose completion was given up on (the waiter
+//! dropped it) are quarantined the same way until the transfer ends.
 
 use super::buffer::{BufferRef, DeviceKind, RegisteredBuffer};
 use super::MemoryError;
 use crate::layout::{ChunkLayout, Dtype, MemFormat};
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 use uuid::Uuid;
 
@@ -17,10 +44,13 @@ pub struct PoolStats {
     pub total: usize,
     /// Pages free.
     pub free: usize,
-    /// Pages handed out (`total - free`).
+    /// Pages handed out (`total - free`), quarantined ones included.
     pub allocated: usize,
     /// Allocated pages currently pinned.
     pub pinned: usize,
+    /// Allocated pages nobody may use yet: a peer or an abandoned transfer
+    /// may still touch them. They return to the pool once it cannot.
+    pub quarantined: usize,
     /// Most pages ever allocated at once.
     pub high_water: usize,
     /// Most pages ever pinned at once.
@@ -33,6 +63,7 @@ pub struct PoolStats {
 struct PoolState {
     free: Vec<u32>,
     pinned: usize,
+    quarantined: usize,
     high_water: usize,
     pinned_high_water: usize,
     failed: u64,
@@ -41,7 +72,7 @@ struct PoolState {
 /// A thread-safe allocator of fixed-size pages over one registered buffer.
 ///
 /// Allocation and release are O(1) (a free-list stack). Pages come back
-/// only through [`MemObj`] drops, so no caller frees by hand.
+/// only when their last handle drops, so no caller frees by hand.
 pub struct PagePool {
     buffer: RegisteredBuffer,
     state: Mutex<PoolState>,
@@ -103,6 +134,7 @@ impl PagePool {
             state: Mutex::new(PoolState {
                 free,
                 pinned: 0,
+                quarantined: 0,
                 high_water: 0,
                 pinned_high_water: 0,
                 failed: 0,
@@ -130,6 +162,7 @@ impl PagePool {
             free: s.free.len(),
             allocated: total - s.free.len(),
             pinned: s.pinned,
+            quarantined: s.quarantined,
             high_water: s.high_water,
             pinned_high_water: s.pinned_high_water,
             failed_allocations: s.failed,
@@ -158,7 +191,7 @@ impl PagePool {
     }
 
     /// Like [`PagePool::allocate_batch`], but waits for pages to come back until
-    /// `deadline` (the receiver's retry loop). All or nothing.
+    /// `deadline`. All or nothing.
     pub fn allocate_batch_until(
         self: &Arc<Self>,
         metas: &[ChunkMeta],
@@ -241,6 +274,7 @@ impl PagePool {
                         page,
                         meta: *meta,
                         pins: AtomicU32::new(0),
+                        quarantined: AtomicBool::new(false),
                     }))
                 })
                 .collect(),
@@ -253,12 +287,15 @@ impl PagePool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn release(&self, page: u32, was_pinned: bool) {
+    fn release(&self, page: u32, was_pinned: bool, was_quarantined: bool) {
         let mut s = self.lock();
         debug_assert!(!s.free.contains(&page), "page {page} freed twice");
         s.free.push(page);
         if was_pinned {
             s.pinned -= 1;
+        }
+        if was_quarantined {
+            s.quarantined -= 1;
         }
         drop(s);
         self.page_freed.notify_all();
@@ -273,103 +310,212 @@ impl PagePool {
             s.pinned -= 1;
         }
     }
+
+    fn quarantine_added(&self) {
+        self.lock().quarantined += 1;
+    }
+
+    fn quarantine_removed(&self) {
+        self.lock().quarantined -= 1;
+    }
 }
 
-struct Page {
+/// One allocated page of a pool: where it is and what chunk it holds.
+///
+/// Reached through [`MemObj`] and [`SealedMemObj`] (which deref to it), so
+/// whoever can call [`Page::host_bytes`] either owns the page alone or
+/// holds a sealed page that nobody writes.
+pub struct Page {
     pool: Arc<PagePool>,
     page: u32,
     meta: ChunkMeta,
     pins: AtomicU32,
+    quarantined: AtomicBool,
 }
 
 impl Drop for Page {
     fn drop(&mut self) {
         let was_pinned = *self.pins.get_mut() > 0;
-        self.pool.release(self.page, was_pinned);
+        let was_quarantined = *self.quarantined.get_mut();
+        self.pool.release(self.page, was_pinned, was_quarantined);
     }
 }
 
-/// A page of a pool holding one (possibly partial) chunk. Cloning shares the
-/// page; the page returns to its pool when the last clone drops.
-#[derive(Clone)]
-pub struct MemObj(Arc<Page>);
-
-impl fmt::Debug for MemObj {
+impl fmt::Debug for Page {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemObj")
+        f.debug_struct("Page")
             .field("ref", &self.buffer_ref())
             .field("device", &self.device())
             .field("shape", &self.shape())
             .field("bytes", &self.byte_len())
-            .field("pins", &self.pin_count())
+            .field("pins", &self.pins.load(Ordering::Relaxed))
             .finish()
     }
 }
 
-impl MemObj {
+impl Page {
     /// `(buffer uuid, page)`: how peers address this chunk.
     pub fn buffer_ref(&self) -> BufferRef {
         BufferRef {
-            uuid: self.0.pool.uuid(),
-            page: self.0.page,
+            uuid: self.pool.uuid(),
+            page: self.page,
         }
     }
 
     /// The pool this page belongs to.
     pub fn pool(&self) -> &Arc<PagePool> {
-        &self.0.pool
+        &self.pool
     }
 
     /// Page index in its pool.
     pub fn page(&self) -> u32 {
-        self.0.page
+        self.page
     }
 
     /// CPU or NPU.
     pub fn device(&self) -> DeviceKind {
-        self.0.pool.buffer.device()
+        self.pool.buffer.device()
     }
 
     /// Address of the page's first byte (host pointer or device address).
     pub fn addr(&self) -> u64 {
-        self.0
-            .pool
+        self.pool
             .buffer
-            .page_addr(self.0.page)
-            .expect("a MemObj's page is inside its pool")
+            .page_addr(self.page)
+            .expect("a page is inside its pool")
     }
 
     /// Chunk metadata.
     pub fn meta(&self) -> ChunkMeta {
-        self.0.meta
+        self.meta
     }
 
     /// Real bytes of the chunk (a prefix of the page for a partial chunk).
     pub fn byte_len(&self) -> usize {
-        self.0.meta.byte_len()
+        self.meta.byte_len()
     }
 
     /// Wire shape (`[planes, layers, tokens, hidden]`).
     pub fn shape(&self) -> [usize; 4] {
-        self.0.meta.shape()
+        self.meta.shape()
     }
 
     /// Tokens in the chunk.
     pub fn tokens(&self) -> usize {
-        self.0.meta.tokens
+        self.meta.tokens
     }
 
     /// Element type.
     pub fn dtype(&self) -> Dtype {
-        self.0.meta.layout.dtype
+        self.meta.layout.dtype
     }
 
     /// Memory format.
     pub fn fmt(&self) -> MemFormat {
-        self.0.meta.layout.fmt
+        self.meta.layout.fmt
     }
 
-    /// Live clones of this object (the page's reference count).
+    /// The chunk's real bytes, for CPU pages (`None` on NPU pages).
+    ///
+    /// Only reachable through a [`MemObj`] (sole owner, no transfer holds
+    /// the page) or a [`SealedMemObj`] (nobody writes it any more).
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        let base = self.pool.buffer.host_ptr()?;
+        let off = self.page as usize * self.pool.buffer.page_size();
+        // SAFETY: [off, off+byte_len) lies inside the pool (checked at
+        // allocation: byte_len <= page_size) and the pool outlives `self`.
+        // Writers of a page need a `MemObj` (exclusive) or a lent page (no
+        // local handle); `&self` here comes from neither while they write.
+        Some(unsafe { std::slice::from_raw_parts(base.add(off), self.byte_len()) })
+    }
+
+    /// Marks the page quarantined (counted once) until it is released.
+    fn mark_quarantined(&self) {
+        if !self.quarantined.swap(true, Ordering::AcqRel) {
+            self.pool.quarantine_added();
+        }
+    }
+}
+
+/// A page with a single owner, which may write it. Not `Clone`: sharing a
+/// page means sealing it first ([`MemObj::seal`]). The page returns to its
+/// pool when the handle drops.
+pub struct MemObj(Arc<Page>);
+
+impl fmt::Debug for MemObj {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("MemObj").field(&*self.0).finish()
+    }
+}
+
+impl std::ops::Deref for MemObj {
+    type Target = Page;
+    fn deref(&self) -> &Page {
+        &self.0
+    }
+}
+
+impl MemObj {
+    /// Mutable access to the chunk's bytes, for CPU pages.
+    pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        let base = self.0.pool.buffer.host_ptr()?;
+        let off = self.0.page as usize * self.0.pool.buffer.page_size();
+        let len = self.0.meta.byte_len();
+        // SAFETY: inside the pool as in `host_bytes`; a `MemObj` is the only
+        // handle to its page (never cloned; sealing or lending consumes it),
+        // and `&mut self` keeps it so for the borrow.
+        Some(unsafe { std::slice::from_raw_parts_mut(base.add(off), len) })
+    }
+
+    /// Freezes the page: from now on it is only read, by as many holders as
+    /// need it (a chunk to send, a resident chunk to scatter).
+    pub fn seal(self) -> SealedMemObj {
+        SealedMemObj(self.0)
+    }
+
+    /// Hands the page to a remote peer (or device copy) that writes it
+    /// without us: no local byte access until it comes back with
+    /// [`LentPage::landed`].
+    pub fn lend(self) -> LentPage {
+        LentPage { page: Some(self.0) }
+    }
+
+    /// A weak handle that can mark the page quarantined later (used by a
+    /// transfer's completion when its waiter gives up).
+    pub(crate) fn watch(&self) -> PageWatch {
+        PageWatch(Arc::downgrade(&self.0))
+    }
+}
+
+/// A page frozen for reading: clones share it, nobody writes it. It returns
+/// to its pool when the last clone drops.
+#[derive(Clone)]
+pub struct SealedMemObj(Arc<Page>);
+
+impl fmt::Debug for SealedMemObj {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("SealedMemObj").field(&*self.0).finish()
+    }
+}
+
+impl std::ops::Deref for SealedMemObj {
+    type Target = Page;
+    fn deref(&self) -> &Page {
+        &self.0
+    }
+}
+
+impl SealedMemObj {
+    /// The writable handle back, if this is the last holder of the page.
+    pub fn try_unseal(mut self) -> Result<MemObj, SealedMemObj> {
+        if Arc::get_mut(&mut self.0).is_some() {
+            Ok(MemObj(self.0))
+        } else {
+            Err(self)
+        }
+    }
+
+    /// Live holders of this page.
     pub fn ref_count(&self) -> usize {
         Arc::strong_count(&self.0)
     }
@@ -381,7 +527,7 @@ impl MemObj {
         }
     }
 
-    /// Undoes one [`MemObj::pin`]. Returns false (and changes nothing) when not pinned.
+    /// Undoes one [`SealedMemObj::pin`]. Returns false (and changes nothing) when not pinned.
     pub fn unpin(&self) -> bool {
         let prev = self
             .0
@@ -407,27 +553,109 @@ impl MemObj {
         self.pin_count() > 0
     }
 
-    /// The chunk's real bytes, for CPU pages (`None` on NPU pages).
-    ///
-    /// A peer's one-sided write may land in the page concurrently, as DMA
-    /// would; the protocol only reads a page after its transfer completed.
-    pub fn host_bytes(&self) -> Option<&[u8]> {
-        let base = self.0.pool.buffer.host_ptr()?;
-        let off = self.0.page as usize * self.0.pool.buffer.page_size();
-        // SAFETY: [off, off+byte_len) lies inside the pool (checked at
-        // allocation: byte_len <= page_size), and the pool outlives `self`.
-        Some(unsafe { std::slice::from_raw_parts(base.add(off), self.byte_len()) })
+    pub(crate) fn watch(&self) -> PageWatch {
+        PageWatch(Arc::downgrade(&self.0))
+    }
+}
+
+/// A page lent to a peer that may write it at any moment: no byte access.
+///
+/// It leaves this state only through [`LentPage::landed`] (the peer said
+/// its write completed: the bytes are now ours) or
+/// [`LentPage::release_quiescent`] (the peer can no longer touch the page:
+/// it reported, or its access was revoked and drained). [`LentPage::quarantine`]
+/// records that the lending ended without completion. Dropped without
+/// either call, the page stays out of the pool for good (counted as
+/// quarantined) instead of being reused under a late write.
+pub struct LentPage {
+    page: Option<Arc<Page>>,
+}
+
+impl fmt::Debug for LentPage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.page {
+            Some(p) => f.debug_tuple("LentPage").field(&**p).finish(),
+            None => f.write_str("LentPage(<released>)"),
+        }
+    }
+}
+
+impl LentPage {
+    fn inner(&self) -> &Page {
+        self.page
+            .as_ref()
+            .expect("a lent page is held until consumed")
     }
 
-    /// Mutable access to the chunk's bytes, for CPU pages held by exactly one
-    /// `MemObj` (no clone can observe the write).
-    pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
-        let page = Arc::get_mut(&mut self.0)?;
-        let base = page.pool.buffer.host_ptr()?;
-        let off = page.page as usize * page.pool.buffer.page_size();
-        let len = page.meta.byte_len();
-        // SAFETY: inside the pool as above; `Arc::get_mut` proved this is the
-        // only handle to the page, and `&mut self` keeps it so for the borrow.
-        Some(unsafe { std::slice::from_raw_parts_mut(base.add(off), len) })
+    /// `(buffer uuid, page)` of the page.
+    pub fn buffer_ref(&self) -> BufferRef {
+        self.inner().buffer_ref()
+    }
+
+    /// The chunk the page will hold.
+    pub fn meta(&self) -> ChunkMeta {
+        self.inner().meta()
+    }
+
+    /// The page's pool.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        self.inner().pool()
+    }
+
+    /// Whether the page is counted as quarantined.
+    pub fn is_quarantined(&self) -> bool {
+        self.inner().quarantined.load(Ordering::Acquire)
+    }
+
+    /// The peer reported that its write completed: the page is ours again.
+    pub fn landed(mut self) -> MemObj {
+        let page = self.page.take().expect("held until consumed");
+        if page.quarantined.swap(false, Ordering::AcqRel) {
+            page.pool.quarantine_removed();
+        }
+        MemObj(page)
+    }
+
+    /// The lending ended without completion (timeout, revoke): the page is
+    /// counted as quarantined until [`LentPage::release_quiescent`].
+    pub fn quarantine(&self) {
+        self.inner().mark_quarantined();
+    }
+
+    /// The peer can no longer touch the page: back to the pool.
+    pub fn release_quiescent(mut self) {
+        drop(self.page.take());
+    }
+}
+
+impl Drop for LentPage {
+    fn drop(&mut self) {
+        if let Some(page) = self.page.take() {
+            // Nobody proved the peer is done with it: keep it out of the
+            // pool rather than hand it to someone a late write would corrupt.
+            page.mark_quarantined();
+            log::error!(
+                "lent page {} dropped while its peer may still write it; kept quarantined",
+                page.buffer_ref()
+            );
+            std::mem::forget(page);
+        }
+    }
+}
+
+/// A weak handle on a page held elsewhere (by a transfer in flight).
+pub(crate) struct PageWatch(Weak<Page>);
+
+impl PageWatch {
+    /// Marks the page quarantined if it is still held (its transfer still
+    /// runs); it is counted until the transfer drops it.
+    pub(crate) fn quarantine_if_held(&self) -> bool {
+        match self.0.upgrade() {
+            Some(p) => {
+                p.mark_quarantined();
+                true
+            }
+            None => false,
+        }
     }
 }

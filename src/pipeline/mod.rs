@@ -1,35 +1,31 @@
-//! Pull-delay loading: proxy objects, transfer contexts, and the ping-pong
+//! The receiver's load: pull-delay proxies read through a ping-pong
 //! pipeline that overlaps reading chunk N+1 from a sender with scattering
-//! chunk N into the paged KV cache.
+//! chunk N into the paged KV cache, and resident chunks scattered from
+//! their pages.
 //!
 //! - [`ProxyMemoryObj`] (the protocol's [`ProxyEntry`]): a pull-delay key
 //!   held by the receiver without any local page — the sender's
 //!   [`BufferRef`](crate::memory::BufferRef), the chunk's meta, the sender,
 //!   its pull's slot and the lease. Looking one up or pinning it for a read
-//!   never consumes it; only [`KeyStore::end_proxy_read`] with
-//!   [`ReadOutcome::Consumed`], after its data was scattered, does.
+//!   never consumes it; only the end of a read after its data was
+//!   scattered does.
 //! - [`TransferContext`]: one pull's proxies; it yields the pull's single
 //!   `PullDoneSignal` once every proxy is consumed or discarded.
 //! - [`PingPongPipeline`]: two pools of `depth` pages; micro-batch `i` is
 //!   read into pool `i % 2` while micro-batch `i - 1` is scattered, and a
-//!   pool is reused only after its scatter completed ([`pingpong`]).
-//!
-//! The receiver's entry point is
-//! [`Receiver::load`](crate::backend::Receiver::load), the
-//! `batched_to_gpu` of the reference implementation. [`bench`](mod@bench) measures
-//! the overlap the pipeline buys.
-//!
-//! [`KeyStore::end_proxy_read`]: crate::protocol::KeyStore::end_proxy_read
-//! [`ReadOutcome::Consumed`]: crate::protocol::ReadOutcome::Consumed
+//!   pool's pages are read into again only once its scatter gave them back
+//!   ([`pingpong`]).
+//! - [`load`]: the whole load (grouping per sender, a pipeline per group,
+//!   draining, Done), behind the receiver's `load`.
 
-pub mod bench;
+pub(crate) mod load;
 pub mod pingpong;
 pub(crate) mod scatter;
 
 pub use crate::protocol::{ProxyEntry, TransferContext};
 pub use pingpong::{
     allocate_pools, choose_depth, micro_batches, pages_needed, ItemOutcome, MicroBatch,
-    PingPongPipeline, PipelineIo, PipelineRun,
+    PingPongPipeline, PipelineIo, PipelineRun, ReadFailure,
 };
 
 use crate::kv::KvError;
@@ -70,14 +66,14 @@ pub struct LoadReport {
     pub proxies: usize,
     /// Senders whose proxies were loaded (one pipeline run each).
     pub senders: usize,
-    /// Pages per pool (0 when there was no proxy).
+    /// Pages per pool (0 when there was no proxy; the largest over senders).
     pub depth: usize,
     /// Pools used (2, or 1 when the request fits one batch or pages were short).
     pub pools: usize,
     /// Micro-batches run over all senders.
     pub micro_batches: usize,
-    /// Bytes of pages the pipeline held at once: `pools × depth × page size`,
-    /// independent of the request length.
+    /// Bytes of pages a pipeline held at once: `pools × depth × page size`,
+    /// independent of the request length (senders are loaded one after another).
     pub peak_buffer_bytes: usize,
     /// Bytes read from senders.
     pub bytes_read: u64,

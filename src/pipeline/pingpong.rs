@@ -1,6 +1,6 @@
 //! The ping-pong pipeline as plain logic: micro-batching, depth choice,
 //! pool reuse ordering and error draining, over an I/O trait
-//! ([`PipelineIo`]) that the receiver implements with real reads and
+//! ([`PipelineIo`]) that the load path implements with real reads and
 //! scatters and the tests implement with scripted ones.
 //!
 //! Order of work for micro-batches `0..n` over two pools:
@@ -15,13 +15,19 @@
 //! wait the remaining scatters
 //! ```
 //!
-//! A pool is reused only after the scatter that read from it has finished
-//! (its completion was waited on: events, never sleeps). At most one read
-//! is in flight and it is always waited for before the run returns, so the
-//! caller may free the pools afterwards. The first failure stops new
-//! reads; scatters already started are still finished (their data is good).
+//! **A pool's pages are where its work is.** A read takes its pool's
+//! pages by value and its completion gives them back; a scatter reads them
+//! sealed, and the pipeline takes them back writable only when the scatter
+//! has dropped its copies ([`SealedMemObj::try_unseal`]). A read that
+//! failed without giving its pages back (given up past its deadline, or
+//! abandoned while the device may still write) leaves them with the
+//! transfer, quarantined: the run stops, and those pages are never read
+//! into or scattered from again. At most one read is in flight and it is
+//! always finished (or given up) before the run returns. The first
+//! failure stops new reads; scatters already started are still finished
+//! (their data is good).
 
-use crate::memory::{ChunkMeta, MemObj, MemoryError, PagePool};
+use crate::memory::{ChunkMeta, MemObj, MemoryError, PagePool, SealedMemObj};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -116,6 +122,10 @@ pub fn allocate_pools(
     }
 }
 
+/// A read that ended badly: why, and its pages if the transfer is over
+/// (`None`: they stay with the transfer, quarantined, until it ends).
+pub type ReadFailure = (String, Option<Vec<MemObj>>);
+
 /// The I/O of a run. Each `start_*` returns a ticket that the pipeline
 /// passes back to the matching `finish_*` exactly once (in start order for
 /// scatters). Errors are messages naming what failed.
@@ -124,15 +134,26 @@ pub trait PipelineIo {
     type Read;
     /// A scatter in flight.
     type Scatter;
-    /// Starts reading `batch`'s items into `pages` (one page per item, in order).
-    fn start_read(&mut self, batch: &MicroBatch, pages: &[MemObj]) -> Result<Self::Read, String>;
-    /// Waits for a read.
-    fn finish_read(&mut self, batch: &MicroBatch, read: Self::Read) -> Result<(), String>;
-    /// Starts scattering `batch`'s items from `pages`.
+    /// Starts reading `batch`'s items into `pages` (one per item, in order),
+    /// which the read owns until it ends. A read that cannot start gives
+    /// its (untouched) pages back with the error.
+    fn start_read(
+        &mut self,
+        batch: &MicroBatch,
+        pages: Vec<MemObj>,
+    ) -> Result<Self::Read, (String, Vec<MemObj>)>;
+    /// Waits for a read: its pages, now holding the data, or the failure.
+    fn finish_read(
+        &mut self,
+        batch: &MicroBatch,
+        read: Self::Read,
+    ) -> Result<Vec<MemObj>, ReadFailure>;
+    /// Starts scattering `batch`'s items from `pages` (sealed: only read).
+    /// The scatter keeps clones only until it finishes.
     fn start_scatter(
         &mut self,
         batch: &MicroBatch,
-        pages: &[MemObj],
+        pages: &[SealedMemObj],
     ) -> Result<Self::Scatter, String>;
     /// Waits for a scatter.
     fn finish_scatter(&mut self, batch: &MicroBatch, scatter: Self::Scatter) -> Result<(), String>;
@@ -161,6 +182,8 @@ pub struct PipelineRun {
     pub outcomes: Vec<ItemOutcome>,
     /// Micro-batches in the run.
     pub batches: usize,
+    /// Pages left with a read that did not give them back.
+    pub pages_left_in_transfers: usize,
     /// Wall time of the run.
     pub elapsed: Duration,
 }
@@ -176,8 +199,10 @@ impl PipelineRun {
 /// schedule that reads into one while the other is scattered.
 #[derive(Debug)]
 pub struct PingPongPipeline {
+    /// Each pool's pages while they are idle (taken by reads, given back).
     pools: Vec<Vec<MemObj>>,
     depth: usize,
+    page_size: usize,
 }
 
 impl PingPongPipeline {
@@ -185,9 +210,7 @@ impl PingPongPipeline {
     /// least `2 * depth`, else one (then batches alternate with no
     /// overlap). `None` when there is no page.
     pub fn new(mut pages: Vec<MemObj>, depth: usize) -> Option<PingPongPipeline> {
-        if pages.is_empty() {
-            return None;
-        }
+        let page_size = pages.first()?.pool().buffer().page_size();
         let depth = depth.clamp(1, pages.len());
         let pools = if pages.len() >= 2 * depth { 2 } else { 1 };
         pages.truncate(pools * depth);
@@ -195,7 +218,11 @@ impl PingPongPipeline {
         let pools = (0..pools)
             .map(|_| it.by_ref().take(depth).collect())
             .collect();
-        Some(PingPongPipeline { pools, depth })
+        Some(PingPongPipeline {
+            pools,
+            depth,
+            page_size,
+        })
     }
 
     /// Pages per pool.
@@ -208,50 +235,58 @@ impl PingPongPipeline {
         self.pools.len()
     }
 
-    /// Bytes of every page the pipeline holds (its peak buffer).
+    /// Bytes of every page the pipeline was built with (its peak buffer).
     pub fn buffer_bytes(&self) -> usize {
-        self.pools
-            .iter()
-            .flatten()
-            .map(|p| p.pool().buffer().page_size())
-            .sum()
+        self.pools.len() * self.depth * self.page_size
     }
 
-    fn pages(&self, b: &MicroBatch) -> &[MemObj] {
-        &self.pools[b.pool][..b.len()]
+    /// `n` idle pages of pool `p`, if it still has them.
+    fn take(&mut self, p: usize, n: usize) -> Option<Vec<MemObj>> {
+        let pool = &mut self.pools[p];
+        (pool.len() >= n).then(|| pool.split_off(pool.len() - n))
     }
 
     /// Runs `items` items through read → scatter with `io` (see the module
     /// docs for the order). Returns only when nothing started is still in
-    /// flight.
-    pub fn run<I: PipelineIo>(&self, items: usize, io: &mut I) -> PipelineRun {
+    /// flight, or was given up and holds its own pages.
+    pub fn run<I: PipelineIo>(&mut self, items: usize, io: &mut I) -> PipelineRun {
         let start = Instant::now();
         let batches = micro_batches(items, self.depth, self.pools.len());
         let mut out = vec![ItemOutcome::NotStarted; items];
+        let mut left_in_transfers = 0;
         let fail = |out: &mut [ItemOutcome], b: &MicroBatch, e: String| {
             for i in b.items.clone() {
                 out[i] = ItemOutcome::Failed(e.clone());
             }
         };
-        let mut scattering: VecDeque<(&MicroBatch, I::Scatter)> = VecDeque::new();
+        let mut scattering: VecDeque<(&MicroBatch, Vec<SealedMemObj>, I::Scatter)> =
+            VecDeque::new();
         let mut reading = None;
         let mut stopped = false;
         if let Some(b0) = batches.first() {
-            match io.start_read(b0, self.pages(b0)) {
+            match self.start(io, b0) {
                 Ok(r) => reading = Some((b0, r)),
                 Err(e) => fail(&mut out, b0, e),
             }
         }
         while let Some((b, r)) = reading.take() {
             match io.finish_read(b, r) {
-                Ok(()) => match io.start_scatter(b, self.pages(b)) {
-                    Ok(s) => scattering.push_back((b, s)),
-                    Err(e) => {
-                        fail(&mut out, b, e);
-                        stopped = true;
+                Ok(pages) => {
+                    let sealed: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+                    match io.start_scatter(b, &sealed) {
+                        Ok(s) => scattering.push_back((b, sealed, s)),
+                        Err(e) => {
+                            self.give_back(b.pool, sealed);
+                            fail(&mut out, b, e);
+                            stopped = true;
+                        }
                     }
-                },
-                Err(e) => {
+                }
+                Err((e, pages)) => {
+                    match pages {
+                        Some(p) => self.pools[b.pool].extend(p),
+                        None => left_in_transfers += b.len(),
+                    }
                     fail(&mut out, b, e);
                     stopped = true;
                 }
@@ -260,58 +295,92 @@ impl PingPongPipeline {
                 break;
             };
             // The next batch's pool is free once every scatter from it has finished.
-            while scattering.iter().any(|(s, _)| s.pool == next.pool) {
-                let (s, t) = scattering.pop_front().expect("checked non-empty");
-                if !finish_scatter(io, s, t, &mut out) {
+            while scattering.iter().any(|(s, _, _)| s.pool == next.pool) {
+                let (s, pages, t) = scattering.pop_front().expect("non-empty");
+                if !self.finish_scatter(io, s, pages, t, &mut out) {
                     stopped = true;
                 }
             }
             if stopped {
                 break;
             }
-            match io.start_read(next, self.pages(next)) {
+            match self.start(io, next) {
                 Ok(r) => reading = Some((next, r)),
                 Err(e) => fail(&mut out, next, e),
             }
         }
-        // Drain: every loop exit above has already waited for its read; the
+        // Drain: every loop exit above has already finished its read; the
         // scatters started are finished here, before the pools may be freed.
-        while let Some((s, t)) = scattering.pop_front() {
-            finish_scatter(io, s, t, &mut out);
+        while let Some((s, pages, t)) = scattering.pop_front() {
+            self.finish_scatter(io, s, pages, t, &mut out);
         }
         PipelineRun {
             outcomes: out,
             batches: batches.len(),
+            pages_left_in_transfers: left_in_transfers,
             elapsed: start.elapsed(),
         }
     }
 
-    /// The pages back (dropping them returns them to their pool).
+    fn start<I: PipelineIo>(&mut self, io: &mut I, b: &MicroBatch) -> Result<I::Read, String> {
+        let pages = self.take(b.pool, b.len()).ok_or_else(|| {
+            format!(
+                "pool {} lost pages to a read that never gave them back; micro-batch {} not read",
+                b.pool, b.index
+            )
+        })?;
+        io.start_read(b, pages).map_err(|(e, pages)| {
+            self.pools[b.pool].extend(pages);
+            e
+        })
+    }
+
+    /// Takes sealed pages back writable; a page some copy still holds stays
+    /// out of the pool (it returns to the allocator when that copy drops).
+    fn give_back(&mut self, pool: usize, pages: Vec<SealedMemObj>) {
+        for p in pages {
+            match p.try_unseal() {
+                Ok(m) => self.pools[pool].push(m),
+                Err(still_shared) => {
+                    log::error!(
+                        "scatter source page {} is still shared after its scatter; not reused",
+                        still_shared.buffer_ref()
+                    );
+                }
+            }
+        }
+    }
+
+    fn finish_scatter<I: PipelineIo>(
+        &mut self,
+        io: &mut I,
+        b: &MicroBatch,
+        pages: Vec<SealedMemObj>,
+        t: I::Scatter,
+        out: &mut [ItemOutcome],
+    ) -> bool {
+        let r = io.finish_scatter(b, t);
+        self.give_back(b.pool, pages);
+        match r {
+            Ok(()) => {
+                for i in b.items.clone() {
+                    out[i] = ItemOutcome::Scattered;
+                }
+                io.scattered(b);
+                true
+            }
+            Err(e) => {
+                for i in b.items.clone() {
+                    out[i] = ItemOutcome::Failed(e.clone());
+                }
+                false
+            }
+        }
+    }
+
+    /// The idle pages back (dropping them returns them to their pool).
     pub fn into_pages(self) -> Vec<MemObj> {
         self.pools.into_iter().flatten().collect()
-    }
-}
-
-fn finish_scatter<I: PipelineIo>(
-    io: &mut I,
-    b: &MicroBatch,
-    t: I::Scatter,
-    out: &mut [ItemOutcome],
-) -> bool {
-    match io.finish_scatter(b, t) {
-        Ok(()) => {
-            for i in b.items.clone() {
-                out[i] = ItemOutcome::Scattered;
-            }
-            io.scattered(b);
-            true
-        }
-        Err(e) => {
-            for i in b.items.clone() {
-                out[i] = ItemOutcome::Failed(e.clone());
-            }
-            false
-        }
     }
 }
 
@@ -349,40 +418,63 @@ mod tests {
         log: Vec<Ev>,
         fail_start_read: Option<usize>,
         fail_finish_read: Option<usize>,
+        /// The read of this batch is given up with its pages still in the transfer.
+        abandon_read: Option<usize>,
         fail_finish_scatter: Option<usize>,
         reads_in_flight: usize,
         scatters_in_flight: usize,
         max_reads_in_flight: usize,
         /// Page of each item when read (must be the page it is scattered from).
         page_of: std::collections::HashMap<usize, u32>,
+        /// Pages of reads given up (the "transfer" that still holds them).
+        in_transfer: Vec<MemObj>,
+        /// Every page a read was started into, in order.
+        read_pages: Vec<u32>,
     }
 
     impl PipelineIo for Script {
-        type Read = usize;
+        type Read = (usize, Vec<MemObj>);
         type Scatter = usize;
-        fn start_read(&mut self, b: &MicroBatch, pages: &[MemObj]) -> Result<usize, String> {
+        fn start_read(
+            &mut self,
+            b: &MicroBatch,
+            pages: Vec<MemObj>,
+        ) -> Result<Self::Read, (String, Vec<MemObj>)> {
             assert_eq!(pages.len(), b.len());
             self.log.push(Ev::StartRead(b.index, b.pool));
             if self.fail_start_read == Some(b.index) {
-                return Err(format!("batch {} could not start", b.index));
+                return Err((format!("batch {} could not start", b.index), pages));
             }
-            for (i, p) in b.items.clone().zip(pages) {
+            for (i, p) in b.items.clone().zip(&pages) {
                 self.page_of.insert(i, p.page());
+                self.read_pages.push(p.page());
             }
             self.reads_in_flight += 1;
             self.max_reads_in_flight = self.max_reads_in_flight.max(self.reads_in_flight);
-            Ok(b.index)
+            Ok((b.index, pages))
         }
-        fn finish_read(&mut self, b: &MicroBatch, t: usize) -> Result<(), String> {
+        fn finish_read(
+            &mut self,
+            b: &MicroBatch,
+            (t, pages): Self::Read,
+        ) -> Result<Vec<MemObj>, ReadFailure> {
             assert_eq!(t, b.index);
             self.reads_in_flight -= 1;
             self.log.push(Ev::FinishRead(b.index));
+            if self.abandon_read == Some(b.index) {
+                self.in_transfer.extend(pages);
+                return Err((format!("read of batch {} given up", b.index), None));
+            }
             match self.fail_finish_read == Some(b.index) {
-                true => Err(format!("read of batch {} failed", b.index)),
-                false => Ok(()),
+                true => Err((format!("read of batch {} failed", b.index), Some(pages))),
+                false => Ok(pages),
             }
         }
-        fn start_scatter(&mut self, b: &MicroBatch, pages: &[MemObj]) -> Result<usize, String> {
+        fn start_scatter(
+            &mut self,
+            b: &MicroBatch,
+            pages: &[SealedMemObj],
+        ) -> Result<usize, String> {
             for (i, p) in b.items.clone().zip(pages) {
                 assert_eq!(
                     self.page_of[&i],
@@ -441,7 +533,7 @@ mod tests {
             let (p, meta) = pool(32);
             let (pages, d) = allocate_pools(&p, meta, items, depth, Instant::now()).unwrap();
             assert_eq!(d, depth.min(items));
-            let pipe = PingPongPipeline::new(pages, d).unwrap();
+            let mut pipe = PingPongPipeline::new(pages, d).unwrap();
             let mut io = Script::default();
             let run = pipe.run(items, &mut io);
             assert!(run.all_scattered(), "{items}/{depth}: {:?}", run.outcomes);
@@ -468,7 +560,7 @@ mod tests {
         for (kind, at) in [(0, 3), (1, 3), (2, 3), (0, 0), (1, 7), (2, 0)] {
             let (p, meta) = pool(8);
             let (pages, d) = allocate_pools(&p, meta, 16, 2, Instant::now()).unwrap();
-            let pipe = PingPongPipeline::new(pages, d).unwrap();
+            let mut pipe = PingPongPipeline::new(pages, d).unwrap();
             let mut io = Script::default();
             match kind {
                 0 => io.fail_start_read = Some(at),
@@ -510,6 +602,43 @@ mod tests {
         }
     }
 
+    /// A read given up while its transfer still holds the pages (a lease
+    /// timeout, an abandoned hccl batch): the run stops, those pages are
+    /// never read into or scattered from again, and they stay out of the
+    /// pool until the transfer lets go.
+    #[test]
+    fn an_abandoned_read_never_gives_its_pages_to_later_work() {
+        let (p, meta) = pool(8);
+        let (pages, d) = allocate_pools(&p, meta, 16, 2, Instant::now()).unwrap();
+        let mut pipe = PingPongPipeline::new(pages, d).unwrap();
+        let mut io = Script {
+            abandon_read: Some(2),
+            ..Script::default()
+        };
+        let run = pipe.run(16, &mut io);
+        assert_eq!(run.pages_left_in_transfers, 2);
+        let abandoned: Vec<u32> = io.in_transfer.iter().map(|m| m.page()).collect();
+        // Batch 2 read into pool 0; nothing read after it, and its pages
+        // were never read into again by the run.
+        let last = io.read_pages.len();
+        assert_eq!(&io.read_pages[last - 2..], &abandoned[..]);
+        assert!(matches!(run.outcomes[4], ItemOutcome::Failed(_)));
+        assert!(run.outcomes[6..]
+            .iter()
+            .all(|o| *o == ItemOutcome::NotStarted));
+        // A second run over the same pipeline (the next sender group) has
+        // lost pool 0: it fails rather than reuse the abandoned pages.
+        let mut io2 = Script::default();
+        let run2 = pipe.run(4, &mut io2);
+        assert!(!run2.all_scattered());
+        assert!(io2.read_pages.iter().all(|pg| !abandoned.contains(pg)));
+        drop(pipe);
+        // Only the transfer's pages are still out.
+        assert_eq!(p.stats().allocated, 2);
+        drop(io);
+        assert_eq!(p.stats().allocated, 0);
+    }
+
     #[test]
     fn depth_follows_free_pages_and_the_request() {
         assert_eq!(choose_depth(64, 100, 8), 8);
@@ -537,7 +666,7 @@ mod tests {
         // 1 free: a single pool of one page, still runs everything.
         let (one, d) = allocate_pools(&p, meta, 64, 8, Instant::now()).unwrap();
         assert_eq!((one.len(), d), (1, 1));
-        let pipe = PingPongPipeline::new(one, 1).unwrap();
+        let mut pipe = PingPongPipeline::new(one, 1).unwrap();
         assert_eq!(pipe.pools(), 1);
         let mut io = Script::default();
         assert!(pipe.run(5, &mut io).all_scattered());

@@ -3,7 +3,7 @@
 //! cache, so that a host scatter really runs while the next read does.
 
 use crate::kv::{KvCache, KvFence, ScatterStats};
-use crate::memory::MemObj;
+use crate::memory::SealedMemObj;
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 use std::thread::Scope;
@@ -12,7 +12,7 @@ use std::thread::Scope;
 /// in the request's slot mapping.
 #[derive(Clone, Debug)]
 pub(crate) struct ScatterItem {
-    pub page: MemObj,
+    pub page: SealedMemObj,
     pub tokens: usize,
     pub slots: Range<usize>,
 }

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::*;
+use crate::channel::GrantId;
 use crate::memory::{
-    ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, MemoryError, PagePool, PoolStats,
-    RegisteredBuffer,
+    BufferRef, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, MemoryError, PagePool, PoolStats,
+    RegisteredBuffer, SealedMemObj,
 };
 
 // ------------------------------------------------------------------ helpers
@@ -32,17 +33,20 @@ fn pool(pages: usize) -> Arc<PagePool> {
     PagePool::new(RegisteredBuffer::host(pages * page, page, false).unwrap())
 }
 
-fn alloc(pool: &Arc<PagePool>, n: usize) -> Vec<MemObj> {
+fn alloc(pool: &Arc<PagePool>, n: usize) -> Vec<SealedMemObj> {
     pool.allocate_batch(&vec![ChunkMeta::full(layout()); n])
         .unwrap()
+        .into_iter()
+        .map(MemObj::seal)
+        .collect()
 }
 
-/// The pool holds nothing: no page allocated or pinned.
+/// The pool holds nothing: no page allocated, pinned or quarantined.
 fn assert_idle(pool: &PagePool) {
     let s = pool.stats();
     assert_eq!(
-        (s.allocated, s.pinned, s.free),
-        (0, 0, s.total),
+        (s.allocated, s.pinned, s.quarantined, s.free),
+        (0, 0, 0, s.total),
         "pool not back at start: {s:?}"
     );
 }
@@ -73,13 +77,24 @@ fn keys(names: &[&str]) -> Vec<String> {
     names.iter().map(|s| s.to_string()).collect()
 }
 
-fn receiver() -> KeyStore {
-    KeyStore::new(ReceiverConfig {
+fn receiver() -> ReceiverCore {
+    ReceiverCore::new(ReceiverConfig {
         layout: layout(),
         push_landing_timeout: Duration::from_secs(5),
-        lease_read_margin: Duration::from_secs(1),
+        read_margin_pct: 10.0,
     })
 }
+
+/// The read margin of [`receiver`] for [`LEASE`].
+fn margin() -> Duration {
+    read_margin(LEASE, 10.0)
+}
+
+/// The request route of the test's writer, another socket of the same
+/// writer, and a route of another writer.
+const ROUTE: &str = "prefill:7600/p1r0-00000001#1";
+const ROUTE_NEXT: &str = "prefill:7600/p1r0-00000001#2";
+const OTHER_WRITER: &str = "prefill:7601/p2r0-00000002#1";
 
 fn alloc_request(k: &[&str], last: u64) -> AllocRequest {
     AllocRequest {
@@ -91,8 +106,72 @@ fn alloc_request(k: &[&str], last: u64) -> AllocRequest {
     }
 }
 
+/// What the shell does with an `AllocRequest`: plan, allocate with
+/// `alloc`, commit with `grant`.
+fn push_with<F>(
+    ks: &mut ReceiverCore,
+    req: &AllocRequest,
+    route: &str,
+    t: Instant,
+    alloc: F,
+    grant: Option<GrantId>,
+) -> PushReply
+where
+    F: FnOnce(&[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError>,
+{
+    match ks.plan_push(t, route, req) {
+        Err(reply) => *reply,
+        Ok(plan) => {
+            let pages = alloc(plan.metas());
+            ks.commit_push(t, plan, pages, grant)
+        }
+    }
+}
+
+/// A push from [`ROUTE`] with pages of `pool` and no grant.
+fn push(ks: &mut ReceiverCore, req: &AllocRequest, t: Instant, pool: &Arc<PagePool>) -> PushReply {
+    push_with(ks, req, ROUTE, t, |m| pool.allocate_batch(m), None)
+}
+
+/// The pages a push response lent.
+fn refs_of(r: &AscendAllocResponse) -> Vec<BufferRef> {
+    r.remote_indexes
+        .iter()
+        .zip(&r.remote_buffer_uuids)
+        .map(|(&page, u)| BufferRef {
+            uuid: Uuid::parse_str(u).unwrap(),
+            page: page as u32,
+        })
+        .collect()
+}
+
+/// A notice received on `from`, ending route `route`'s allocation of `refs`.
+fn notice(
+    ks: &mut ReceiverCore,
+    from: &str,
+    route: &str,
+    outcome: PushOutcome,
+    refs: &[BufferRef],
+    t: Instant,
+) -> NoticeReply {
+    ks.on_push_notice(
+        t,
+        from,
+        &PushNotice {
+            route: route.to_string(),
+            outcome,
+            refs: refs.to_vec(),
+        },
+    )
+}
+
+/// A pull id whose lease ends at `deadline` on the receiver's clock.
+fn lease_id(deadline: Instant) -> String {
+    PullId::new(lease::wire_micros(deadline)).encode()
+}
+
 /// A notification advertising `pages` of a sender pool under `k`.
-fn notif(pull_id: &str, k: &[&str], pages: &[MemObj]) -> PullReadyNotif {
+fn notif(pull_id: &str, k: &[&str], pages: &[SealedMemObj]) -> PullReadyNotif {
     PullReadyNotif {
         pull_id: pull_id.into(),
         keys: keys(k),
@@ -127,10 +206,24 @@ fn remote_notif(pull_id: &str, k: &[&str]) -> PullReadyNotif {
     }
 }
 
-fn pool_alloc(
-    pool: &Arc<PagePool>,
-) -> impl FnOnce(&[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError> + '_ {
-    move |m| pool.allocate_batch(m)
+/// What the shell does with a pull-eager notification from an attached
+/// sender (agreed lease [`LEASE`]).
+fn eager(ks: &mut ReceiverCore, n: &PullReadyNotif, t: Instant, pool: &Arc<PagePool>) -> PullReply {
+    match ks.plan_pull(t, n, Some(LEASE)) {
+        Err(reply) => *reply,
+        Ok(plan) => {
+            let pages = pool.allocate_batch(plan.metas());
+            ks.commit_pull_eager(plan, pages)
+        }
+    }
+}
+
+/// What the shell does with a pull-delay notification.
+fn delay(ks: &mut ReceiverCore, n: &PullReadyNotif, t: Instant) -> PullReply {
+    match ks.plan_pull(t, n, Some(LEASE)) {
+        Err(reply) => *reply,
+        Ok(plan) => ks.commit_pull_delay(plan),
+    }
 }
 
 // ============================================================ sender side
@@ -142,7 +235,8 @@ fn insert_pins_and_done_releases_every_page() {
     let mut pp = pending();
     let pages = alloc(&pool, 3);
     assert!(matches!(
-        pp.insert("p1", "r:7400", "req1", pages, t0, LEASE).unwrap(),
+        pp.insert("p1", "r:7400", "req1", pages, t0, LEASE, None)
+            .unwrap(),
         InsertOutcome::Pending
     ));
     assert_eq!(stats(&pool), (3, 3));
@@ -178,7 +272,7 @@ fn race_done_before_ack() {
     let t0 = Instant::now();
     let pool = pool(4);
     let mut pp = pending();
-    pp.insert("p1", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("p1", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
     // The receiver's PUSH overtakes the REP reply.
     let DoneOutcome::Released(r) = pp.on_done("p1", t0 + S) else {
@@ -204,7 +298,7 @@ fn race_done_after_ttl_sweep_is_not_a_double_free() {
     let t0 = Instant::now();
     let pool = pool(4);
     let mut pp = pending();
-    pp.insert("p1", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("p1", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
     assert!(pp.sweep(t0 + TTL - S, TTL).is_empty());
     assert_eq!(stats(&pool), (2, 2));
@@ -236,7 +330,7 @@ fn done_for_unknown_pull_is_early_and_matches_a_later_insert() {
     assert_eq!(pp.counters().early_done_size, 1);
     // An insert of that id is released at once: nothing pinned.
     match pp
-        .insert("ghost", "r", "q", alloc(&pool, 2), t0 + S, LEASE)
+        .insert("ghost", "r", "q", alloc(&pool, 2), t0 + S, LEASE, None)
         .unwrap()
     {
         InsertOutcome::AlreadyDone(r) => {
@@ -264,7 +358,7 @@ fn early_done_expires_after_its_lifetime() {
     pp.on_done("x", t0);
     let later = t0 + limits.early_done_lifetime;
     assert!(matches!(
-        pp.insert("x", "r", "q", alloc(&pool, 1), later, LEASE)
+        pp.insert("x", "r", "q", alloc(&pool, 1), later, LEASE, None)
             .unwrap(),
         InsertOutcome::Pending
     ));
@@ -277,7 +371,7 @@ fn duplicate_done_is_harmless_and_counted() {
     let t0 = Instant::now();
     let pool = pool(2);
     let mut pp = pending();
-    pp.insert("p", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("p", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
     assert!(matches!(pp.on_done("p", t0), DoneOutcome::Released(_)));
     for _ in 0..3 {
@@ -301,7 +395,7 @@ fn alloc_failed_ack_releases_pins_and_breaker_opens_then_closes() {
     let mut breaker = CircuitBreaker::new();
     let peer = "decode:7400";
     assert!(breaker.allows(peer, t0));
-    pp.insert("p", peer, "q", alloc(&pool, 3), t0, LEASE)
+    pp.insert("p", peer, "q", alloc(&pool, 3), t0, LEASE, None)
         .unwrap();
     let out = pp.on_ack("p", &ack(&[], true), t0 + S);
     assert!(out.opens_breaker());
@@ -319,13 +413,10 @@ fn alloc_failed_ack_releases_pins_and_breaker_opens_then_closes() {
     assert!(!breaker.allows(peer, t0 + S));
     assert!(!breaker.allows(peer, t0 + S + backoff - Duration::from_millis(1)));
     assert!(breaker.allows(peer, t0 + S + backoff));
-    let c = SenderCounters::snapshot(&pp, &breaker);
-    assert_eq!(
-        (c.breaker.opens, c.breaker.skips, c.breaker.closes),
-        (1, 2, 1)
-    );
-    assert_eq!(c.pulls.acks_alloc_failed, 1);
-    assert_eq!(c.pulls.pinned_pages, 0);
+    let (b, p) = (breaker.counters(), pp.counters());
+    assert_eq!((b.opens, b.skips, b.closes), (1, 2, 1));
+    assert_eq!(p.acks_alloc_failed, 1);
+    assert_eq!(p.pinned_pages, 0);
     // A late Done for it is a duplicate, not an early one.
     assert!(matches!(
         pp.on_done("p", t0 + 2 * S),
@@ -338,7 +429,7 @@ fn ack_already_sent_unpins_those_pages_early() {
     let t0 = Instant::now();
     let pool = pool(8);
     let mut pp = pending();
-    pp.insert("p", "r", "q", alloc(&pool, 4), t0, LEASE)
+    pp.insert("p", "r", "q", alloc(&pool, 4), t0, LEASE, None)
         .unwrap();
     match pp.on_ack("p", &ack(&[1, 3, 3, 9], false), t0 + S) {
         AckOutcome::Accepted {
@@ -371,7 +462,7 @@ fn ack_with_every_key_already_sent_releases_the_pull() {
     let t0 = Instant::now();
     let pool = pool(4);
     let mut pp = pending();
-    pp.insert("p", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("p", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
     assert!(matches!(
         pp.on_ack("p", &ack(&[0, 1], false), t0),
@@ -392,7 +483,7 @@ fn ttl_sweep_respects_the_lease() {
     let mut pp = pending();
     let short_ttl = Duration::from_secs(1);
     let long_lease = Duration::from_secs(10);
-    pp.insert("p", "r", "q", alloc(&pool, 2), t0, long_lease)
+    pp.insert("p", "r", "q", alloc(&pool, 2), t0, long_lease, None)
         .unwrap();
     // TTL passed, lease not: the receiver may still read, nothing released.
     assert!(pp.sweep(t0 + Duration::from_secs(5), short_ttl).is_empty());
@@ -405,7 +496,7 @@ fn ttl_sweep_respects_the_lease() {
     assert_idle(&pool);
 
     // TTL longer than the lease: released at the TTL.
-    pp.insert("p2", "r", "q", alloc(&pool, 1), t0, long_lease)
+    pp.insert("p2", "r", "q", alloc(&pool, 1), t0, long_lease, None)
         .unwrap();
     let ttl = Duration::from_secs(20);
     assert!(pp.sweep(t0 + Duration::from_secs(19), ttl).is_empty());
@@ -419,11 +510,11 @@ fn req_failure_releases_only_when_the_notif_never_left() {
     let t0 = Instant::now();
     let pool = pool(8);
     let mut pp = pending();
-    pp.insert("sent-not", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("sent-not", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
-    pp.insert("maybe", "r", "q", alloc(&pool, 2), t0, LEASE)
+    pp.insert("maybe", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap();
-    pp.insert("maybe-done", "r", "q", alloc(&pool, 1), t0, LEASE)
+    pp.insert("maybe-done", "r", "q", alloc(&pool, 1), t0, LEASE, None)
         .unwrap();
     match pp.on_req_failed("sent-not", Delivery::NotSent, t0 + S) {
         ReqFailedOutcome::Released(r) => assert_eq!(r.reason, ReleaseReason::ReqFailed),
@@ -479,12 +570,12 @@ fn early_done_set_is_bounded() {
     let youngest = format!("{:032x}", cap * 10 - 1);
     let oldest = format!("{:032x}", 0);
     assert!(matches!(
-        pp.insert(&youngest, "r", "q", alloc(&pool, 1), t0, LEASE)
+        pp.insert(&youngest, "r", "q", alloc(&pool, 1), t0, LEASE, None)
             .unwrap(),
         InsertOutcome::AlreadyDone(_)
     ));
     assert!(matches!(
-        pp.insert(&oldest, "r", "q", alloc(&pool, 1), t0, LEASE)
+        pp.insert(&oldest, "r", "q", alloc(&pool, 1), t0, LEASE, None)
             .unwrap(),
         InsertOutcome::Pending
     ));
@@ -497,15 +588,15 @@ fn insert_rejects_duplicate_and_empty_ids_without_pinning() {
     let t0 = Instant::now();
     let pool = pool(4);
     let mut pp = pending();
-    pp.insert("p", "r", "q", alloc(&pool, 1), t0, LEASE)
+    pp.insert("p", "r", "q", alloc(&pool, 1), t0, LEASE, None)
         .unwrap();
     let dup = pp
-        .insert("p", "r", "q", alloc(&pool, 2), t0, LEASE)
+        .insert("p", "r", "q", alloc(&pool, 2), t0, LEASE, None)
         .unwrap_err();
     assert_eq!(dup, InsertError::DuplicatePullId("p".into()));
     assert_eq!(dup.to_string(), "pull_id \"p\" is already pending");
     assert_eq!(
-        pp.insert("", "r", "q", alloc(&pool, 1), t0, LEASE)
+        pp.insert("", "r", "q", alloc(&pool, 1), t0, LEASE, None)
             .unwrap_err(),
         InsertError::EmptyPullId
     );
@@ -528,23 +619,17 @@ fn ack_for_unknown_pull_still_reports_alloc_failed() {
 // ========================================================== receiver side
 
 #[test]
-fn push_allocates_new_keys_and_reports_pages_and_uuids() {
+fn push_lends_pages_to_their_writer_until_its_landed_notice() {
     let t0 = Instant::now();
     let pool = pool(8);
     let mut ks = receiver();
-    let reply = ks.on_alloc_request(
-        &alloc_request(&["a", "b", "c"], 3),
-        "s:1",
-        t0,
-        pool_alloc(&pool),
-    );
+    let reply = push(&mut ks, &alloc_request(&["a", "b", "c"], 3), t0, &pool);
     assert!(matches!(
         reply.verdict,
         Verdict::Accepted { new: 3, present: 0 }
     ));
     let r = &reply.response;
-    assert!(!r.alloc_failed);
-    assert!(r.already_sent_indexes.is_empty());
+    assert!(!r.alloc_failed && r.already_sent_indexes.is_empty());
     assert_eq!(r.remote_indexes, vec![0, 1, 2]);
     let uuid = pool.uuid().simple().to_string();
     assert_eq!(
@@ -552,37 +637,100 @@ fn push_allocates_new_keys_and_reports_pages_and_uuids() {
         vec![uuid.clone(), uuid.clone(), uuid]
     );
     assert_eq!(stats(&pool), (3, 0));
-    // Not landed: never handed to the load path as valid.
+    // Not landed: never handed to the load path as valid, never removable
+    // (the page is the writer's until it reports).
     assert!(matches!(ks.get("a", t0), Lookup::NotReady));
     assert_eq!(ks.state("c"), Some(KeyState::PendingPush));
-    assert_eq!(ks.pending_push_peer("a"), Some("s:1"));
-    // The last chunk is partial (3 of 4 tokens).
-    let landed = ks.mark_landed(&keys(&["a", "b", "zz"]));
-    assert_eq!(landed.landed, 2);
-    assert_eq!(landed.not_pending, vec!["zz".to_string()]);
+    assert!(ks.remove("a").is_none());
+    let refs = refs_of(r);
+    let landed = notice(&mut ks, ROUTE, ROUTE, PushOutcome::Landed, &refs, t0);
+    assert_eq!((landed.result, landed.landed), (Ok(()), 3));
     match ks.get("a", t0) {
         Lookup::Resident(p) => assert_eq!(p.tokens(), 4),
         other => panic!("{other:?}"),
     }
-    // Landing by page ref.
-    let c_ref = crate::memory::BufferRef {
-        uuid: pool.uuid(),
-        page: 2,
-    };
-    assert_eq!(ks.mark_landed_refs(&[c_ref]).landed, 1);
+    // The last chunk is partial (3 of 4 tokens).
     match ks.get("c", t0) {
         Lookup::Resident(p) => assert_eq!((p.tokens(), p.byte_len()), (3, 12)),
         other => panic!("{other:?}"),
     }
-    assert_eq!(ks.mark_landed_refs(&[c_ref]).not_pending.len(), 1);
     let c = ks.counters();
-    assert_eq!((c.resident, c.pending_push, c.landed), (3, 0, 3));
+    assert_eq!(
+        (c.resident, c.pending_push, c.landed, c.allocations_pending),
+        (3, 0, 3, 0)
+    );
     // Removing resident keys returns their pages.
     for k in ["a", "b", "c"] {
-        let removed = ks.remove(k).unwrap();
-        assert_eq!(removed.state, KeyState::Resident);
+        assert_eq!(ks.remove(k).unwrap().state, KeyState::Resident);
     }
     assert!(ks.remove("a").is_none());
+    assert_idle(&pool);
+}
+
+/// Defect: the landed notice was not tied to its writer. Now a notice for
+/// another writer's allocation, or naming other pages, is refused and
+/// changes nothing; the writer's own notice still lands.
+#[test]
+fn a_notice_for_someone_elses_allocation_is_refused() {
+    let t0 = Instant::now();
+    let pool = pool(8);
+    let mut ks = receiver();
+    let a = push(&mut ks, &alloc_request(&["a"], 4), t0, &pool);
+    let b = push_with(
+        &mut ks,
+        &alloc_request(&["b"], 4),
+        OTHER_WRITER,
+        t0,
+        |m| pool.allocate_batch(m),
+        None,
+    );
+    let (ra, rb) = (refs_of(&a.response), refs_of(&b.response));
+    // The other writer names our allocation (its route, its pages): refused.
+    let r = notice(&mut ks, OTHER_WRITER, ROUTE, PushOutcome::Landed, &ra, t0);
+    assert!(r.result.unwrap_err().contains("another writer's"));
+    // Our writer names its allocation with the other's pages: refused.
+    let r = notice(&mut ks, ROUTE, ROUTE, PushOutcome::Landed, &rb, t0);
+    assert!(r.result.unwrap_err().contains("not those of route"));
+    // A route with nothing open: refused.
+    let r = notice(
+        &mut ks,
+        ROUTE_NEXT,
+        ROUTE_NEXT,
+        PushOutcome::Landed,
+        &ra,
+        t0,
+    );
+    assert!(r.result.unwrap_err().contains("no open allocation"));
+    assert_eq!(ks.state("a"), Some(KeyState::PendingPush));
+    assert_eq!(ks.state("b"), Some(KeyState::PendingPush));
+    assert_eq!(ks.counters().notices_refused, 3);
+    // Each writer's own notice lands its own keys only.
+    assert!(notice(
+        &mut ks,
+        OTHER_WRITER,
+        OTHER_WRITER,
+        PushOutcome::Landed,
+        &rb,
+        t0
+    )
+    .result
+    .is_ok());
+    assert_eq!(ks.state("a"), Some(KeyState::PendingPush));
+    assert_eq!(ks.state("b"), Some(KeyState::Resident));
+    // A notice may come from the writer's next socket (its reply was lost).
+    assert!(
+        notice(&mut ks, ROUTE_NEXT, ROUTE, PushOutcome::Aborted, &ra, t0)
+            .result
+            .is_ok()
+    );
+    assert!(!ks.contains("a"));
+    // Repeating it (the reply was lost again) gets the same answer, no change.
+    assert!(
+        notice(&mut ks, ROUTE_NEXT, ROUTE, PushOutcome::Aborted, &ra, t0)
+            .result
+            .is_ok()
+    );
+    ks.remove("b");
     assert_idle(&pool);
 }
 
@@ -592,13 +740,26 @@ fn dedup_partition_counts_every_state_as_present() {
     let pool = pool(8);
     let mut ks = receiver();
     // resident "r", pending push "pp", pending read "pr", proxy "px".
-    ks.on_alloc_request(&alloc_request(&["r", "pp"], 4), "s", t0, pool_alloc(&pool));
-    ks.mark_landed(&keys(&["r"]));
+    let r1 = push(&mut ks, &alloc_request(&["r"], 4), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r1.response),
+        t0,
+    );
+    push(&mut ks, &alloc_request(&["pp"], 4), t0, &pool);
     let sender_pool = self::pool(4);
     let sp = alloc(&sender_pool, 1);
-    let eager = ks.on_pull_eager(&notif("e1", &["pr"], &sp), t0, LEASE, pool_alloc(&pool));
-    assert!(eager.read.is_some());
-    ks.on_pull_delay(&remote_notif("d1", &["px"]), t0, LEASE);
+    let mut e = eager(
+        &mut ks,
+        &notif(&lease_id(t0 + LEASE), &["pr"], &sp),
+        t0,
+        &pool,
+    );
+    let read = e.read.take().unwrap();
+    delay(&mut ks, &remote_notif(&lease_id(t0 + LEASE), &["px"]), t0);
     assert_eq!(ks.state("r"), Some(KeyState::Resident));
     assert_eq!(ks.state("pp"), Some(KeyState::PendingPush));
     assert_eq!(ks.state("pr"), Some(KeyState::PendingRead));
@@ -610,11 +771,13 @@ fn dedup_partition_counts_every_state_as_present() {
 
     // A push for the same keys allocates only the new ones and reports the rest.
     let before = stats(&pool).0;
-    let reply = ks.on_alloc_request(
+    let reply = push_with(
+        &mut ks,
         &alloc_request(&["new0", "r", "pp", "new1", "pr", "px"], 4),
-        "s",
+        ROUTE_NEXT,
         t0,
-        pool_alloc(&pool),
+        |m| pool.allocate_batch(m),
+        None,
     );
     assert_eq!(reply.response.already_sent_indexes, vec![1, 2, 4, 5]);
     assert_eq!(reply.response.remote_indexes.len(), 2);
@@ -622,10 +785,31 @@ fn dedup_partition_counts_every_state_as_present() {
     assert_eq!(ks.counters().dedup_hits, 4);
     assert!(ks.contains("new1"));
 
-    drop(eager);
-    for k in ["r", "pp", "pr", "px", "new0", "new1"] {
+    // Everything ends: the read fails, the pushes abort, the rest is removed.
+    let pull = read.pull_id.clone();
+    drop(read);
+    assert!(ks.on_read_complete(&pull, None).is_some());
+    let pp_refs = vec![BufferRef {
+        uuid: pool.uuid(),
+        page: 1,
+    }];
+    assert!(
+        notice(&mut ks, ROUTE, ROUTE, PushOutcome::Aborted, &pp_refs, t0)
+            .result
+            .is_ok()
+    );
+    notice(
+        &mut ks,
+        ROUTE_NEXT,
+        ROUTE_NEXT,
+        PushOutcome::Aborted,
+        &refs_of(&reply.response),
+        t0,
+    );
+    for k in ["r", "px"] {
         ks.remove(k).unwrap();
     }
+    assert!(ks.is_empty());
     drop(sp);
     assert_idle(&pool);
     assert_idle(&sender_pool);
@@ -635,15 +819,9 @@ fn dedup_partition_counts_every_state_as_present() {
 fn push_rollback_on_alloc_failure_leaves_nothing() {
     let t0 = Instant::now();
     let pool = pool(2);
-    let start = pool.stats();
     let mut ks = receiver();
     // Three new keys, two pages: all or nothing.
-    let reply = ks.on_alloc_request(
-        &alloc_request(&["a", "b", "c"], 4),
-        "s",
-        t0,
-        pool_alloc(&pool),
-    );
+    let reply = push(&mut ks, &alloc_request(&["a", "b", "c"], 4), t0, &pool);
     assert!(matches!(
         reply.verdict,
         Verdict::AllocFailed(MemoryError::Exhausted { .. })
@@ -659,37 +837,38 @@ fn push_rollback_on_alloc_failure_leaves_nothing() {
     );
     assert!(ks.is_empty());
     assert_eq!(ks.counters().alloc_failures, 1);
-    assert_eq!(stats(&pool), (start.allocated, start.pinned));
+    assert_idle(&pool);
 
-    // An allocator that hands out some pages then fails: they are returned.
-    let partial = |m: &[ChunkMeta]| -> Result<Vec<MemObj>, MemoryError> {
-        let got = pool.allocate_batch(&m[..1])?;
-        assert_eq!(stats(&pool).0, 1);
-        drop(got);
-        Err(MemoryError::InvalidGeometry("injected".into()))
-    };
-    let reply = ks.on_alloc_request(&alloc_request(&["a", "b"], 4), "s", t0, partial);
-    assert!(reply.response.alloc_failed);
     // An allocator returning the wrong number of pages is a failure too.
-    let short = |_: &[ChunkMeta]| Ok(alloc(&pool, 1));
-    let reply = ks.on_alloc_request(&alloc_request(&["a", "b"], 4), "s", t0, short);
+    let short = |_: &[ChunkMeta]| Ok(pool.allocate_batch(&[ChunkMeta::full(layout())]).unwrap());
+    let reply = push_with(
+        &mut ks,
+        &alloc_request(&["a", "b"], 4),
+        ROUTE,
+        t0,
+        short,
+        None,
+    );
     assert!(reply.response.alloc_failed);
     assert!(reply
         .verdict
         .to_string_lossy()
         .contains("returned 1 page(s) for 2"));
     assert!(ks.is_empty());
-    assert_eq!(ks.counters().alloc_failures, 3);
+    assert_eq!(ks.counters().alloc_failures, 2);
     assert_idle(&pool);
 
     // A present key is kept across a failed message (it was not part of the rollback).
-    ks.on_alloc_request(&alloc_request(&["keep"], 4), "s", t0, pool_alloc(&pool));
-    let reply = ks.on_alloc_request(
-        &alloc_request(&["keep", "x", "y"], 4),
-        "s",
+    let keep = push(&mut ks, &alloc_request(&["keep"], 4), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&keep.response),
         t0,
-        pool_alloc(&pool),
     );
+    let reply = push(&mut ks, &alloc_request(&["keep", "x", "y"], 4), t0, &pool);
     assert!(reply.response.alloc_failed);
     assert_eq!(ks.len(), 1);
     assert_eq!(stats(&pool).0, 1);
@@ -714,14 +893,10 @@ impl VerdictText for Verdict {
 #[test]
 fn invalid_messages_are_rejected_without_allocating() {
     let t0 = Instant::now();
-    let pool = pool(4);
     let mut ks = receiver();
-    let never = |_: &[ChunkMeta]| -> Result<Vec<MemObj>, MemoryError> {
-        panic!("allocator must not run for an invalid message")
-    };
     let mut bad = alloc_request(&["a"], 4);
     bad.shape = vec![2, 1, 8, 2];
-    let reply = ks.on_alloc_request(&bad, "s", t0, never);
+    let reply = ks.plan_push(t0, ROUTE, &bad).unwrap_err();
     assert!(reply.response.alloc_failed);
     assert!(matches!(
         reply.verdict,
@@ -731,71 +906,123 @@ fn invalid_messages_are_rejected_without_allocating() {
         .verdict
         .to_string_lossy()
         .starts_with("AllocRequest.shape"));
-    let reply = ks.on_alloc_request(&alloc_request(&["a", "a"], 4), "s", t0, never);
+    let reply = ks
+        .plan_push(t0, ROUTE, &alloc_request(&["a", "a"], 4))
+        .unwrap_err();
     assert!(reply
         .verdict
         .to_string_lossy()
         .contains("keys[1]: duplicate"));
-    let reply = ks.on_alloc_request(&alloc_request(&["a"], 5), "s", t0, never);
+    let reply = ks
+        .plan_push(t0, ROUTE, &alloc_request(&["a"], 5))
+        .unwrap_err();
     assert!(reply.verdict.to_string_lossy().contains("last_chunk_toks"));
 
-    let mut n = remote_notif("p", &["a", "b"]);
+    let mut n = remote_notif(&lease_id(t0 + LEASE), &["a", "b"]);
     n.sender_mem_indexes.pop();
-    let reply = ks.on_pull_eager(&n, t0, LEASE, never);
+    let reply = ks.plan_pull(t0, &n, Some(LEASE)).unwrap_err();
     assert!(reply.ack.alloc_failed);
     assert!(reply.read.is_none() && reply.done.is_empty());
     assert!(reply
         .verdict
         .to_string_lossy()
         .contains("PullReadyNotif.sender_mem_indexes"));
-    let mut n = remote_notif("p", &["a"]);
+    let mut n = remote_notif(&lease_id(t0 + LEASE), &["a"]);
     n.sender_buffer_uuids[0] = "zz".into();
-    assert!(ks.on_pull_delay(&n, t0, LEASE).ack.alloc_failed);
+    assert!(delay(&mut ks, &n, t0).ack.alloc_failed);
     let c = ks.counters();
     assert_eq!((c.rejected_alloc_requests, c.rejected_pull_notifs), (3, 2));
     assert!(ks.is_empty());
-    assert_idle(&pool);
 }
 
+/// Defect: unlanded push pages were freed after a fixed timeout while the
+/// writer could still write them. Now the keys go, the grant is revoked,
+/// and the pages stay quarantined until the channel says the writer is
+/// quiescent — or a late notice proves it. An allocation with no grant
+/// (its writer had no attachment, so no access) frees at once.
 #[test]
-fn pending_push_reclaimed_after_deadline_returns_its_pages() {
+fn an_unlanded_push_is_revoked_and_quarantined_never_reused_early() {
     let t0 = Instant::now();
     let pool = pool(4);
     let mut ks = receiver();
     let timeout = ks.config().push_landing_timeout;
-    ks.on_alloc_request(&alloc_request(&["a", "b"], 4), "s", t0, pool_alloc(&pool));
-    ks.on_alloc_request(
-        &alloc_request(&["c"], 4),
-        "s",
-        t0 + 2 * S,
-        pool_alloc(&pool),
+    let g1 = GrantId(1);
+    let a = push_with(
+        &mut ks,
+        &alloc_request(&["a", "b"], 4),
+        ROUTE,
+        t0,
+        |m| pool.allocate_batch(m),
+        Some(g1),
     );
-    ks.mark_landed(&keys(&["b"]));
+    // Another writer's allocation with no grant.
+    push_with(
+        &mut ks,
+        &alloc_request(&["c"], 4),
+        OTHER_WRITER,
+        t0 + 2 * S,
+        |m| pool.allocate_batch(m),
+        None,
+    );
     assert_eq!(stats(&pool).0, 3);
     assert!(ks
         .sweep(t0 + timeout - Duration::from_millis(1))
-        .reclaimed_pushes
+        .revoke
         .is_empty());
     let report = ks.sweep(t0 + timeout);
-    assert_eq!(report.reclaimed_pushes, vec!["a".to_string()]);
-    // "a" is gone (its page is back), "b" landed and stays, "c" is younger.
-    assert_eq!(stats(&pool).0, 2);
+    let mut gone = report.reclaimed_pushes.clone();
+    gone.sort();
+    assert_eq!(gone, keys(&["a", "b"]));
+    assert_eq!(report.revoke, vec![g1]);
     assert!(matches!(ks.get("a", t0), Lookup::Missing));
+    // The pages are not free: quarantined, and nobody can have them.
+    let s = pool.stats();
+    assert_eq!((s.allocated, s.quarantined), (3, 2));
     assert_eq!(
-        ks.mark_landed(&keys(&["a"])).not_pending,
-        vec!["a".to_string()]
+        pool.allocate_batch(&[ChunkMeta::full(layout()); 2])
+            .err()
+            .map(|_| ()),
+        Some(())
     );
-    let a_ref = crate::memory::BufferRef {
-        uuid: pool.uuid(),
-        page: 0,
-    };
-    assert_eq!(ks.mark_landed_refs(&[a_ref]).landed, 0);
-    assert_eq!(
-        ks.sweep(t0 + 2 * S + timeout).reclaimed_pushes,
-        vec!["c".to_string()]
+    assert_eq!(ks.awaiting_quiescence(), vec![g1]);
+    assert_eq!(ks.counters().allocations_quarantined, 1);
+    // A landed notice now is too late: refused, but it proves the writer
+    // is done, so the pages come back.
+    let late = notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&a.response),
+        t0 + timeout,
     );
+    assert!(late.result.unwrap_err().contains("too late"));
+    assert_eq!(late.release, Some(g1));
+    assert!(!ks.contains("a"));
+    assert_eq!(pool.stats().quarantined, 0);
+    assert_eq!(stats(&pool).0, 1);
+    // The ungranted one frees at its deadline.
+    let report = ks.sweep(t0 + 2 * S + timeout);
+    assert_eq!(report.reclaimed_pushes, keys(&["c"]));
+    assert!(report.revoke.is_empty());
     assert_eq!(ks.counters().reclaimed_pushes, 2);
-    ks.remove("b");
+    assert_idle(&pool);
+
+    // Revoked and never noticed: only the channel's word brings them back.
+    let g2 = GrantId(2);
+    push_with(
+        &mut ks,
+        &alloc_request(&["d"], 4),
+        ROUTE_NEXT,
+        t0,
+        |m| pool.allocate_batch(m),
+        Some(g2),
+    );
+    assert_eq!(ks.sweep(t0 + timeout).revoke, vec![g2]);
+    assert_eq!(pool.stats().quarantined, 1);
+    assert_eq!(ks.on_quiescent(GrantId(99)), 0);
+    assert_eq!(ks.on_quiescent(g2), 1);
+    assert!(ks.awaiting_quiescence().is_empty());
     assert_idle(&pool);
 }
 
@@ -806,28 +1033,26 @@ fn pull_eager_ack_then_read_then_done_once() {
     let recv_pool = pool(4);
     let mut ks = receiver();
     let sp = alloc(&sender_pool, 2);
-    let reply = ks.on_pull_eager(
-        &notif("e", &["a", "b"], &sp),
-        t0,
-        LEASE,
-        pool_alloc(&recv_pool),
-    );
+    let id = lease_id(t0 + LEASE);
+    let reply = eager(&mut ks, &notif(&id, &["a", "b"], &sp), t0, &recv_pool);
     assert_eq!(reply.ack, ack(&[], false));
     // No Done with the ack: it only comes from the read's completion.
     assert!(reply.done.is_empty());
     let read = reply.read.unwrap();
-    assert_eq!(read.pull_id, "e");
-    assert_eq!(read.read_by, t0 + LEASE - S);
+    assert_eq!(read.pull_id, id);
+    // The lease ends where the sender said; reads start before the margin.
+    let deadline = read.deadline;
+    assert!(deadline.saturating_duration_since(t0 + LEASE) < Duration::from_micros(2));
+    assert_eq!(read.read_by, deadline - margin());
     assert_eq!(read.items.len(), 2);
     assert_eq!(read.items[1].remote, sp[1].buffer_ref());
     assert_eq!(read.items[0].bytes, 16);
     assert!(matches!(ks.get("a", t0), Lookup::NotReady));
     assert_eq!(ks.counters().eager_reads_open, 1);
-    drop(read);
-    let done = ks.on_read_complete("e", true).unwrap();
-    assert_eq!(done.signal.pull_id, "e");
+    let done = ks.on_read_complete(&id, Some(read.pages)).unwrap();
+    assert_eq!(done.signal.pull_id, id);
     assert_eq!(done.done_url, "127.0.0.1:7700");
-    assert!(ks.on_read_complete("e", true).is_none());
+    assert!(ks.on_read_complete(&id, None).is_none());
     assert!(matches!(ks.get("b", t0), Lookup::Resident(_)));
     assert_eq!(ks.counters().dones_emitted, 1);
     ks.remove("a");
@@ -842,46 +1067,45 @@ fn pull_eager_failed_or_late_read_drops_keys_and_still_sends_done() {
     let t0 = Instant::now();
     let recv_pool = pool(4);
     let mut ks = receiver();
-    let reply = ks.on_pull_eager(
-        &remote_notif("f", &["a"]),
-        t0,
-        LEASE,
-        pool_alloc(&recv_pool),
-    );
+    let f = lease_id(t0 + LEASE);
+    let reply = eager(&mut ks, &remote_notif(&f, &["a"]), t0, &recv_pool);
     drop(reply.read);
-    assert!(ks.on_read_complete("f", false).is_some());
+    assert!(ks.on_read_complete(&f, None).is_some());
     assert!(!ks.contains("a"));
     assert_idle(&recv_pool);
 
     // A read that never completes: the sweep gives up at the lease and sends Done.
-    let reply = ks.on_pull_eager(
-        &remote_notif("g", &["b", "c"]),
-        t0,
-        LEASE,
-        pool_alloc(&recv_pool),
-    );
+    let g = lease_id(t0 + LEASE);
+    let reply = eager(&mut ks, &remote_notif(&g, &["b", "c"]), t0, &recv_pool);
     let read = reply.read.unwrap();
     assert!(ks.sweep(t0 + LEASE - S).done.is_empty());
-    let report = ks.sweep(t0 + LEASE);
+    let report = ks.sweep(t0 + LEASE + Duration::from_micros(2));
     assert_eq!(report.done.len(), 1);
     let mut failed = report.failed_reads.clone();
     failed.sort();
     assert_eq!(failed, keys(&["b", "c"]));
-    // The shell's read handle still holds the pages until it lets go.
+    // The read (the transfer) still holds the pages until it lets go.
     assert_eq!(stats(&recv_pool).0, 2);
-    drop(read);
-    assert!(ks.on_read_complete("g", true).is_none());
+    assert!(ks.on_read_complete(&g, Some(read.pages)).is_none());
     assert!(ks.is_empty());
     assert_eq!(ks.counters().failed_reads, 3);
     assert_idle(&recv_pool);
 
     // Nothing new to read: the Done rides with the reply, after the ack.
-    ks.on_alloc_request(&alloc_request(&["x"], 4), "s", t0, pool_alloc(&recv_pool));
-    let reply = ks.on_pull_eager(
-        &remote_notif("h", &["x"]),
+    let x = push(&mut ks, &alloc_request(&["x"], 4), t0, &recv_pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&x.response),
         t0,
-        LEASE,
-        pool_alloc(&recv_pool),
+    );
+    let reply = eager(
+        &mut ks,
+        &remote_notif(&lease_id(t0 + LEASE), &["x"]),
+        t0,
+        &recv_pool,
     );
     assert_eq!(reply.ack.already_sent_indexes, vec![0]);
     assert!(reply.read.is_none());
@@ -889,11 +1113,11 @@ fn pull_eager_failed_or_late_read_drops_keys_and_still_sends_done() {
     ks.remove("x");
     // Alloc failure in eager mode: ack says so, nothing kept.
     let small = pool(1);
-    let reply = ks.on_pull_eager(
-        &remote_notif("i", &["y", "z"]),
+    let reply = eager(
+        &mut ks,
+        &remote_notif(&lease_id(t0 + LEASE), &["y", "z"]),
         t0,
-        LEASE,
-        pool_alloc(&small),
+        &small,
     );
     assert!(reply.ack.alloc_failed && reply.read.is_none());
     assert!(ks.is_empty());
@@ -901,11 +1125,70 @@ fn pull_eager_failed_or_late_read_drops_keys_and_still_sends_done() {
     assert_idle(&recv_pool);
 }
 
+/// Defect: the receiver started the lease when it read the notification
+/// and its margin ignored the agreed lease. Now the deadline is the
+/// sender's (carried in the pull id, capped at arrival + lease), the
+/// margin a share of the agreed lease, and a notification that arrives too
+/// late is refused, not read.
+#[test]
+fn the_read_window_comes_from_the_senders_lease_not_the_arrival() {
+    let t0 = Instant::now();
+    let mut ks = receiver();
+    let short = Duration::from_secs(2);
+    // The sender pinned at t0 with a 2 s lease; the notification waited
+    // 1.5 s in our queue: the window still ends at t0 + 2 s.
+    let n = remote_notif(&lease_id(t0 + short), &["a"]);
+    let plan = ks
+        .plan_pull(t0 + Duration::from_millis(1500), &n, Some(short))
+        .unwrap();
+    assert!(plan.deadline().saturating_duration_since(t0 + short) < Duration::from_micros(2));
+    ks.commit_pull_delay(plan);
+    // The margin is 10 % of the agreed 2 s, not a fixed 5 s.
+    let read_by = t0 + short - read_margin(short, 10.0);
+    assert!(matches!(
+        ks.get("a", read_by - Duration::from_millis(5)),
+        Lookup::Proxy(_)
+    ));
+    assert!(matches!(
+        ks.get("a", read_by + Duration::from_millis(5)),
+        Lookup::Expired
+    ));
+    // The same notification waiting 1.9 s arrives within the margin: refused.
+    let late = remote_notif(&lease_id(t0 + short), &["b"]);
+    let reply = ks
+        .plan_pull(t0 + Duration::from_millis(1900), &late, Some(short))
+        .unwrap_err();
+    assert!(reply.ack.alloc_failed);
+    assert!(matches!(
+        reply.verdict,
+        Verdict::Rejected(InvalidMessage::LeaseOver { .. })
+    ));
+    assert!(!ks.contains("b"));
+    // A deadline further than the agreed lease is capped at arrival + lease.
+    let far = remote_notif(&lease_id(t0 + Duration::from_secs(3600)), &["c"]);
+    let plan = ks.plan_pull(t0, &far, Some(short)).unwrap();
+    assert_eq!(plan.deadline(), t0 + short);
+    // No lease in the pull id, or no handshake: refused.
+    let reply = ks
+        .plan_pull(t0, &remote_notif("plain-uuid", &["d"]), Some(short))
+        .unwrap_err();
+    assert!(reply
+        .verdict
+        .to_string_lossy()
+        .contains("no lease deadline"));
+    let reply = ks
+        .plan_pull(t0, &remote_notif(&lease_id(t0 + short), &["d"]), None)
+        .unwrap_err();
+    assert!(reply.verdict.to_string_lossy().contains("no handshake"));
+    assert_eq!(ks.counters().rejected_pull_notifs, 3);
+}
+
 #[test]
 fn pull_delay_lookups_and_pins_do_not_consume_proxies() {
     let t0 = Instant::now();
     let mut ks = receiver();
-    let reply = ks.on_pull_delay(&remote_notif("d", &["a", "b"]), t0, LEASE);
+    let d = lease_id(t0 + LEASE);
+    let reply = delay(&mut ks, &remote_notif(&d, &["a", "b"]), t0);
     assert_eq!(reply.ack, ack(&[], false));
     assert!(reply.done.is_empty() && reply.read.is_none());
     // Many lookups: still there.
@@ -913,7 +1196,7 @@ fn pull_delay_lookups_and_pins_do_not_consume_proxies() {
         match ks.get("a", t0) {
             Lookup::Proxy(p) => {
                 assert_eq!(p.byte_len(), 16);
-                assert_eq!(p.handle.pull_id, "d");
+                assert_eq!(p.handle.pull_id, d);
             }
             other => panic!("{other:?}"),
         }
@@ -921,7 +1204,7 @@ fn pull_delay_lookups_and_pins_do_not_consume_proxies() {
     let p = ks.begin_proxy_read("a", t0).unwrap();
     // Pinned for a read: still in the store, still a proxy, context untouched.
     assert_eq!(ks.state("a"), Some(KeyState::Proxy));
-    assert_eq!(ks.context("d").unwrap().outstanding(), 2);
+    assert_eq!(ks.context(&d).unwrap().outstanding(), 2);
     // A failed pin (not a proxy / missing) changes nothing either.
     assert!(matches!(
         ks.begin_proxy_read("zz", t0),
@@ -944,8 +1227,8 @@ fn pull_delay_lookups_and_pins_do_not_consume_proxies() {
     let removed = ks.remove("b").unwrap();
     assert_eq!(removed.state, KeyState::Proxy);
     assert!(removed.page.is_none());
-    assert_eq!(removed.done.unwrap().signal.pull_id, "d");
-    assert!(ks.context("d").is_none());
+    assert_eq!(removed.done.unwrap().signal.pull_id, d);
+    assert!(ks.context(&d).is_none());
     assert_eq!(ks.counters().dones_emitted, 1);
     assert_eq!(ks.counters().contexts_open, 0);
 }
@@ -956,8 +1239,7 @@ fn pull_delay_done_exactly_once_across_consume_discard_mixes() {
     let names = ["k0", "k1", "k2", "k3"];
     for mask in 0..16u32 {
         let mut ks = receiver();
-        let id = format!("pull{mask}");
-        ks.on_pull_delay(&remote_notif(&id, &names), t0, LEASE);
+        delay(&mut ks, &remote_notif(&lease_id(t0 + LEASE), &names), t0);
         let mut dones = 0;
         for (i, k) in names.iter().enumerate() {
             let d = if mask & (1 << i) != 0 {
@@ -990,7 +1272,8 @@ fn pull_delay_done_exactly_once_across_consume_discard_mixes() {
 fn eviction_during_a_proxy_read_defers_the_done() {
     let t0 = Instant::now();
     let mut ks = receiver();
-    ks.on_pull_delay(&remote_notif("d", &["a"]), t0, LEASE);
+    let d = lease_id(t0 + LEASE);
+    delay(&mut ks, &remote_notif(&d, &["a"]), t0);
     let p = ks.begin_proxy_read("a", t0).unwrap();
     // Evicted while the read is in flight: gone from the store, but no Done
     // (the sender must keep its pages until the read ends).
@@ -999,7 +1282,7 @@ fn eviction_during_a_proxy_read_defers_the_done() {
     assert!(!ks.contains("a"));
     assert_eq!(ks.counters().proxies_outstanding, 1);
     let done = ks.end_proxy_read(&p.handle, ReadOutcome::Consumed).unwrap();
-    assert_eq!(done.signal.pull_id, "d");
+    assert_eq!(done.signal.pull_id, d);
     assert_eq!(ks.counters().contexts_open, 0);
 }
 
@@ -1007,15 +1290,19 @@ fn eviction_during_a_proxy_read_defers_the_done() {
 fn proxies_past_the_lease_are_expired_never_read() {
     let t0 = Instant::now();
     let mut ks = receiver();
-    let margin = ks.config().lease_read_margin;
-    ks.on_pull_delay(&remote_notif("d", &["a", "b", "c"]), t0, LEASE);
+    let d = lease_id(t0 + LEASE);
+    let plan = ks
+        .plan_pull(t0, &remote_notif(&d, &["a", "b", "c"]), Some(LEASE))
+        .unwrap();
+    let deadline = plan.deadline();
+    ks.commit_pull_delay(plan);
     let b = ks.begin_proxy_read("b", t0).unwrap();
     let c = ks.begin_proxy_read("c", t0).unwrap();
     assert!(ks
         .end_proxy_read(&c.handle, ReadOutcome::Consumed)
         .is_none());
     // Within the read margin before the lease: reported expired, pins refused.
-    let edge = t0 + LEASE - margin;
+    let edge = deadline - margin();
     assert!(matches!(
         ks.get("a", edge - Duration::from_millis(1)),
         Lookup::Proxy(_)
@@ -1026,14 +1313,14 @@ fn proxies_past_the_lease_are_expired_never_read() {
         Err(ProxyReadError::LeaseExpired(_))
     ));
     // Sweep at the lease: "a" discarded; "b" is mid-read, so no Done yet.
-    let report = ks.sweep(t0 + LEASE);
+    let report = ks.sweep(deadline);
     assert_eq!(report.expired_proxies, keys(&["a", "b"]));
     assert!(report.done.is_empty());
     assert!(ks.is_empty());
     // A second sweep does not count them again.
-    assert!(ks.sweep(t0 + LEASE + S).expired_proxies.is_empty());
+    assert!(ks.sweep(deadline + S).expired_proxies.is_empty());
     let done = ks.end_proxy_read(&b.handle, ReadOutcome::Failed).unwrap();
-    assert_eq!(done.signal.pull_id, "d");
+    assert_eq!(done.signal.pull_id, d);
     let c = ks.counters();
     assert_eq!(
         (c.expired_proxies, c.dones_emitted, c.contexts_open),
@@ -1046,21 +1333,24 @@ fn expired_proxy_is_replaced_by_a_new_message_for_its_key() {
     let t0 = Instant::now();
     let pool = pool(2);
     let mut ks = receiver();
-    ks.on_pull_delay(&remote_notif("old", &["a"]), t0, LEASE);
+    let old = lease_id(t0 + LEASE);
+    delay(&mut ks, &remote_notif(&old, &["a"]), t0);
     // Before the sweep ran, a push for "a" arrives after the lease.
-    let reply = ks.on_alloc_request(
-        &alloc_request(&["a"], 4),
-        "s",
-        t0 + LEASE,
-        pool_alloc(&pool),
-    );
+    let reply = push(&mut ks, &alloc_request(&["a"], 4), t0 + LEASE, &pool);
     assert!(reply.response.already_sent_indexes.is_empty());
     assert_eq!(reply.response.remote_indexes.len(), 1);
     assert_eq!(reply.done.len(), 1);
-    assert_eq!(reply.done[0].signal.pull_id, "old");
+    assert_eq!(reply.done[0].signal.pull_id, old);
     assert_eq!(ks.state("a"), Some(KeyState::PendingPush));
-    assert!(ks.context("old").is_none());
-    ks.remove("a");
+    assert!(ks.context(&old).is_none());
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Aborted,
+        &refs_of(&reply.response),
+        t0 + LEASE,
+    );
     assert_idle(&pool);
 }
 
@@ -1068,27 +1358,29 @@ fn expired_proxy_is_replaced_by_a_new_message_for_its_key() {
 fn pull_delay_rejects_a_reused_pull_id_and_empty_pulls_are_done_at_once() {
     let t0 = Instant::now();
     let mut ks = receiver();
-    ks.on_pull_delay(&remote_notif("d", &["a"]), t0, LEASE);
-    let reply = ks.on_pull_delay(&remote_notif("d", &["b"]), t0, LEASE);
+    let d = lease_id(t0 + LEASE);
+    delay(&mut ks, &remote_notif(&d, &["a"]), t0);
+    let reply = delay(&mut ks, &remote_notif(&d, &["b"]), t0);
     assert!(reply.ack.alloc_failed);
     assert!(reply
         .verdict
         .to_string_lossy()
-        .contains("PullReadyNotif.pull_id: \"d\" is already in use"));
+        .contains("is already in use"));
     assert!(!ks.contains("b"));
     // Every key already present: no context, Done right after the ack.
-    let reply = ks.on_pull_delay(&remote_notif("e", &["a"]), t0, LEASE);
+    let e = lease_id(t0 + LEASE);
+    let reply = delay(&mut ks, &remote_notif(&e, &["a"]), t0);
     assert_eq!(reply.ack.already_sent_indexes, vec![0]);
     assert_eq!(reply.done.len(), 1);
-    assert!(ks.context("e").is_none());
+    assert!(ks.context(&e).is_none());
     assert_eq!(ks.counters().contexts_open, 1);
 }
 
 // ============================================================ both sides
 
-/// One pull-eager transfer between a sender core and a receiver core, with
-/// the receiver's Done overtaking its ack, and an alloc failure that opens
-/// the breaker.
+/// One pull-eager transfer between a sender's pull table and a receiver
+/// core, with the receiver's Done overtaking its ack, and an alloc failure
+/// that opens the breaker.
 #[test]
 fn sender_and_receiver_cores_pull_eager_end_to_end() {
     let t0 = Instant::now();
@@ -1105,14 +1397,15 @@ fn sender_and_receiver_cores_pull_eager_end_to_end() {
     assert!(breaker.allows(peer, t0));
     assert_eq!(bp.check(pp.pinned_pages(), 2), Admission::Admit);
     let pages = alloc(&sender_pool, 2);
-    let n1 = notif("p1", &["a", "b"], &pages);
-    pp.insert("p1", peer, "req1", pages, t0, LEASE).unwrap();
-    let reply = ks.on_pull_eager(&n1, t0, LEASE, pool_alloc(&recv_pool));
+    let p1 = lease_id(t0 + LEASE);
+    let n1 = notif(&p1, &["a", "b"], &pages);
+    pp.insert(&p1, peer, "req1", pages, t0, LEASE, None)
+        .unwrap();
+    let reply = eager(&mut ks, &n1, t0, &recv_pool);
     let frame = reply.ack.encode();
     let read = reply.read.unwrap();
     // "Read": copy nothing, just complete.
-    drop(read);
-    let done = ks.on_read_complete("p1", true).unwrap();
+    let done = ks.on_read_complete(&p1, Some(read.pages)).unwrap();
     // Done overtakes the ack on the wire.
     let sig = PullDoneSignal::decode(&done.signal.encode()).unwrap();
     assert!(matches!(
@@ -1121,7 +1414,7 @@ fn sender_and_receiver_cores_pull_eager_end_to_end() {
     ));
     let ack1 = PullReadyDoneAck::decode(&frame).unwrap();
     assert!(matches!(
-        pp.on_ack("p1", &ack1, t0 + S),
+        pp.on_ack(&p1, &ack1, t0 + S),
         AckOutcome::AlreadyReleased { .. }
     ));
     assert_idle(&sender_pool);
@@ -1129,14 +1422,15 @@ fn sender_and_receiver_cores_pull_eager_end_to_end() {
 
     // Pull 2: "a" is already there, "c" and "d" need 2 pages, the receiver has 1.
     let pages = alloc(&sender_pool, 3);
-    let n2 = notif("p2", &["a", "c", "d"], &pages);
-    pp.insert("p2", peer, "req2", pages, t0 + 2 * S, LEASE)
+    let p2 = lease_id(t0 + 2 * S + LEASE);
+    let n2 = notif(&p2, &["a", "c", "d"], &pages);
+    pp.insert(&p2, peer, "req2", pages, t0 + 2 * S, LEASE, None)
         .unwrap();
     assert_eq!(bp.check(pp.pinned_pages(), 6), Admission::Wait);
     assert_eq!(bp.check(pp.pinned_pages(), 9), Admission::TooLarge);
-    let reply = ks.on_pull_eager(&n2, t0 + 2 * S, LEASE, pool_alloc(&recv_pool));
+    let reply = eager(&mut ks, &n2, t0 + 2 * S, &recv_pool);
     assert!(reply.ack.alloc_failed);
-    let out = pp.on_ack("p2", &reply.ack, t0 + 2 * S);
+    let out = pp.on_ack(&p2, &reply.ack, t0 + 2 * S);
     assert!(out.opens_breaker());
     drop(out);
     breaker.open(peer, t0 + 2 * S, Duration::from_secs(2));

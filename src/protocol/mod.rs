@@ -21,13 +21,15 @@
 //! type and field; it never panics and never trusts a length the input
 //! cannot back.
 //!
-//! The sans-IO protocol core lives beside the messages: the sender's
-//! [`PullPending`], [`CircuitBreaker`] and [`Backpressure`] ([`sender`],
-//! [`breaker`], [`backpressure`]) and the receiver's [`KeyStore`] with its
-//! per-pull [`TransferContext`]s ([`receiver`], [`context`]), plus the
-//! field checks of incoming messages ([`validate`]). They are plain structs
-//! driven by messages and `Instant`s passed in; the I/O shell around them
-//! owns the sockets, threads and clock.
+//! The sans-IO protocol cores live beside the messages: [`SenderCore`]
+//! ([`sender`]: the sequence of a put over [`PullPending`], the
+//! [`CircuitBreaker`] and [`Backpressure`]) and [`ReceiverCore`]
+//! ([`receiver`]: keys, push allocations lent to their writers, per-pull
+//! [`TransferContext`]s), plus the pull [`lease`], the push [`notice`]s
+//! and the field checks of incoming messages ([`validate`]). They are plain
+//! structs driven by messages, completions and `Instant`s passed in, and
+//! they say what to send and which pages to grant or release; the I/O
+//! shell around them owns the sockets, threads, channel and clock.
 //!
 //! ```
 //! use ascend_pd::protocol::{Message, PullDoneSignal};
@@ -45,6 +47,9 @@ mod messages;
 pub mod backpressure;
 pub mod breaker;
 pub mod context;
+pub mod lease;
+pub mod notice;
+pub mod pending;
 pub mod receiver;
 pub mod recent;
 pub mod sender;
@@ -60,19 +65,25 @@ pub use backpressure::{Admission, Backpressure};
 pub use breaker::{BreakerCounters, BreakerState, CircuitBreaker};
 pub use context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
 pub use error::{DecodeError, EncodeError};
+pub use lease::{read_margin, ClockMap, PullId};
 pub use messages::{
     AllocRequest, AscendAllocResponse, Message, MessageType, ProxyNotif, PullDoneSignal,
     PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
 };
+pub use notice::{PushNotice, PushOutcome};
+pub use pending::{
+    AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertError, InsertOutcome, PullCounters,
+    PullPending, PullPendingLimits, ReleaseReason, ReleasedPull, ReqFailedOutcome,
+};
 pub use receiver::{
-    EagerRead, KeyState, KeyStore, LandedReport, Lookup, Partition, ProxyEntry, ProxyHandle,
-    PullReply, PushReply, ReadItem, ReceiverConfig, ReceiverCounters, Removed, SweepReport,
-    Verdict,
+    AllocId, EagerRead, KeyState, Lookup, NoticeReply, Partition, ProxyEntry, ProxyHandle,
+    PullPlan, PullReply, PushPlan, PushReply, ReadItem, ReceiverConfig, ReceiverCore,
+    ReceiverCounters, Removed, SweepReport, Verdict,
 };
 pub use recent::RecentIds;
 pub use sender::{
-    AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertError, InsertOutcome, PullCounters,
-    PullPending, PullPendingLimits, ReleaseReason, ReleasedPull, ReqFailedOutcome, SenderCounters,
+    Attached, Put, PutAction, PutEnd, PutFailure, PutOutcome, PutRejected, PutSpec, RequestKind,
+    SenderConfig, SenderCore, SenderCounters, WriteEnd,
 };
 pub use validate::{
     check_alloc_request, check_pull_notif, CheckedChunks, CheckedPull, InvalidMessage,

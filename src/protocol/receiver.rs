@@ -1,31 +1,44 @@
-//! Sans-IO bookkeeping of a receiver (decode side): which keys it holds,
-//! in what state, and what to answer and signal.
+//! The receiver's sans-IO core (decode side): which keys it holds, in what
+//! state, which of its pages are lent to which writer, and what to answer
+//! and signal.
 //!
-//! [`KeyStore`] is driven by the messages the shell receives
-//! ([`KeyStore::on_alloc_request`], [`KeyStore::on_pull_eager`],
-//! [`KeyStore::on_pull_delay`]), by what the shell's transfers report
-//! ([`KeyStore::mark_landed`], [`KeyStore::on_read_complete`],
-//! [`KeyStore::end_proxy_read`]) and by time ([`KeyStore::sweep`]). It
-//! returns the reply to send and any [`SendPullDone`] to push to a sender;
-//! it never touches a socket or the clock.
+//! [`ReceiverCore`] is driven by the messages the shell receives
+//! ([`ReceiverCore::plan_push`] / [`ReceiverCore::commit_push`],
+//! [`ReceiverCore::on_push_notice`], [`ReceiverCore::plan_pull`] /
+//! [`ReceiverCore::commit_pull`]), by what the shell's transfers report
+//! ([`ReceiverCore::on_read_complete`], [`ReceiverCore::end_proxy_read`]),
+//! by what the channel says of revoked grants ([`ReceiverCore::on_quiescent`])
+//! and by time ([`ReceiverCore::sweep`]). It returns the reply to send, the
+//! grants to release or revoke and any [`SendPullDone`]; it never touches a
+//! socket, a channel or the clock.
 //!
 //! # Key states
 //!
-//! | state | pages | load path ([`KeyStore::get`]) |
+//! | state | pages | load path ([`ReceiverCore::get`]) |
 //! |---|---|---|
-//! | Resident | one page, data landed | [`Lookup::Resident`] |
-//! | PendingPush | one page, allocated for a push, data not confirmed | [`Lookup::NotReady`] |
-//! | PendingRead | one page, pull-eager read in flight | [`Lookup::NotReady`] |
-//! | Proxy | none; the sender's [`BufferRef`] | [`Lookup::Proxy`] (or [`Lookup::Expired`] after the lease) |
+//! | Resident | one sealed page, data landed | [`Lookup::Resident`] |
+//! | PendingPush | a page lent to its writer | [`Lookup::NotReady`] |
+//! | PendingRead | a page owned by the pull-eager read in flight | [`Lookup::NotReady`] |
+//! | Proxy | none; the sender's [`BufferRef`] | [`Lookup::Proxy`] (or [`Lookup::Expired`] within the read margin) |
+//!
+//! # Push allocations
+//!
+//! An `AllocRequest` arrives on a request socket whose identity, the
+//! *route*, names its writer (`<node>#<n>`, see `notice`). Its new keys get
+//! pages that are *lent* to that writer ([`LentPage`]: no local access)
+//! and granted to it on the channel. The allocation ends with the writer's
+//! [`PushNotice`] on the same route, matched by route and pages: `landed`
+//! makes the keys resident, `aborted` frees the pages. A notice from another
+//! route, or naming other pages, is refused. An allocation with no notice
+//! by `pd_push_landing_timeout` loses its keys and its grant is *revoked*;
+//! its pages stay quarantined until the channel says the writer can no
+//! longer touch them (or a late notice proves it), and only then return to
+//! the pool. No page ever goes to someone else while a writer may write it.
 //!
 //! **Dedup**: a key in *any* state counts as present
-//! ([`KeyStore::partition`]), so a second message for a key that is still
-//! landing is not transferred twice; the only exception is a proxy whose
-//! lease has passed, which is unreadable and is replaced. A pending push
-//! that never lands is reclaimed by [`KeyStore::sweep`] after
-//! `push_landing_timeout`; the transfer path must refuse writes to pages
-//! that are no longer pending (the page may be reused), and the timeout
-//! must exceed the sender's write timeout.
+//! ([`ReceiverCore::partition`]), so a second message for a key that is
+//! still landing is not transferred twice; the only exception is a proxy
+//! whose read window has passed, which is unreadable and is replaced.
 //!
 //! # Ordering
 //!
@@ -39,21 +52,33 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
+use super::lease::{from_wire_micros, read_margin, PullId};
 use super::messages::{
     AllocRequest, AscendAllocResponse, MessageType, PullReadyDoneAck, PullReadyNotif,
 };
-use super::validate::{check_alloc_request, check_pull_notif, InvalidMessage};
-use crate::memory::{BufferRef, ChunkLayout, ChunkMeta, MemObj, MemoryError};
+use super::notice::{route_node, PushNotice, PushOutcome};
+use super::recent::RecentIds;
+use super::validate::{check_alloc_request, check_pull_notif, CheckedPull, InvalidMessage};
+use crate::channel::GrantId;
+use crate::layout::ChunkLayout;
+use crate::memory::{BufferRef, ChunkMeta, LentPage, MemObj, MemoryError, SealedMemObj};
 
-/// Fixed parameters of a receiver's store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How many ended allocations are remembered for repeated notices.
+const ENDED_CAPACITY: usize = 4096;
+/// How long an ended allocation's answer is remembered.
+const ENDED_LIFETIME: Duration = Duration::from_secs(600);
+
+/// Fixed parameters of a receiver's core.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ReceiverConfig {
     /// This receiver's chunk layout; incoming messages must match it.
     pub layout: ChunkLayout,
-    /// How long a page allocated for a push may wait for its data.
+    /// How long pages lent for a push wait for the writer's notice
+    /// (`pd_push_landing_timeout`).
     pub push_landing_timeout: Duration,
-    /// Reads must start at least this long before the pull's lease ends.
-    pub lease_read_margin: Duration,
+    /// Share of the agreed lease, at its end, within which no read starts
+    /// (`pd_pull_read_margin_pct`).
+    pub read_margin_pct: f64,
 }
 
 /// Which state a key is in (see the module docs).
@@ -91,8 +116,10 @@ pub struct ProxyEntry {
     pub sender_id: String,
     /// Its pull's context.
     pub handle: ProxyHandle,
-    /// The pull's lease end: never read at or after it.
+    /// The moment the sender may free the chunk: no read may still run then.
     pub lease_deadline: Instant,
+    /// The last moment a read of it may start (the lease end minus the margin).
+    pub read_by: Instant,
 }
 
 impl ProxyEntry {
@@ -111,13 +138,13 @@ impl ProxyEntry {
 #[derive(Debug)]
 pub enum Lookup<'a> {
     /// Data is here.
-    Resident(&'a MemObj),
+    Resident(&'a SealedMemObj),
     /// Allocated but the data has not landed: never load it as valid.
     NotReady,
-    /// A proxy: read it (between [`KeyStore::begin_proxy_read`] and
-    /// [`KeyStore::end_proxy_read`]). Looking it up does not consume it.
+    /// A proxy: read it (between [`ReceiverCore::begin_proxy_read`] and
+    /// [`ReceiverCore::end_proxy_read`]). Looking it up does not consume it.
     Proxy(&'a ProxyEntry),
-    /// A proxy whose lease has passed (or is within the read margin): unreadable.
+    /// A proxy whose read window has passed: unreadable.
     Expired,
     /// Not here.
     Missing,
@@ -155,6 +182,27 @@ impl Verdict {
     }
 }
 
+/// A receiver-local allocation number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AllocId(pub u64);
+
+/// An `AllocRequest` checked and partitioned, waiting for its pages.
+#[derive(Debug)]
+pub struct PushPlan {
+    route: String,
+    keys: Vec<String>,
+    part: Partition,
+    metas: Vec<ChunkMeta>,
+    done: Vec<SendPullDone>,
+}
+
+impl PushPlan {
+    /// One chunk per page the shell must allocate (all or nothing).
+    pub fn metas(&self) -> &[ChunkMeta] {
+        &self.metas
+    }
+}
+
 /// The answer to an `AllocRequest`.
 #[derive(Debug)]
 pub struct PushReply {
@@ -164,15 +212,52 @@ pub struct PushReply {
     pub verdict: Verdict,
     /// Done signals freed by replacing expired proxies; send after the reply.
     pub done: Vec<SendPullDone>,
+    /// The allocation made, if any.
+    pub alloc: Option<AllocId>,
 }
 
-/// One chunk a pull-eager read must fetch.
-#[derive(Clone, Debug)]
+/// What [`ReceiverCore::on_push_notice`] decided.
+#[derive(Debug)]
+pub struct NoticeReply {
+    /// The answer: accepted, or refused and why.
+    pub result: Result<(), String>,
+    /// The grant to release (the writer is done with those pages).
+    pub release: Option<GrantId>,
+    /// Keys that became resident.
+    pub landed: usize,
+}
+
+/// A `PullReadyNotif` checked, with its read window, waiting for pages
+/// (pull-eager) or to be stored (pull-delay).
+#[derive(Debug)]
+pub struct PullPlan {
+    notif: PullReadyNotif,
+    checked: CheckedPull,
+    part: Partition,
+    metas: Vec<ChunkMeta>,
+    deadline: Instant,
+    read_by: Instant,
+    done: Vec<SendPullDone>,
+}
+
+impl PullPlan {
+    /// The pages a pull-eager read needs (one per new key).
+    pub fn metas(&self) -> &[ChunkMeta] {
+        &self.metas
+    }
+
+    /// The moment the sender may free the pull's pages (receiver clock).
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+}
+
+/// One chunk a pull-eager read must fetch into the page at the same
+/// position of [`EagerRead::pages`].
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReadItem {
     /// The key.
     pub key: String,
-    /// The local page to read into (held for the read's duration).
-    pub local: MemObj,
     /// The chunk on the sender.
     pub remote: BufferRef,
     /// Real bytes.
@@ -180,16 +265,21 @@ pub struct ReadItem {
 }
 
 /// The read a pull-eager handler asks the shell to perform, after sending the ack.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct EagerRead {
-    /// The pull; pass it to [`KeyStore::on_read_complete`].
+    /// The pull; pass it to [`ReceiverCore::on_read_complete`].
     pub pull_id: String,
     /// The sender to read from.
     pub sender_id: String,
-    /// Do not start (or continue) reading at or after this instant.
+    /// Do not start reading at or after this instant.
     pub read_by: Instant,
+    /// The sender may free its pages at this instant: a read not complete
+    /// by then has failed.
+    pub deadline: Instant,
     /// What to read.
     pub items: Vec<ReadItem>,
+    /// The pages to read into (owned by the read until it completes).
+    pub pages: Vec<MemObj>,
 }
 
 /// The answer to a `PullReadyNotif`.
@@ -206,31 +296,25 @@ pub struct PullReply {
     pub done: Vec<SendPullDone>,
 }
 
-/// What [`KeyStore::remove`] removed.
+/// What [`ReceiverCore::remove`] removed.
 #[derive(Debug)]
 pub struct Removed {
     /// The state the key was in.
     pub state: KeyState,
-    /// Its page, if it had one (drop it to return it to the pool).
-    pub page: Option<MemObj>,
+    /// Its page, if it was resident (drop it to return it to the pool).
+    pub page: Option<SealedMemObj>,
     /// The pull's Done, if removing this proxy resolved its last one.
     pub done: Option<SendPullDone>,
 }
 
-/// What [`KeyStore::mark_landed`] found.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LandedReport {
-    /// Keys that became resident.
-    pub landed: usize,
-    /// Keys (or `uuid[page]` refs) that were not pending pushes (reclaimed, unknown, ...).
-    pub not_pending: Vec<String>,
-}
-
-/// What [`KeyStore::sweep`] did.
+/// What [`ReceiverCore::sweep`] did.
 #[derive(Debug, Default)]
 pub struct SweepReport {
-    /// Pending pushes dropped past their landing deadline (pages back to the pool).
+    /// Keys of pushes whose writer sent no notice in time (dropped).
     pub reclaimed_pushes: Vec<String>,
+    /// Grants to revoke: their pages stay quarantined until the channel
+    /// says the writer can no longer touch them ([`ReceiverCore::on_quiescent`]).
+    pub revoke: Vec<GrantId>,
     /// Pull-eager keys dropped because their read did not complete within the lease.
     pub failed_reads: Vec<String>,
     /// Proxies discarded because their lease passed.
@@ -256,12 +340,18 @@ pub struct ReceiverCounters {
     pub contexts_open: usize,
     /// Pull-eager reads open.
     pub eager_reads_open: usize,
+    /// Push allocations waiting for their writer's notice.
+    pub allocations_pending: usize,
+    /// Push allocations revoked whose pages wait for the writer to be quiescent.
+    pub allocations_quarantined: usize,
     /// Done signals emitted.
     pub dones_emitted: u64,
     /// Messages answered `alloc_failed` because allocation failed.
     pub alloc_failures: u64,
-    /// Pending pushes reclaimed by the sweep.
+    /// Push allocations revoked because no notice came in time.
     pub reclaimed_pushes: u64,
+    /// Push notices refused (wrong route, wrong pages, unknown allocation, too late).
+    pub notices_refused: u64,
     /// Proxies discarded at lease end.
     pub expired_proxies: u64,
     /// Pull-eager keys whose read failed or timed out.
@@ -272,22 +362,15 @@ pub struct ReceiverCounters {
     pub dedup_hits: u64,
     /// Rejected (invalid) `AllocRequest`s.
     pub rejected_alloc_requests: u64,
-    /// Rejected (invalid) `PullReadyNotif`s.
+    /// Rejected (invalid, unknown sender, late) `PullReadyNotif`s.
     pub rejected_pull_notifs: u64,
 }
 
 #[derive(Debug)]
 enum Entry {
-    Resident(MemObj),
-    PendingPush {
-        page: MemObj,
-        peer: String,
-        deadline: Instant,
-    },
-    PendingRead {
-        page: MemObj,
-        pull_id: String,
-    },
+    Resident(SealedMemObj),
+    PendingPush { alloc: AllocId },
+    PendingRead { pull_id: String },
     Proxy(ProxyEntry),
 }
 
@@ -300,6 +383,20 @@ impl Entry {
             Entry::Proxy(_) => KeyState::Proxy,
         }
     }
+}
+
+/// Pages lent to one writer for one `AllocRequest`.
+#[derive(Debug)]
+struct Allocation {
+    route: String,
+    /// Key of each page (in response order).
+    keys: Vec<String>,
+    pages: Vec<LentPage>,
+    refs: Vec<BufferRef>,
+    grant: Option<GrantId>,
+    deadline: Instant,
+    /// Revoked after the deadline; waiting for the writer to be quiescent.
+    quarantined: bool,
 }
 
 #[derive(Debug)]
@@ -317,13 +414,20 @@ struct EagerPull {
     keys: Vec<String>,
 }
 
-/// The receiver's keys, pull contexts and counters.
+/// The receiver's keys, lent pages, pull contexts and counters.
 #[derive(Debug)]
-pub struct KeyStore {
+pub struct ReceiverCore {
     config: ReceiverConfig,
     entries: HashMap<String, Entry>,
-    /// Page of each pending push -> key, for [`KeyStore::mark_landed_refs`].
-    pending_refs: HashMap<BufferRef, String>,
+    allocs: HashMap<AllocId, Allocation>,
+    /// The pending allocation of each route (a route has at most one: its
+    /// writer sends the notice before its next request).
+    route_alloc: HashMap<String, AllocId>,
+    next_alloc: u64,
+    /// The answer given to each route's last ended allocation, so a notice
+    /// repeated after a lost reply gets the same answer (keyed by route,
+    /// with the allocation's pages).
+    ended: RecentIds<(Vec<BufferRef>, Result<(), String>)>,
     contexts: HashMap<String, PullContext>,
     eager: HashMap<String, EagerPull>,
     counters: ReceiverCounters,
@@ -349,15 +453,8 @@ fn indexes(v: &[usize]) -> Vec<u64> {
     v.iter().map(|&i| i as u64).collect()
 }
 
-/// Runs `alloc` for `metas`, checking it returned exactly one page per meta.
-fn allocate_all<F>(metas: &[ChunkMeta], alloc: F) -> Result<Vec<MemObj>, MemoryError>
-where
-    F: FnOnce(&[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError>,
-{
-    if metas.is_empty() {
-        return Ok(Vec::new());
-    }
-    let pages = alloc(metas)?;
+/// Checks that an allocator returned exactly one page per chunk.
+fn exact_pages(metas: &[ChunkMeta], pages: Vec<MemObj>) -> Result<Vec<MemObj>, MemoryError> {
     if pages.len() != metas.len() {
         // Dropping `pages` returns whatever was handed out.
         return Err(MemoryError::InvalidGeometry(format!(
@@ -369,13 +466,16 @@ where
     Ok(pages)
 }
 
-impl KeyStore {
-    /// An empty store.
-    pub fn new(config: ReceiverConfig) -> KeyStore {
-        KeyStore {
+impl ReceiverCore {
+    /// An empty core.
+    pub fn new(config: ReceiverConfig) -> ReceiverCore {
+        ReceiverCore {
             config,
             entries: HashMap::new(),
-            pending_refs: HashMap::new(),
+            allocs: HashMap::new(),
+            route_alloc: HashMap::new(),
+            next_alloc: 0,
+            ended: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -427,7 +527,7 @@ impl KeyStore {
             Some(Entry::Resident(p)) => Lookup::Resident(p),
             Some(Entry::PendingPush { .. } | Entry::PendingRead { .. }) => Lookup::NotReady,
             Some(Entry::Proxy(p)) => {
-                if now >= self.read_by(p.lease_deadline) {
+                if now >= p.read_by {
                     Lookup::Expired
                 } else {
                     Lookup::Proxy(p)
@@ -443,14 +543,18 @@ impl KeyStore {
 
     /// Removes `key` (eviction, or the load path is done with a resident
     /// key). A removed proxy is discarded in its context (after any read in
-    /// flight ends); if that resolves its pull, the Done is returned.
+    /// flight ends); if that resolves its pull, the Done is returned. A key
+    /// still landing or being read stays until its transfer ends (its page
+    /// is not ours to give back yet): `None`.
     pub fn remove(&mut self, key: &str) -> Option<Removed> {
-        let entry = self.take_entry(key)?;
+        match self.entries.get(key)? {
+            Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
+            Entry::Resident(_) | Entry::Proxy(_) => {}
+        }
+        let entry = self.entries.remove(key)?;
         let state = entry.state();
         Some(match entry {
-            Entry::Resident(page)
-            | Entry::PendingPush { page, .. }
-            | Entry::PendingRead { page, .. } => Removed {
+            Entry::Resident(page) => Removed {
                 state,
                 page: Some(page),
                 done: None,
@@ -460,40 +564,69 @@ impl KeyStore {
                 page: None,
                 done: self.resolve_slot(&p.handle, |c, slot| c.discard(slot)),
             },
+            Entry::PendingPush { .. } | Entry::PendingRead { .. } => unreachable!("checked above"),
         })
     }
 
     // ------------------------------------------------------------- push
 
-    /// Handles an `AllocRequest` from `peer`: validate, dedup, allocate the
-    /// new keys all-or-nothing with `alloc`, and record them as pending
-    /// pushes until [`KeyStore::mark_landed`]. On any failure nothing of the
-    /// message stays and the reply says `alloc_failed`.
-    pub fn on_alloc_request<F>(
+    /// Checks an `AllocRequest` that came on `route` and partitions its keys.
+    /// `Err` is the reply to send at once (invalid message, or nothing new
+    /// to allocate; boxed: it is large); `Ok` asks the shell for [`PushPlan::metas`] pages, then
+    /// [`ReceiverCore::commit_push`].
+    pub fn plan_push(
         &mut self,
-        req: &AllocRequest,
-        peer: &str,
         now: Instant,
-        alloc: F,
-    ) -> PushReply
-    where
-        F: FnOnce(&[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError>,
-    {
+        route: &str,
+        req: &AllocRequest,
+    ) -> Result<PushPlan, Box<PushReply>> {
         let checked = match check_alloc_request(req, &self.config.layout) {
             Ok(c) => c,
             Err(e) => {
                 self.counters.rejected_alloc_requests += 1;
-                return PushReply {
+                return Err(Box::new(PushReply {
                     response: failed_push_response(),
                     verdict: Verdict::Rejected(e),
                     done: Vec::new(),
-                };
+                    alloc: None,
+                }));
             }
         };
         let done = self.replace_expired(&req.keys, now);
         let part = self.partition(&req.keys);
         let metas: Vec<ChunkMeta> = part.new.iter().map(|&i| checked.metas[i]).collect();
-        let pages = match allocate_all(&metas, alloc) {
+        let plan = PushPlan {
+            route: route.to_string(),
+            keys: req.keys.clone(),
+            part,
+            metas,
+            done,
+        };
+        if plan.metas.is_empty() {
+            return Err(Box::new(self.commit_push(now, plan, Ok(Vec::new()), None)));
+        }
+        Ok(plan)
+    }
+
+    /// Completes a push with the pages the shell allocated (all or nothing)
+    /// and the grant it made for them to the writer (`None` when the writer
+    /// has no attachment to grant to: it cannot reach the pages then).
+    /// The pages are lent to the writer until its notice.
+    pub fn commit_push(
+        &mut self,
+        now: Instant,
+        plan: PushPlan,
+        pages: Result<Vec<MemObj>, MemoryError>,
+        grant: Option<GrantId>,
+    ) -> PushReply {
+        let PushPlan {
+            route,
+            keys,
+            part,
+            metas,
+            done,
+        } = plan;
+        let pages = match pages.and_then(|p| exact_pages(&metas, p)) {
             Ok(p) => p,
             Err(e) => {
                 self.counters.alloc_failures += 1;
@@ -501,236 +634,305 @@ impl KeyStore {
                     response: failed_push_response(),
                     verdict: Verdict::AllocFailed(e),
                     done,
+                    alloc: None,
                 };
             }
         };
-        // Infallible from here: the message is accepted as a whole.
-        let deadline = now + self.config.push_landing_timeout;
-        let mut remote_indexes = Vec::with_capacity(pages.len());
-        let mut remote_buffer_uuids = Vec::with_capacity(pages.len());
-        for (&i, page) in part.new.iter().zip(pages) {
-            let r = page.buffer_ref();
-            remote_indexes.push(u64::from(r.page));
-            remote_buffer_uuids.push(r.uuid.simple().to_string());
-            self.pending_refs.insert(r, req.keys[i].clone());
-            self.entries.insert(
-                req.keys[i].clone(),
-                Entry::PendingPush {
-                    page,
-                    peer: peer.to_owned(),
-                    deadline,
-                },
-            );
-        }
         self.counters.dedup_hits += part.present.len() as u64;
+        let response_for = |refs: &[BufferRef]| AscendAllocResponse {
+            already_sent_indexes: indexes(&part.present),
+            remote_indexes: refs.iter().map(|r| u64::from(r.page)).collect(),
+            remote_buffer_uuids: refs.iter().map(|r| r.uuid.simple().to_string()).collect(),
+            alloc_failed: false,
+        };
+        let verdict = Verdict::Accepted {
+            new: part.new.len(),
+            present: part.present.len(),
+        };
+        if pages.is_empty() {
+            return PushReply {
+                response: response_for(&[]),
+                verdict,
+                done,
+                alloc: None,
+            };
+        }
+        let id = AllocId(self.next_alloc);
+        self.next_alloc += 1;
+        let refs: Vec<BufferRef> = pages.iter().map(|p| p.buffer_ref()).collect();
+        let new_keys: Vec<String> = part.new.iter().map(|&i| keys[i].clone()).collect();
+        for k in &new_keys {
+            self.entries
+                .insert(k.clone(), Entry::PendingPush { alloc: id });
+        }
+        // A route has one pending allocation: its writer notices before it
+        // asks again. One left pending (the writer skipped its notice) waits
+        // for its deadline.
+        self.route_alloc.insert(route.clone(), id);
+        self.allocs.insert(
+            id,
+            Allocation {
+                route,
+                keys: new_keys,
+                pages: pages.into_iter().map(MemObj::lend).collect(),
+                refs: refs.clone(),
+                grant,
+                deadline: now + self.config.push_landing_timeout,
+                quarantined: false,
+            },
+        );
         PushReply {
-            response: AscendAllocResponse {
-                already_sent_indexes: indexes(&part.present),
-                remote_indexes,
-                remote_buffer_uuids,
-                alloc_failed: false,
-            },
-            verdict: Verdict::Accepted {
-                new: part.new.len(),
-                present: part.present.len(),
-            },
+            response: response_for(&refs),
+            verdict,
             done,
+            alloc: Some(id),
         }
     }
 
-    /// The shell learned that the pushed data of `keys` has fully landed:
-    /// they become resident. Keys that are not pending pushes are reported.
-    pub fn mark_landed(&mut self, keys: &[String]) -> LandedReport {
-        let mut report = LandedReport::default();
-        for k in keys {
-            if self.land(k) {
-                report.landed += 1;
-            } else {
-                report.not_pending.push(k.clone());
-            }
-        }
-        report
+    /// The pages of allocation `id`, while it is pending.
+    pub fn allocation_refs(&self, id: AllocId) -> Option<&[BufferRef]> {
+        self.allocs
+            .get(&id)
+            .filter(|a| !a.quarantined)
+            .map(|a| &a.refs[..])
     }
 
-    /// Like [`KeyStore::mark_landed`], addressed by the local pages written.
-    pub fn mark_landed_refs(&mut self, refs: &[BufferRef]) -> LandedReport {
-        let mut report = LandedReport::default();
-        for r in refs {
-            match self.pending_refs.get(r).cloned() {
-                Some(k) if self.land(&k) => report.landed += 1,
-                _ => report.not_pending.push(r.to_string()),
-            }
-        }
-        report
-    }
-
-    /// The peer a pending push came from, if `key` is one.
-    pub fn pending_push_peer(&self, key: &str) -> Option<&str> {
-        match self.entries.get(key) {
-            Some(Entry::PendingPush { peer, .. }) => Some(peer),
-            _ => None,
-        }
-    }
-
-    fn land(&mut self, key: &str) -> bool {
-        match self.entries.remove(key) {
-            Some(Entry::PendingPush { page, .. }) => {
-                self.pending_refs.remove(&page.buffer_ref());
-                self.entries.insert(key.to_owned(), Entry::Resident(page));
-                self.counters.landed += 1;
-                true
-            }
-            Some(other) => {
-                self.entries.insert(key.to_owned(), other);
-                false
-            }
-            None => false,
-        }
-    }
-
-    // -------------------------------------------------------- pull-eager
-
-    /// Handles a `PullReadyNotif` in pull-eager mode: validate, dedup,
-    /// allocate pages for the new keys all-or-nothing, and return the ack
-    /// plus the read to perform after sending it. `lease` is the read lease
-    /// agreed with the sender. When the read ends, call
-    /// [`KeyStore::on_read_complete`], which yields the Done.
-    pub fn on_pull_eager<F>(
-        &mut self,
-        notif: &PullReadyNotif,
-        now: Instant,
-        lease: Duration,
-        alloc: F,
-    ) -> PullReply
-    where
-        F: FnOnce(&[ChunkMeta]) -> Result<Vec<MemObj>, MemoryError>,
-    {
-        let checked = match self.check_pull(notif) {
-            Ok(c) => c,
-            Err(reply) => return *reply,
-        };
-        let mut done = self.replace_expired(&notif.keys, now);
-        let part = self.partition(&notif.keys);
-        let metas: Vec<ChunkMeta> = part.new.iter().map(|&i| checked.metas[i]).collect();
-        let pages = match allocate_all(&metas, alloc) {
-            Ok(p) => p,
-            Err(e) => {
-                self.counters.alloc_failures += 1;
-                return PullReply {
-                    ack: failed_ack(),
-                    verdict: Verdict::AllocFailed(e),
-                    read: None,
-                    done,
-                };
+    /// A writer's notice, received on request route `from`. Accepted only
+    /// when it names an open allocation of a route of the same writer
+    /// (node) and exactly its pages: `landed` makes the keys resident,
+    /// `aborted` frees the pages. For an allocation already revoked either
+    /// notice proves the writer is done, so its quarantined pages are freed
+    /// (and `landed` is refused: its keys were dropped). A repeated notice
+    /// (its first reply was lost) gets the first answer again.
+    pub fn on_push_notice(&mut self, now: Instant, from: &str, notice: &PushNotice) -> NoticeReply {
+        let refused = |me: &mut ReceiverCore, why: String| {
+            me.counters.notices_refused += 1;
+            NoticeReply {
+                result: Err(why),
+                release: None,
+                landed: 0,
             }
         };
-        let deadline = now + lease;
-        let mut items = Vec::with_capacity(pages.len());
-        for (&i, page) in part.new.iter().zip(pages) {
-            let key = notif.keys[i].clone();
-            items.push(ReadItem {
-                key: key.clone(),
-                local: page.clone(),
-                remote: checked.remote[i],
-                bytes: checked.metas[i].byte_len(),
-            });
-            self.entries.insert(
-                key,
-                Entry::PendingRead {
-                    page,
-                    pull_id: notif.pull_id.clone(),
-                },
+        if route_node(from) != route_node(&notice.route) {
+            return refused(
+                self,
+                format!(
+                    "{:?} may not end route {:?}'s allocation: it is another writer's",
+                    route_node(from),
+                    notice.route
+                ),
             );
         }
-        self.counters.dedup_hits += part.present.len() as u64;
-        let read = if items.is_empty() {
-            // Nothing to read: the sender may release at once (after the ack).
-            self.counters.dones_emitted += 1;
-            done.push(done_for(notif));
-            None
-        } else {
-            self.eager.insert(
-                notif.pull_id.clone(),
-                EagerPull {
-                    sender_id: notif.sender_id.clone(),
-                    done_url: notif.sender_done_url.clone(),
-                    deadline,
-                    keys: items.iter().map(|it| it.key.clone()).collect(),
-                },
-            );
-            Some(EagerRead {
-                pull_id: notif.pull_id.clone(),
-                sender_id: notif.sender_id.clone(),
-                read_by: self.read_by(deadline),
-                items,
-            })
-        };
-        PullReply {
-            ack: PullReadyDoneAck {
-                already_sent_indexes: indexes(&part.present),
-                alloc_failed: false,
-            },
-            verdict: Verdict::Accepted {
-                new: part.new.len(),
-                present: part.present.len(),
-            },
-            read,
-            done,
-        }
-    }
-
-    /// The pull-eager read of `pull_id` ended (`ok`: every chunk arrived).
-    /// On success its keys become resident; on failure they are dropped.
-    /// Either way the pull's Done is returned — exactly once: a second call,
-    /// or a call after the sweep gave up on the read, returns `None`.
-    pub fn on_read_complete(&mut self, pull_id: &str, ok: bool) -> Option<SendPullDone> {
-        let pull = self.eager.remove(pull_id)?;
-        for k in &pull.keys {
-            let ours = matches!(
-                self.entries.get(k),
-                Some(Entry::PendingRead { pull_id: p, .. }) if p == pull_id
-            );
-            if !ours {
-                continue;
-            }
-            if ok {
-                if let Some(Entry::PendingRead { page, .. }) = self.entries.remove(k) {
-                    self.entries.insert(k.clone(), Entry::Resident(page));
+        let Some(&id) = self.route_alloc.get(&notice.route) else {
+            if let Some((refs, answer)) = self.ended.get(&notice.route, now) {
+                if *refs == notice.refs {
+                    return NoticeReply {
+                        result: answer.clone(),
+                        release: None,
+                        landed: 0,
+                    };
                 }
-            } else {
-                self.entries.remove(k);
-                self.counters.failed_reads += 1;
             }
+            return refused(
+                self,
+                format!(
+                    "route {:?} has no open allocation (never made, or already ended)",
+                    notice.route
+                ),
+            );
+        };
+        let a = self
+            .allocs
+            .get(&id)
+            .expect("route_alloc points at a live allocation");
+        if a.refs != notice.refs {
+            return refused(
+                self,
+                format!(
+                    "the notice names {} page(s) that are not those of route {:?}'s allocation ({} page(s))",
+                    notice.refs.len(),
+                    notice.route,
+                    a.refs.len()
+                ),
+            );
         }
-        self.counters.dones_emitted += 1;
-        Some(SendPullDone {
-            done_url: pull.done_url,
-            sender_id: pull.sender_id,
-            signal: super::messages::PullDoneSignal {
-                pull_id: pull_id.to_owned(),
-            },
+        self.route_alloc.remove(&notice.route);
+        let a = self.allocs.remove(&id).expect("looked up above");
+        let reply = if a.quarantined {
+            // The writer reports: it no longer touches the pages.
+            for p in a.pages {
+                p.release_quiescent();
+            }
+            NoticeReply {
+                result: match notice.outcome {
+                    PushOutcome::Aborted => Ok(()),
+                    PushOutcome::Landed => {
+                        self.counters.notices_refused += 1;
+                        Err(format!(
+                            "too late: the allocation waited longer than pd_push_landing_timeout ({:?}) and its chunks were dropped",
+                            self.config.push_landing_timeout
+                        ))
+                    }
+                },
+                release: a.grant,
+                landed: 0,
+            }
+        } else {
+            let mut landed = 0;
+            for (key, page) in a.keys.into_iter().zip(a.pages) {
+                let ours = matches!(self.entries.get(&key), Some(Entry::PendingPush { alloc }) if *alloc == id);
+                match (notice.outcome, ours) {
+                    (PushOutcome::Landed, true) => {
+                        self.entries
+                            .insert(key, Entry::Resident(page.landed().seal()));
+                        landed += 1;
+                    }
+                    (PushOutcome::Aborted, true) => {
+                        self.entries.remove(&key);
+                        page.release_quiescent();
+                    }
+                    // Only pending keys point at their allocation; keep the
+                    // page accounting right anyway.
+                    (_, false) => page.release_quiescent(),
+                }
+            }
+            self.counters.landed += landed as u64;
+            NoticeReply {
+                result: Ok(()),
+                release: a.grant,
+                landed,
+            }
+        };
+        self.ended.insert(
+            &notice.route,
+            (notice.refs.clone(), reply.result.clone()),
+            now,
+        );
+        reply
+    }
+
+    /// Revoked grants whose pages wait for the writer to be quiescent (ask
+    /// the channel, then call [`ReceiverCore::on_quiescent`]).
+    pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
+        self.allocs
+            .values()
+            .filter(|a| a.quarantined)
+            .filter_map(|a| a.grant)
+            .collect()
+    }
+
+    /// The channel says the writer of revoked grant `grant` can no longer
+    /// touch its pages: they go back to the pool. Returns how many.
+    pub fn on_quiescent(&mut self, grant: GrantId) -> usize {
+        let Some(id) = self
+            .allocs
+            .iter()
+            .find(|(_, a)| a.quarantined && a.grant == Some(grant))
+            .map(|(id, _)| *id)
+        else {
+            return 0;
+        };
+        let a = self.allocs.remove(&id).expect("found above");
+        if self.route_alloc.get(&a.route) == Some(&id) {
+            self.route_alloc.remove(&a.route);
+        }
+        let n = a.pages.len();
+        for p in a.pages {
+            p.release_quiescent();
+        }
+        n
+    }
+
+    // -------------------------------------------------------------- pull
+
+    /// Checks a `PullReadyNotif` from a sender whose agreed lease is
+    /// `lease` (`None`: the sender never completed a handshake) and works
+    /// out its read window: the deadline in the pull id, capped at
+    /// `now + lease`. A notification that arrives after the window's start
+    /// margin is refused (it waited too long; reading could outlive the
+    /// sender's pins). `Err` is the reply to send at once.
+    pub fn plan_pull(
+        &mut self,
+        now: Instant,
+        notif: &PullReadyNotif,
+        lease: Option<Duration>,
+    ) -> Result<PullPlan, Box<PullReply>> {
+        let msg = MessageType::PullReadyNotif;
+        let short = |s: &str| super::error::shorten(s);
+        let checked = check_pull_notif(notif, &self.config.layout)
+            .and_then(|c| {
+                if self.contexts.contains_key(&notif.pull_id)
+                    || self.eager.contains_key(&notif.pull_id)
+                {
+                    Err(InvalidMessage::PullIdInUse {
+                        msg,
+                        pull_id: short(&notif.pull_id),
+                    })
+                } else {
+                    Ok(c)
+                }
+            })
+            .and_then(|c| {
+                let lease = lease.ok_or_else(|| InvalidMessage::UnknownSender {
+                    msg,
+                    sender: short(&notif.sender_id),
+                })?;
+                let id = PullId::parse(&notif.pull_id).ok_or_else(|| InvalidMessage::NoLease {
+                    msg,
+                    pull_id: short(&notif.pull_id),
+                })?;
+                let deadline = from_wire_micros(id.deadline_us).min(now + lease);
+                let read_by = deadline
+                    .checked_sub(read_margin(lease, self.config.read_margin_pct))
+                    .unwrap_or(deadline);
+                if now >= read_by {
+                    return Err(InvalidMessage::LeaseOver {
+                        msg,
+                        pull_id: short(&notif.pull_id),
+                        late_ms: now.saturating_duration_since(read_by).as_millis() as u64,
+                    });
+                }
+                Ok((c, deadline, read_by))
+            });
+        let (checked, deadline, read_by) = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                self.counters.rejected_pull_notifs += 1;
+                return Err(Box::new(PullReply {
+                    ack: failed_ack(),
+                    verdict: Verdict::Rejected(e),
+                    read: None,
+                    done: Vec::new(),
+                }));
+            }
+        };
+        let done = self.replace_expired(&notif.keys, now);
+        let part = self.partition(&notif.keys);
+        let metas = part.new.iter().map(|&i| checked.metas[i]).collect();
+        Ok(PullPlan {
+            notif: notif.clone(),
+            checked,
+            part,
+            metas,
+            deadline,
+            read_by,
+            done,
         })
     }
 
-    // -------------------------------------------------------- pull-delay
-
-    /// Handles a `PullReadyNotif` in pull-delay mode: validate, dedup, and
-    /// store a proxy (no pages) for every new key, all in one
-    /// [`TransferContext`] whose lease ends at `now + lease`. The Done comes
-    /// when every proxy is consumed or discarded.
-    pub fn on_pull_delay(
-        &mut self,
-        notif: &PullReadyNotif,
-        now: Instant,
-        lease: Duration,
-    ) -> PullReply {
-        let checked = match self.check_pull(notif) {
-            Ok(c) => c,
-            Err(reply) => return *reply,
-        };
-        let mut done = self.replace_expired(&notif.keys, now);
-        let part = self.partition(&notif.keys);
-        let deadline = now + lease;
+    /// Completes a pull-delay notification: a proxy (no pages) for every
+    /// new key, all in one [`TransferContext`]. The Done comes when every
+    /// proxy is consumed or discarded.
+    pub fn commit_pull_delay(&mut self, plan: PullPlan) -> PullReply {
+        let PullPlan {
+            notif,
+            checked,
+            part,
+            deadline,
+            read_by,
+            mut done,
+            ..
+        } = plan;
         let mut ctx = TransferContext::new(
             &notif.pull_id,
             &notif.sender_id,
@@ -754,6 +956,7 @@ impl KeyStore {
                         slot,
                     },
                     lease_deadline: deadline,
+                    read_by,
                 }),
             );
         }
@@ -779,10 +982,138 @@ impl KeyStore {
         }
     }
 
+    /// Completes a pull-eager notification with the pages the shell
+    /// allocated for its new keys (all or nothing): the ack, and the read
+    /// to perform after sending it, which owns the pages. When the read
+    /// ends, call [`ReceiverCore::on_read_complete`], which yields the Done.
+    pub fn commit_pull_eager(
+        &mut self,
+        plan: PullPlan,
+        pages: Result<Vec<MemObj>, MemoryError>,
+    ) -> PullReply {
+        let PullPlan {
+            notif,
+            checked,
+            part,
+            metas,
+            deadline,
+            read_by,
+            mut done,
+        } = plan;
+        let pages = match pages.and_then(|p| exact_pages(&metas, p)) {
+            Ok(p) => p,
+            Err(e) => {
+                self.counters.alloc_failures += 1;
+                return PullReply {
+                    ack: failed_ack(),
+                    verdict: Verdict::AllocFailed(e),
+                    read: None,
+                    done,
+                };
+            }
+        };
+        let items: Vec<ReadItem> = part
+            .new
+            .iter()
+            .map(|&i| ReadItem {
+                key: notif.keys[i].clone(),
+                remote: checked.remote[i],
+                bytes: checked.metas[i].byte_len(),
+            })
+            .collect();
+        for it in &items {
+            self.entries.insert(
+                it.key.clone(),
+                Entry::PendingRead {
+                    pull_id: notif.pull_id.clone(),
+                },
+            );
+        }
+        self.counters.dedup_hits += part.present.len() as u64;
+        let read = if items.is_empty() {
+            // Nothing to read: the sender may release at once (after the ack).
+            self.counters.dones_emitted += 1;
+            done.push(done_for(&notif));
+            None
+        } else {
+            self.eager.insert(
+                notif.pull_id.clone(),
+                EagerPull {
+                    sender_id: notif.sender_id.clone(),
+                    done_url: notif.sender_done_url.clone(),
+                    deadline,
+                    keys: items.iter().map(|it| it.key.clone()).collect(),
+                },
+            );
+            Some(EagerRead {
+                pull_id: notif.pull_id.clone(),
+                sender_id: notif.sender_id.clone(),
+                read_by,
+                deadline,
+                items,
+                pages,
+            })
+        };
+        PullReply {
+            ack: PullReadyDoneAck {
+                already_sent_indexes: indexes(&part.present),
+                alloc_failed: false,
+            },
+            verdict: Verdict::Accepted {
+                new: part.new.len(),
+                present: part.present.len(),
+            },
+            read,
+            done,
+        }
+    }
+
+    /// The pull-eager read of `pull_id` ended: `Some(pages)` (in item
+    /// order) when every chunk arrived before the deadline, `None` when it
+    /// failed (its pages stay with the transfer until it ends). On success
+    /// the keys become resident; on failure they are dropped. Either way
+    /// the pull's Done is returned — exactly once: a second call, or a call
+    /// after the sweep gave up on the read, returns `None` (and drops the
+    /// pages it was given).
+    pub fn on_read_complete(
+        &mut self,
+        pull_id: &str,
+        pages: Option<Vec<MemObj>>,
+    ) -> Option<SendPullDone> {
+        let pull = self.eager.remove(pull_id)?;
+        let mut pages = pages.map(Vec::into_iter);
+        for k in &pull.keys {
+            let page = pages.as_mut().and_then(Iterator::next);
+            let ours = matches!(
+                self.entries.get(k),
+                Some(Entry::PendingRead { pull_id: p }) if p == pull_id
+            );
+            if !ours {
+                continue;
+            }
+            match page {
+                Some(p) => {
+                    self.entries.insert(k.clone(), Entry::Resident(p.seal()));
+                }
+                None => {
+                    self.entries.remove(k);
+                    self.counters.failed_reads += 1;
+                }
+            }
+        }
+        self.counters.dones_emitted += 1;
+        Some(SendPullDone {
+            done_url: pull.done_url,
+            sender_id: pull.sender_id,
+            signal: super::messages::PullDoneSignal {
+                pull_id: pull_id.to_owned(),
+            },
+        })
+    }
+
     /// Pins the proxy of `key` for a read starting at `now` and returns a
     /// copy of it. Does not consume it: the key stays in the store until
-    /// [`KeyStore::end_proxy_read`]. Refused within the read margin of the
-    /// lease end.
+    /// [`ReceiverCore::end_proxy_read`]. Refused from the proxy's `read_by` on.
     pub fn begin_proxy_read(
         &mut self,
         key: &str,
@@ -793,13 +1124,12 @@ impl KeyStore {
             Some(Entry::Proxy(p)) => p.clone(),
             Some(_) => return Err(ProxyReadError::NotAProxy(key.to_owned())),
         };
-        let read_by = self.read_by(proxy.lease_deadline);
         let ctx = self
             .contexts
             .get_mut(&proxy.handle.pull_id)
             .ok_or_else(|| ProxyReadError::Missing(key.to_owned()))?;
         ctx.ctx
-            .begin_read(proxy.handle.slot, now, read_by)
+            .begin_read(proxy.handle.slot, now, proxy.read_by)
             .map_err(|e| match e {
                 ProxyReadError::LeaseExpired(_) => ProxyReadError::LeaseExpired(key.to_owned()),
                 ProxyReadError::Resolved(_) => ProxyReadError::Resolved(key.to_owned()),
@@ -808,7 +1138,7 @@ impl KeyStore {
         Ok(proxy)
     }
 
-    /// Ends a read begun with [`KeyStore::begin_proxy_read`]. Once the slot
+    /// Ends a read begun with [`ReceiverCore::begin_proxy_read`]. Once the slot
     /// resolves (consumed, or discarded after a failure) the key leaves the
     /// store (its data now lives in the KV cache, or is gone). Returns the
     /// pull's Done when this resolved its last proxy; unmatched or repeated
@@ -825,26 +1155,52 @@ impl KeyStore {
 
     /// Reclaims what time has run out for at `now`:
     ///
-    /// * pending pushes past their landing deadline are dropped (the store
-    ///   held their only reference, so the pages go back to the pool);
+    /// * push allocations past their landing deadline lose their keys; a
+    ///   granted one's grant is to be revoked and its pages stay
+    ///   quarantined until the writer is quiescent; an ungranted one (its
+    ///   writer had no attachment, so no access) frees its pages at once;
     /// * pull-eager reads not completed by their lease end: their keys are
-    ///   dropped and the Done is emitted (the pages return when the shell
-    ///   drops its [`EagerRead`]);
+    ///   dropped and the Done is emitted (the pages return when the read's
+    ///   transfer ends);
     /// * proxies whose lease has passed are discarded (a proxy with a read
     ///   in flight is discarded when that read ends); a pull whose proxies
     ///   are all resolved emits its Done.
     pub fn sweep(&mut self, now: Instant) -> SweepReport {
         let mut report = SweepReport::default();
-        let stale: Vec<String> = self
-            .entries
+        let late: Vec<AllocId> = self
+            .allocs
             .iter()
-            .filter(|(_, e)| matches!(e, Entry::PendingPush { deadline, .. } if now >= *deadline))
-            .map(|(k, _)| k.clone())
+            .filter(|(_, a)| !a.quarantined && now >= a.deadline)
+            .map(|(id, _)| *id)
             .collect();
-        for k in stale {
-            self.take_entry(&k);
+        for id in late {
+            let a = self.allocs.get_mut(&id).expect("listed above");
+            for k in &a.keys {
+                if matches!(self.entries.get(k), Some(Entry::PendingPush { alloc }) if *alloc == id)
+                {
+                    self.entries.remove(k);
+                    report.reclaimed_pushes.push(k.clone());
+                }
+            }
             self.counters.reclaimed_pushes += 1;
-            report.reclaimed_pushes.push(k);
+            match a.grant {
+                Some(g) => {
+                    a.quarantined = true;
+                    for p in &a.pages {
+                        p.quarantine();
+                    }
+                    report.revoke.push(g);
+                }
+                None => {
+                    let a = self.allocs.remove(&id).expect("listed above");
+                    if self.route_alloc.get(&a.route) == Some(&id) {
+                        self.route_alloc.remove(&a.route);
+                    }
+                    for p in a.pages {
+                        p.release_quiescent();
+                    }
+                }
+            }
         }
 
         let late: Vec<String> = self
@@ -860,12 +1216,12 @@ impl KeyStore {
                 .map(|p| p.keys.clone())
                 .unwrap_or_default();
             for k in &keys {
-                if matches!(self.entries.get(k), Some(Entry::PendingRead { pull_id, .. }) if *pull_id == id)
+                if matches!(self.entries.get(k), Some(Entry::PendingRead { pull_id }) if *pull_id == id)
                 {
                     report.failed_reads.push(k.clone());
                 }
             }
-            if let Some(d) = self.on_read_complete(&id, false) {
+            if let Some(d) = self.on_read_complete(&id, None) {
                 report.done.push(d);
             }
         }
@@ -897,7 +1253,7 @@ impl KeyStore {
                     continue;
                 }
                 if self.is_proxy_of(key, &handle) {
-                    self.take_entry(key);
+                    self.entries.remove(key);
                 }
                 self.counters.expired_proxies += 1;
                 report.expired_proxies.push(key.clone());
@@ -927,53 +1283,29 @@ impl KeyStore {
         c.contexts_open = self.contexts.len();
         c.proxies_outstanding = self.contexts.values().map(|c| c.ctx.outstanding()).sum();
         c.eager_reads_open = self.eager.len();
+        c.allocations_quarantined = self.allocs.values().filter(|a| a.quarantined).count();
+        c.allocations_pending = self.allocs.len() - c.allocations_quarantined;
         c
     }
 
-    // ---------------------------------------------------------- helpers
-
-    fn read_by(&self, lease_deadline: Instant) -> Instant {
-        lease_deadline
-            .checked_sub(self.config.lease_read_margin)
-            .unwrap_or(lease_deadline)
-    }
-
-    /// Validates a notif and checks its pull id is not in use; on error
-    /// the failed reply (boxed: it is large and rare).
-    fn check_pull(
-        &mut self,
-        notif: &PullReadyNotif,
-    ) -> Result<super::validate::CheckedPull, Box<PullReply>> {
-        let checked = check_pull_notif(notif, &self.config.layout).and_then(|c| {
-            if self.contexts.contains_key(&notif.pull_id) || self.eager.contains_key(&notif.pull_id)
-            {
-                Err(InvalidMessage::PullIdInUse {
-                    msg: MessageType::PullReadyNotif,
-                    pull_id: super::error::shorten(&notif.pull_id),
-                })
-            } else {
-                Ok(c)
+    /// The receiver is shutting down and its pools go with it: every lent
+    /// page is released (no one will be handed these pages again, so a late
+    /// write cannot land in anyone's data). Returns the grants still held.
+    pub fn shut_down(&mut self) -> Vec<GrantId> {
+        let mut grants = Vec::new();
+        for (_, a) in self.allocs.drain() {
+            grants.extend(a.grant);
+            for p in a.pages {
+                p.release_quiescent();
             }
-        });
-        checked.map_err(|e| {
-            self.counters.rejected_pull_notifs += 1;
-            Box::new(PullReply {
-                ack: failed_ack(),
-                verdict: Verdict::Rejected(e),
-                read: None,
-                done: Vec::new(),
-            })
-        })
+        }
+        self.route_alloc.clear();
+        self.entries
+            .retain(|_, e| !matches!(e, Entry::PendingPush { .. }));
+        grants
     }
 
-    /// Removes an entry, keeping the page-ref index in step.
-    fn take_entry(&mut self, key: &str) -> Option<Entry> {
-        let e = self.entries.remove(key)?;
-        if let Entry::PendingPush { page, .. } = &e {
-            self.pending_refs.remove(&page.buffer_ref());
-        }
-        Some(e)
-    }
+    // ---------------------------------------------------------- helpers
 
     fn is_proxy_of(&self, key: &str, handle: &ProxyHandle) -> bool {
         matches!(self.entries.get(key), Some(Entry::Proxy(p)) if p.handle == *handle)
@@ -1010,13 +1342,13 @@ impl KeyStore {
         done
     }
 
-    /// Discards proxies among `keys` whose lease has passed, so the message
-    /// being handled treats them as new; returns Done signals this freed.
+    /// Discards proxies among `keys` whose read window has passed, so the
+    /// message being handled treats them as new; returns Done signals this freed.
     fn replace_expired(&mut self, keys: &[String], now: Instant) -> Vec<SendPullDone> {
         let mut done = Vec::new();
         for k in keys {
             let handle = match self.entries.get(k) {
-                Some(Entry::Proxy(p)) if now >= self.read_by(p.lease_deadline) => p.handle.clone(),
+                Some(Entry::Proxy(p)) if now >= p.read_by => p.handle.clone(),
                 _ => continue,
             };
             self.entries.remove(k);

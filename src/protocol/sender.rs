@@ -1,572 +1,972 @@
-//! Sans-IO bookkeeping of a pull-mode sender (prefill side): which pages
-//! are pinned for which pull, and when they may be released.
+//! The sender's sans-IO core (prefill side): the sequence of a put, and
+//! everything the puts share (pinned pulls, breaker, backpressure, what is
+//! known of each receiver).
 //!
-//! The shell (sockets, threads) drives [`PullPending`] with what it
-//! observes — the reply to a `PullReadyNotif`, a `PullDoneSignal`, a failed
-//! REQ, the passage of time — and acts on the returned outcomes. Nothing
-//! here reads the clock: every method takes `now`.
+//! A put is a [`Put`] driven by [`SenderCore`]: each call takes what the
+//! shell observed (a handshake's result, a reply, a write's end, the
+//! passage of time) and returns the next [`PutAction`] — connect, send
+//! this frame, write these pages, grant these pages, wait for pins — until
+//! [`PutAction::Finish`]. Grants to release come out of
+//! [`SenderCore::take_grant_releases`]. Nothing here touches a socket, a
+//! channel or the clock, so every race is a deterministic test.
 //!
-//! # Release rules
+//! # Push
 //!
-//! A pull's pages are pinned from [`PullPending::insert`] (called *before*
-//! the `PullReadyNotif` is sent) until one of:
+//! breaker → handshake if needed → `AllocRequest` → write the new chunks
+//! into the granted pages → a [`PushNotice`] (`landed`, or `aborted` when
+//! the write failed and is over) on the same request route. A write given
+//! up while the device may still run it (hccl) sends no notice: the link is
+//! re-established, which replaces the route and, on the receiver, the
+//! attachment whose closing tells it we are done.
 //!
-//! * **`PullDoneSignal`** ([`PullPending::on_done`]): the receiver finished
-//!   reading; everything is released.
-//! * **ack with `alloc_failed`** ([`PullPending::on_ack`]): the receiver rolled
-//!   the whole message back and will not read; everything is released at
-//!   once and the shell opens the peer's breaker.
-//! * **ack `already_sent_indexes`**: the receiver already holds those keys
-//!   and never reads their pages, so those pages are unpinned right away;
-//!   the others stay pinned until Done. If the ack lists every page the
-//!   pull is released at the ack (a Done that follows counts as duplicate).
-//! * **REQ failure** ([`PullPending::on_req_failed`]): if the notification
-//!   certainly never left ([`Delivery::NotSent`]) the pages are released at
-//!   once. If it may have reached the receiver ([`Delivery::Unknown`]: reply
-//!   timeout, broken socket after the send), the receiver may have accepted
-//!   it and may read until its lease ends, so the pages stay pinned until
-//!   `created + lease` (or an earlier Done) — never freed before the lease.
-//! * **TTL sweep** ([`PullPending::sweep`]): the safety net for a receiver
-//!   that died; an entry is released at `created + max(ttl, lease)`, so
-//!   never before its lease even with a TTL shorter than the lease.
+//! # Pull
 //!
-//! Released and swept ids are remembered for a bounded time in a bounded
-//! set ([`RecentIds`]), so a late or repeated Done is recognised as
-//! [`DoneOutcome::AlreadyReleased`] and never frees anything twice. A Done
-//! for an id never seen is remembered in the (equally bounded) early-done
-//! set; if that id is later inserted it is released at once.
+//! breaker → handshake if needed → clock check (see [`lease`](super::lease))
+//! → admission under the backpressure mark (pages are *reserved* at
+//! admission, so concurrent puts cannot overshoot it) → read grant to the
+//! receiver → pin (the lease starts) → `PullReadyNotif` whose pull id
+//! carries the receiver-clock deadline → the ack ([`PullPending`] rules).
+//!
+//! # Routes
+//!
+//! Requests to one receiver go on one REQ socket whose identity, the
+//! route `<node>#<n>`, names this sender to the receiver. The core bumps
+//! `n` whenever the socket must be replaced (a failed request, a new
+//! handshake), so the receiver never confuses an old socket's late
+//! messages with the new one's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use super::breaker::{BreakerCounters, CircuitBreaker};
-use super::messages::PullReadyDoneAck;
-use super::recent::RecentIds;
-use crate::memory::MemObj;
+use uuid::Uuid;
 
-/// Bounds of the sender's id memories.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PullPendingLimits {
-    /// Most ids in the early-done set; the oldest is evicted beyond it.
-    pub early_done_capacity: usize,
-    /// How long an early Done is remembered.
-    pub early_done_lifetime: Duration,
-    /// Most recently released ids remembered (to classify late/duplicate Done).
-    pub released_capacity: usize,
-    /// How long a released id is remembered.
-    pub released_lifetime: Duration,
+use super::backpressure::{Admission, Backpressure};
+use super::breaker::{BreakerState, CircuitBreaker};
+use super::lease::{ClockMap, PullId};
+use super::messages::{
+    AllocRequest, AscendAllocResponse, ProxyNotif, PullReadyDoneAck, PullReadyNotif,
+};
+use super::notice::{decode_reply, PushNotice, PushOutcome};
+use super::pending::{
+    AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertOutcome, PullCounters, PullPending,
+    PullPendingLimits,
+};
+use crate::channel::{GrantId, PeerId, WriteOp};
+use crate::config::TransferMode;
+use crate::layout::ChunkLayout;
+use crate::memory::{BufferRef, SealedMemObj};
+
+pub use super::breaker::BreakerCounters;
+
+/// Fixed parameters of a sender's core.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    /// This sender's node id (unique per process and TP rank): its
+    /// handshake node, its `sender_id`, the prefix of its routes.
+    pub node: String,
+    /// Where receivers send PullDoneSignal (`host:port`; pull modes).
+    pub done_url: String,
+    /// The transfer mode.
+    pub mode: TransferMode,
+    /// The chunk layout of every put.
+    pub layout: ChunkLayout,
+    /// The pools chunks must come from.
+    pub pools: HashSet<Uuid>,
+    /// `pd_pull_pending_ttl`.
+    pub pull_pending_ttl: Duration,
+    /// `pd_alloc_fail_backoff_ttl`.
+    pub alloc_fail_backoff_ttl: Duration,
+    /// The pull backpressure mark.
+    pub backpressure: Backpressure,
+    /// `pd_pull_backpressure_reserve_pct` (for messages).
+    pub reserve_pct: f64,
 }
 
-impl Default for PullPendingLimits {
-    /// 4096 early ids for 60 s; 16384 released ids for 10 minutes.
-    fn default() -> Self {
-        PullPendingLimits {
-            early_done_capacity: 4096,
-            early_done_lifetime: Duration::from_secs(60),
-            released_capacity: 16384,
-            released_lifetime: Duration::from_secs(600),
-        }
-    }
-}
-
-/// Why a pull's pages were released.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReleaseReason {
-    /// The receiver's `PullDoneSignal`.
-    Done,
-    /// The ack said the receiver already holds every key.
-    AllAlreadySent,
-    /// The ack said `alloc_failed`.
-    AllocFailed,
-    /// The REQ failed before the notification left.
-    ReqFailed,
-    /// The TTL sweep (after the lease).
-    Expired,
-    /// The id was in the early-done set when it was inserted.
-    EarlyDone,
-}
-
-/// A pull whose pages were just released. The pages are already unpinned;
-/// they return to their pool when the caller drops them (and any other
-/// holder drops its clones).
-#[derive(Debug)]
-pub struct ReleasedPull {
-    /// The pull's id.
-    pub pull_id: String,
-    /// The receiver it was for.
-    pub peer: String,
-    /// The caller's tag (request id) given at insert.
+/// Where one put goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutSpec {
+    /// The receiver, `host:alloc_port` (also its breaker key).
+    pub peer_key: String,
+    /// The request id, sent to the proxy in `ProxyNotif`.
     pub req_id: String,
-    /// The pages still held by the entry, unpinned.
-    pub pages: Vec<MemObj>,
-    /// Why.
-    pub reason: ReleaseReason,
-    /// Whether the ack had arrived before the release.
-    pub acked: bool,
+    /// Whether the put carries the request's last prefill chunk (then
+    /// `ProxyNotif` follows, whatever happened).
+    pub is_last_prefill: bool,
 }
 
-/// What [`PullPending::insert`] did.
-#[derive(Debug)]
-pub enum InsertOutcome {
-    /// Pages pinned; send the `PullReadyNotif` now.
-    Pending,
-    /// A Done for this id had already arrived (early-done set): nothing was
-    /// pinned and the pages are handed back. Do not send the notification.
-    AlreadyDone(ReleasedPull),
+/// What a handshake established with a receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attached {
+    /// The receiver on the channel.
+    pub peer: PeerId,
+    /// The agreed pull lease.
+    pub lease: Duration,
+    /// The receiver's clock, as far as the handshake could tell.
+    pub clock: ClockMap,
 }
 
-/// Why an insert was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+/// What a put did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Push: the new chunks were written and the receiver accepted them as landed.
+    Pushed {
+        /// Chunks written.
+        written: usize,
+        /// Chunks the receiver already had (not sent again).
+        already_present: usize,
+    },
+    /// Pull: the chunks are pinned and announced; they are released on the
+    /// receiver's PullDoneSignal (or at the TTL, never before the lease).
+    Announced {
+        /// The pull's id.
+        pull_id: String,
+        /// Chunks the receiver will read (pinned until its Done, which may
+        /// already have arrived by the time the put returns).
+        announced: usize,
+        /// Chunks the receiver already had (unpinned at once).
+        already_present: usize,
+    },
+    /// The receiver's breaker is open after an allocation failure: nothing was sent.
+    SkippedBreakerOpen,
+    /// The receiver could not allocate (or refused the notification):
+    /// nothing was sent, the breaker is now open.
+    ReceiverAllocFailed,
+}
+
+/// Why a put failed in the protocol (I/O failures are the shell's).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum InsertError {
-    /// The `pull_id` is already pending (ids must be fresh uuid4s).
-    #[error("pull_id {0:?} is already pending")]
-    DuplicatePullId(String),
-    /// The `pull_id` is empty.
-    #[error("pull_id is empty")]
-    EmptyPullId,
+pub enum PutRejected {
+    /// The caller's input is unusable (named; nothing was sent).
+    #[error("invalid put: {0}")]
+    InvalidInput(String),
+    /// Pull backpressure did not clear in time, or the batch can never fit.
+    #[error("backpressure: {0}")]
+    Backpressure(String),
+    /// The receiver answered with something that is not the expected message.
+    #[error("{peer}: bad reply: {detail}")]
+    BadReply {
+        /// The receiver.
+        peer: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The receiver refused our push notice: the chunks are not resident there.
+    #[error("{peer} refused the push notice: {why}")]
+    NoticeRefused {
+        /// The receiver.
+        peer: String,
+        /// Its reason.
+        why: String,
+    },
 }
 
-/// What [`PullPending::on_ack`] did.
-#[derive(Debug)]
-pub enum AckOutcome {
-    /// The receiver accepted; pages it already held were unpinned.
-    Accepted {
-        /// Pages unpinned because the receiver already had their keys.
-        unpinned_early: usize,
-        /// Pages still pinned, waiting for Done.
-        still_pinned: usize,
-        /// `already_sent_indexes` entries outside the pull (ignored).
-        invalid_indexes: usize,
-    },
-    /// Every page was already on the receiver: the pull is released.
-    AllAlreadySent(ReleasedPull),
-    /// `alloc_failed=true`: the pull is released; open the peer's breaker.
-    AllocFailed(ReleasedPull),
-    /// The pull was already released (Done before ack, sweep, ...).
-    AlreadyReleased {
-        /// How it was released.
-        reason: ReleaseReason,
-        /// Whether this ack said `alloc_failed`.
-        alloc_failed: bool,
-    },
-    /// The pull is not known at all (an ack for another pull, a bug).
-    Unknown {
-        /// Whether this ack said `alloc_failed`.
-        alloc_failed: bool,
-    },
-    /// A second ack for an already acked pull; ignored.
-    DuplicateAck,
+/// How a put failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PutFailure {
+    /// The last I/O the shell reported failed (the shell holds the error).
+    Io,
+    /// The protocol refused it.
+    Rejected(PutRejected),
 }
 
-impl AckOutcome {
-    /// Whether the shell should open the peer's circuit breaker: exactly
-    /// when the ack said `alloc_failed`, whatever the pull's state.
-    pub fn opens_breaker(&self) -> bool {
+/// How a put ended, and what to tell the proxy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutEnd {
+    /// The outcome.
+    pub result: Result<PutOutcome, PutFailure>,
+    /// Send this to the proxy (the request's last prefill chunk), whatever
+    /// the outcome, so the decode side never waits for KV that will not come.
+    pub proxy_notif: Option<ProxyNotif>,
+}
+
+/// Which request a frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    /// `AllocRequest`.
+    AllocRequest,
+    /// `PullReadyNotif`.
+    PullReadyNotif,
+    /// Our push notice.
+    PushNotice,
+}
+
+impl RequestKind {
+    /// A name for messages and counters.
+    pub fn name(self) -> &'static str {
         match self {
-            AckOutcome::AllocFailed(_) => true,
-            AckOutcome::AlreadyReleased { alloc_failed, .. }
-            | AckOutcome::Unknown { alloc_failed } => *alloc_failed,
-            _ => false,
+            RequestKind::AllocRequest => "AllocRequest",
+            RequestKind::PullReadyNotif => "PullReadyNotif",
+            RequestKind::PushNotice => "push notice",
         }
     }
 }
 
-/// What [`PullPending::on_done`] did.
+/// How a write ended, as far as its pages are concerned.
 #[derive(Debug)]
-pub enum DoneOutcome {
-    /// The pull's pages were released.
-    Released(ReleasedPull),
-    /// The pull had already been released (duplicate Done, Done after the
-    /// sweep or after an all-already-sent ack). Nothing freed twice.
-    AlreadyReleased(ReleaseReason),
-    /// No such pull (yet): remembered in the bounded early-done set.
-    Early,
+pub enum WriteEnd {
+    /// Every byte was written.
+    Written,
+    /// The write failed and is over: nothing of it touches the receiver's
+    /// pages any more (the channel gave the pages back).
+    Failed,
+    /// The write failed but may still run (the channel kept the pages).
+    Abandoned,
 }
 
-/// Whether the `PullReadyNotif` of a failed REQ may have reached the receiver.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Delivery {
-    /// The send itself failed: the receiver never saw the notification.
-    NotSent,
-    /// The send went out but the reply did not come (timeout, broken
-    /// socket): the receiver may have accepted it.
-    Unknown,
-}
-
-/// What [`PullPending::on_req_failed`] did.
+/// The next thing the shell must do for a put.
 #[derive(Debug)]
-pub enum ReqFailedOutcome {
-    /// Released now (the notification never left).
-    Released(ReleasedPull),
-    /// Kept pinned until `until` (the lease end) or an earlier Done.
-    HeldUntilLease {
-        /// When the sweep will release it.
+pub enum PutAction {
+    /// Handshake with the receiver; report with [`SenderCore::on_connected`].
+    Connect,
+    /// Re-measure the receiver's clock (the handshake socket's clock probe);
+    /// report with [`SenderCore::on_clock`].
+    SyncClock,
+    /// Wait until pinned pages are released or until `until`, then
+    /// [`SenderCore::on_pins_released`].
+    WaitForPins {
+        /// The longest wait.
         until: Instant,
     },
-    /// No such pending pull.
-    Unknown,
+    /// Grant `peer` read access to `pages`; report with [`SenderCore::on_granted`].
+    Grant {
+        /// The receiver.
+        peer: PeerId,
+        /// Our pages it will read.
+        pages: Vec<BufferRef>,
+    },
+    /// Send `frame` on the request socket with identity `route` (replace
+    /// the socket if its identity differs); report with [`SenderCore::on_reply`].
+    Request {
+        /// The socket identity to send from.
+        route: String,
+        /// The frame.
+        frame: Vec<u8>,
+        /// What it is.
+        kind: RequestKind,
+    },
+    /// Write `ops` to `peer`; report with [`SenderCore::on_written`].
+    Write {
+        /// The receiver.
+        peer: PeerId,
+        /// The chunks and their destinations.
+        ops: Vec<WriteOp>,
+    },
+    /// The put is over.
+    Finish(PutEnd),
 }
 
-/// One pull swept by [`PullPending::sweep`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExpiredPull {
-    /// The pull's id.
-    pub pull_id: String,
-    /// The receiver.
-    pub peer: String,
-    /// The caller's tag.
-    pub req_id: String,
-    /// Pages that were still pinned (now unpinned and dropped).
-    pub pages: usize,
-    /// Whether the ack had arrived.
-    pub acked: bool,
+#[derive(Debug)]
+enum State {
+    Connecting,
+    SyncingClock,
+    Admitting {
+        deadline: Instant,
+    },
+    Granting {
+        reserved: usize,
+    },
+    Announcing {
+        pull_id: String,
+    },
+    Allocating {
+        route: String,
+    },
+    Writing {
+        route: String,
+        refs: Vec<BufferRef>,
+        already: usize,
+    },
+    Noticing {
+        frame: Vec<u8>,
+        refs: usize,
+        outcome: PushOutcome,
+        already: usize,
+        attempts: u32,
+    },
+    Finished,
 }
 
-/// Counters of [`PullPending`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PullCounters {
-    /// Pulls currently pending.
-    pub pulls_pending: usize,
-    /// Pages pinned by pending pulls.
-    pub pinned_pages: usize,
-    /// Pulls inserted.
-    pub inserted: u64,
-    /// Acks that said `alloc_failed`.
-    pub acks_alloc_failed: u64,
-    /// Pages unpinned at ack time because the receiver already held them.
-    pub pages_unpinned_at_ack: u64,
-    /// Pulls released at ack because every key was already sent.
-    pub released_all_already_sent: u64,
-    /// Done signals that released a pull.
-    pub done_released: u64,
-    /// Done signals that released a pull before its ack arrived.
-    pub done_before_ack: u64,
-    /// Done signals for an already released pull (duplicate or late).
-    pub done_already_released: u64,
-    /// Done signals for unknown pulls (recorded as early).
-    pub done_early: u64,
-    /// Inserts released at once because their id was in the early-done set.
-    pub early_done_matched: u64,
-    /// REQ failures released at once ([`Delivery::NotSent`]).
-    pub req_failed_released: u64,
-    /// REQ failures held until the lease ([`Delivery::Unknown`]).
-    pub req_failed_held: u64,
-    /// Calls to [`PullPending::sweep`].
-    pub sweeps: u64,
-    /// Pulls released by the sweep.
-    pub expired: u64,
-    /// Ids currently in the early-done set.
-    pub early_done_size: usize,
+/// One put in progress (see the module docs).
+#[derive(Debug)]
+pub struct Put {
+    spec: PutSpec,
+    keys: Vec<String>,
+    chunks: Vec<SealedMemObj>,
+    state: State,
 }
 
-/// All sender counters: pending pulls and the breaker.
+impl Put {
+    /// Where it goes.
+    pub fn spec(&self) -> &PutSpec {
+        &self.spec
+    }
+}
+
+#[derive(Debug, Default)]
+struct Link {
+    attached: Option<Attached>,
+    /// The route number; bumped whenever the request socket is replaced.
+    epoch: u64,
+}
+
+/// Sender counters of the core.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SenderCounters {
     /// Pull bookkeeping.
     pub pulls: PullCounters,
     /// Circuit breaker.
     pub breaker: BreakerCounters,
+    /// Pages admitted under backpressure but not pinned yet.
+    pub reserved_pages: usize,
+    /// Push notices the receivers refused.
+    pub notices_refused: u64,
 }
 
-impl SenderCounters {
-    /// A snapshot of both.
-    pub fn snapshot(pending: &PullPending, breaker: &CircuitBreaker) -> SenderCounters {
-        SenderCounters {
-            pulls: pending.counters(),
-            breaker: breaker.counters(),
-        }
-    }
-}
-
+/// A sender's shared protocol state and the put sequence.
 #[derive(Debug)]
-struct Entry {
-    peer: String,
-    req_id: String,
-    /// `None` once unpinned early (already sent on the receiver).
-    pages: Vec<Option<MemObj>>,
-    held: usize,
-    created: Instant,
-    lease: Duration,
-    acked: bool,
-    /// Set when the REQ failed with unknown delivery: release at the lease.
-    req_failed: bool,
+pub struct SenderCore {
+    cfg: SenderConfig,
+    pending: PullPending,
+    breaker: CircuitBreaker,
+    links: HashMap<String, Link>,
+    reserved: usize,
+    releases: Vec<GrantId>,
+    notices_refused: u64,
 }
 
-impl Entry {
-    fn release_at(&self, ttl: Duration) -> Instant {
-        if self.req_failed {
-            self.created + self.lease
-        } else {
-            self.created + ttl.max(self.lease)
-        }
-    }
-}
+/// How many times a push notice is sent when its reply is lost.
+pub const NOTICE_ATTEMPTS: u32 = 3;
 
-/// The sender's table of pulls whose pages are pinned for a receiver.
-#[derive(Debug)]
-pub struct PullPending {
-    entries: HashMap<String, Entry>,
-    early_done: RecentIds<()>,
-    released: RecentIds<ReleaseReason>,
-    pinned_pages: usize,
-    counters: PullCounters,
-}
+/// Longest wait for backpressure to clear, per put.
+pub const BACKPRESSURE_WAIT: Duration = Duration::from_secs(30);
 
-impl Default for PullPending {
-    fn default() -> Self {
-        PullPending::new(PullPendingLimits::default())
-    }
-}
-
-impl PullPending {
-    /// An empty table with the given id-memory bounds.
-    pub fn new(limits: PullPendingLimits) -> PullPending {
-        PullPending {
-            entries: HashMap::new(),
-            early_done: RecentIds::new(limits.early_done_capacity, limits.early_done_lifetime),
-            released: RecentIds::new(limits.released_capacity, limits.released_lifetime),
-            pinned_pages: 0,
-            counters: PullCounters::default(),
+impl SenderCore {
+    /// A core with nothing pending.
+    pub fn new(cfg: SenderConfig) -> SenderCore {
+        SenderCore {
+            cfg,
+            pending: PullPending::new(PullPendingLimits::default()),
+            breaker: CircuitBreaker::new(),
+            links: HashMap::new(),
+            reserved: 0,
+            releases: Vec::new(),
+            notices_refused: 0,
         }
     }
 
-    /// Registers a pull and pins its pages. Call before sending the
-    /// `PullReadyNotif` (so a Done can never precede the entry); `lease` is
-    /// the read lease agreed with `peer` in the handshake; `req_id` is a
-    /// free-form tag returned with every release.
-    pub fn insert(
+    /// The configuration.
+    pub fn config(&self) -> &SenderConfig {
+        &self.cfg
+    }
+
+    /// The request route to `peer_key` now (`<node>#<n>`).
+    pub fn route(&self, peer_key: &str) -> String {
+        let epoch = self.links.get(peer_key).map_or(0, |l| l.epoch);
+        format!("{}#{epoch}", self.cfg.node)
+    }
+
+    /// What is known of `peer_key`, if attached.
+    pub fn attached(&self, peer_key: &str) -> Option<Attached> {
+        self.links.get(peer_key)?.attached
+    }
+
+    /// Starts a put of `chunks` (one per key, sealed pages of our pools).
+    /// Bad input is refused before anything is sent or pinned.
+    pub fn begin_put(
         &mut self,
-        pull_id: &str,
-        peer: &str,
-        req_id: &str,
-        pages: Vec<MemObj>,
         now: Instant,
-        lease: Duration,
-    ) -> Result<InsertOutcome, InsertError> {
-        if pull_id.is_empty() {
-            return Err(InsertError::EmptyPullId);
+        spec: PutSpec,
+        keys: Vec<String>,
+        chunks: Vec<SealedMemObj>,
+    ) -> (Put, PutAction) {
+        let mut put = Put {
+            spec,
+            keys,
+            chunks,
+            state: State::Finished,
+        };
+        if let Err(e) = self.check_put(&put) {
+            let end = self.finish(&mut put, Err(PutFailure::Rejected(e)));
+            return (put, end);
         }
-        if self.entries.contains_key(pull_id) {
-            return Err(InsertError::DuplicatePullId(pull_id.to_owned()));
+        if !self.breaker.allows(&put.spec.peer_key, now) {
+            let end = self.finish(&mut put, Ok(PutOutcome::SkippedBreakerOpen));
+            return (put, end);
         }
-        self.counters.inserted += 1;
-        if self.early_done.take(pull_id, now).is_some() {
-            self.counters.early_done_matched += 1;
-            self.released.insert(pull_id, ReleaseReason::EarlyDone, now);
-            return Ok(InsertOutcome::AlreadyDone(ReleasedPull {
-                pull_id: pull_id.to_owned(),
-                peer: peer.to_owned(),
-                req_id: req_id.to_owned(),
-                pages,
-                reason: ReleaseReason::EarlyDone,
-                acked: false,
-            }));
-        }
-        for p in &pages {
-            p.pin();
-        }
-        self.pinned_pages += pages.len();
-        let held = pages.len();
-        self.entries.insert(
-            pull_id.to_owned(),
-            Entry {
-                peer: peer.to_owned(),
-                req_id: req_id.to_owned(),
-                pages: pages.into_iter().map(Some).collect(),
-                held,
-                created: now,
-                lease,
-                acked: false,
-                req_failed: false,
-            },
-        );
-        Ok(InsertOutcome::Pending)
+        let action = self.after_connect(&mut put, now);
+        (put, action)
     }
 
-    /// The receiver's reply to the notification.
-    pub fn on_ack(&mut self, pull_id: &str, ack: &PullReadyDoneAck, now: Instant) -> AckOutcome {
-        if ack.alloc_failed {
-            self.counters.acks_alloc_failed += 1;
+    /// The handshake ended: `Some` when a receiver is attached.
+    pub fn on_connected(&mut self, put: &mut Put, now: Instant, r: Option<Attached>) -> PutAction {
+        debug_assert!(matches!(put.state, State::Connecting));
+        let link = self.links.entry(put.spec.peer_key.clone()).or_default();
+        // A new attachment gets a fresh request socket: the receiver may be
+        // a new process, and the old socket's late messages must not count.
+        link.epoch += 1;
+        match r {
+            Some(a) => {
+                link.attached = Some(a);
+                self.after_connect(put, now)
+            }
+            None => {
+                link.attached = None;
+                self.finish(put, Err(PutFailure::Io))
+            }
         }
-        let Some(entry) = self.entries.get_mut(pull_id) else {
-            return match self.released.get(pull_id, now) {
-                Some(&reason) => AckOutcome::AlreadyReleased {
-                    reason,
-                    alloc_failed: ack.alloc_failed,
-                },
-                None => AckOutcome::Unknown {
-                    alloc_failed: ack.alloc_failed,
-                },
-            };
+    }
+
+    /// The clock probe ended: `Some` with the new measurement.
+    pub fn on_clock(&mut self, put: &mut Put, now: Instant, clock: Option<ClockMap>) -> PutAction {
+        debug_assert!(matches!(put.state, State::SyncingClock));
+        match (clock, self.links.get_mut(&put.spec.peer_key)) {
+            (
+                Some(c),
+                Some(Link {
+                    attached: Some(a), ..
+                }),
+            ) => {
+                a.clock = c;
+                self.admit(put, now, now + BACKPRESSURE_WAIT)
+            }
+            _ => {
+                self.broken(&put.spec.peer_key);
+                self.finish(put, Err(PutFailure::Io))
+            }
+        }
+    }
+
+    /// Pins were released (or the wait ended): try the admission again.
+    pub fn on_pins_released(&mut self, put: &mut Put, now: Instant) -> PutAction {
+        let State::Admitting { deadline } = put.state else {
+            return self.finish(put, Err(PutFailure::Io));
         };
-        if entry.acked {
-            return AckOutcome::DuplicateAck;
+        self.admit(put, now, deadline)
+    }
+
+    /// The read grant for a pull was made (`None`: the channel refused,
+    /// e.g. the receiver was detached meanwhile).
+    pub fn on_granted(&mut self, put: &mut Put, now: Instant, grant: Option<GrantId>) -> PutAction {
+        let State::Granting { reserved } = put.state else {
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        self.reserved -= reserved;
+        let Some(grant) = grant else {
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        let Some(a) = self.attached(&put.spec.peer_key) else {
+            self.releases.push(grant);
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        // The lease starts now, with the pins, before the notification leaves.
+        let deadline_us = a.clock.receiver_deadline_us(now + a.lease, now);
+        let pull_id = PullId::new(deadline_us).encode();
+        let layout = self.cfg.layout;
+        let notif = PullReadyNotif {
+            pull_id: pull_id.clone(),
+            keys: put.keys.clone(),
+            sender_buffer_uuids: put
+                .chunks
+                .iter()
+                .map(|c| c.buffer_ref().uuid.simple().to_string())
+                .collect(),
+            sender_mem_indexes: put.chunks.iter().map(|c| u64::from(c.page())).collect(),
+            sender_id: self.cfg.node.clone(),
+            sender_done_url: self.cfg.done_url.clone(),
+            fmt: layout.fmt.code(),
+            shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
+            dtype: layout.dtype.name().to_string(),
+            last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
+        };
+        let inserted = self.pending.insert(
+            &pull_id,
+            &put.spec.peer_key,
+            &put.spec.req_id,
+            put.chunks.clone(),
+            now,
+            a.lease,
+            Some(grant),
+        );
+        match inserted {
+            Ok(InsertOutcome::Pending) => {}
+            Ok(InsertOutcome::AlreadyDone(r)) => {
+                self.releases.extend(r.grant);
+                return self.finish(
+                    put,
+                    Err(PutFailure::Rejected(PutRejected::InvalidInput(format!(
+                        "pull id {pull_id} was already reported done"
+                    )))),
+                );
+            }
+            Err(e) => {
+                self.releases.push(grant);
+                return self.finish(
+                    put,
+                    Err(PutFailure::Rejected(PutRejected::InvalidInput(
+                        e.to_string(),
+                    ))),
+                );
+            }
         }
-        entry.acked = true;
-        entry.req_failed = false;
-        if ack.alloc_failed {
-            let released = self.release(pull_id, ReleaseReason::AllocFailed, now);
-            return AckOutcome::AllocFailed(released);
+        put.state = State::Announcing {
+            pull_id: pull_id.clone(),
+        };
+        PutAction::Request {
+            route: self.route(&put.spec.peer_key),
+            frame: super::Message::PullReadyNotif(notif).encode(),
+            kind: RequestKind::PullReadyNotif,
         }
-        // The receiver never reads pages of keys it already holds: unpin them now.
-        let mut unpinned = 0;
-        let mut invalid = 0;
-        for &i in &ack.already_sent_indexes {
-            match usize::try_from(i).ok().and_then(|i| entry.pages.get_mut(i)) {
-                Some(slot) => {
-                    if let Some(page) = slot.take() {
-                        page.unpin();
-                        unpinned += 1;
+    }
+
+    /// The request sent by the last [`PutAction::Request`] was answered
+    /// (`Ok(reply)`), or failed with what is known of its delivery.
+    pub fn on_reply(
+        &mut self,
+        put: &mut Put,
+        now: Instant,
+        reply: Result<Vec<u8>, Delivery>,
+    ) -> PutAction {
+        let reply = match reply {
+            Ok(r) => r,
+            Err(delivery) => {
+                // The shell replaces the socket; so does the route.
+                self.links
+                    .entry(put.spec.peer_key.clone())
+                    .or_default()
+                    .epoch += 1;
+                if let State::Noticing {
+                    frame, attempts, ..
+                } = &mut put.state
+                {
+                    // The notice names its allocation's route, so the next
+                    // socket may repeat it; a repeat is answered alike.
+                    if *attempts < NOTICE_ATTEMPTS {
+                        *attempts += 1;
+                        return PutAction::Request {
+                            route: self.route(&put.spec.peer_key),
+                            frame: frame.clone(),
+                            kind: RequestKind::PushNotice,
+                        };
                     }
                 }
-                None => invalid += 1,
+                if let State::Announcing { pull_id } = &put.state {
+                    let pull_id = pull_id.clone();
+                    // Released now only if it never left; otherwise held
+                    // until the lease end (the receiver may read until then).
+                    if let super::pending::ReqFailedOutcome::Released(r) =
+                        self.pending.on_req_failed(&pull_id, delivery, now)
+                    {
+                        self.releases.extend(r.grant);
+                    }
+                }
+                return self.finish(put, Err(PutFailure::Io));
             }
-        }
-        entry.held -= unpinned;
-        self.pinned_pages -= unpinned;
-        self.counters.pages_unpinned_at_ack += unpinned as u64;
-        if entry.held == 0 {
-            self.counters.released_all_already_sent += 1;
-            let released = self.release(pull_id, ReleaseReason::AllAlreadySent, now);
-            return AckOutcome::AllAlreadySent(released);
-        }
-        AckOutcome::Accepted {
-            unpinned_early: unpinned,
-            still_pinned: entry.held,
-            invalid_indexes: invalid,
-        }
-    }
-
-    /// A `PullDoneSignal` for `pull_id` arrived.
-    pub fn on_done(&mut self, pull_id: &str, now: Instant) -> DoneOutcome {
-        if let Some(entry) = self.entries.get(pull_id) {
-            self.counters.done_released += 1;
-            if !entry.acked {
-                self.counters.done_before_ack += 1;
-            }
-            return DoneOutcome::Released(self.release(pull_id, ReleaseReason::Done, now));
-        }
-        if let Some(&reason) = self.released.get(pull_id, now) {
-            self.counters.done_already_released += 1;
-            return DoneOutcome::AlreadyReleased(reason);
-        }
-        self.counters.done_early += 1;
-        self.early_done.insert(pull_id, (), now);
-        DoneOutcome::Early
-    }
-
-    /// The REQ carrying the notification failed (timeout or broken socket).
-    /// See the module docs for the rule: released now only when the
-    /// notification certainly never left.
-    pub fn on_req_failed(
-        &mut self,
-        pull_id: &str,
-        delivery: Delivery,
-        now: Instant,
-    ) -> ReqFailedOutcome {
-        let Some(entry) = self.entries.get_mut(pull_id) else {
-            return ReqFailedOutcome::Unknown;
         };
-        match delivery {
-            Delivery::NotSent => {
-                self.counters.req_failed_released += 1;
-                ReqFailedOutcome::Released(self.release(pull_id, ReleaseReason::ReqFailed, now))
-            }
-            Delivery::Unknown => {
-                self.counters.req_failed_held += 1;
-                entry.req_failed = true;
-                ReqFailedOutcome::HeldUntilLease {
-                    until: entry.created + entry.lease,
+        match std::mem::replace(&mut put.state, State::Finished) {
+            State::Allocating { route } => self.on_alloc_response(put, now, route, &reply),
+            State::Announcing { pull_id } => self.on_ack(put, now, &pull_id, &reply),
+            State::Noticing {
+                outcome,
+                already,
+                refs,
+                ..
+            } => match decode_reply(&reply) {
+                Ok(Ok(())) => match outcome {
+                    PushOutcome::Landed => self.finish(
+                        put,
+                        Ok(PutOutcome::Pushed {
+                            written: refs,
+                            already_present: already,
+                        }),
+                    ),
+                    PushOutcome::Aborted => self.finish(put, Err(PutFailure::Io)),
+                },
+                Ok(Err(why)) => {
+                    self.notices_refused += 1;
+                    let e = match outcome {
+                        PushOutcome::Landed => PutFailure::Rejected(PutRejected::NoticeRefused {
+                            peer: put.spec.peer_key.clone(),
+                            why,
+                        }),
+                        PushOutcome::Aborted => PutFailure::Io,
+                    };
+                    self.finish(put, Err(e))
                 }
+                Err(detail) => {
+                    self.broken(&put.spec.peer_key);
+                    let e = match outcome {
+                        PushOutcome::Landed => PutFailure::Rejected(PutRejected::BadReply {
+                            peer: put.spec.peer_key.clone(),
+                            detail,
+                        }),
+                        PushOutcome::Aborted => PutFailure::Io,
+                    };
+                    self.finish(put, Err(e))
+                }
+            },
+            other => {
+                put.state = other;
+                self.finish(put, Err(PutFailure::Io))
             }
         }
     }
 
-    /// Releases every pull that is due at `now`: `created + max(ttl, lease)`,
-    /// or `created + lease` after a REQ failure of unknown delivery. The
-    /// pages are unpinned and dropped here.
-    pub fn sweep(&mut self, now: Instant, ttl: Duration) -> Vec<ExpiredPull> {
-        self.counters.sweeps += 1;
-        self.early_done.expire(now);
-        self.released.expire(now);
-        let due: Vec<String> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| now >= e.release_at(ttl))
-            .map(|(id, _)| id.clone())
-            .collect();
-        due.into_iter()
-            .map(|id| {
-                self.counters.expired += 1;
-                let r = self.release(&id, ReleaseReason::Expired, now);
-                ExpiredPull {
-                    pull_id: r.pull_id,
-                    peer: r.peer,
-                    req_id: r.req_id,
-                    pages: r.pages.len(),
-                    acked: r.acked,
-                }
-            })
-            .collect()
+    /// The push write ended.
+    pub fn on_written(&mut self, put: &mut Put, _now: Instant, end: WriteEnd) -> PutAction {
+        let State::Writing {
+            route,
+            refs,
+            already,
+        } = std::mem::replace(&mut put.state, State::Finished)
+        else {
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        let outcome = match end {
+            WriteEnd::Written => PushOutcome::Landed,
+            WriteEnd::Failed => PushOutcome::Aborted,
+            WriteEnd::Abandoned => {
+                // No notice until the device lets go: re-attach, which
+                // replaces our attachment (and route) on the receiver.
+                self.broken(&put.spec.peer_key);
+                return self.finish(put, Err(PutFailure::Io));
+            }
+        };
+        let frame = PushNotice {
+            route,
+            outcome,
+            refs: refs.clone(),
+        }
+        .encode();
+        put.state = State::Noticing {
+            frame: frame.clone(),
+            refs: refs.len(),
+            outcome,
+            already,
+            attempts: 1,
+        };
+        PutAction::Request {
+            route: self.route(&put.spec.peer_key),
+            frame,
+            kind: RequestKind::PushNotice,
+        }
     }
 
-    /// The earliest instant at which [`PullPending::sweep`] with `ttl` would
-    /// release something (for the shell's timer), if anything is pending.
-    pub fn next_expiry(&self, ttl: Duration) -> Option<Instant> {
-        self.entries.values().map(|e| e.release_at(ttl)).min()
+    /// A `PullDoneSignal` for `pull_id` arrived at `now`.
+    pub fn on_done_signal(&mut self, now: Instant, pull_id: &str) -> DoneOutcome {
+        let outcome = self.pending.on_done(pull_id, now);
+        if let DoneOutcome::Released(r) = &outcome {
+            self.releases.extend(r.grant);
+        }
+        outcome
     }
 
-    /// Whether `pull_id` is pending.
-    pub fn contains(&self, pull_id: &str) -> bool {
-        self.entries.contains_key(pull_id)
+    /// Releases pulls due at `now` (never before their lease) and prunes
+    /// closed breakers.
+    pub fn sweep(&mut self, now: Instant) -> Vec<ExpiredPull> {
+        let expired = self.pending.sweep(now, self.cfg.pull_pending_ttl);
+        self.releases.extend(expired.iter().filter_map(|e| e.grant));
+        self.breaker.prune(now);
+        expired
     }
 
-    /// Pages pinned by pending pulls (the input of [`super::Backpressure::check`]).
-    pub fn pinned_pages(&self) -> usize {
-        self.pinned_pages
+    /// Grants whose pulls were released since the last call (release them
+    /// on the channel).
+    pub fn take_grant_releases(&mut self) -> Vec<GrantId> {
+        std::mem::take(&mut self.releases)
+    }
+
+    /// The breaker state towards `peer_key`.
+    pub fn breaker_state(&self, peer_key: &str, now: Instant) -> BreakerState {
+        self.breaker.state(peer_key, now)
     }
 
     /// Pulls pending.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Whether no pull is pending.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+    pub fn pulls_pending(&self) -> usize {
+        self.pending.len()
     }
 
     /// The counters.
-    pub fn counters(&self) -> PullCounters {
-        PullCounters {
-            pulls_pending: self.entries.len(),
-            pinned_pages: self.pinned_pages,
-            early_done_size: self.early_done.len(),
-            ..self.counters
+    pub fn counters(&self) -> SenderCounters {
+        SenderCounters {
+            pulls: self.pending.counters(),
+            breaker: self.breaker.counters(),
+            reserved_pages: self.reserved,
+            notices_refused: self.notices_refused,
         }
     }
 
-    /// Removes the entry (which must exist), unpins what it still holds and
-    /// remembers the id as released.
-    fn release(&mut self, pull_id: &str, reason: ReleaseReason, now: Instant) -> ReleasedPull {
-        let (pull_id, entry) = self
-            .entries
-            .remove_entry(pull_id)
-            .expect("release is only called for pending pulls");
-        let pages: Vec<MemObj> = entry.pages.into_iter().flatten().collect();
-        for p in &pages {
-            p.unpin();
+    // ---------------------------------------------------------- steps
+
+    fn after_connect(&mut self, put: &mut Put, now: Instant) -> PutAction {
+        let Some(a) = self.attached(&put.spec.peer_key) else {
+            put.state = State::Connecting;
+            return PutAction::Connect;
+        };
+        if self.cfg.mode == TransferMode::Push {
+            let layout = self.cfg.layout;
+            let req = AllocRequest {
+                keys: put.keys.clone(),
+                fmt: layout.fmt.code(),
+                shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
+                dtype: layout.dtype.name().to_string(),
+                last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
+            };
+            let route = self.route(&put.spec.peer_key);
+            put.state = State::Allocating {
+                route: route.clone(),
+            };
+            return PutAction::Request {
+                route,
+                frame: super::Message::AllocRequest(req).encode(),
+                kind: RequestKind::AllocRequest,
+            };
         }
-        self.pinned_pages -= pages.len();
-        self.released.insert(&pull_id, reason, now);
-        ReleasedPull {
-            pull_id,
-            peer: entry.peer,
-            req_id: entry.req_id,
-            pages,
-            reason,
-            acked: entry.acked,
+        // The deadline we send is only as good as our view of the
+        // receiver's clock: re-measure once drift could eat 5 % of the lease.
+        if u128::from(a.clock.drift_us(now)) * 20 > a.lease.as_micros() {
+            put.state = State::SyncingClock;
+            return PutAction::SyncClock;
+        }
+        self.admit(put, now, now + BACKPRESSURE_WAIT)
+    }
+
+    fn admit(&mut self, put: &mut Put, now: Instant, deadline: Instant) -> PutAction {
+        let n = put.chunks.len();
+        let bp = self.cfg.backpressure;
+        match bp.check(self.pending.pinned_pages() + self.reserved, n) {
+            Admission::Admit => {
+                let Some(a) = self.attached(&put.spec.peer_key) else {
+                    return self.finish(put, Err(PutFailure::Io));
+                };
+                // Reserved now, pinned at the grant: two puts cannot both
+                // pass the check and overshoot the mark together.
+                self.reserved += n;
+                put.state = State::Granting { reserved: n };
+                PutAction::Grant {
+                    peer: a.peer,
+                    pages: put.chunks.iter().map(|c| c.buffer_ref()).collect(),
+                }
+            }
+            Admission::TooLarge => self.finish(
+                put,
+                Err(PutFailure::Rejected(PutRejected::Backpressure(format!(
+                    "a batch of {n} pages can never fit under the high-water mark of {} pinned pages \
+                     (pool {} pages, reserve {}%); split the put or raise pd_buffer_size",
+                    bp.high_water(),
+                    bp.total_pages(),
+                    self.cfg.reserve_pct
+                )))),
+            ),
+            Admission::Wait if now >= deadline => self.finish(
+                put,
+                Err(PutFailure::Rejected(PutRejected::Backpressure(format!(
+                    "{} pages still pinned after {BACKPRESSURE_WAIT:?} (high-water {}); receivers \
+                     are not sending PullDoneSignal",
+                    self.pending.pinned_pages() + self.reserved,
+                    bp.high_water()
+                )))),
+            ),
+            Admission::Wait => {
+                put.state = State::Admitting { deadline };
+                PutAction::WaitForPins { until: deadline }
+            }
         }
     }
+
+    fn on_alloc_response(
+        &mut self,
+        put: &mut Put,
+        now: Instant,
+        route: String,
+        reply: &[u8],
+    ) -> PutAction {
+        let peer = put.spec.peer_key.clone();
+        let resp = match AscendAllocResponse::decode(reply) {
+            Ok(r) => r,
+            Err(e) => {
+                self.broken(&peer);
+                return self.finish(
+                    put,
+                    Err(PutFailure::Rejected(PutRejected::BadReply {
+                        peer,
+                        detail: e.to_string(),
+                    })),
+                );
+            }
+        };
+        if resp.alloc_failed {
+            self.open_breaker(&peer, now);
+            return self.finish(put, Ok(PutOutcome::ReceiverAllocFailed));
+        }
+        let ops = match push_ops(&put.chunks, &resp) {
+            Ok(ops) => ops,
+            Err(detail) => {
+                self.broken(&peer);
+                return self.finish(
+                    put,
+                    Err(PutFailure::Rejected(PutRejected::BadReply { peer, detail })),
+                );
+            }
+        };
+        let already = put.chunks.len() - ops.len();
+        if ops.is_empty() {
+            return self.finish(
+                put,
+                Ok(PutOutcome::Pushed {
+                    written: 0,
+                    already_present: already,
+                }),
+            );
+        }
+        let Some(a) = self.attached(&peer) else {
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        put.state = State::Writing {
+            route,
+            refs: ops.iter().map(|o| o.remote).collect(),
+            already,
+        };
+        PutAction::Write { peer: a.peer, ops }
+    }
+
+    fn on_ack(&mut self, put: &mut Put, now: Instant, pull_id: &str, reply: &[u8]) -> PutAction {
+        let ack = match PullReadyDoneAck::decode(reply) {
+            Ok(a) => a,
+            Err(e) => {
+                // The receiver may still read: hold the pins until the lease.
+                self.pending.on_req_failed(pull_id, Delivery::Unknown, now);
+                return self.finish(
+                    put,
+                    Err(PutFailure::Rejected(PutRejected::BadReply {
+                        peer: put.spec.peer_key.clone(),
+                        detail: e.to_string(),
+                    })),
+                );
+            }
+        };
+        let outcome = self.pending.on_ack(pull_id, &ack, now);
+        match &outcome {
+            AckOutcome::AllAlreadySent(r) | AckOutcome::AllocFailed(r) => {
+                self.releases.extend(r.grant)
+            }
+            _ => {}
+        }
+        if outcome.opens_breaker() {
+            self.open_breaker(&put.spec.peer_key, now);
+            return self.finish(put, Ok(PutOutcome::ReceiverAllocFailed));
+        }
+        let already_present = ack.already_sent_indexes.len();
+        self.finish(
+            put,
+            Ok(PutOutcome::Announced {
+                announced: put.chunks.len().saturating_sub(already_present),
+                pull_id: pull_id.to_string(),
+                already_present,
+            }),
+        )
+    }
+
+    fn finish(&mut self, put: &mut Put, result: Result<PutOutcome, PutFailure>) -> PutAction {
+        if let State::Granting { reserved } = put.state {
+            self.reserved -= reserved;
+        }
+        put.state = State::Finished;
+        PutAction::Finish(PutEnd {
+            result,
+            proxy_notif: put.spec.is_last_prefill.then(|| ProxyNotif {
+                req_id: put.spec.req_id.clone(),
+            }),
+        })
+    }
+
+    fn open_breaker(&mut self, peer: &str, now: Instant) {
+        self.breaker
+            .open(peer, now, self.cfg.alloc_fail_backoff_ttl);
+        log::warn!(
+            "receiver {peer} could not allocate; skipping it for {:?}",
+            self.cfg.alloc_fail_backoff_ttl
+        );
+    }
+
+    /// The receiver must be attached again (and the route replaced).
+    fn broken(&mut self, peer: &str) {
+        let link = self.links.entry(peer.to_string()).or_default();
+        link.attached = None;
+        link.epoch += 1;
+    }
+
+    /// One chunk per key, pages of our pools, one layout, only the last
+    /// chunk partial.
+    fn check_put(&self, put: &Put) -> Result<(), PutRejected> {
+        let bad = |m: String| Err(PutRejected::InvalidInput(m));
+        let (keys, chunks) = (&put.keys, &put.chunks);
+        if keys.is_empty() {
+            return bad("no keys".into());
+        }
+        if keys.len() != chunks.len() {
+            return bad(format!("{} keys but {} chunks", keys.len(), chunks.len()));
+        }
+        let mut seen = HashSet::new();
+        for k in keys {
+            if k.is_empty() || !seen.insert(k.as_str()) {
+                return bad(format!("key {k:?} is empty or repeated"));
+            }
+        }
+        let layout = self.cfg.layout;
+        for (i, c) in chunks.iter().enumerate() {
+            if !self.cfg.pools.contains(&c.buffer_ref().uuid) {
+                return bad(format!(
+                    "chunk {i} is not a page of this sender's pools (allocate with Sender::allocate)"
+                ));
+            }
+            if c.meta().layout != layout {
+                return bad(format!(
+                    "chunk {i} has layout {:?}, not the configured {layout:?}",
+                    c.meta().layout
+                ));
+            }
+            if i + 1 < chunks.len() && c.tokens() != layout.tokens {
+                return bad(format!(
+                    "chunk {i} is partial ({} tokens) but only the last chunk may be",
+                    c.tokens()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pairs the chunks the receiver wants with the pages it allocated.
+fn push_ops(chunks: &[SealedMemObj], resp: &AscendAllocResponse) -> Result<Vec<WriteOp>, String> {
+    let present: HashSet<u64> = resp.already_sent_indexes.iter().copied().collect();
+    if resp
+        .already_sent_indexes
+        .iter()
+        .any(|&i| i >= chunks.len() as u64)
+    {
+        return Err("already_sent_indexes out of range".into());
+    }
+    let new: Vec<&SealedMemObj> = chunks
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !present.contains(&(*i as u64)))
+        .map(|(_, c)| c)
+        .collect();
+    if resp.remote_indexes.len() != new.len() || resp.remote_buffer_uuids.len() != new.len() {
+        return Err(format!(
+            "{} new chunks but {} remote indexes and {} uuids",
+            new.len(),
+            resp.remote_indexes.len(),
+            resp.remote_buffer_uuids.len()
+        ));
+    }
+    new.into_iter()
+        .zip(resp.remote_indexes.iter().zip(&resp.remote_buffer_uuids))
+        .map(|(c, (&page, uuid))| {
+            let uuid = Uuid::parse_str(uuid).map_err(|e| format!("uuid {uuid:?}: {e}"))?;
+            let page = u32::try_from(page).map_err(|_| format!("page {page} too large"))?;
+            Ok(WriteOp::chunk(c.clone(), BufferRef { uuid, page }))
+        })
+        .collect()
 }

@@ -119,6 +119,34 @@ pub enum InvalidMessage {
         /// The id (shortened).
         pull_id: String,
     },
+    /// The sender never completed a handshake with this receiver (or was
+    /// replaced): there is no agreed lease and no way to read its pages.
+    #[error("{msg}.sender_id: {sender:?} has no handshake with this receiver; it must connect to pd_peer_init_port first")]
+    UnknownSender {
+        /// Message type.
+        msg: MessageType,
+        /// The sender id (shortened).
+        sender: String,
+    },
+    /// The pull id does not carry an ascend-pd lease deadline.
+    #[error("{msg}.pull_id: {pull_id:?} carries no lease deadline (not an ascend-pd sender of this version)")]
+    NoLease {
+        /// Message type.
+        msg: MessageType,
+        /// The id (shortened).
+        pull_id: String,
+    },
+    /// The notification arrived too late: the sender may free (or soon
+    /// free) the pages, so nothing of it may be read.
+    #[error("{msg}.pull_id: {pull_id:?} arrived {late_ms} ms past the last moment a read could start (it waited in a queue, or the lease is shorter than the delay); refused, nothing read")]
+    LeaseOver {
+        /// Message type.
+        msg: MessageType,
+        /// The id (shortened).
+        pull_id: String,
+        /// How late, in milliseconds.
+        late_ms: u64,
+    },
     /// `sender_done_url` is not `host:port`.
     #[error("{msg}.sender_done_url: {value:?} is not host:port")]
     BadDoneUrl {
@@ -144,6 +172,9 @@ impl InvalidMessage {
             | InvalidMessage::BadUuid { msg, .. }
             | InvalidMessage::EmptyField { msg, .. }
             | InvalidMessage::PullIdInUse { msg, .. }
+            | InvalidMessage::UnknownSender { msg, .. }
+            | InvalidMessage::NoLease { msg, .. }
+            | InvalidMessage::LeaseOver { msg, .. }
             | InvalidMessage::BadDoneUrl { msg, .. } => *msg,
         }
     }

@@ -5,7 +5,7 @@
 
 use ascend_pd::backend::{Receiver, Sender, TransferSpec};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
-use ascend_pd::memory::{pattern, MemObj};
+use ascend_pd::memory::{pattern, MemObj, Page, SealedMemObj};
 use std::time::Duration;
 
 /// A port that was free a moment ago.
@@ -68,19 +68,20 @@ pub fn seed_of(key: &str) -> u64 {
     })
 }
 
-/// Chunks for `keys` from the sender's pool, the last one `last_tokens` long, filled with each key's pattern.
-pub fn chunks(s: &Sender, keys: &[String], last_tokens: usize) -> Vec<MemObj> {
+/// Chunks for `keys` from the sender's pool, the last one `last_tokens`
+/// long, filled with each key's pattern and sealed for sending.
+pub fn chunks(s: &Sender, keys: &[String], last_tokens: usize) -> Vec<SealedMemObj> {
     let mut tokens = vec![CHUNK; keys.len()];
     *tokens.last_mut().unwrap() = last_tokens;
     let mut objs = s.allocate(&tokens).unwrap();
     for (o, k) in objs.iter_mut().zip(keys) {
         pattern::fill(o.host_bytes_mut().unwrap(), seed_of(k));
     }
-    objs
+    objs.into_iter().map(MemObj::seal).collect()
 }
 
 /// Whether `obj` holds `key`'s pattern, all of its bytes.
-pub fn holds(obj: &MemObj, key: &str) -> bool {
+pub fn holds(obj: &Page, key: &str) -> bool {
     pattern::first_mismatch(obj.host_bytes().unwrap(), seed_of(key)).is_none()
 }
 

@@ -5,11 +5,12 @@
 use crate::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
-use ascend_pd::channel::{self as chan, OpKind, PeerId, TransferChannel, TransferOp};
+use ascend_pd::channel::{self as chan, Access, PeerId, ReadOp, TransferChannel, WriteOp};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
-    pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, PagePool, RegisteredBuffer,
+    pattern, BufferRef, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, Page, PagePool,
+    RegisteredBuffer,
 };
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -85,7 +86,7 @@ pub fn make_pool(
 }
 
 /// Fills every page with the pattern of (`seed`, page index), wherever it lives.
-pub fn fill_pages(objs: &[MemObj], seed: u64) -> Result<()> {
+pub fn fill_pages(objs: &mut [MemObj], seed: u64) -> Result<()> {
     let mut page = Vec::new();
     for o in objs {
         page.resize(o.byte_len(), 0);
@@ -96,7 +97,7 @@ pub fn fill_pages(objs: &[MemObj], seed: u64) -> Result<()> {
 }
 
 /// Whether every page holds the pattern of (`seed`, page index).
-pub fn pages_match(objs: &[MemObj], seed: u64) -> Result<bool> {
+pub fn pages_match<P: std::ops::Deref<Target = Page>>(objs: &[P], seed: u64) -> Result<bool> {
     let mut page = Vec::new();
     for o in objs {
         page.resize(o.byte_len(), 0);
@@ -140,9 +141,12 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     a.finish().map_err(|e| anyhow!(e))?;
 
     let runtime = runtime_for(kind, device)?;
-    let (pool, objs) = make_pool(kind, device, runtime.as_ref(), pages, bytes)?;
-    fill_pages(&objs, seed)?;
-    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
+    let (pool, mut objs) = make_pool(kind, device, runtime.as_ref(), pages, bytes)?;
+    fill_pages(&mut objs, seed)?;
+    // Every page is open to whoever attaches (this is a test peer): tcp
+    // serves only granted pages.
+    let refs: Vec<BufferRef> = objs.iter().map(|o| o.buffer_ref()).collect();
+    let channel = chan::open(kind, "127.0.0.1", &node, &[Arc::clone(&pool)])?;
     let hello = Hello::local(
         &node,
         Role::Receiver,
@@ -152,15 +156,20 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     );
     let ctx = zmq::Context::new();
     let (tx, rx) = crossbeam_channel::unbounded();
-    let server = HandshakeServer::spawn(&ctx, "tcp://127.0.0.1:*", channel, hello, tx)?;
+    let server =
+        HandshakeServer::spawn(&ctx, "tcp://127.0.0.1:*", Arc::clone(&channel), hello, tx)?;
     println!("READY {}", server.url());
     std::io::stdout().flush()?;
     std::thread::spawn(move || {
         for ev in rx {
             match ev {
-                HandshakeEvent::Attached(a) => println!("ATTACHED {}", a.remote.node),
+                HandshakeEvent::Attached(a) => {
+                    match channel.grant(a.peer, Access::ReadWrite, &refs) {
+                        Ok(_) => println!("ATTACHED {}", a.remote.node),
+                        Err(e) => println!("REFUSED granting {}: {e}", a.remote.node),
+                    }
+                }
                 HandshakeEvent::Refused { error, .. } => println!("REFUSED {error}"),
-                HandshakeEvent::Landed { node, refs } => println!("LANDED {node} {}", refs.len()),
             }
             let _ = std::io::stdout().flush();
         }
@@ -215,15 +224,18 @@ impl Drop for PeerProcess {
     }
 }
 
-/// Connects `channel` to a peer as a sender in push mode; returns the peer
-/// and the UUID of its (single) pool.
+/// The node id the bench presents to its peer.
+pub const BENCH_NODE: &str = "bench";
+
+/// Connects `channel` (opened as [`BENCH_NODE`]) to a peer as a sender in
+/// push mode; returns the peer and the UUID of its (single) pool.
 pub fn connect(
     ctx: &zmq::Context,
     url: &str,
     channel: &dyn TransferChannel,
 ) -> Result<(PeerId, uuid::Uuid)> {
     let hello = Hello::local(
-        "bench",
+        BENCH_NODE,
         Role::Sender,
         TransferMode::Push,
         Duration::from_secs(60),
@@ -321,13 +333,13 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         &a.get("channel", "shm".to_string())
             .map_err(|e| anyhow!(e))?,
     )?;
-    let op = match a
+    let write = match a
         .get("op", "write".to_string())
         .map_err(|e| anyhow!(e))?
         .as_str()
     {
-        "write" => OpKind::Write,
-        "read" => OpKind::Read,
+        "write" => true,
+        "read" => false,
         o => bail!("--op {o:?}: expected write or read"),
     };
     let chunk: usize = a.get("chunk-bytes", 2 << 20).map_err(|e| anyhow!(e))?;
@@ -348,65 +360,77 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         format!("--device={}", device_name(device)),
     ])?;
     let runtime = runtime_for(kind, device)?;
-    let (pool, objs) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
-    let channel = chan::open(kind, "127.0.0.1", &[Arc::clone(&pool)])?;
+    let (pool, mut objs) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
+    let channel = chan::open(kind, "127.0.0.1", BENCH_NODE, &[Arc::clone(&pool)])?;
     let ctx = zmq::Context::new();
     let (peer_id, uuid) = connect(&ctx, &peer.url, channel.as_ref())?;
     let local_seed = 99u64;
-    if op == OpKind::Write {
-        fill_pages(&objs, local_seed)?;
-    }
-    let ops: Vec<TransferOp> = objs
-        .iter()
-        .map(|o| TransferOp {
-            local: o.clone(),
-            remote: ascend_pd::memory::BufferRef {
-                uuid,
-                page: o.page(),
-            },
-            len: chunk,
-        })
-        .collect();
+    let remote = |page: u32| BufferRef { uuid, page };
     let bytes = chunk * chunks;
     let mut rates = Vec::new();
-    for _ in 0..=reps {
-        let t = Instant::now();
-        channel.submit(peer_id, op, ops.clone())?.wait()?;
-        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    rates.remove(0);
-    let gbps = median(&mut rates);
-    drop(ops);
-
-    // Verify every byte at the far end: reads against the peer's pattern;
-    // writes by reading the peer's pages back into fresh local pages.
-    let verified = match op {
-        OpKind::Read => pages_match(&objs, peer_seed)?,
-        OpKind::Write => {
-            let (back_pool, back) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
-            let ch2 = chan::open(kind, "127.0.0.1", &[Arc::clone(&back_pool)])?;
-            let (p2, uuid2) = connect(&ctx, &peer.url, ch2.as_ref())?;
-            let reads = back
+    // Each batch owns its pages; its completion gives them back for the next.
+    let verified = if write {
+        fill_pages(&mut objs, local_seed)?;
+        let sealed: Vec<_> = objs.into_iter().map(MemObj::seal).collect();
+        for _ in 0..=reps {
+            let ops: Vec<WriteOp> = sealed
                 .iter()
-                .map(|o| TransferOp {
+                .map(|o| WriteOp {
                     local: o.clone(),
-                    remote: ascend_pd::memory::BufferRef {
-                        uuid: uuid2,
-                        page: o.page(),
-                    },
+                    remote: remote(o.page()),
                     len: chunk,
                 })
                 .collect();
-            ch2.read(p2, reads)?;
-            pages_match(&back, local_seed)?
+            let t = Instant::now();
+            channel.write(peer_id, ops)?;
+            rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
+        // Verify every byte at the far end by reading the peer's pages back
+        // into fresh local pages over a second connection.
+        let (back_pool, back) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
+        let ch2 = chan::open(kind, "127.0.0.1", BENCH_NODE, &[Arc::clone(&back_pool)])?;
+        let (p2, uuid2) = connect(&ctx, &peer.url, ch2.as_ref())?;
+        let reads = back
+            .into_iter()
+            .map(|o| {
+                let page = o.page();
+                ReadOp {
+                    local: o,
+                    remote: BufferRef { uuid: uuid2, page },
+                    len: chunk,
+                }
+            })
+            .collect();
+        let back = ch2.read(p2, reads)?;
+        pages_match(&back, local_seed)?
+    } else {
+        let mut pages = objs;
+        for _ in 0..=reps {
+            let ops: Vec<ReadOp> = pages
+                .into_iter()
+                .map(|o| {
+                    let page = o.page();
+                    ReadOp {
+                        local: o,
+                        remote: remote(page),
+                        len: chunk,
+                    }
+                })
+                .collect();
+            let t = Instant::now();
+            pages = channel.read(peer_id, ops)?;
+            rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        pages_match(&pages, peer_seed)?
     };
+    rates.remove(0);
+    let gbps = median(&mut rates);
     let (baseline_name, baseline) = match kind {
         ChannelKind::Tcp => ("single-stream TCP", raw_tcp_gbps(bytes, reps)?),
         _ => ("single-thread memcpy", memcpy_gbps(bytes, chunk, reps)?),
     };
     let ratio = gbps / baseline;
-    let op_name = if op == OpKind::Read { "read" } else { "write" };
+    let op_name = if write { "write" } else { "read" };
     // The shm/tcp report on host pools reads as it always did.
     let pools = match device {
         PoolDevice::Cpu => "",

@@ -11,7 +11,7 @@ use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferM
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
-    pattern, ChunkLayout, ChunkMeta, MemObj, NpuRuntime, PagePool, RegisteredBuffer,
+    pattern, ChunkLayout, ChunkMeta, MemObj, NpuRuntime, PagePool, RegisteredBuffer, SealedMemObj,
 };
 use ascend_pd::pipeline::LoadOptions;
 use ascend_pd::protocol::{Message, ProxyNotif};
@@ -211,14 +211,16 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         let req_id = format!("{prefix}-{r}");
         let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
         // Pages free up as receivers finish (pull modes pin until Done).
-        let mut chunks: Vec<MemObj> = sender
+        let mut pages: Vec<MemObj> = sender
             .allocator()
             .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
             .context("allocating a request's chunks")?;
-        for (c, k) in chunks.iter_mut().zip(&keys) {
+        for (c, k) in pages.iter_mut().zip(&keys) {
             fill_chunk(c, key_seed(k))?;
         }
-        let bytes: usize = chunks.iter().map(MemObj::byte_len).sum();
+        // Filled: from now on the chunks are only read (sent, or read by receivers).
+        let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+        let bytes: usize = chunks.iter().map(|c| c.byte_len()).sum();
         // Requests go round-robin over the receivers.
         let (host, init, alloc) = &targets[(first + r) % targets.len()];
         let spec = TransferSpec {
@@ -526,8 +528,8 @@ impl DecodeSide {
         let mut verified = report.loaded.len() == keys.len();
         let mut first = 0;
         for (k, &t) in keys.iter().zip(&tokens) {
-            let page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
-            self.cache.gather(&slots[first..first + t], &page)?;
+            let mut page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
+            self.cache.gather(&slots[first..first + t], &mut page)?;
             first += t;
             bytes += page.byte_len() as u64;
             let b = page

@@ -1,0 +1,482 @@
+//! The decode side: serves handshakes and requests, stores chunks
+//! (resident or as pull-delay proxies), loads them into a KV cache and
+//! sends PullDoneSignal.
+//!
+//! What to answer, which pages to lend, grant, revoke or free and when a
+//! Done goes out is decided by the [`ReceiverCore`]; this shell moves
+//! frames and bytes:
+//!
+//! - [`requests`]: the request socket (ROUTER on `pd_peer_alloc_port`):
+//!   `AllocRequest`, `PullReadyNotif`, push notices, and pull-eager reads;
+//! - [`upkeep`]: the handshake events (attached senders) and the sweeper
+//!   (timeouts, revoked grants, quarantined pages coming back);
+//! - here: the public [`Receiver`] (lookups, fetch, the load path of
+//!   [`crate::pipeline`]) and what the threads share.
+
+mod requests;
+mod upkeep;
+
+use super::counters::{MessageCounters, MessageKind};
+use super::zmq_io::PushPool;
+use super::{check_config, lock, spawn, BackendError, NodeId};
+use crate::channel::handshake::{HandshakeServer, Hello};
+use crate::channel::{self, GrantStats, PeerId, TransferChannel, TransferOp};
+use crate::config::{PdConfig, Role, TransferMode};
+use crate::kv::KvCache;
+use crate::layout::ChunkLayout;
+use crate::memory::{DualAllocator, DualStats, PagePool, SealedMemObj};
+use crate::pipeline::load::{load_keys, LoadEnv};
+use crate::pipeline::{LoadError, LoadOptions, LoadReport};
+use crate::protocol::{
+    KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore, ReceiverCounters,
+    SendPullDone,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Counters of a receiver.
+#[derive(Clone, Debug)]
+pub struct ReceiverStats {
+    /// Pool counters (quarantined pages included).
+    pub pools: DualStats,
+    /// Core counters.
+    pub store: ReceiverCounters,
+    /// Messages and errors by kind.
+    pub messages: Vec<(MessageKind, u64)>,
+    /// Bytes read (pull) by this receiver.
+    pub bytes_read: u64,
+    /// Senders attached.
+    pub peers: usize,
+    /// Write grants on the channel (push) and refused peer requests.
+    pub grants: GrantStats,
+}
+
+/// Why fetching some keys failed; the rest were fetched.
+#[derive(Debug, thiserror::Error)]
+#[error("{} key(s) could not be fetched: {}", failed.len(), failed.iter().map(|(k, e)| format!("{k}: {e}")).collect::<Vec<_>>().join("; "))]
+pub struct FetchError {
+    /// Each failed key and why.
+    pub failed: Vec<(String, String)>,
+}
+
+/// An attached sender: its channel id and the agreed lease.
+#[derive(Clone, Copy, Debug)]
+struct PeerLink {
+    peer: PeerId,
+    lease: Duration,
+}
+
+struct Shared {
+    config: PdConfig,
+    mode: TransferMode,
+    alloc: DualAllocator,
+    channel: Arc<dyn TransferChannel>,
+    core: Mutex<ReceiverCore>,
+    /// Notified when keys become resident (or give up landing).
+    landed: Condvar,
+    /// Attached senders by node id.
+    peers: Mutex<HashMap<String, PeerLink>>,
+    peers_changed: Condvar,
+    dones: PushPool,
+    counters: Arc<MessageCounters>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn send_done(&self, d: SendPullDone) {
+        self.counters.bump(MessageKind::PullDoneSignal);
+        self.dones
+            .send(&d.done_url, Message::PullDoneSignal(d.signal).encode());
+    }
+
+    /// The link of sender `node`. The handshake reply goes out before its
+    /// event is processed, so a message may race ahead of the registration:
+    /// wait for it briefly (bounded) before calling the sender unknown.
+    fn attached(&self, node: &str) -> Option<PeerLink> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut peers = lock(&self.peers);
+        loop {
+            if let Some(p) = peers.get(node) {
+                return Some(*p);
+            }
+            let now = Instant::now();
+            if now >= deadline || self.stop.load(Ordering::Acquire) {
+                return None;
+            }
+            peers = self
+                .peers_changed
+                .wait_timeout(peers, (deadline - now).min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl LoadEnv for Shared {
+    fn core(&self) -> MutexGuard<'_, ReceiverCore> {
+        lock(&self.core)
+    }
+
+    fn channel(&self) -> &dyn TransferChannel {
+        self.channel.as_ref()
+    }
+
+    fn pool(&self) -> &Arc<PagePool> {
+        self.alloc.primary()
+    }
+
+    fn layout(&self) -> ChunkLayout {
+        self.config.chunk_layout()
+    }
+
+    fn page_wait(&self) -> Duration {
+        self.config.alloc_fail_backoff_ttl
+    }
+
+    fn peer_of(&self, sender_id: &str) -> Option<PeerId> {
+        self.attached(sender_id).map(|p| p.peer)
+    }
+
+    fn send_done(&self, done: SendPullDone) {
+        Shared::send_done(self, done);
+    }
+
+    fn read_bytes(&self, bytes: u64) {
+        self.counters.add_bytes(bytes);
+    }
+
+    fn transfer_failed(&self) {
+        self.counters.bump(MessageKind::TransferError);
+    }
+}
+
+/// A decode worker's PD receiver.
+pub struct Receiver {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    handshake: Option<HandshakeServer>,
+}
+
+impl Receiver {
+    /// Starts a receiver for TP rank `rank` (role must be receiver): binds
+    /// `pd_peer_init_port[rank]` and `pd_peer_alloc_port[rank]` on `pd_peer_host`.
+    ///
+    /// NPU pools (and hccl's pinned host pool) come from the CANN runtime,
+    /// found as `ascend_sys` searches for it (`ASCEND_PD_CANN_LIB_DIR` first).
+    pub fn start(config: &PdConfig, rank: usize) -> Result<Receiver, BackendError> {
+        check_config(config, Role::Receiver)?;
+        let host = config
+            .peer_host
+            .clone()
+            .expect("validated: receiver has a host");
+        let (Some(init_port), Some(alloc_port)) = (config.init_port(rank), config.alloc_port(rank))
+        else {
+            return Err(BackendError::Setup(format!(
+                "pd_peer_init_port / pd_peer_alloc_port: no port for TP rank {rank}"
+            )));
+        };
+        let node = NodeId::receiver(&host, alloc_port, rank);
+        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
+        let alloc = super::pools::allocator_for(config, rank as u32)?;
+        let pools: Vec<_> = alloc.pools().cloned().collect();
+        let channel = channel::open(config.transfer_channel, &host, node.as_str(), &pools)?;
+        let ctx = zmq::Context::new();
+        let counters = Arc::new(MessageCounters::default());
+        let c2 = Arc::clone(&counters);
+        let dones = PushPool::spawn(&ctx, "pd-done-push", move |_| {
+            c2.bump(MessageKind::Timeout);
+        })?;
+        let core = ReceiverCore::new(ReceiverConfig {
+            layout: config.chunk_layout(),
+            push_landing_timeout: config.push_landing_timeout,
+            read_margin_pct: config.pull_read_margin_pct,
+        });
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            mode: config.mode(),
+            alloc,
+            channel: Arc::clone(&channel),
+            core: Mutex::new(core),
+            landed: Condvar::new(),
+            peers: Mutex::new(HashMap::new()),
+            peers_changed: Condvar::new(),
+            dones,
+            counters,
+            stop: AtomicBool::new(false),
+        });
+        let hello = Hello::local(
+            node.as_str(),
+            Role::Receiver,
+            shared.mode,
+            config.pull_pending_ttl,
+            channel.as_ref(),
+        );
+        let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+        let handshake = HandshakeServer::spawn(
+            &ctx,
+            &format!("tcp://{host}:{init_port}"),
+            channel,
+            hello,
+            ev_tx,
+        )?;
+        let router = ctx
+            .socket(zmq::ROUTER)
+            .map_err(BackendError::zmq("creating the request socket"))?;
+        router.set_linger(0).ok();
+        router.set_rcvtimeo(100).ok();
+        let url = format!("tcp://{host}:{alloc_port}");
+        router.bind(&url).map_err(BackendError::zmq(format!(
+            "binding the request socket {url} (pd_peer_alloc_port in use?)"
+        )))?;
+        let mut threads = Vec::new();
+        let s = Arc::clone(&shared);
+        threads.push(spawn("pd-recv-peers", move || {
+            upkeep::peer_events(&s, ev_rx)
+        })?);
+        let s = Arc::clone(&shared);
+        threads.push(spawn("pd-recv-requests", move || {
+            requests::request_loop(&s, router)
+        })?);
+        let s = Arc::clone(&shared);
+        threads.push(spawn("pd-recv-sweep", move || upkeep::sweep_loop(&s))?);
+        Ok(Receiver {
+            shared,
+            threads,
+            handshake: Some(handshake),
+        })
+    }
+
+    /// The transfer mode.
+    pub fn mode(&self) -> TransferMode {
+        self.shared.mode
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &DualAllocator {
+        &self.shared.alloc
+    }
+
+    /// Whether `key` is stored (resident, pending, or a proxy).
+    pub fn contains(&self, key: &str) -> bool {
+        lock(&self.shared.core).contains(key)
+    }
+
+    /// Tokens of the pull-delay proxy stored for `key` (looking never consumes it).
+    pub fn proxy_tokens(&self, key: &str) -> Option<usize> {
+        match lock(&self.shared.core).get(key, Instant::now()) {
+            Lookup::Proxy(p) => Some(p.tokens()),
+            _ => None,
+        }
+    }
+
+    /// The state of `key`, if stored.
+    pub fn state(&self, key: &str) -> Option<KeyState> {
+        lock(&self.shared.core).state(key)
+    }
+
+    /// The chunk of `key` if its data has fully landed (push / pull-eager).
+    /// A chunk still being written or read is not returned.
+    pub fn get(&self, key: &str) -> Option<SealedMemObj> {
+        match lock(&self.shared.core).get(key, Instant::now()) {
+            Lookup::Resident(m) => Some(m.clone()),
+            _ => None,
+        }
+    }
+
+    /// Like [`Receiver::get`], but waits up to `timeout` for a chunk that is
+    /// still landing. `None` means missing or not landed in time.
+    pub fn get_wait(&self, key: &str, timeout: Duration) -> Option<SealedMemObj> {
+        let deadline = Instant::now() + timeout;
+        let mut core = lock(&self.shared.core);
+        loop {
+            match core.get(key, Instant::now()) {
+                Lookup::Resident(m) => return Some(m.clone()),
+                Lookup::NotReady => {}
+                _ => return None,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            core = self
+                .shared
+                .landed
+                .wait_timeout(core, (deadline - now).min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Removes `key` (its page returns to the pool once no load uses it; a
+    /// proxy counts as discarded, which may complete its pull's Done).
+    /// Returns whether it was removed: a key still landing or being read
+    /// stays until its transfer ends.
+    pub fn remove(&self, key: &str) -> bool {
+        let removed = lock(&self.shared.core).remove(key);
+        match removed {
+            Some(r) => {
+                if let Some(d) = r.done {
+                    self.shared.send_done(d);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reads the pull-delay proxies of `keys` now into fresh pages and
+    /// returns every key's chunk (resident keys are returned as they are).
+    /// Fetched proxies are consumed: once all of a pull's proxies are, its
+    /// PullDoneSignal goes out. On failure, the keys that failed are named,
+    /// their proxies are discarded (Done still goes out) and nothing leaks.
+    pub fn fetch(&self, keys: &[String]) -> Result<Vec<(String, SealedMemObj)>, FetchError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut failed = Vec::new();
+        for key in keys {
+            match fetch_one(&self.shared, key) {
+                Ok(m) => out.push((key.clone(), m)),
+                Err(e) => failed.push((key.clone(), e)),
+            }
+        }
+        if failed.is_empty() {
+            Ok(out)
+        } else {
+            Err(FetchError { failed })
+        }
+    }
+
+    /// Loads `keys` (one request, chunk `i` covering tokens
+    /// `[i * chunk_size, i * chunk_size + tokens_i)`) into `cache` at the
+    /// slots of `slot_mapping` (vLLM's: one slot per token,
+    /// `block * block_size + offset`, negative = padding). The reference's
+    /// `batched_to_gpu`. With [`LoadOptions::default`]; see
+    /// [`Receiver::load_with`].
+    pub fn load(
+        &self,
+        keys: &[String],
+        slot_mapping: &[i64],
+        cache: &mut KvCache,
+    ) -> Result<LoadReport, LoadError> {
+        self.load_with(keys, slot_mapping, cache, &LoadOptions::default())
+    }
+
+    /// Like [`Receiver::load`], with explicit options (see
+    /// [`crate::pipeline`] for how proxies are read and what a failure
+    /// leaves behind: nothing held, every failed pull's Done sent).
+    pub fn load_with(
+        &self,
+        keys: &[String],
+        slot_mapping: &[i64],
+        cache: &mut KvCache,
+        opts: &LoadOptions,
+    ) -> Result<LoadReport, LoadError> {
+        load_keys(&*self.shared, keys, slot_mapping, cache, opts)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReceiverStats {
+        let s = &self.shared;
+        ReceiverStats {
+            pools: s.alloc.stats(),
+            store: lock(&s.core).counters(),
+            messages: s.counters.snapshot(),
+            bytes_read: s.counters.bytes(),
+            peers: lock(&s.peers).len(),
+            grants: s.channel.grant_stats(),
+        }
+    }
+
+    /// Stops every thread and closes the sockets. Stored chunks are dropped
+    /// (their pages return to the pools).
+    pub fn close(mut self) {
+        self.stop_threads();
+    }
+
+    fn stop_threads(&mut self) {
+        let s = &self.shared;
+        s.stop.store(true, Ordering::Release);
+        self.handshake = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        // Nothing allocates from these pools any more: pages still lent to
+        // writers are freed with them (a late write cannot reach anyone's
+        // data), and their grants revoked.
+        let grants = lock(&s.core).shut_down();
+        for g in grants {
+            s.channel.revoke(g);
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.stop_threads();
+    }
+}
+
+fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
+    let now = Instant::now();
+    let proxy = {
+        let mut core = lock(&s.core);
+        match core.get(key, now) {
+            Lookup::Resident(m) => return Ok(m.clone()),
+            Lookup::Missing => return Err("not stored".into()),
+            Lookup::NotReady => return Err("its data has not landed yet".into()),
+            Lookup::Expired => return Err("its pull lease expired".into()),
+            Lookup::Proxy(_) => {}
+        }
+        core.begin_proxy_read(key, now).map_err(|e| e.to_string())?
+    };
+    let finish = |outcome: ReadOutcome| {
+        let done = lock(&s.core).end_proxy_read(&proxy.handle, outcome);
+        if let Some(d) = done {
+            s.send_done(d);
+        }
+    };
+    let Some(peer) = s.attached(&proxy.sender_id).map(|p| p.peer) else {
+        finish(ReadOutcome::Failed);
+        return Err(format!("sender {} is not attached", proxy.sender_id));
+    };
+    let page = match s.alloc.allocate_batch_until(
+        &[proxy.meta],
+        Instant::now() + s.config.alloc_fail_backoff_ttl,
+    ) {
+        Ok(mut p) => p.pop().expect("one page"),
+        Err(e) => {
+            finish(ReadOutcome::Failed);
+            return Err(e.to_string());
+        }
+    };
+    let op = TransferOp {
+        local: page,
+        remote: proxy.remote,
+        len: proxy.byte_len(),
+    };
+    let budget = proxy
+        .lease_deadline
+        .saturating_duration_since(Instant::now());
+    let result = match s.channel.submit_read(peer, vec![op]) {
+        Err(e) => Err(e.to_string()),
+        Ok(mut c) => match c.wait_timeout(budget) {
+            Some(done) => done.result.map(|()| done.pages).map_err(|e| e.to_string()),
+            // Dropping the completion leaves the page with the transfer.
+            None => Err("the read did not finish within the pull's lease".into()),
+        },
+    };
+    match result {
+        Ok(mut pages) => {
+            s.counters.add_bytes(proxy.byte_len() as u64);
+            finish(ReadOutcome::Consumed);
+            Ok(pages.pop().expect("one page").seal())
+        }
+        Err(e) => {
+            s.counters.bump(MessageKind::TransferError);
+            finish(ReadOutcome::Failed);
+            Err(e)
+        }
+    }
+}

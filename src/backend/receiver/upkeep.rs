@@ -1,0 +1,75 @@
+//! The receiver's background work: attached senders (handshake events)
+//! and the sweeper (push allocations past their deadline are revoked,
+//! quarantined pages return once the channel says their writer is done,
+//! late eager reads and expired proxies send their Done).
+
+use super::super::lock;
+use super::{PeerLink, Shared};
+use crate::channel::handshake::HandshakeEvent;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// How often the sweeper runs.
+const SWEEP_EVERY: Duration = Duration::from_millis(200);
+
+pub(super) fn peer_events(s: &Shared, rx: crossbeam_channel::Receiver<HandshakeEvent>) {
+    while !s.stop.load(Ordering::Acquire) {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(HandshakeEvent::Attached(a)) => {
+                log::debug!("sender {} attached as {}", a.remote.node, a.peer);
+                lock(&s.peers).insert(
+                    a.remote.node.clone(),
+                    PeerLink {
+                        peer: a.peer,
+                        lease: a.lease,
+                    },
+                );
+                s.peers_changed.notify_all();
+            }
+            Ok(HandshakeEvent::Refused { node, error }) => {
+                log::warn!(
+                    "refused a handshake from {}: {error}",
+                    node.as_deref().unwrap_or("an unreadable peer")
+                );
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+}
+
+pub(super) fn sweep_loop(s: &Shared) {
+    while !s.stop.load(Ordering::Acquire) {
+        std::thread::sleep(SWEEP_EVERY);
+        sweep_once(s);
+    }
+}
+
+fn sweep_once(s: &Shared) {
+    let report = lock(&s.core).sweep(Instant::now());
+    for k in &report.reclaimed_pushes {
+        log::warn!(
+            "push of {k} got no notice within pd_push_landing_timeout ({:?}); dropped, its page \
+             quarantined until the writer can no longer touch it",
+            s.config.push_landing_timeout
+        );
+    }
+    for g in report.revoke {
+        s.channel.revoke(g);
+    }
+    if !report.reclaimed_pushes.is_empty() || !report.failed_reads.is_empty() {
+        s.landed.notify_all();
+    }
+    for d in report.done {
+        s.send_done(d);
+    }
+    // Quarantined pages come back only when the channel can tell their
+    // writer no longer touches them.
+    let waiting = lock(&s.core).awaiting_quiescence();
+    for g in waiting {
+        if s.channel.is_quiescent(g) {
+            let n = lock(&s.core).on_quiescent(g);
+            log::debug!("{g}: the writer is done; {n} quarantined page(s) back in the pool");
+        }
+    }
+}

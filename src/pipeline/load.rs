@@ -1,0 +1,499 @@
+//! The receiver's load: a request's chunks into the paged KV cache
+//! (the reference's `batched_to_gpu`).
+//!
+//! Resident chunks (push, pull-eager) are scattered from their sealed
+//! pages. Pull-delay proxies are grouped per sender, and each group runs
+//! through its own [`PingPongPipeline`] over pages allocated for it: two
+//! pools of `depth` pages (depth from the pages free now, at most
+//! `max_depth` and the group, at least 1). A proxy is consumed (and, with
+//! its pull's last one, the pull's PullDoneSignal sent, exactly once) only
+//! after its data is in the cache. A read is waited for no longer than its
+//! pull's lease deadline: past it, the sender may have freed the pages, so
+//! the read has failed, and its pages stay with the transfer (quarantined)
+//! until it ends. On a failure that group's remaining proxies are not
+//! read, scatters already started finish, the failed proxies are
+//! discarded so their pulls' Done still goes out, and the keys come back in
+//! [`LoadError::Incomplete`]. Invalid input (slot mapping, cache geometry)
+//! is refused before anything is touched.
+
+use super::pingpong::{
+    allocate_pools, ItemOutcome, MicroBatch, PingPongPipeline, PipelineIo, ReadFailure,
+};
+use super::scatter::{ScatterItem, ScatterLane, ScatterTicket};
+use super::{KeyFailure, LoadError, LoadOptions, LoadReport};
+use crate::channel::{Completion, PeerId, ReadOp, TransferChannel, TransferOp};
+use crate::kv::{plan, KvCache, ScatterStats};
+use crate::layout::ChunkLayout;
+use crate::memory::{ChunkMeta, MemObj, PagePool, SealedMemObj};
+use crate::protocol::{KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone};
+use std::ops::Range;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// What a load needs from the receiver around it.
+pub(crate) trait LoadEnv: Sync {
+    /// The receiver's core, locked.
+    fn core(&self) -> MutexGuard<'_, ReceiverCore>;
+    /// The transfer channel.
+    fn channel(&self) -> &dyn TransferChannel;
+    /// The pool pipeline pages come from.
+    fn pool(&self) -> &Arc<PagePool>;
+    /// The chunk layout.
+    fn layout(&self) -> ChunkLayout;
+    /// How long to wait for pipeline pages when none are free.
+    fn page_wait(&self) -> Duration;
+    /// The attached sender `sender_id`, if any.
+    fn peer_of(&self, sender_id: &str) -> Option<PeerId>;
+    /// Sends a PullDoneSignal.
+    fn send_done(&self, done: SendPullDone);
+    /// Counts bytes read from senders.
+    fn read_bytes(&self, bytes: u64);
+    /// Counts a failed transfer.
+    fn transfer_failed(&self);
+}
+
+/// One key of a load: its place in the request and its tokens' slots.
+#[derive(Clone, Debug)]
+struct LoadItem {
+    index: usize,
+    key: String,
+    slots: Range<usize>,
+}
+
+/// The proxies of one sender in a load.
+struct SenderGroup {
+    sender_id: String,
+    items: Vec<(LoadItem, ProxyEntry)>,
+}
+
+fn key_failure(key: &str, proxy: Option<&ProxyEntry>, reason: impl Into<String>) -> KeyFailure {
+    KeyFailure {
+        key: key.to_owned(),
+        pull_id: proxy.map(|p| p.handle.pull_id.clone()),
+        sender_id: proxy.map(|p| p.sender_id.clone()),
+        reason: reason.into(),
+    }
+}
+
+/// Discards the proxy of `key` if it is still stored (its pull's Done may
+/// follow); returns whether a Done was sent.
+fn discard_proxy(env: &impl LoadEnv, key: &str) -> bool {
+    let removed = {
+        let mut core = env.core();
+        if core.state(key) == Some(KeyState::Proxy) {
+            core.remove(key)
+        } else {
+            None
+        }
+    };
+    match removed.and_then(|r| r.done) {
+        Some(d) => {
+            env.send_done(d);
+            true
+        }
+        None => false,
+    }
+}
+
+#[derive(Default)]
+struct LoadTally {
+    loaded: Vec<usize>,
+    failed: Vec<KeyFailure>,
+    scatter: ScatterStats,
+    bytes_read: u64,
+    dones: usize,
+    batches: usize,
+    resident: usize,
+    proxies: usize,
+    depth: usize,
+    pools: usize,
+    peak_buffer_bytes: usize,
+}
+
+/// Loads `keys` (one request, chunk `i` covering tokens
+/// `[i * chunk_size, i * chunk_size + tokens_i)`) into `cache` at the
+/// slots of `slot_mapping`. See the module docs.
+pub(crate) fn load_keys(
+    env: &impl LoadEnv,
+    keys: &[String],
+    slot_mapping: &[i64],
+    cache: &mut KvCache,
+    opts: &LoadOptions,
+) -> Result<LoadReport, LoadError> {
+    let start = Instant::now();
+    let layout = env.layout();
+    cache.spec().check_layout(&layout)?;
+    // Every slot is checked once here, so no copy can fail on one later.
+    plan::token_runs(slot_mapping, cache.spec().slots())?;
+
+    // Classify under one lock; nothing changes until the input is validated.
+    let mut tally = LoadTally::default();
+    let mut resident: Vec<(LoadItem, SealedMemObj)> = Vec::new();
+    let mut groups: Vec<SenderGroup> = Vec::new();
+    let mut expired = Vec::new();
+    {
+        let core = env.core();
+        let now = Instant::now();
+        for (index, key) in keys.iter().enumerate() {
+            let first = index * layout.tokens;
+            let item = |tokens: usize| LoadItem {
+                index,
+                key: key.clone(),
+                slots: first..first + tokens,
+            };
+            match core.get(key, now) {
+                Lookup::Resident(m) => resident.push((item(m.tokens()), m.clone())),
+                Lookup::Proxy(p) => {
+                    let entry = (item(p.tokens()), p.clone());
+                    match groups.iter_mut().find(|g| g.sender_id == p.sender_id) {
+                        Some(g) => g.items.push(entry),
+                        None => groups.push(SenderGroup {
+                            sender_id: p.sender_id.clone(),
+                            items: vec![entry],
+                        }),
+                    }
+                }
+                Lookup::NotReady => {
+                    tally
+                        .failed
+                        .push(key_failure(key, None, "its data has not landed yet"))
+                }
+                Lookup::Expired => {
+                    tally
+                        .failed
+                        .push(key_failure(key, None, "its pull lease expired"));
+                    expired.push(key.clone());
+                }
+                Lookup::Missing => tally.failed.push(key_failure(key, None, "not stored")),
+            }
+        }
+    }
+    let items = resident
+        .iter()
+        .map(|(i, _)| i)
+        .chain(groups.iter().flat_map(|g| g.items.iter().map(|(i, _)| i)));
+    for i in items {
+        if i.slots.end > slot_mapping.len() {
+            return Err(LoadError::SlotMappingTooShort {
+                key: i.key.clone(),
+                index: i.index,
+                start: i.slots.start,
+                end: i.slots.end,
+                len: slot_mapping.len(),
+            });
+        }
+    }
+    for k in &expired {
+        tally.dones += usize::from(discard_proxy(env, k));
+    }
+
+    std::thread::scope(|scope| {
+        let mut lane = ScatterLane::new(scope, &mut *cache, slot_mapping);
+        scatter_resident(&mut lane, &resident, opts, &mut tally);
+        for g in &groups {
+            load_group(env, g, layout, opts, &mut lane, &mut tally);
+        }
+    });
+
+    let mut loaded = tally.loaded;
+    loaded.sort_unstable();
+    let report = LoadReport {
+        loaded: loaded.into_iter().map(|i| keys[i].clone()).collect(),
+        resident: tally.resident,
+        proxies: tally.proxies,
+        senders: groups.len(),
+        depth: tally.depth,
+        pools: tally.pools,
+        micro_batches: tally.batches,
+        peak_buffer_bytes: tally.peak_buffer_bytes,
+        bytes_read: tally.bytes_read,
+        bytes_scattered: tally.scatter.bytes as u64,
+        copies: tally.scatter.copies as u64,
+        dones_sent: tally.dones,
+        elapsed: start.elapsed(),
+    };
+    if tally.failed.is_empty() {
+        Ok(report)
+    } else {
+        let mut failed = tally.failed;
+        let pos = |k: &str| keys.iter().position(|x| x == k).unwrap_or(usize::MAX);
+        failed.sort_by_key(|f| pos(&f.key));
+        Err(LoadError::Incomplete {
+            failed,
+            report: Box::new(report),
+        })
+    }
+}
+
+/// Scatters resident chunks from their own pages, `max_depth` per batch.
+fn scatter_resident(
+    lane: &mut ScatterLane<'_>,
+    resident: &[(LoadItem, SealedMemObj)],
+    opts: &LoadOptions,
+    tally: &mut LoadTally,
+) {
+    let mut tickets = Vec::new();
+    for batch in resident.chunks(opts.max_depth.max(1)) {
+        let items = batch
+            .iter()
+            .map(|(i, page)| ScatterItem {
+                page: page.clone(),
+                tokens: page.tokens(),
+                slots: i.slots.clone(),
+            })
+            .collect();
+        tickets.push((batch, lane.submit(items)));
+    }
+    for (batch, ticket) in tickets {
+        match ticket.and_then(|t| lane.finish(t)) {
+            Ok(st) => {
+                tally.scatter.copies += st.copies;
+                tally.scatter.bytes += st.bytes;
+                tally.loaded.extend(batch.iter().map(|(i, _)| i.index));
+                tally.resident += batch.len();
+            }
+            Err(e) => tally.failed.extend(
+                batch
+                    .iter()
+                    .map(|(i, _)| key_failure(&i.key, None, e.clone())),
+            ),
+        }
+    }
+}
+
+/// Runs one sender's proxies through a pipeline of their own pages, then
+/// resolves every proxy it did not consume.
+fn load_group(
+    env: &impl LoadEnv,
+    g: &SenderGroup,
+    layout: ChunkLayout,
+    opts: &LoadOptions,
+    lane: &mut ScatterLane<'_>,
+    tally: &mut LoadTally,
+) {
+    let peer = env.peer_of(&g.sender_id).ok_or_else(|| {
+        format!(
+            "sender {} is not attached (it never completed a handshake, or went away)",
+            g.sender_id
+        )
+    });
+    let deadline = Instant::now() + env.page_wait();
+    let pages = allocate_pools(
+        env.pool(),
+        ChunkMeta::full(layout),
+        g.items.len(),
+        opts.max_depth,
+        deadline,
+    );
+    let mut pipe = match pages {
+        Ok((pages, depth)) => PingPongPipeline::new(pages, depth),
+        Err(e) => {
+            let reason = format!("no pages to read into: {e}");
+            for (item, proxy) in &g.items {
+                tally.dones += usize::from(discard_proxy(env, &item.key));
+                tally
+                    .failed
+                    .push(key_failure(&item.key, Some(proxy), reason.clone()));
+            }
+            return;
+        }
+    }
+    .expect("allocate_pools returns at least one page");
+    tally.depth = tally.depth.max(pipe.depth());
+    tally.pools = tally.pools.max(pipe.pools());
+    tally.peak_buffer_bytes = tally.peak_buffer_bytes.max(pipe.buffer_bytes());
+    let mut io = ProxyIo {
+        env,
+        peer,
+        items: &g.items,
+        began: vec![None; g.items.len()],
+        lane,
+        tally,
+    };
+    let run = pipe.run(g.items.len(), &mut io);
+    let ProxyIo {
+        mut began, tally, ..
+    } = io;
+    tally.batches += run.batches;
+    for (j, outcome) in run.outcomes.into_iter().enumerate() {
+        let (item, proxy) = &g.items[j];
+        let reason = match outcome {
+            ItemOutcome::Scattered => continue,
+            ItemOutcome::Failed(e) => e,
+            ItemOutcome::NotStarted => format!(
+                "not read: an earlier micro-batch from sender {} failed",
+                g.sender_id
+            ),
+        };
+        // A pinned proxy ends its read as failed (discarded once no read is
+        // in flight); an unpinned one is discarded. Either way its pull's
+        // Done still goes out once all its proxies are resolved.
+        let done = match began[j].take() {
+            Some(p) => env.core().end_proxy_read(&p.handle, ReadOutcome::Failed),
+            None => {
+                tally.dones += usize::from(discard_proxy(env, &item.key));
+                None
+            }
+        };
+        if let Some(d) = done {
+            env.send_done(d);
+            tally.dones += 1;
+        }
+        tally
+            .failed
+            .push(key_failure(&item.key, Some(proxy), reason));
+    }
+    // The pipeline's idle pages go back now; pages a given-up read still
+    // holds return when that transfer ends.
+    drop(pipe);
+}
+
+/// The pipeline's I/O for one sender: proxy pins, channel reads, scatters
+/// through the lane, and consumption once scattered.
+struct ProxyIo<'l, 'a, E: LoadEnv> {
+    env: &'l E,
+    peer: Result<PeerId, String>,
+    items: &'l [(LoadItem, ProxyEntry)],
+    /// The proxy as pinned by `begin_proxy_read`, until its read is ended.
+    began: Vec<Option<ProxyEntry>>,
+    lane: &'l mut ScatterLane<'a>,
+    tally: &'l mut LoadTally,
+}
+
+impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
+    /// The completion, the batch's lease deadline, and its bytes.
+    type Read = (Completion<MemObj>, Instant, u64);
+    type Scatter = ScatterTicket;
+
+    fn start_read(
+        &mut self,
+        b: &MicroBatch,
+        pages: Vec<MemObj>,
+    ) -> Result<Self::Read, (String, Vec<MemObj>)> {
+        let peer = match self.peer.clone() {
+            Ok(p) => p,
+            Err(e) => return Err((e, pages)),
+        };
+        let now = Instant::now();
+        let mut ops: Vec<ReadOp> = Vec::with_capacity(b.len());
+        let mut deadline = None::<Instant>;
+        {
+            let mut core = self.env.core();
+            let mut pages = pages.into_iter();
+            for j in b.items.clone() {
+                let page = pages.next().expect("one page per item");
+                match core.begin_proxy_read(&self.items[j].0.key, now) {
+                    Ok(p) => {
+                        deadline =
+                            Some(deadline.map_or(p.lease_deadline, |d| d.min(p.lease_deadline)));
+                        ops.push(TransferOp {
+                            local: page,
+                            remote: p.remote,
+                            len: p.byte_len(),
+                        });
+                        self.began[j] = Some(p);
+                    }
+                    Err(e) => {
+                        // Nothing was submitted: every page comes back.
+                        let mut back: Vec<MemObj> = ops.into_iter().map(|o| o.local).collect();
+                        back.push(page);
+                        back.extend(pages);
+                        return Err((e.to_string(), back));
+                    }
+                }
+            }
+        }
+        let bytes = ops.iter().map(|o| o.len as u64).sum();
+        let c = self.env.channel().submit_read(peer, ops).map_err(|e| {
+            self.env.transfer_failed();
+            // A refused batch was never started: its pages went back to the
+            // pool with it; the pipeline stops on this error.
+            (format!("read from {peer}: {e}"), Vec::new())
+        })?;
+        Ok((c, deadline.unwrap_or(now), bytes))
+    }
+
+    fn finish_read(
+        &mut self,
+        b: &MicroBatch,
+        read: Self::Read,
+    ) -> Result<Vec<MemObj>, ReadFailure> {
+        let (mut c, deadline, bytes) = read;
+        // Past the deadline the sender may free its pages: a read that has
+        // not completed by then cannot be trusted.
+        let budget = deadline.saturating_duration_since(Instant::now());
+        match c.wait_timeout(budget) {
+            Some(done) => match done.result {
+                Ok(()) => {
+                    self.env.read_bytes(bytes);
+                    self.tally.bytes_read += bytes;
+                    Ok(done.pages)
+                }
+                Err(e) => {
+                    self.env.transfer_failed();
+                    let pages = (done.pages.len() == b.len()).then_some(done.pages);
+                    Err((
+                        format!("read of micro-batch {} failed: {e}", b.index),
+                        pages,
+                    ))
+                }
+            },
+            None => {
+                self.env.transfer_failed();
+                // Dropping the completion leaves the pages with the
+                // transfer, counted as quarantined, until it ends.
+                drop(c);
+                Err((
+                    format!(
+                        "read of micro-batch {} did not finish within the pull's lease",
+                        b.index
+                    ),
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn start_scatter(
+        &mut self,
+        b: &MicroBatch,
+        pages: &[SealedMemObj],
+    ) -> Result<ScatterTicket, String> {
+        let items = b
+            .items
+            .clone()
+            .zip(pages)
+            .map(|(j, page)| ScatterItem {
+                page: page.clone(),
+                tokens: self.began[j].as_ref().map_or(0, ProxyEntry::tokens),
+                slots: self.items[j].0.slots.clone(),
+            })
+            .collect();
+        self.lane.submit(items)
+    }
+
+    fn finish_scatter(&mut self, _b: &MicroBatch, t: ScatterTicket) -> Result<(), String> {
+        let st = self.lane.finish(t)?;
+        self.tally.scatter.copies += st.copies;
+        self.tally.scatter.bytes += st.bytes;
+        Ok(())
+    }
+
+    fn scattered(&mut self, b: &MicroBatch) {
+        for j in b.items.clone() {
+            let Some(p) = self.began[j].take() else {
+                continue;
+            };
+            self.tally.loaded.push(self.items[j].0.index);
+            self.tally.proxies += 1;
+            let done = self
+                .env
+                .core()
+                .end_proxy_read(&p.handle, ReadOutcome::Consumed);
+            if let Some(d) = done {
+                self.env.send_done(d);
+                self.tally.dones += 1;
+            }
+        }
+    }
+}
