@@ -104,11 +104,20 @@ struct Shared {
 }
 
 impl Shared {
-    /// Releases the grants of pulls the core released, and wakes waiters.
+    /// Releases the grants of pulls the core released, revokes those of
+    /// pulls that expired, frees what is quiescent, and wakes waiters.
     fn apply_releases(&self, core: &mut SenderCore) {
         let grants = core.take_grant_releases();
         for g in &grants {
             self.channel.release(*g);
+        }
+        for g in core.take_grant_revokes() {
+            self.channel.revoke(g);
+        }
+        for g in core.awaiting_quiescence() {
+            if self.channel.is_quiescent(g) {
+                core.on_quiescent(g);
+            }
         }
         if !grants.is_empty() {
             self.released.notify_all();

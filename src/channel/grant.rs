@@ -15,7 +15,9 @@
 //! - `shm` and `hccl` cannot refuse a peer's one-sided access: the peer
 //!   maps or registered our memory. A revoked write grant is quiescent only
 //!   when the peer process is gone (shm), or the peer closed its side of
-//!   the pair after its last batch ended (hccl).
+//!   the pair after its last batch ended (hccl). A revoked *read* grant is
+//!   quiescent at once: a late read cannot change our pages, and the pull
+//!   lease keeps the reader from using what it read too late.
 //!
 //! [`release`]: super::TransferChannel::release
 //! [`revoke`]: super::TransferChannel::revoke
@@ -146,6 +148,11 @@ impl<S> Drop for Serving<'_, S> {
 }
 
 impl<S> Entry<S> {
+    /// Whether the peer may only read the pages.
+    pub(crate) fn read_only(&self) -> bool {
+        self.access == Access::Read
+    }
+
     /// Released grants are revoked grants nobody waits on.
     fn released(&self) -> bool {
         self.pages.is_empty()

@@ -548,6 +548,21 @@ impl HandshakeServer {
         local: Hello,
         events: Sender<HandshakeEvent>,
     ) -> Result<HandshakeServer, ChannelError> {
+        Self::spawn_with(ctx, url, channel, local, events, Box::new(|_| Ok(())))
+    }
+
+    /// Like [`HandshakeServer::spawn`], running `on_attach` for each
+    /// attached peer before the answer goes out (so what it sets up, e.g.
+    /// grants, is in place before the peer can act); its error refuses the
+    /// hello and detaches the peer.
+    pub fn spawn_with(
+        ctx: &zmq::Context,
+        url: &str,
+        channel: Arc<dyn TransferChannel>,
+        local: Hello,
+        events: Sender<HandshakeEvent>,
+        on_attach: OnAttach,
+    ) -> Result<HandshakeServer, ChannelError> {
         let sock = ctx.socket(zmq::REP).map_err(|source| ChannelError::Zmq {
             context: format!("creating REP socket for {url}"),
             source,
@@ -566,7 +581,7 @@ impl HandshakeServer {
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("pd-handshake".into())
-            .spawn(move || serve(sock, channel, local, events, stop2))
+            .spawn(move || serve(sock, channel, local, events, on_attach, stop2))
             .map_err(|source| ChannelError::Io {
                 context: "spawning the handshake thread".into(),
                 source,
@@ -593,11 +608,15 @@ impl Drop for HandshakeServer {
     }
 }
 
+/// What [`HandshakeServer::spawn_with`] runs for each attached peer.
+pub type OnAttach = Box<dyn Fn(&Agreement) -> Result<(), ChannelError> + Send>;
+
 fn serve(
     sock: zmq::Socket,
     channel: Arc<dyn TransferChannel>,
     local: Hello,
     events: Sender<HandshakeEvent>,
+    on_attach: OnAttach,
     stop: Arc<AtomicBool>,
 ) {
     while !stop.load(Ordering::Acquire) {
@@ -620,14 +639,19 @@ fn serve(
             ),
             Ok((remote, _)) => {
                 let outcome = local.agree(&remote).and_then(|lease| {
-                    channel
+                    let a = channel
                         .attach(&remote.node, &remote.buffers, &remote.endpoint)
                         .map(|peer| Agreement {
                             peer,
                             remote: remote.clone(),
                             lease,
                             exchange: None,
-                        })
+                        })?;
+                    if let Err(e) = on_attach(&a) {
+                        channel.detach(a.peer);
+                        return Err(e);
+                    }
+                    Ok(a)
                 });
                 match outcome {
                     Ok(a) => {

@@ -379,7 +379,7 @@ impl TransferChannel for HcclChannel {
 
     fn is_quiescent(&self, grant: GrantId) -> bool {
         self.grants
-            .settle(grant, |e| e.session.peer_cannot_access())
+            .settle(grant, |e| e.read_only() || e.session.peer_cannot_access())
     }
 
     fn grant_stats(&self) -> GrantStats {

@@ -286,7 +286,8 @@ impl TransferChannel for ShmChannel {
 
     fn is_quiescent(&self, grant: GrantId) -> bool {
         // The peer's mapping of our pools lives as long as its process.
-        self.grants.settle(grant, |e| !e.session.alive())
+        self.grants
+            .settle(grant, |e| e.read_only() || !e.session.alive())
     }
 
     fn grant_stats(&self) -> GrantStats {

@@ -27,6 +27,83 @@
 //!
 //! Pages held by a transfer whose completion was given up on (the waiter
 //! dropped it) are quarantined the same way until the transfer ends.
+//!
+//! ```
+//! use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! use ascend_pd::memory::{ChunkMeta, MemObj, PagePool, RegisteredBuffer};
+//!
+//! let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! let pool = PagePool::new(RegisteredBuffer::host(4 * 64, 64, false)?);
+//! let mut page: MemObj = pool.allocate(ChunkMeta::full(layout))?;
+//! page.host_bytes_mut().unwrap().fill(7); // sole owner: may write
+//! let chunk = page.seal(); // from now on only read, by any number of holders
+//! let reader = chunk.clone();
+//! assert_eq!(reader.host_bytes().unwrap()[0], 7);
+//! let chunk = chunk.try_unseal().unwrap_err(); // `reader` still reads it
+//! drop(reader);
+//! let page = chunk.try_unseal().unwrap(); // writable again: nobody else holds it
+//! let lent = page.lend(); // a peer writes it now: no local access at all
+//! lent.quarantine(); // its lending ended without a report
+//! assert_eq!(pool.stats().quarantined, 1);
+//! lent.release_quiescent(); // the peer provably cannot touch it any more
+//! assert_eq!((pool.stats().allocated, pool.stats().quarantined), (0, 0));
+//! # Ok::<(), ascend_pd::memory::MemoryError>(())
+//! ```
+//!
+//! What the types refuse (each of these was possible before, and each
+//! could let bytes land in a page someone else was using):
+//!
+//! A page handed to a transfer is the transfer's until its completion gives
+//! it back:
+//! ```compile_fail,E0382
+//! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! # use ascend_pd::memory::{BufferRef, ChunkMeta, PagePool, RegisteredBuffer};
+//! # use ascend_pd::channel::ReadOp;
+//! # let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
+//! # let remote = BufferRef { uuid: uuid::Uuid::nil(), page: 0 };
+//! let page = pool.allocate(ChunkMeta::full(layout)).unwrap();
+//! let op = ReadOp::chunk(page, remote); // a read will write it
+//! let bytes = page.host_bytes(); // error: the page moved into the op
+//! ```
+//! A page is never shared writable:
+//! ```compile_fail,E0308
+//! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! # use ascend_pd::memory::{ChunkMeta, MemObj, PagePool, RegisteredBuffer};
+//! # let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
+//! let page = pool.allocate(ChunkMeta::full(layout)).unwrap();
+//! let copy: MemObj = page.clone(); // error: MemObj is not Clone
+//! ```
+//! A sealed page is never written again:
+//! ```compile_fail,E0599
+//! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! # use ascend_pd::memory::{ChunkMeta, PagePool, RegisteredBuffer};
+//! # let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
+//! let mut chunk = pool.allocate(ChunkMeta::full(layout)).unwrap().seal();
+//! chunk.host_bytes_mut(); // error: no such method on a sealed page
+//! ```
+//! Nor is the KV cache gathered into one (a device copy writes the page):
+//! ```compile_fail,E0308
+//! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! # use ascend_pd::memory::{ChunkMeta, PagePool, RegisteredBuffer};
+//! # use ascend_pd::kv::{KvCache, KvCacheSpec};
+//! # let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
+//! # let mut cache = KvCache::host(KvCacheSpec::for_layout(&layout, 1, 4)).unwrap();
+//! let chunk = pool.allocate(ChunkMeta::full(layout)).unwrap().seal();
+//! cache.gather(&[0, 1, 2, 3], &chunk); // error: gather needs `&mut MemObj`
+//! ```
+//! A page lent to a peer has no local byte access:
+//! ```compile_fail,E0599
+//! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
+//! # use ascend_pd::memory::{ChunkMeta, PagePool, RegisteredBuffer};
+//! # let layout = ChunkLayout { fmt: MemFormat::Kv2Ltd, layers: 1, tokens: 4, hidden: 8, dtype: Dtype::UInt8 };
+//! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
+//! let lent = pool.allocate(ChunkMeta::full(layout)).unwrap().lend();
+//! lent.host_bytes(); // error: no such method on a lent page
+//! ```
 
 use super::buffer::{BufferRef, DeviceKind, RegisteredBuffer};
 use super::MemoryError;
@@ -555,6 +632,12 @@ impl SealedMemObj {
 
     pub(crate) fn watch(&self) -> PageWatch {
         PageWatch(Arc::downgrade(&self.0))
+    }
+
+    /// Counts the page as quarantined until it returns to its pool (a peer
+    /// may still be reading it under a grant that ended without its report).
+    pub(crate) fn quarantine(&self) {
+        self.0.mark_quarantined();
     }
 }
 

@@ -306,6 +306,9 @@ fn race_done_after_ttl_sweep_is_not_a_double_free() {
     assert_eq!(swept.len(), 1);
     assert_eq!(swept[0].pull_id, "p1");
     assert_eq!(swept[0].pages, 2);
+    // Unpinned, and handed back to whoever must wait for the grant to settle.
+    assert_eq!(stats(&pool), (2, 0));
+    drop(swept);
     assert_idle(&pool);
     // The receiver's Done arrives after the sweep: recognised, nothing freed again.
     assert!(matches!(
@@ -539,6 +542,7 @@ fn req_failure_releases_only_when_the_notif_never_left() {
     let swept = pp.sweep(t0 + LEASE, TTL);
     assert_eq!(swept.len(), 1);
     assert_eq!(swept[0].pull_id, "maybe");
+    drop(swept);
     assert_idle(&pool);
     assert!(matches!(
         pp.on_req_failed("maybe", Delivery::NotSent, t0 + LEASE),

@@ -59,6 +59,9 @@ pub mod validate;
 mod core_tests;
 
 #[cfg(test)]
+mod sim_tests;
+
+#[cfg(test)]
 mod tests;
 
 pub use backpressure::{Admission, Backpressure};

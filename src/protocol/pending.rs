@@ -213,7 +213,7 @@ pub enum ReqFailedOutcome {
 }
 
 /// One pull swept by [`PullPending::sweep`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct ExpiredPull {
     /// The pull's id.
     pub pull_id: String,
@@ -225,8 +225,11 @@ pub struct ExpiredPull {
     pub pages: usize,
     /// Whether the ack had arrived.
     pub acked: bool,
-    /// The read grant to release on the channel.
+    /// The read grant to revoke on the channel: the receiver sent no Done,
+    /// so a request of its may still be served from the pages.
     pub grant: Option<GrantId>,
+    /// The pages, unpinned; keep them until the grant is quiescent.
+    pub held: Vec<SealedMemObj>,
 }
 
 /// Counters of [`PullPending`].
@@ -497,7 +500,7 @@ impl PullPending {
 
     /// Releases every pull that is due at `now`: `created + max(ttl, lease)`,
     /// or `created + lease` after a REQ failure of unknown delivery. The
-    /// pages are unpinned and dropped here.
+    /// pages are unpinned and handed back with each expired pull.
     pub fn sweep(&mut self, now: Instant, ttl: Duration) -> Vec<ExpiredPull> {
         self.counters.sweeps += 1;
         self.early_done.expire(now);
@@ -519,6 +522,7 @@ impl PullPending {
                     pages: r.pages.len(),
                     acked: r.acked,
                     grant: r.grant,
+                    held: r.pages,
                 }
             })
             .collect()

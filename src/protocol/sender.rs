@@ -332,6 +332,10 @@ pub struct SenderCore {
     links: HashMap<String, Link>,
     reserved: usize,
     releases: Vec<GrantId>,
+    revokes: Vec<GrantId>,
+    /// Pages of pulls that expired without a Done, until their revoked
+    /// grant is quiescent (no request of the receiver is still served).
+    expired: Vec<(GrantId, Vec<SealedMemObj>)>,
     notices_refused: u64,
 }
 
@@ -351,6 +355,8 @@ impl SenderCore {
             links: HashMap::new(),
             reserved: 0,
             releases: Vec::new(),
+            revokes: Vec::new(),
+            expired: Vec::new(),
             notices_refused: 0,
         }
     }
@@ -662,18 +668,45 @@ impl SenderCore {
     }
 
     /// Releases pulls due at `now` (never before their lease) and prunes
-    /// closed breakers.
+    /// closed breakers. A pull that expires got no Done: its grant is to be
+    /// revoked ([`SenderCore::take_grant_revokes`]) and its pages stay
+    /// quarantined here until the channel says the grant is quiescent
+    /// ([`SenderCore::on_quiescent`]).
     pub fn sweep(&mut self, now: Instant) -> Vec<ExpiredPull> {
-        let expired = self.pending.sweep(now, self.cfg.pull_pending_ttl);
-        self.releases.extend(expired.iter().filter_map(|e| e.grant));
+        let mut expired = self.pending.sweep(now, self.cfg.pull_pending_ttl);
+        for e in &mut expired {
+            if let Some(g) = e.grant {
+                let held = std::mem::take(&mut e.held);
+                for p in &held {
+                    p.quarantine();
+                }
+                self.revokes.push(g);
+                self.expired.push((g, held));
+            }
+        }
         self.breaker.prune(now);
         expired
     }
 
-    /// Grants whose pulls were released since the last call (release them
-    /// on the channel).
+    /// Grants whose pulls were released since the last call (the receiver
+    /// reported; release them on the channel).
     pub fn take_grant_releases(&mut self) -> Vec<GrantId> {
         std::mem::take(&mut self.releases)
+    }
+
+    /// Grants of pulls that expired since the last call (revoke them on the channel).
+    pub fn take_grant_revokes(&mut self) -> Vec<GrantId> {
+        std::mem::take(&mut self.revokes)
+    }
+
+    /// Revoked grants whose pages wait for quiescence.
+    pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
+        self.expired.iter().map(|(g, _)| *g).collect()
+    }
+
+    /// The channel says revoked grant `grant` is quiescent: its pages go.
+    pub fn on_quiescent(&mut self, grant: GrantId) {
+        self.expired.retain(|(g, _)| *g != grant);
     }
 
     /// The breaker state towards `peer_key`.

@@ -156,19 +156,22 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     );
     let ctx = zmq::Context::new();
     let (tx, rx) = crossbeam_channel::unbounded();
-    let server =
-        HandshakeServer::spawn(&ctx, "tcp://127.0.0.1:*", Arc::clone(&channel), hello, tx)?;
+    // Grant before the answer goes out: the peer may read at once.
+    let granting = Arc::clone(&channel);
+    let server = HandshakeServer::spawn_with(
+        &ctx,
+        "tcp://127.0.0.1:*",
+        channel,
+        hello,
+        tx,
+        Box::new(move |a| granting.grant(a.peer, Access::ReadWrite, &refs).map(|_| ())),
+    )?;
     println!("READY {}", server.url());
     std::io::stdout().flush()?;
     std::thread::spawn(move || {
         for ev in rx {
             match ev {
-                HandshakeEvent::Attached(a) => {
-                    match channel.grant(a.peer, Access::ReadWrite, &refs) {
-                        Ok(_) => println!("ATTACHED {}", a.remote.node),
-                        Err(e) => println!("REFUSED granting {}: {e}", a.remote.node),
-                    }
-                }
+                HandshakeEvent::Attached(a) => println!("ATTACHED {}", a.remote.node),
                 HandshakeEvent::Refused { error, .. } => println!("REFUSED {error}"),
             }
             let _ = std::io::stdout().flush();
