@@ -116,10 +116,13 @@ fn request_streams_with_dedup_and_partial_chunks_arrive_byte_exact() {
                 "{ch:?} {mode:?}: {:?}",
                 s.stats().pulls
             );
-            let sp = s.stats().pools.cpu.unwrap();
-            assert_eq!((sp.allocated, sp.pinned), (0, 0), "{ch:?} {mode:?} sender");
+            assert_no_pages(
+                s.stats().pools.cpu.unwrap(),
+                &format!("{ch:?} {mode:?} sender"),
+            );
             let rp = r.stats().pools.cpu.unwrap();
             assert_eq!(rp.allocated, r_start.allocated, "{ch:?} {mode:?} receiver");
+            assert_eq!(rp.quarantined, 0, "{ch:?} {mode:?} receiver");
             if mode.is_pull() {
                 assert_eq!(s.stats().pulls.done_released, 2, "{ch:?} {mode:?}");
             }
@@ -146,7 +149,7 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
             s.breaker_state(&peer_key),
             BreakerState::Open { .. }
         ));
-        assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0, "rolled back");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "rolled back");
         assert_eq!(
             s.stats().pools.cpu.unwrap().pinned,
             0,
@@ -178,7 +181,7 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
         drop((c, c2));
         consume_and_verify(&r, mode, &small, &[]);
         assert!(s.drain(Duration::from_secs(10)));
-        assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
         assert_eq!(s.stats().breaker.opens, 1);
     }
 }
@@ -203,7 +206,7 @@ fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
     });
     assert!(released, "{:?}", s.stats().pulls);
     assert_eq!(s.stats().pulls.expired, 1);
-    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
 }
 
 #[test]
@@ -221,7 +224,7 @@ fn a_sender_that_dies_during_delay_pull_fails_the_fetch_without_a_hang() {
     assert!(e.to_string().contains("gone-0"), "{e}");
     // The proxies were discarded and their pages (none held) are not leaked.
     assert!(!r.contains(&ks[0]));
-    assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0);
+    assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
     assert_eq!(r.stats().store.contexts_open, 0);
 }
 
@@ -317,7 +320,7 @@ fn done_before_ack_releases_the_pins_once() {
     let p = s.stats().pulls;
     assert_eq!(p.done_released, 1, "{p:?}");
     assert_eq!(p.done_before_ack, 1, "{p:?}");
-    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
     server.join().unwrap();
 }
 
@@ -371,7 +374,7 @@ fn a_dead_receiver_does_not_block_puts_to_another() {
     let c = chunks(&s, &ks, CHUNK);
     assert!(s.put(&ks, &c, &spec_for(&dead.rc, "c", true)).is_err());
     drop(c);
-    assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
+    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
 }
 
 /// Deterministic garbage: random bytes, truncations and bit flips of real frames.
@@ -467,8 +470,8 @@ fn malformed_frames_on_every_socket_leave_both_sides_serving() {
         drop(c);
         consume_and_verify(&r, mode, &ks, &[(2, 9)]);
         assert!(s.drain(Duration::from_secs(10)));
-        assert_eq!(s.stats().pools.cpu.unwrap().allocated, 0);
-        assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0);
+        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
     }
 }
 
@@ -590,7 +593,7 @@ fn a_sender_process_killed_during_shm_delay_pull_fails_the_fetch_without_a_hang(
         e.to_string().contains("exited"),
         "the pidfd saw the death: {e}"
     );
-    assert_eq!(r.stats().pools.cpu.unwrap().allocated, 0, "pages returned");
+    assert_no_pages(r.stats().pools.cpu.unwrap(), "pages returned");
     assert_eq!(r.stats().store.contexts_open, 0);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -3,10 +3,10 @@
 //!
 //! - [`Sender`] (prefill): `put(keys, chunks, spec)` in push, pull-eager or
 //!   pull-delay mode, a PULL socket for PullDoneSignal and a TTL sweeper
-//!   around the [`SenderCore`](crate::protocol::SenderCore).
+//!   around the protocol's sender core.
 //! - [`Receiver`] (decode): the handshake socket and the request (ROUTER)
 //!   socket, eager reads, the load path, a PUSH pool for PullDoneSignal and
-//!   a sweeper around the [`ReceiverCore`](crate::protocol::ReceiverCore).
+//!   a sweeper around the protocol's receiver core.
 //!
 //! Every socket wait is bounded; one slow or dead peer holds only its own
 //! lock, never the others'. What to send and which pages to grant or

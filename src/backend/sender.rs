@@ -578,9 +578,12 @@ fn sweep_loop(s: &Shared) {
         let expired = core.sweep(Instant::now());
         for e in &expired {
             log::warn!(
-                "pull {} to {} expired after the TTL: {} pinned pages released",
+                "pull {} (request {}) to {} expired after the TTL with no PullDoneSignal{}: {} \
+                 pinned page(s) released",
                 e.pull_id,
+                e.req_id,
                 e.peer,
+                if e.acked { "" } else { " and no ack" },
                 e.pages
             );
         }

@@ -211,7 +211,7 @@ mod tests {
             Err(ChannelError::WorkerLost(_))
         ));
         drop((c, d));
-        assert_eq!(p.stats().allocated, 0);
+        assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
     }
 
     #[test]
@@ -239,6 +239,6 @@ mod tests {
         let (tx, c) = Completion::<MemObj>::pending(pages.iter().map(LocalPage::watch).collect());
         drop((tx, pages));
         assert!(matches!(c.wait().result, Err(ChannelError::WorkerLost(_))));
-        assert_eq!(p.stats().allocated, 0);
+        assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
     }
 }

@@ -6,7 +6,7 @@
 //! regions enabled, and batches become one `HcclBatchPut` (write) or
 //! `HcclBatchGet` (read) on a per-peer stream. Remote addresses are the
 //! peer's `base + page * page_size` from its buffer table, after
-//! [`check_ops`] bounds-checked them and setup checked that the regions the
+//! the shared op check bounds-checked them and setup checked that the regions the
 //! peer enabled cover its whole table.
 //!
 //! **Ranks and the handshake.** The connecting side (a sender, in

@@ -2,7 +2,7 @@
 //! registered pools.
 //!
 //! Every implementation works the same way: a channel is built over the
-//! local pools; a [handshake](handshake) exchanges buffer tables (and the
+//! local pools; a [handshake] exchanges buffer tables (and the
 //! channel's own endpoint data) with a peer and yields a [`PeerId`]; then
 //! [`TransferChannel::submit_read`] / [`TransferChannel::submit_write`]
 //! move bytes between local pages and the peer's pages, addressed by

@@ -1,6 +1,6 @@
 //! Typed configuration, loaded from LMCache-style YAML (`configs/*.yaml`).
 //!
-//! Loading is two steps: [`yaml`] turns the text into a [`PdConfig`]
+//! Loading is two steps: the YAML reader turns the text into a [`PdConfig`]
 //! (type errors name the key), then [`PdConfig::validate`] checks the
 //! combinations statically, without an NPU or CANN. Every problem is
 //! collected, so a user fixes a file in one pass.

@@ -312,7 +312,7 @@ mod tests {
             .to_string();
         assert!(e.contains("exceed the 4096-byte page"), "{e}");
         drop(objs);
-        assert_eq!(pool.stats().allocated, 0);
+        assert_eq!((pool.stats().allocated, pool.stats().quarantined), (0, 0));
     }
 
     #[test]

@@ -311,6 +311,14 @@ fn load_group(
         tally,
     };
     let run = pipe.run(g.items.len(), &mut io);
+    if run.pages_left_in_transfers > 0 {
+        log::warn!(
+            "{} page(s) stay with reads from {} given up past their lease; they return to the \
+             pool when those transfers end",
+            run.pages_left_in_transfers,
+            g.sender_id
+        );
+    }
     let ProxyIo {
         mut began, tally, ..
     } = io;

@@ -11,22 +11,18 @@
 //!   scattered does.
 //! - [`TransferContext`]: one pull's proxies; it yields the pull's single
 //!   `PullDoneSignal` once every proxy is consumed or discarded.
-//! - [`PingPongPipeline`]: two pools of `depth` pages; micro-batch `i` is
-//!   read into pool `i % 2` while micro-batch `i - 1` is scattered, and a
-//!   pool's pages are read into again only once its scatter gave them back
-//!   ([`pingpong`]).
-//! - [`load`]: the whole load (grouping per sender, a pipeline per group,
-//!   draining, Done), behind the receiver's `load`.
+//! - the ping-pong pipeline (`pingpong`): two pools of `depth` pages;
+//!   micro-batch `i` is read into pool `i % 2` while micro-batch `i - 1` is
+//!   scattered, and a pool's pages are read into again only once its
+//!   scatter gave them back;
+//! - the load (`load`): grouping per sender, a pipeline per group,
+//!   draining, Done — behind the receiver's `load`.
 
 pub(crate) mod load;
-pub mod pingpong;
+pub(crate) mod pingpong;
 pub(crate) mod scatter;
 
 pub use crate::protocol::{ProxyEntry, TransferContext};
-pub use pingpong::{
-    allocate_pools, choose_depth, micro_batches, pages_needed, ItemOutcome, MicroBatch,
-    PingPongPipeline, PipelineIo, PipelineRun, ReadFailure,
-};
 
 use crate::kv::KvError;
 use std::fmt;

@@ -31,7 +31,7 @@ use crate::memory::{ChunkMeta, MemObj, MemoryError, PagePool, SealedMemObj};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// One micro-batch: a run of consecutive items read together into one pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,11 +48,6 @@ impl MicroBatch {
     /// Items in the batch.
     pub fn len(&self) -> usize {
         self.items.len()
-    }
-
-    /// Whether the batch has no items (never, for batches of a run).
-    pub fn is_empty(&self) -> bool {
-        self.items.is_empty()
     }
 }
 
@@ -184,12 +179,11 @@ pub struct PipelineRun {
     pub batches: usize,
     /// Pages left with a read that did not give them back.
     pub pages_left_in_transfers: usize,
-    /// Wall time of the run.
-    pub elapsed: Duration,
 }
 
 impl PipelineRun {
     /// Whether every item was scattered.
+    #[cfg(test)]
     pub fn all_scattered(&self) -> bool {
         self.outcomes.iter().all(|o| *o == ItemOutcome::Scattered)
     }
@@ -250,7 +244,6 @@ impl PingPongPipeline {
     /// docs for the order). Returns only when nothing started is still in
     /// flight, or was given up and holds its own pages.
     pub fn run<I: PipelineIo>(&mut self, items: usize, io: &mut I) -> PipelineRun {
-        let start = Instant::now();
         let batches = micro_batches(items, self.depth, self.pools.len());
         let mut out = vec![ItemOutcome::NotStarted; items];
         let mut left_in_transfers = 0;
@@ -318,7 +311,6 @@ impl PingPongPipeline {
             outcomes: out,
             batches: batches.len(),
             pages_left_in_transfers: left_in_transfers,
-            elapsed: start.elapsed(),
         }
     }
 
@@ -376,11 +368,6 @@ impl PingPongPipeline {
                 false
             }
         }
-    }
-
-    /// The idle pages back (dropping them returns them to their pool).
-    pub fn into_pages(self) -> Vec<MemObj> {
-        self.pools.into_iter().flatten().collect()
     }
 }
 
@@ -550,7 +537,7 @@ mod tests {
             // Pools: one when a single batch holds the request, else two.
             assert_eq!(pipe.pools(), if items <= d { 1 } else { 2 });
             drop(pipe);
-            assert_eq!(p.stats().allocated, 0);
+            assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
         }
     }
 
@@ -598,7 +585,7 @@ mod tests {
             let expect_last = if kind == 2 { at + 1 } else { at };
             assert_eq!(last_read, expect_last, "{kind}/{at}: {:?}", io.log);
             drop(pipe);
-            assert_eq!(p.stats().allocated, 0);
+            assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
         }
     }
 
@@ -636,7 +623,7 @@ mod tests {
         // Only the transfer's pages are still out.
         assert_eq!(p.stats().allocated, 2);
         drop(io);
-        assert_eq!(p.stats().allocated, 0);
+        assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
     }
 
     #[test]
@@ -677,6 +664,6 @@ mod tests {
         assert!(e.contains("timed out"), "{e}");
         assert_eq!(p.stats().failed_allocations, 1);
         drop((held, pages, pipe));
-        assert_eq!(p.stats().allocated, 0);
+        assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
     }
 }

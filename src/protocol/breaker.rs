@@ -19,12 +19,12 @@ pub enum BreakerState {
     },
 }
 
-/// Counters of a [`CircuitBreaker`].
+/// Counters of a sender's per-receiver circuit breaker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BreakerCounters {
-    /// Calls to [`CircuitBreaker::open`] (including ones that extended an open breaker).
+    /// Calls to `open` (including ones that extended an open breaker).
     pub opens: u64,
-    /// Transfers refused by [`CircuitBreaker::allows`].
+    /// Transfers refused by `allows`.
     pub skips: u64,
     /// Breakers that closed because their TTL passed (seen by `allows` or pruning).
     pub closes: u64,
@@ -36,7 +36,7 @@ pub struct BreakerCounters {
 /// receiver, e.g. `"host:alloc_port"`.
 ///
 /// Only open breakers are stored; an entry is removed as soon as it is
-/// seen expired, and every [`CircuitBreaker::open`] prunes all expired
+/// seen expired, and every `open` prunes all expired
 /// entries, so the map holds at most the peers that failed within one TTL.
 #[derive(Debug, Default)]
 pub struct CircuitBreaker {

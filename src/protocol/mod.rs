@@ -21,15 +21,17 @@
 //! type and field; it never panics and never trusts a length the input
 //! cannot back.
 //!
-//! The sans-IO protocol cores live beside the messages: [`SenderCore`]
-//! ([`sender`]: the sequence of a put over [`PullPending`], the
-//! [`CircuitBreaker`] and [`Backpressure`]) and [`ReceiverCore`]
-//! ([`receiver`]: keys, push allocations lent to their writers, per-pull
-//! [`TransferContext`]s), plus the pull [`lease`], the push [`notice`]s
-//! and the field checks of incoming messages ([`validate`]). They are plain
-//! structs driven by messages, completions and `Instant`s passed in, and
-//! they say what to send and which pages to grant or release; the I/O
-//! shell around them owns the sockets, threads, channel and clock.
+//! The sans-IO protocol cores live beside the messages (crate-internal):
+//! the sender core (the sequence of a put over the pinned-pull table, the
+//! circuit breaker and backpressure) and the receiver core (keys, push
+//! allocations lent to their writers, per-pull [`TransferContext`]s), plus
+//! the pull [`lease`], the push [`notice`]s and the field checks of
+//! incoming messages. They are plain structs driven by messages,
+//! completions and `Instant`s passed in, and they say what to send and
+//! which pages to grant or release; the I/O shell around them (the
+//! `backend`) owns the sockets, threads, channel and clock. Their
+//! outcomes and counters are public: [`PutOutcome`], [`PullCounters`],
+//! [`BreakerCounters`], [`ReceiverCounters`], [`KeyState`].
 //!
 //! ```
 //! use ascend_pd::protocol::{Message, PullDoneSignal};
@@ -44,16 +46,56 @@
 mod error;
 mod messages;
 
-pub mod backpressure;
-pub mod breaker;
-pub mod context;
+pub(crate) mod backpressure;
+pub(crate) mod breaker;
+pub(crate) mod context;
 pub mod lease;
 pub mod notice;
-pub mod pending;
-pub mod receiver;
-pub mod recent;
-pub mod sender;
-pub mod validate;
+pub(crate) mod pending;
+pub(crate) mod receiver;
+pub(crate) mod recent;
+pub(crate) mod sender;
+pub(crate) mod validate;
+
+// What users of the library see: the messages, and the counters, states
+// and outcomes the backend reports.
+pub use breaker::{BreakerCounters, BreakerState};
+pub use context::{ReadOutcome, SendPullDone, SlotState, TransferContext};
+pub use error::{DecodeError, EncodeError};
+pub use lease::{ClockMap, PullId};
+pub use messages::{
+    AllocRequest, AscendAllocResponse, Message, MessageType, ProxyNotif, PullDoneSignal,
+    PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
+};
+pub use notice::{PushNotice, PushOutcome};
+pub use pending::PullCounters;
+pub use receiver::{KeyState, ProxyEntry, ProxyHandle, ReceiverCounters};
+pub use sender::PutOutcome;
+pub use validate::InvalidMessage;
+
+// The sans-IO cores, for the shell (backend).
+pub(crate) use backpressure::Backpressure;
+pub(crate) use pending::{Delivery, DoneOutcome};
+pub(crate) use receiver::{EagerRead, Lookup, ReceiverConfig, ReceiverCore, Verdict};
+pub(crate) use sender::{
+    Attached, PutAction, PutFailure, PutRejected, PutSpec, RequestKind, SenderConfig, SenderCore,
+    WriteEnd,
+};
+
+// ... and the rest of them for the tests.
+#[cfg(test)]
+use {
+    backpressure::Admission,
+    breaker::CircuitBreaker,
+    context::ProxyReadError,
+    lease::read_margin,
+    pending::{
+        AckOutcome, InsertError, InsertOutcome, PullPending, PullPendingLimits, ReleaseReason,
+        ReleasedPull, ReqFailedOutcome,
+    },
+    receiver::{NoticeReply, PullReply, PushReply},
+    sender::Put,
+};
 
 #[cfg(test)]
 mod core_tests;
@@ -63,31 +105,3 @@ mod sim_tests;
 
 #[cfg(test)]
 mod tests;
-
-pub use backpressure::{Admission, Backpressure};
-pub use breaker::{BreakerCounters, BreakerState, CircuitBreaker};
-pub use context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
-pub use error::{DecodeError, EncodeError};
-pub use lease::{read_margin, ClockMap, PullId};
-pub use messages::{
-    AllocRequest, AscendAllocResponse, Message, MessageType, ProxyNotif, PullDoneSignal,
-    PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
-};
-pub use notice::{PushNotice, PushOutcome};
-pub use pending::{
-    AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertError, InsertOutcome, PullCounters,
-    PullPending, PullPendingLimits, ReleaseReason, ReleasedPull, ReqFailedOutcome,
-};
-pub use receiver::{
-    AllocId, EagerRead, KeyState, Lookup, NoticeReply, Partition, ProxyEntry, ProxyHandle,
-    PullPlan, PullReply, PushPlan, PushReply, ReadItem, ReceiverConfig, ReceiverCore,
-    ReceiverCounters, Removed, SweepReport, Verdict,
-};
-pub use recent::RecentIds;
-pub use sender::{
-    Attached, Put, PutAction, PutEnd, PutFailure, PutOutcome, PutRejected, PutSpec, RequestKind,
-    SenderConfig, SenderCore, SenderCounters, WriteEnd,
-};
-pub use validate::{
-    check_alloc_request, check_pull_notif, CheckedChunks, CheckedPull, InvalidMessage,
-};

@@ -22,12 +22,12 @@
 //!   the others stay pinned until Done. If the ack lists every page the
 //!   pull is released at the ack (a Done that follows counts as duplicate).
 //! * **REQ failure** ([`PullPending::on_req_failed`]): if the notification
-//!   certainly never left ([`Delivery::NotSent`]) the pages are released at
+//!   certainly never left (the notification never left) the pages are released at
 //!   once. If it may have reached the receiver ([`Delivery::Unknown`]: reply
 //!   timeout, broken socket after the send), the receiver may have accepted
 //!   it and may read until its lease ends, so the pages stay pinned until
 //!   `created + lease` (or an earlier Done) — never freed before the lease.
-//! * **TTL sweep** ([`PullPending::sweep`]): the safety net for a receiver
+//! * **TTL sweep** (the TTL sweep): the safety net for a receiver
 //!   that died; an entry is released at `created + max(ttl, lease)`, so
 //!   never before its lease even with a TTL shorter than the lease.
 //!
@@ -40,7 +40,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::breaker::{BreakerCounters, CircuitBreaker};
 use super::messages::PullReadyDoneAck;
 use super::recent::RecentIds;
 use crate::channel::GrantId;
@@ -91,6 +90,7 @@ pub enum ReleaseReason {
 /// A pull whose pages were just released. The pages are already unpinned;
 /// they return to their pool when the caller drops them (and any other
 /// holder drops its clones).
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub struct ReleasedPull {
     /// The pull's id.
@@ -132,6 +132,7 @@ pub enum InsertError {
 }
 
 /// What [`PullPending::on_ack`] did.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub enum AckOutcome {
     /// The receiver accepted; pages it already held were unpinned.
@@ -177,6 +178,7 @@ impl AckOutcome {
 }
 
 /// What [`PullPending::on_done`] did.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub enum DoneOutcome {
     /// The pull's pages were released.
@@ -199,6 +201,7 @@ pub enum Delivery {
 }
 
 /// What [`PullPending::on_req_failed`] did.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub enum ReqFailedOutcome {
     /// Released now (the notification never left).
@@ -212,7 +215,7 @@ pub enum ReqFailedOutcome {
     Unknown,
 }
 
-/// One pull swept by [`PullPending::sweep`].
+/// One pull swept by the TTL sweep.
 #[derive(Clone, Debug)]
 pub struct ExpiredPull {
     /// The pull's id.
@@ -232,7 +235,7 @@ pub struct ExpiredPull {
     pub held: Vec<SealedMemObj>,
 }
 
-/// Counters of [`PullPending`].
+/// Counters of a sender's pinned pulls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PullCounters {
     /// Pulls currently pending.
@@ -257,35 +260,16 @@ pub struct PullCounters {
     pub done_early: u64,
     /// Inserts released at once because their id was in the early-done set.
     pub early_done_matched: u64,
-    /// REQ failures released at once ([`Delivery::NotSent`]).
+    /// REQ failures released at once (the notification never left).
     pub req_failed_released: u64,
-    /// REQ failures held until the lease ([`Delivery::Unknown`]).
+    /// REQ failures held until the lease (it may have been delivered).
     pub req_failed_held: u64,
-    /// Calls to [`PullPending::sweep`].
+    /// Calls to the TTL sweep.
     pub sweeps: u64,
     /// Pulls released by the sweep.
     pub expired: u64,
     /// Ids currently in the early-done set.
     pub early_done_size: usize,
-}
-
-/// All sender counters: pending pulls and the breaker.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SenderCounters {
-    /// Pull bookkeeping.
-    pub pulls: PullCounters,
-    /// Circuit breaker.
-    pub breaker: BreakerCounters,
-}
-
-impl SenderCounters {
-    /// A snapshot of both.
-    pub fn snapshot(pending: &PullPending, breaker: &CircuitBreaker) -> SenderCounters {
-        SenderCounters {
-            pulls: pending.counters(),
-            breaker: breaker.counters(),
-        }
-    }
 }
 
 #[derive(Debug)]
@@ -528,12 +512,14 @@ impl PullPending {
             .collect()
     }
 
-    /// The earliest instant at which [`PullPending::sweep`] with `ttl` would
+    #[cfg(test)]
+    /// The earliest instant at which the TTL sweep with `ttl` would
     /// release something (for the shell's timer), if anything is pending.
     pub fn next_expiry(&self, ttl: Duration) -> Option<Instant> {
         self.entries.values().map(|e| e.release_at(ttl)).min()
     }
 
+    #[cfg(test)]
     /// Whether `pull_id` is pending.
     pub fn contains(&self, pull_id: &str) -> bool {
         self.entries.contains_key(pull_id)
@@ -549,6 +535,7 @@ impl PullPending {
         self.entries.len()
     }
 
+    #[cfg(test)]
     /// Whether no pull is pending.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

@@ -160,6 +160,7 @@ pub struct Partition {
 }
 
 /// How a message was handled.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub enum Verdict {
     /// Accepted.
@@ -173,13 +174,6 @@ pub enum Verdict {
     AllocFailed(MemoryError),
     /// The message was invalid: nothing was kept; the reply says `alloc_failed`.
     Rejected(InvalidMessage),
-}
-
-impl Verdict {
-    /// Whether the message was accepted.
-    pub fn is_accepted(&self) -> bool {
-        matches!(self, Verdict::Accepted { .. })
-    }
 }
 
 /// A receiver-local allocation number.
@@ -204,6 +198,7 @@ impl PushPlan {
 }
 
 /// The answer to an `AllocRequest`.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub struct PushReply {
     /// The reply to send.
@@ -212,11 +207,10 @@ pub struct PushReply {
     pub verdict: Verdict,
     /// Done signals freed by replacing expired proxies; send after the reply.
     pub done: Vec<SendPullDone>,
-    /// The allocation made, if any.
-    pub alloc: Option<AllocId>,
 }
 
 /// What [`ReceiverCore::on_push_notice`] decided.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub struct NoticeReply {
     /// The answer: accepted, or refused and why.
@@ -246,6 +240,7 @@ impl PullPlan {
         &self.metas
     }
 
+    #[cfg(test)]
     /// The moment the sender may free the pull's pages (receiver clock).
     pub fn deadline(&self) -> Instant {
         self.deadline
@@ -297,6 +292,7 @@ pub struct PullReply {
 }
 
 /// What [`ReceiverCore::remove`] removed.
+#[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
 pub struct Removed {
     /// The state the key was in.
@@ -482,6 +478,7 @@ impl ReceiverCore {
         }
     }
 
+    #[cfg(test)]
     /// The configuration.
     pub fn config(&self) -> &ReceiverConfig {
         &self.config
@@ -510,11 +507,13 @@ impl ReceiverCore {
         self.entries.get(key).map(Entry::state)
     }
 
+    #[cfg(test)]
     /// Number of keys in the store.
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
+    #[cfg(test)]
     /// Whether the store holds no key.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -536,6 +535,7 @@ impl ReceiverCore {
         }
     }
 
+    #[cfg(test)]
     /// The pull-delay context of `pull_id`, while open.
     pub fn context(&self, pull_id: &str) -> Option<&TransferContext> {
         self.contexts.get(pull_id).map(|c| &c.ctx)
@@ -588,7 +588,6 @@ impl ReceiverCore {
                     response: failed_push_response(),
                     verdict: Verdict::Rejected(e),
                     done: Vec::new(),
-                    alloc: None,
                 }));
             }
         };
@@ -634,7 +633,6 @@ impl ReceiverCore {
                     response: failed_push_response(),
                     verdict: Verdict::AllocFailed(e),
                     done,
-                    alloc: None,
                 };
             }
         };
@@ -654,7 +652,6 @@ impl ReceiverCore {
                 response: response_for(&[]),
                 verdict,
                 done,
-                alloc: None,
             };
         }
         let id = AllocId(self.next_alloc);
@@ -685,16 +682,7 @@ impl ReceiverCore {
             response: response_for(&refs),
             verdict,
             done,
-            alloc: Some(id),
         }
-    }
-
-    /// The pages of allocation `id`, while it is pending.
-    pub fn allocation_refs(&self, id: AllocId) -> Option<&[BufferRef]> {
-        self.allocs
-            .get(&id)
-            .filter(|a| !a.quarantined)
-            .map(|a| &a.refs[..])
     }
 
     /// A writer's notice, received on request route `from`. Accepted only

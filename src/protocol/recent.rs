@@ -92,16 +92,19 @@ impl<V> RecentIds<V> {
         self.by_id.len()
     }
 
+    #[cfg(test)]
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
         self.by_id.is_empty()
     }
 
+    #[cfg(test)]
     /// The hard capacity.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
+    #[cfg(test)]
     /// Ids forgotten because the capacity was reached (not by expiry).
     pub fn evicted(&self) -> u64 {
         self.evicted

@@ -296,13 +296,6 @@ pub struct Put {
     state: State,
 }
 
-impl Put {
-    /// Where it goes.
-    pub fn spec(&self) -> &PutSpec {
-        &self.spec
-    }
-}
-
 #[derive(Debug, Default)]
 struct Link {
     attached: Option<Attached>,
@@ -359,11 +352,6 @@ impl SenderCore {
             expired: Vec::new(),
             notices_refused: 0,
         }
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &SenderConfig {
-        &self.cfg
     }
 
     /// The request route to `peer_key` now (`<node>#<n>`).

@@ -5,7 +5,7 @@
 
 use ascend_pd::backend::{Receiver, Sender, TransferSpec};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
-use ascend_pd::memory::{pattern, MemObj, Page, SealedMemObj};
+use ascend_pd::memory::{pattern, MemObj, Page, PoolStats, SealedMemObj};
 use std::time::Duration;
 
 /// A port that was free a moment ago.
@@ -111,4 +111,14 @@ pub fn pair(channel: ChannelKind, mode: TransferMode, pages: u64) -> (Receiver, 
     let sc = sender_config(channel, mode, pages);
     let s = Sender::start(&sc, 0, Default::default()).unwrap();
     (r, rc, s)
+}
+
+/// Asserts a pool holds nothing: no page allocated, pinned or quarantined.
+#[track_caller]
+pub fn assert_no_pages(s: PoolStats, what: &str) {
+    assert_eq!(
+        (s.allocated, s.pinned, s.quarantined),
+        (0, 0, 0),
+        "{what}: pages still out: {s:?}"
+    );
 }
