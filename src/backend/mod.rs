@@ -192,3 +192,27 @@ pub(crate) fn spawn(
         .spawn(f)
         .map_err(|e| BackendError::Setup(format!("spawning {name}: {e}")))
 }
+
+#[cfg(test)]
+mod node_id_tests {
+    use super::NodeId;
+    use crate::config::MAX_HOST_BYTES;
+
+    /// The longest host config allows still gives routes ZMQ accepts as
+    /// routing ids (1 to 255 bytes): the node id plus `#<u64 epoch>`.
+    #[test]
+    fn the_longest_allowed_host_fits_a_zmq_routing_id() {
+        let host = "h".repeat(MAX_HOST_BYTES);
+        let node = NodeId::sender(&host, Some(u16::MAX), 99_999);
+        let route = format!("{}#{}", node.as_str(), u64::MAX);
+        // This process's pid may be shorter than the longest (u32::MAX).
+        let pid_slack = u32::MAX.to_string().len() - std::process::id().to_string().len();
+        assert!(
+            route.len() + pid_slack <= 255,
+            "{} bytes: {route}",
+            route.len()
+        );
+        // Two starts of one process are two nodes.
+        assert_ne!(NodeId::sender("h", None, 0), NodeId::sender("h", None, 0));
+    }
+}

@@ -16,6 +16,11 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
+/// The longest `pd_peer_host`: a sender's node id adds at most about 50
+/// bytes to it (port, pid, rank, nonce, route number) and must stay a
+/// valid ZMQ routing id (1 to 255 bytes).
+pub const MAX_HOST_BYTES: usize = 180;
+
 /// Which side of the transfer this worker is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
@@ -574,6 +579,20 @@ impl PdConfig {
                 }
             }
         };
+        if let Some(host) = &self.peer_host {
+            // The host is part of the node id, and the node id plus a route
+            // number is the ZMQ routing id of a request socket (<= 255 bytes).
+            if host.is_empty() || host.len() > MAX_HOST_BYTES {
+                problems.push(ConfigProblem::new(
+                    "pd_peer_host",
+                    format!(
+                        "is {} bytes; it must be 1 to {MAX_HOST_BYTES} (it names this worker in routing ids of at most 255 bytes)",
+                        host.len()
+                    ),
+                    "use an IP address or a shorter host name",
+                ));
+            }
+        }
         check_ports("pd_peer_init_port", &self.peer_init_port, &mut problems);
         check_ports("pd_peer_alloc_port", &self.peer_alloc_port, &mut problems);
         check_ports("pd_pull_done_port", &self.pull_done_port, &mut problems);

@@ -408,3 +408,13 @@ fn effective_yaml_round_trips_through_the_loader() {
     let again = ok(&text).config;
     assert_eq!(again, loaded.config);
 }
+
+#[test]
+fn an_empty_or_overlong_peer_host_is_named() {
+    let with_host =
+        |h: &str| RECEIVER.replace("pd_peer_host: 127.0.0.1", &format!("pd_peer_host: \"{h}\""));
+    expect_problem(&with_host(""), "pd_peer_host", &["0 bytes", "IP address"]);
+    let long = "h".repeat(MAX_HOST_BYTES + 1);
+    expect_problem(&with_host(&long), "pd_peer_host", &["181 bytes", "255"]);
+    ok(&with_host(&"h".repeat(MAX_HOST_BYTES)));
+}

@@ -1448,3 +1448,284 @@ fn sender_and_receiver_cores_pull_eager_end_to_end() {
     ks.remove("b");
     assert_idle(&recv_pool);
 }
+
+// ============================================================ sender core
+
+fn sender_core(mode: crate::config::TransferMode, pool: &Arc<PagePool>) -> SenderCore {
+    SenderCore::new(SenderConfig {
+        node: "prefill:7600/p1r0-00000001".into(),
+        done_url: "prefill:7600".into(),
+        mode,
+        layout: layout(),
+        pools: [pool.uuid()].into_iter().collect(),
+        pull_pending_ttl: TTL,
+        alloc_fail_backoff_ttl: Duration::from_secs(2),
+        backpressure: Backpressure::new(pool.stats().total, 25.0),
+        reserve_pct: 25.0,
+    })
+}
+
+fn spec(peer: &str) -> PutSpec {
+    PutSpec {
+        peer_key: peer.into(),
+        req_id: "req".into(),
+        is_last_prefill: true,
+    }
+}
+
+fn attached(t: Instant) -> Attached {
+    Attached {
+        peer: crate::channel::PeerId(7),
+        lease: LEASE,
+        clock: ClockMap::measure(t, t, lease::wire_micros(t)),
+    }
+}
+
+fn finish(a: PutAction) -> PutEnd {
+    match a {
+        PutAction::Finish(end) => end,
+        other => panic!("expected the end of the put, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_push_runs_connect_alloc_write_notice_on_one_route() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let (spool, rpool) = (pool(8), pool(8));
+    let mut sc = sender_core(TransferMode::Push, &spool);
+    let mut ks = receiver();
+    let (mut put, a) = sc.begin_put(t0, spec("r:7400"), keys(&["a", "b"]), alloc(&spool, 2));
+    assert!(matches!(a, PutAction::Connect));
+    let a = sc.on_connected(&mut put, t0, Some(attached(t0)));
+    let PutAction::Request { route, frame, kind } = a else {
+        panic!("{a:?}")
+    };
+    assert_eq!(kind, RequestKind::AllocRequest);
+    assert_eq!(route, sc.route("r:7400"));
+    let req = AllocRequest::decode(&frame).unwrap();
+    let reply = push_with(&mut ks, &req, &route, t0, |m| rpool.allocate_batch(m), None);
+    let a = sc.on_reply(
+        &mut put,
+        t0,
+        Ok(Message::AscendAllocResponse(reply.response).encode()),
+    );
+    let PutAction::Write { ops, .. } = a else {
+        panic!("{a:?}")
+    };
+    assert_eq!(ops.len(), 2);
+    drop(ops);
+    let a = sc.on_written(&mut put, t0, WriteEnd::Written);
+    let PutAction::Request {
+        route: r2,
+        frame,
+        kind,
+    } = a
+    else {
+        panic!("{a:?}")
+    };
+    assert_eq!((kind, &r2), (RequestKind::PushNotice, &route));
+    let n = PushNotice::decode(&frame).unwrap().unwrap();
+    assert_eq!(n.route, route);
+    let answer = ks.on_push_notice(t0, &r2, &n);
+    let end = finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&answer.result))));
+    assert_eq!(
+        end.result,
+        Ok(PutOutcome::Pushed {
+            written: 2,
+            already_present: 0
+        })
+    );
+    assert_eq!(end.proxy_notif.unwrap().req_id, "req");
+    assert_eq!(ks.state("a"), Some(KeyState::Resident));
+}
+
+/// A write that failed and is over ends with an aborted notice (the
+/// receiver frees the pages at once); one the channel still runs sends no
+/// notice and replaces the attachment and the route.
+#[test]
+fn a_failed_push_write_aborts_and_an_abandoned_one_reattaches() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    for (end, notice_expected) in [(WriteEnd::Failed, true), (WriteEnd::Abandoned, false)] {
+        let mut sc = sender_core(TransferMode::Push, &spool);
+        let (mut put, _) = sc.begin_put(t0, spec("r:7400"), keys(&["a"]), alloc(&spool, 1));
+        sc.on_connected(&mut put, t0, Some(attached(t0)));
+        let route = sc.route("r:7400");
+        let resp = AscendAllocResponse {
+            already_sent_indexes: vec![],
+            remote_indexes: vec![5],
+            remote_buffer_uuids: vec![Uuid::new_v4().simple().to_string()],
+            alloc_failed: false,
+        };
+        let a = sc.on_reply(
+            &mut put,
+            t0,
+            Ok(Message::AscendAllocResponse(resp).encode()),
+        );
+        assert!(matches!(a, PutAction::Write { .. }), "{a:?}");
+        drop(a);
+        match sc.on_written(&mut put, t0, end) {
+            PutAction::Request { frame, kind, .. } => {
+                assert!(notice_expected);
+                assert_eq!(kind, RequestKind::PushNotice);
+                let n = PushNotice::decode(&frame).unwrap().unwrap();
+                assert_eq!((n.outcome, n.route), (PushOutcome::Aborted, route.clone()));
+                let end = finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&Ok(())))));
+                assert_eq!(end.result, Err(PutFailure::Io));
+            }
+            PutAction::Finish(end) => {
+                assert!(!notice_expected);
+                assert_eq!(end.result, Err(PutFailure::Io));
+                assert!(sc.attached("r:7400").is_none(), "re-attach next time");
+                assert_ne!(sc.route("r:7400"), route, "a new request socket");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_idle(&spool);
+}
+
+/// A notice whose reply is lost is sent again from the next socket (its
+/// frame names the allocation's route); after the last attempt the put
+/// fails.
+#[test]
+fn a_lost_notice_reply_is_retried_from_the_next_socket() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let (spool, rpool) = (pool(8), pool(8));
+    let mut sc = sender_core(TransferMode::Push, &spool);
+    let mut ks = receiver();
+    let (mut put, _) = sc.begin_put(t0, spec("r:7400"), keys(&["a"]), alloc(&spool, 1));
+    let PutAction::Request { route, frame, .. } = sc.on_connected(&mut put, t0, Some(attached(t0)))
+    else {
+        panic!()
+    };
+    let req = AllocRequest::decode(&frame).unwrap();
+    let reply = push_with(&mut ks, &req, &route, t0, |m| rpool.allocate_batch(m), None);
+    sc.on_reply(
+        &mut put,
+        t0,
+        Ok(Message::AscendAllocResponse(reply.response).encode()),
+    );
+    let PutAction::Request { frame, .. } = sc.on_written(&mut put, t0, WriteEnd::Written) else {
+        panic!()
+    };
+    // The receiver handles it, the reply is lost.
+    let n = PushNotice::decode(&frame).unwrap().unwrap();
+    assert!(ks.on_push_notice(t0, &route, &n).result.is_ok());
+    let PutAction::Request {
+        route: next,
+        frame: again,
+        kind,
+    } = sc.on_reply(&mut put, t0, Err(Delivery::Unknown))
+    else {
+        panic!()
+    };
+    assert_eq!(kind, RequestKind::PushNotice);
+    assert_ne!(next, route);
+    assert_eq!(again, frame);
+    // The repeat is answered as the first was.
+    let n = PushNotice::decode(&again).unwrap().unwrap();
+    let answer = ks.on_push_notice(t0, &next, &n);
+    let end = finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&answer.result))));
+    assert!(matches!(
+        end.result,
+        Ok(PutOutcome::Pushed { written: 1, .. })
+    ));
+    assert_eq!(ks.state("a"), Some(KeyState::Resident));
+    // Lost three times: the put fails. The link is still attached, so the
+    // second put goes straight to its request.
+    let (mut put, a) = sc.begin_put(t0, spec("r:7400"), keys(&["b"]), alloc(&spool, 1));
+    let PutAction::Request { route, frame, .. } = a else {
+        panic!("{a:?}")
+    };
+    let req = AllocRequest::decode(&frame).unwrap();
+    let reply = push_with(&mut ks, &req, &route, t0, |m| rpool.allocate_batch(m), None);
+    sc.on_reply(
+        &mut put,
+        t0,
+        Ok(Message::AscendAllocResponse(reply.response).encode()),
+    );
+    sc.on_written(&mut put, t0, WriteEnd::Written);
+    let mut a = sc.on_reply(&mut put, t0, Err(Delivery::Unknown));
+    for _ in 0..2 {
+        assert!(matches!(a, PutAction::Request { .. }), "{a:?}");
+        a = sc.on_reply(&mut put, t0, Err(Delivery::Unknown));
+    }
+    assert_eq!(finish(a).result, Err(PutFailure::Io));
+}
+
+/// Admission reserves the pages it admits: two puts in flight together
+/// cannot both pass the mark (the check and the pin were apart before).
+#[test]
+fn backpressure_admission_reserves_so_concurrent_puts_cannot_overshoot() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8); // 25 % reserve: 6 pages may be pinned
+    let mut sc = sender_core(TransferMode::PullDelay, &spool);
+    let (mut p1, a) = sc.begin_put(t0, spec("r"), keys(&["a", "b", "c", "d"]), alloc(&spool, 4));
+    assert!(matches!(a, PutAction::Connect));
+    let a = sc.on_connected(&mut p1, t0, Some(attached(t0)));
+    assert!(matches!(a, PutAction::Grant { .. }), "{a:?}");
+    // The first put has not pinned yet (its grant is being made)...
+    let (mut p2, a) = sc.begin_put(t0, spec("r"), keys(&["e", "f", "g"]), alloc(&spool, 3));
+    assert!(matches!(a, PutAction::WaitForPins { .. }), "{a:?}");
+    assert_eq!(sc.counters().reserved_pages, 4);
+    // ...and stays admitted once pinned; the second still waits, then gives up.
+    let a = sc.on_granted(&mut p1, t0, Some(GrantId(1)));
+    assert!(matches!(a, PutAction::Request { .. }), "{a:?}");
+    assert_eq!(sc.counters().reserved_pages, 0);
+    let a = sc.on_pins_released(&mut p2, t0 + S);
+    assert!(matches!(a, PutAction::WaitForPins { .. }), "{a:?}");
+    let end = finish(sc.on_pins_released(&mut p2, t0 + sender::BACKPRESSURE_WAIT));
+    assert!(matches!(
+        end.result,
+        Err(PutFailure::Rejected(PutRejected::Backpressure(_)))
+    ));
+    drop((p1, p2));
+}
+
+#[test]
+fn bad_puts_an_open_breaker_and_a_failed_handshake_end_the_put() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    let other = pool(1);
+    let mut sc = sender_core(TransferMode::PullEager, &spool);
+    let bad = |sc: &mut SenderCore, k: &[&str], c: Vec<SealedMemObj>| {
+        let (_, a) = sc.begin_put(t0, spec("r"), keys(k), c);
+        match finish(a).result {
+            Err(PutFailure::Rejected(PutRejected::InvalidInput(m))) => m,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(bad(&mut sc, &[], vec![]).contains("no keys"));
+    assert!(bad(&mut sc, &["a"], alloc(&spool, 2)).contains("1 keys but 2 chunks"));
+    assert!(bad(&mut sc, &["a", "a"], alloc(&spool, 2)).contains("repeated"));
+    assert!(bad(&mut sc, &["a"], alloc(&other, 1)).contains("not a page of this sender's pools"));
+    // A failed handshake: nothing attached, an I/O failure for the shell to report.
+    let (mut put, _) = sc.begin_put(t0, spec("r"), keys(&["a"]), alloc(&spool, 1));
+    assert_eq!(
+        finish(sc.on_connected(&mut put, t0, None)).result,
+        Err(PutFailure::Io)
+    );
+    // alloc_failed opens the breaker: the next put is skipped without a message.
+    let (mut put, _) = sc.begin_put(t0, spec("r"), keys(&["a"]), alloc(&spool, 1));
+    sc.on_connected(&mut put, t0, Some(attached(t0)));
+    let PutAction::Request { .. } = sc.on_granted(&mut put, t0, Some(GrantId(3))) else {
+        panic!()
+    };
+    let end = finish(sc.on_reply(&mut put, t0, Ok(ack(&[], true).encode())));
+    assert_eq!(end.result, Ok(PutOutcome::ReceiverAllocFailed));
+    assert_eq!(sc.take_grant_releases(), vec![GrantId(3)]);
+    let (_, a) = sc.begin_put(t0 + S, spec("r"), keys(&["b"]), alloc(&spool, 1));
+    assert_eq!(finish(a).result, Ok(PutOutcome::SkippedBreakerOpen));
+    assert!(matches!(
+        sc.breaker_state("r", t0 + S),
+        BreakerState::Open { .. }
+    ));
+    assert_idle(&spool);
+    assert_idle(&other);
+}

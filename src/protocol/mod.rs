@@ -94,7 +94,7 @@ use {
         ReleasedPull, ReqFailedOutcome,
     },
     receiver::{NoticeReply, PullReply, PushReply},
-    sender::Put,
+    sender::{Put, PutEnd},
 };
 
 #[cfg(test)]

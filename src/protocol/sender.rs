@@ -893,6 +893,10 @@ impl SenderCore {
             self.reserved -= reserved;
         }
         put.state = State::Finished;
+        // The put's own references go now; pages a pull still advertises
+        // stay pinned by its pending entry, the rest return to the pool
+        // even if the shell keeps the finished put around.
+        put.chunks = Vec::new();
         PutAction::Finish(PutEnd {
             result,
             proxy_notif: put.spec.is_last_prefill.then(|| ProxyNotif {
