@@ -6,12 +6,14 @@
 use crate::args::Args;
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
-use ascend_pd::backend::{PutOutcome, Receiver, Sender, TransferSpec};
+use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
+use ascend_pd::channel::GrantStats;
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
-    pattern, ChunkLayout, ChunkMeta, MemObj, NpuRuntime, PagePool, RegisteredBuffer, SealedMemObj,
+    pattern, ChunkLayout, ChunkMeta, DualStats, MemObj, NpuRuntime, PagePool, RegisteredBuffer,
+    SealedMemObj,
 };
 use ascend_pd::pipeline::LoadOptions;
 use ascend_pd::protocol::{Message, ProxyNotif};
@@ -251,12 +253,12 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             "event": "put", "req": req_id, "chunks": n_chunks, "bytes": bytes,
             "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
         }));
-        publish_sender(&registry, &sender);
+        publish_sender(&registry, &sender, layout.page_bytes() as u64);
     }
     // Pins are released by the receivers' Done; give them time, bounded.
     let drained = sender.drain(Duration::from_secs(120));
     let st = sender.stats();
-    publish_sender(&registry, &sender);
+    publish_sender(&registry, &sender, layout.page_bytes() as u64);
     let primary = match config.has_cpu_pool() && (config.use_cpu_offload || !config.has_npu_pool())
     {
         true => st.pools.cpu,
@@ -294,30 +296,46 @@ pub fn npu_runtime_note(config: &PdConfig) -> Result<Option<String>> {
     Ok(Some(AclRuntime::load()?.describe()))
 }
 
-fn publish_sender(reg: &Registry, s: &Sender) {
+fn publish_sender(reg: &Registry, s: &Sender, page: u64) {
     let st = s.stats();
-    for (name, p) in [("cpu", st.pools.cpu), ("npu", st.pools.npu)] {
-        if let Some(p) = p {
-            reg.set(
-                &format!("ascend_pd_pool_pages_total{{pool=\"{name}\"}}"),
-                p.total as f64,
-            );
-            reg.set(
-                &format!("ascend_pd_pool_pages_free{{pool=\"{name}\"}}"),
-                p.free as f64,
-            );
-            reg.set(
-                &format!("ascend_pd_pool_pages_pinned{{pool=\"{name}\"}}"),
-                p.pinned as f64,
-            );
-        }
-    }
+    publish_pools(reg, &st.pools, page);
+    publish_grants(reg, &st.grants);
     reg.set("ascend_pd_pulls_pending", st.pulls.pulls_pending as f64);
     reg.set("ascend_pd_breaker_open_peers", st.breaker.open_peers as f64);
-    for (k, n) in st.messages {
+    publish_messages(reg, &st.messages);
+}
+
+/// Page counters per pool; `quarantined` pages are held until no peer or
+/// abandoned transfer can touch them (a steady non-zero value is a peer
+/// that never finishes).
+fn publish_pools(reg: &Registry, pools: &DualStats, page: u64) {
+    for (name, p) in [("cpu", pools.cpu), ("npu", pools.npu)] {
+        let Some(p) = p else { continue };
+        for (metric, v) in [
+            ("pages_total", p.total as f64),
+            ("pages_free", p.free as f64),
+            ("pages_pinned", p.pinned as f64),
+            ("pages_quarantined", p.quarantined as f64),
+            ("peak_bytes", (p.high_water as u64 * page) as f64),
+        ] {
+            reg.set(&format!("ascend_pd_pool_{metric}{{pool=\"{name}\"}}"), v);
+        }
+    }
+}
+
+/// What peers may touch: grants in force, revoked but not yet quiescent,
+/// and peer requests refused for want of a grant.
+fn publish_grants(reg: &Registry, g: &GrantStats) {
+    reg.set("ascend_pd_grants_live", g.live as f64);
+    reg.set("ascend_pd_grants_revoked", g.revoked as f64);
+    reg.set("ascend_pd_grant_refusals_total", g.refused as f64);
+}
+
+fn publish_messages(reg: &Registry, messages: &[(MessageKind, u64)]) {
+    for (k, n) in messages {
         reg.set(
             &format!("ascend_pd_messages_total{{kind=\"{}\"}}", k.name()),
-            n as f64,
+            *n as f64,
         );
     }
 }
@@ -555,22 +573,8 @@ impl DecodeSide {
 
 fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {
     let st = r.stats();
-    for (name, p) in [("cpu", st.pools.cpu), ("npu", st.pools.npu)] {
-        if let Some(p) = p {
-            reg.set(
-                &format!("ascend_pd_pool_pages_total{{pool=\"{name}\"}}"),
-                p.total as f64,
-            );
-            reg.set(
-                &format!("ascend_pd_pool_pages_free{{pool=\"{name}\"}}"),
-                p.free as f64,
-            );
-            reg.set(
-                &format!("ascend_pd_pool_peak_bytes{{pool=\"{name}\"}}"),
-                (p.high_water as u64 * page) as f64,
-            );
-        }
-    }
+    publish_pools(reg, &st.pools, page);
+    publish_grants(reg, &st.grants);
     reg.set("ascend_pd_proxies", st.store.proxies as f64);
     reg.set(
         "ascend_pd_transfer_contexts_open",
@@ -578,12 +582,7 @@ fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {
     );
     reg.set("ascend_pd_bytes_read_total", st.bytes_read as f64);
     reg.set("ascend_pd_senders_attached", st.peers as f64);
-    for (k, n) in st.messages {
-        reg.set(
-            &format!("ascend_pd_messages_total{{kind=\"{}\"}}", k.name()),
-            n as f64,
-        );
-    }
+    publish_messages(reg, &st.messages);
 }
 
 /// `ascend-bench proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]`:
@@ -645,4 +644,59 @@ pub fn proxy_main(args: &[String]) -> Result<bool> {
     }
     eprintln!("proxy: stopping on signal");
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ascend_pd::memory::PoolStats;
+
+    /// Quarantined pages and grants reach Prometheus next to the pool
+    /// counters, per pool.
+    #[test]
+    fn pool_and_grant_gauges_are_published() {
+        let reg = Registry::default();
+        let npu = PoolStats {
+            total: 8,
+            free: 3,
+            allocated: 5,
+            pinned: 1,
+            quarantined: 2,
+            high_water: 6,
+            ..PoolStats::default()
+        };
+        publish_pools(
+            &reg,
+            &DualStats {
+                cpu: None,
+                npu: Some(npu),
+            },
+            1024,
+        );
+        publish_grants(
+            &reg,
+            &GrantStats {
+                live: 4,
+                revoked: 1,
+                refused: 7,
+            },
+        );
+        let text = reg.render();
+        for line in [
+            "ascend_pd_pool_pages_total{pool=\"npu\"} 8",
+            "ascend_pd_pool_pages_free{pool=\"npu\"} 3",
+            "ascend_pd_pool_pages_pinned{pool=\"npu\"} 1",
+            "ascend_pd_pool_pages_quarantined{pool=\"npu\"} 2",
+            "ascend_pd_pool_peak_bytes{pool=\"npu\"} 6144",
+            "ascend_pd_grants_live 4",
+            "ascend_pd_grants_revoked 1",
+            "ascend_pd_grant_refusals_total 7",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from:\n{text}"
+            );
+        }
+        assert!(!text.contains("pool=\"cpu\""), "{text}");
+    }
 }
