@@ -502,7 +502,6 @@ struct StallingSender {
     release: crossbeam_channel::Sender<()>,
     served: std::thread::JoinHandle<usize>,
     keys: Vec<String>,
-    _req: zmq::Socket,
     _ctx: zmq::Context,
     _ch: Arc<dyn TransferChannel>,
 }
@@ -585,33 +584,21 @@ impl StallingSender {
         let ctx = zmq::Context::new();
         let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());
         handshake::connect(&ctx, &init, ch.as_ref(), &hello, Duration::from_secs(10)).unwrap();
-        let notif = ascend_pd::protocol::PullReadyNotif {
-            pull_id: ascend_pd::protocol::PullId::due_in_this_process(Instant::now() + lease)
-                .encode(),
-            keys: keys.clone(),
-            sender_buffer_uuids: vec![uuid.simple().to_string(); keys.len()],
-            sender_mem_indexes: (0..keys.len() as u64).collect(),
-            sender_id: "stalling".into(),
-            sender_done_url: format!("127.0.0.1:{}", free_port()),
-            fmt: layout.fmt.code(),
-            shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
-            dtype: layout.dtype.name().into(),
-            last_chunk_toks: layout.tokens as u64,
-        };
-        let req = ctx.socket(zmq::REQ).unwrap();
-        req.set_rcvtimeo(10_000).unwrap();
-        req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
-            .unwrap();
-        req.send(Message::PullReadyNotif(notif).encode(), 0)
-            .unwrap();
-        let ack =
-            ascend_pd::protocol::PullReadyDoneAck::decode(&req.recv_bytes(0).unwrap()).unwrap();
+        let pull_id = ascend_pd::protocol::PullId::due_in_this_process(Instant::now() + lease);
+        let notif = pull_notif(
+            layout,
+            pull_id.encode(),
+            &keys,
+            (uuid, (0..keys.len() as u64).collect()),
+            "stalling",
+            format!("127.0.0.1:{}", free_port()),
+        );
+        let ack = announce_pull(&ctx, rc, notif);
         assert!(!ack.alloc_failed, "{ack:?}");
         StallingSender {
             release,
             served,
             keys,
-            _req: req,
             _ctx: ctx,
             _ch: ch,
         }

@@ -13,7 +13,7 @@ use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
 use ascend_pd::pipeline::{LoadError, LoadOptions, LoadReport};
-use ascend_pd::protocol::{Message, PullDoneSignal, PullId, PullReadyDoneAck, PullReadyNotif};
+use ascend_pd::protocol::{PullDoneSignal, PullId};
 use common::*;
 use std::time::{Duration, Instant};
 
@@ -406,25 +406,15 @@ impl ScriptedSender {
         if let Some((i, page)) = bad {
             indexes[i] = page;
         }
-        let notif = PullReadyNotif {
-            pull_id: pull_id.clone(),
-            keys: keys.to_vec(),
-            sender_buffer_uuids: vec![pool.uuid().simple().to_string(); keys.len()],
-            sender_mem_indexes: indexes,
-            sender_id: node.into(),
-            sender_done_url: format!("127.0.0.1:{done_port}"),
-            fmt: layout.fmt.code(),
-            shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
-            dtype: layout.dtype.name().into(),
-            last_chunk_toks: layout.tokens as u64,
-        };
-        let req = ctx.socket(zmq::REQ).unwrap();
-        req.set_rcvtimeo(10_000).unwrap();
-        req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
-            .unwrap();
-        req.send(Message::PullReadyNotif(notif).encode(), 0)
-            .unwrap();
-        let ack = PullReadyDoneAck::decode(&req.recv_bytes(0).unwrap()).unwrap();
+        let notif = pull_notif(
+            layout,
+            pull_id.clone(),
+            keys,
+            (pool.uuid(), indexes),
+            node,
+            format!("127.0.0.1:{done_port}"),
+        );
+        let ack = announce_pull(&ctx, rc, notif);
         assert!(!ack.alloc_failed, "{ack:?}");
         ScriptedSender {
             _pool: pool,

@@ -145,6 +145,46 @@ impl NodeId {
     }
 }
 
+/// What both roles open before their own sockets: the pools, the transfer
+/// channel over them (named `node`), a ZMQ context, the message counters
+/// and a push thread (`push_thread`) whose dropped sends count as timeouts.
+pub(crate) struct Opened {
+    pub(crate) alloc: crate::memory::DualAllocator,
+    pub(crate) pools: Vec<std::sync::Arc<crate::memory::PagePool>>,
+    pub(crate) channel: std::sync::Arc<dyn crate::channel::TransferChannel>,
+    pub(crate) ctx: zmq::Context,
+    pub(crate) counters: std::sync::Arc<counters::MessageCounters>,
+    pub(crate) pushes: zmq_io::PushPool,
+}
+
+impl Opened {
+    pub(crate) fn open(
+        config: &crate::config::PdConfig,
+        host: &str,
+        node: &NodeId,
+        push_thread: &str,
+    ) -> Result<Opened, BackendError> {
+        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
+        let alloc = pools::allocator_for(config, node.rank() as u32)?;
+        let pools: Vec<_> = alloc.pools().cloned().collect();
+        let channel = crate::channel::open(config.transfer_channel, host, node.as_str(), &pools)?;
+        let ctx = zmq::Context::new();
+        let counters = std::sync::Arc::new(counters::MessageCounters::default());
+        let c2 = std::sync::Arc::clone(&counters);
+        let pushes = zmq_io::PushPool::spawn(&ctx, push_thread, move |_| {
+            c2.bump(counters::MessageKind::Timeout);
+        })?;
+        Ok(Opened {
+            alloc,
+            pools,
+            channel,
+            ctx,
+            counters,
+            pushes,
+        })
+    }
+}
+
 impl BackendError {
     fn zmq(context: impl Into<String>) -> impl FnOnce(zmq::Error) -> BackendError {
         let context = context.into();

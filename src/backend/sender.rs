@@ -8,9 +8,9 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
-use super::{check_config, lock, spawn, BackendError, NodeId};
+use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
 use crate::channel::handshake::{self, Hello};
-use crate::channel::{self, Access, GrantStats, TransferChannel};
+use crate::channel::{Access, GrantStats, TransferChannel};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, SealedMemObj};
@@ -156,16 +156,14 @@ impl Sender {
             None
         };
         let node = NodeId::sender(&host, done_port, rank);
-        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
-        let alloc = super::pools::allocator_for(config, rank as u32)?;
-        let pools: Vec<_> = alloc.pools().cloned().collect();
-        let channel = channel::open(config.transfer_channel, &host, node.as_str(), &pools)?;
-        let ctx = zmq::Context::new();
-        let counters = Arc::new(MessageCounters::default());
-        let c2 = Arc::clone(&counters);
-        let proxy = PushPool::spawn(&ctx, "pd-proxy-push", move |_| {
-            c2.bump(MessageKind::Timeout);
-        })?;
+        let Opened {
+            alloc,
+            pools,
+            channel,
+            ctx,
+            counters,
+            pushes: proxy,
+        } = Opened::open(config, &host, &node, "pd-proxy-push")?;
         let total = alloc.primary().stats().total;
         let core = SenderCore::new(SenderConfig {
             node: node.as_str().to_string(),

@@ -387,15 +387,13 @@ fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
     }
 }
 
-/// Connects to a listening peer at `url` (`tcp://host:port`), exchanges
-/// hellos and attaches it. Fails within `timeout` if the peer never answers.
-pub fn connect(
+/// A REQ socket connected to `url` whose sends and receives give up after
+/// `timeout` and which drops unsent frames when closed.
+fn req_socket(
     ctx: &zmq::Context,
     url: &str,
-    channel: &dyn TransferChannel,
-    local: &Hello,
     timeout: Duration,
-) -> Result<Agreement, ChannelError> {
+) -> Result<zmq::Socket, ChannelError> {
     let zerr = |context: &str| {
         let context = format!("{context} {url}");
         move |source| ChannelError::Zmq { context, source }
@@ -408,6 +406,19 @@ pub fn connect(
     sock.set_rcvtimeo(ms).map_err(zerr("configuring"))?;
     sock.set_sndtimeo(ms).map_err(zerr("configuring"))?;
     sock.connect(url).map_err(zerr("connecting to"))?;
+    Ok(sock)
+}
+
+/// Connects to a listening peer at `url` (`tcp://host:port`), exchanges
+/// hellos and attaches it. Fails within `timeout` if the peer never answers.
+pub fn connect(
+    ctx: &zmq::Context,
+    url: &str,
+    channel: &dyn TransferChannel,
+    local: &Hello,
+    timeout: Duration,
+) -> Result<Agreement, ChannelError> {
+    let sock = req_socket(ctx, url, timeout)?;
     // Channels that need a fresh endpoint per connection (hccl's root info) offer one.
     let offered = channel.offer()?.map(|endpoint| Hello {
         endpoint,
@@ -470,18 +481,7 @@ pub fn probe_clock(
     url: &str,
     timeout: Duration,
 ) -> Result<(Instant, Instant, u64), ChannelError> {
-    let zerr = |context: &str| {
-        let context = format!("{context} {url}");
-        move |source| ChannelError::Zmq { context, source }
-    };
-    let sock = ctx
-        .socket(zmq::REQ)
-        .map_err(zerr("creating REQ socket for"))?;
-    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
-    sock.set_linger(0).map_err(zerr("configuring"))?;
-    sock.set_rcvtimeo(ms).map_err(zerr("configuring"))?;
-    sock.set_sndtimeo(ms).map_err(zerr("configuring"))?;
-    sock.connect(url).map_err(zerr("connecting to"))?;
+    let sock = req_socket(ctx, url, timeout)?;
     let mut w = Writer::with_capacity(16);
     w.map_len(1).expect("1");
     w.str("clock_probe").expect("short");

@@ -291,6 +291,34 @@ pub struct PullReply {
     pub done: Vec<SendPullDone>,
 }
 
+impl PullReply {
+    /// Accepted: the keys of `part` already present are named in the ack.
+    fn accepted(part: &Partition, read: Option<EagerRead>, done: Vec<SendPullDone>) -> PullReply {
+        PullReply {
+            ack: PullReadyDoneAck {
+                already_sent_indexes: indexes(&part.present),
+                alloc_failed: false,
+            },
+            verdict: Verdict::Accepted {
+                new: part.new.len(),
+                present: part.present.len(),
+            },
+            read,
+            done,
+        }
+    }
+
+    /// Nothing read: the ack says `alloc_failed`, so the sender releases.
+    fn refused(verdict: Verdict, done: Vec<SendPullDone>) -> PullReply {
+        PullReply {
+            ack: failed_ack(),
+            verdict,
+            read: None,
+            done,
+        }
+    }
+}
+
 /// What [`ReceiverCore::remove`] removed.
 #[cfg_attr(not(test), allow(dead_code))] // details for tests and debugging
 #[derive(Debug)]
@@ -886,12 +914,10 @@ impl ReceiverCore {
             Ok(c) => c,
             Err(e) => {
                 self.counters.rejected_pull_notifs += 1;
-                return Err(Box::new(PullReply {
-                    ack: failed_ack(),
-                    verdict: Verdict::Rejected(e),
-                    read: None,
-                    done: Vec::new(),
-                }));
+                return Err(Box::new(PullReply::refused(
+                    Verdict::Rejected(e),
+                    Vec::new(),
+                )));
             }
         };
         let done = self.replace_expired(&notif.keys, now);
@@ -956,18 +982,7 @@ impl ReceiverCore {
             self.contexts
                 .insert(notif.pull_id.clone(), PullContext { ctx, keys });
         }
-        PullReply {
-            ack: PullReadyDoneAck {
-                already_sent_indexes: indexes(&part.present),
-                alloc_failed: false,
-            },
-            verdict: Verdict::Accepted {
-                new: part.new.len(),
-                present: part.present.len(),
-            },
-            read: None,
-            done,
-        }
+        PullReply::accepted(&part, None, done)
     }
 
     /// Completes a pull-eager notification with the pages the shell
@@ -992,12 +1007,7 @@ impl ReceiverCore {
             Ok(p) => p,
             Err(e) => {
                 self.counters.alloc_failures += 1;
-                return PullReply {
-                    ack: failed_ack(),
-                    verdict: Verdict::AllocFailed(e),
-                    read: None,
-                    done,
-                };
+                return PullReply::refused(Verdict::AllocFailed(e), done);
             }
         };
         let items: Vec<ReadItem> = part
@@ -1042,18 +1052,7 @@ impl ReceiverCore {
                 pages,
             })
         };
-        PullReply {
-            ack: PullReadyDoneAck {
-                already_sent_indexes: indexes(&part.present),
-                alloc_failed: false,
-            },
-            verdict: Verdict::Accepted {
-                new: part.new.len(),
-                present: part.present.len(),
-            },
-            read,
-            done,
-        }
+        PullReply::accepted(&part, read, done)
     }
 
     /// The pull-eager read of `pull_id` ended: `Some(pages)` (in item

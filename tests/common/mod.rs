@@ -122,3 +122,46 @@ pub fn assert_no_pages(s: PoolStats, what: &str) {
         "{what}: pages still out: {s:?}"
     );
 }
+
+/// A `PullReadyNotif` for full chunks of `layout`, one per key, at
+/// `indexes` of the sender pool `uuid`.
+pub fn pull_notif(
+    layout: ascend_pd::layout::ChunkLayout,
+    pull_id: String,
+    keys: &[String],
+    (uuid, indexes): (uuid::Uuid, Vec<u64>),
+    sender_id: &str,
+    done_url: String,
+) -> ascend_pd::protocol::PullReadyNotif {
+    ascend_pd::protocol::PullReadyNotif {
+        pull_id,
+        keys: keys.to_vec(),
+        sender_buffer_uuids: vec![uuid.simple().to_string(); keys.len()],
+        sender_mem_indexes: indexes,
+        sender_id: sender_id.into(),
+        sender_done_url: done_url,
+        fmt: layout.fmt.code(),
+        shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
+        dtype: layout.dtype.name().into(),
+        last_chunk_toks: layout.tokens as u64,
+    }
+}
+
+/// Sends `notif` to the receiver of config `rc` (TP rank 0) on a REQ
+/// socket, as a pull sender would, and returns its ack.
+pub fn announce_pull(
+    ctx: &zmq::Context,
+    rc: &PdConfig,
+    notif: ascend_pd::protocol::PullReadyNotif,
+) -> ascend_pd::protocol::PullReadyDoneAck {
+    let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_rcvtimeo(10_000).unwrap();
+    req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
+        .unwrap();
+    req.send(
+        ascend_pd::protocol::Message::PullReadyNotif(notif).encode(),
+        0,
+    )
+    .unwrap();
+    ascend_pd::protocol::PullReadyDoneAck::decode(&req.recv_bytes(0).unwrap()).unwrap()
+}

@@ -18,9 +18,9 @@ mod upkeep;
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use super::{check_config, lock, spawn, BackendError, NodeId};
+use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
 use crate::channel::handshake::{HandshakeServer, Hello};
-use crate::channel::{self, GrantStats, PeerId, TransferChannel, TransferOp};
+use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
 use crate::kv::KvCache;
 use crate::layout::ChunkLayout;
@@ -179,16 +179,14 @@ impl Receiver {
             )));
         };
         let node = NodeId::receiver(&host, alloc_port, rank);
-        // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
-        let alloc = super::pools::allocator_for(config, rank as u32)?;
-        let pools: Vec<_> = alloc.pools().cloned().collect();
-        let channel = channel::open(config.transfer_channel, &host, node.as_str(), &pools)?;
-        let ctx = zmq::Context::new();
-        let counters = Arc::new(MessageCounters::default());
-        let c2 = Arc::clone(&counters);
-        let dones = PushPool::spawn(&ctx, "pd-done-push", move |_| {
-            c2.bump(MessageKind::Timeout);
-        })?;
+        let Opened {
+            alloc,
+            channel,
+            ctx,
+            counters,
+            pushes: dones,
+            ..
+        } = Opened::open(config, &host, &node, "pd-done-push")?;
         let core = ReceiverCore::new(ReceiverConfig {
             layout: config.chunk_layout(),
             push_landing_timeout: config.push_landing_timeout,
