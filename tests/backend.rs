@@ -623,3 +623,53 @@ fn starting_with_the_wrong_role_or_an_invalid_config_names_the_key() {
     let r = Receiver::start(&rc, 0).unwrap();
     drop(r);
 }
+
+/// A receiver that restarts on the same ports (new pools, none of the old
+/// attachments) is picked up: the sender's first put after the restart is
+/// refused (its attachment is stale), the sender attaches again once its
+/// breaker window passes, and from then on every byte arrives. Before,
+/// every later put failed for good.
+#[test]
+fn a_restarted_receiver_is_picked_up_by_its_senders() {
+    for ch in CHANNELS {
+        for mode in MODES {
+            let rc = receiver_config(ch, mode, 16);
+            let mut sc = sender_config(ch, mode, 16);
+            sc.alloc_fail_backoff_ttl = Duration::from_millis(200);
+            let s = Sender::start(&sc, 0, Default::default()).unwrap();
+            let r = Receiver::start(&rc, 0).unwrap();
+            let k = keys("before", 2);
+            let c = chunks(&s, &k, CHUNK);
+            s.put(&k, &c, &spec_for(&rc, "before", true)).unwrap();
+            drop(c);
+            consume_and_verify(&r, mode, &k, &[]);
+            drop(r);
+            let r = Receiver::start(&rc, 0).unwrap();
+            let k = keys("after", 2);
+            let c = chunks(&s, &k, CHUNK);
+            let mut refused = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match s.put(&k, &c, &spec_for(&rc, "after", true)) {
+                    Ok(PutOutcome::Pushed { written: 2, .. })
+                    | Ok(PutOutcome::Announced { announced: 2, .. }) => break,
+                    other => refused.push(format!("{other:?}")),
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{ch:?} {mode:?}: never picked up: {refused:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            assert!(refused.len() <= 4, "{ch:?} {mode:?}: {refused:?}");
+            drop(c);
+            consume_and_verify(&r, mode, &k, &[]);
+            assert!(
+                s.drain(Duration::from_secs(10)),
+                "{ch:?} {mode:?}: pins left"
+            );
+            assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver");
+            drop(s);
+        }
+    }
+}

@@ -11,7 +11,7 @@ use super::ChannelError;
 use crate::memory::{MemObj, Page, PageWatch, SealedMemObj};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::ops::Deref;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A local page a transfer can own: the destination of a read ([`MemObj`],
 /// written by the transfer) or the source of a write ([`SealedMemObj`],
@@ -129,6 +129,23 @@ impl<P> Completion<P> {
         Some(r)
     }
 
+    /// Waits until `deadline`: `None` while the batch still runs then (the
+    /// pages stay with it). A batch whose end is first seen at or after
+    /// `deadline` (it finished in a race with the deadline, or was ready
+    /// before this call but the caller came late) reports a
+    /// [`ChannelError::Timeout`] with its pages: nothing proves it ended in
+    /// time, so a read's bytes must not be used.
+    pub fn wait_until(&mut self, deadline: Instant) -> Option<Done<P>> {
+        let mut done = self.wait_timeout(deadline.saturating_duration_since(Instant::now()))?;
+        if done.result.is_ok() && Instant::now() >= deadline {
+            done.result = Err(ChannelError::Timeout {
+                what: "a transfer seen finished only at its deadline".into(),
+                after: Duration::ZERO,
+            });
+        }
+        Some(done)
+    }
+
     /// Checks without blocking; `None` while the batch still runs.
     pub fn poll(&mut self) -> Option<Done<P>> {
         let r = match &mut self.state {
@@ -230,6 +247,41 @@ mod tests {
         tx.complete(Err(ChannelError::WorkerLost("test".into())), pages);
         let s = p.stats();
         assert_eq!((s.allocated, s.quarantined), (0, 0));
+    }
+
+    /// Review finding: a read that finished (or was done inline, like a
+    /// small shm copy) was used even when its end was first seen past the
+    /// pull's deadline, after the sender may have freed its pages.
+    #[test]
+    fn a_result_seen_only_at_or_after_the_deadline_is_not_trusted() {
+        let (p, meta) = pool(3);
+        let page = p.allocate_batch(&[meta]).unwrap();
+        let mut c = Completion::ready(Ok(()), page);
+        let late = c.wait_until(Instant::now()).unwrap();
+        assert!(
+            matches!(late.result, Err(ChannelError::Timeout { .. })),
+            "{:?}",
+            late.result
+        );
+        assert_eq!(late.pages.len(), 1, "the transfer is over: pages come back");
+        drop(late);
+        let page = p.allocate_batch(&[meta]).unwrap();
+        let (tx, mut c) = Completion::pending(page.iter().map(LocalPage::watch).collect());
+        tx.complete(Ok(()), page);
+        let d = c
+            .wait_until(Instant::now() + Duration::from_secs(60))
+            .unwrap();
+        assert!(d.result.is_ok(), "in time");
+        // A failure keeps its own error.
+        let page = p.allocate_batch(&[meta]).unwrap();
+        let mut c = Completion::ready(Err(ChannelError::WorkerLost("x".into())), page);
+        let past = Instant::now();
+        assert!(matches!(
+            c.wait_until(past).unwrap().result,
+            Err(ChannelError::WorkerLost(_))
+        ));
+        drop(d);
+        assert_eq!((p.stats().allocated, p.stats().quarantined), (0, 0));
     }
 
     #[test]

@@ -192,19 +192,22 @@ impl<S> GrantTable<S> {
     }
 
     /// The peer reported it is done with the pages: forget the grant (at
-    /// once, or when the requests still being served end).
-    pub(crate) fn release(&self, id: GrantId) {
+    /// once, or when the requests still being served end). Returns whether
+    /// the pages are free of the peer now: true unless write access is
+    /// still being served (then [`GrantTable::settle`] says when).
+    pub(crate) fn release(&self, id: GrantId) -> bool {
         let mut g = self.lock();
-        let pages = match g.by_id.get_mut(&id) {
+        let (pages, free) = match g.by_id.get_mut(&id) {
             Some(e) if e.inflight > 0 => {
                 e.revoked = true;
-                std::mem::take(&mut e.pages)
+                // A read still served only copies out of our page.
+                (std::mem::take(&mut e.pages), e.read_only())
             }
             Some(_) => {
                 g.remove(id);
-                return;
+                return true;
             }
-            None => return,
+            None => return true,
         };
         // No new request may start under it; drop its page index now.
         for p in &pages {
@@ -215,6 +218,7 @@ impl<S> GrantTable<S> {
                 }
             }
         }
+        free
     }
 
     /// Ends the grant without the peer's report: no new request may start
@@ -356,14 +360,31 @@ mod tests {
         let g = t.add("a", Access::Read, &[page(1)], ());
         let h = t.add("b", Access::Read, &[page(1)], ());
         let serving = t.begin("a", page(1), false).unwrap();
-        t.release(g);
+        assert!(t.release(g), "a read being served only copies out");
         assert!(t.begin("a", page(1), false).is_err());
         assert!(
             t.begin("b", page(1), false).is_ok(),
             "the other grant stands"
         );
         drop(serving);
-        t.release(h);
+        assert!(t.release(h));
+        assert_eq!(t.stats().live + t.stats().revoked, 0);
+    }
+
+    /// Review finding: the writer's `aborted` notice released its grant
+    /// while the server still wrote a request the writer had given up on;
+    /// the pages went back to the pool under that write. Release now says
+    /// so, and the grant settles once the request ends.
+    #[test]
+    fn releasing_a_write_grant_under_a_request_in_flight_is_not_free_yet() {
+        let t: GrantTable<()> = GrantTable::default();
+        let g = t.add("a", Access::Write, &[page(2)], ());
+        let serving = t.begin("a", page(2), true).unwrap();
+        assert!(!t.release(g));
+        assert!(t.begin("a", page(2), true).is_err(), "no new request");
+        assert!(!t.settle(g, |_| true), "still writing");
+        drop(serving);
+        assert!(t.settle(g, |_| false), "released: the peer's word suffices");
         assert_eq!(t.stats().live + t.stats().revoked, 0);
     }
 }

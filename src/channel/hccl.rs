@@ -369,8 +369,8 @@ impl TransferChannel for HcclChannel {
         Ok(self.grants.add(&node, access, pages, Arc::clone(&p.setup)))
     }
 
-    fn release(&self, grant: GrantId) {
-        self.grants.release(grant);
+    fn release(&self, grant: GrantId) -> bool {
+        self.grants.release(grant)
     }
 
     fn revoke(&self, grant: GrantId) {
@@ -639,10 +639,18 @@ impl Watch {
         }
     }
 
-    /// Whether the peer closed its end (or the link broke): it can no
-    /// longer touch our memory (see the module docs).
+    /// Whether the peer closed its end, or its process is gone (reset):
+    /// it can no longer touch our memory (see the module docs). A link
+    /// that merely failed (a keepalive timeout in a network partition) is
+    /// no such proof: HCCL traffic may take another network, so its DMA
+    /// may still be queued.
     fn peer_closed(&self) -> bool {
-        self.check().is_err()
+        let mut b = [0u8; 1];
+        match self.stream.peek(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() == io::ErrorKind::ConnectionReset,
+            Ok(_) => false,
+        }
     }
 
     /// Closes our end for writing: the peer sees EOF, and we keep reading
@@ -878,7 +886,8 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
 }
 
 /// `Ok(outcome)` once the stream finished the batch; `Err` when it was
-/// abandoned unfinished (peer gone past the grace, or past the deadline).
+/// abandoned unfinished (peer gone past the grace, past the deadline, or
+/// the wait itself failed).
 fn wait_batch(
     done: &ascend_sys::Completion,
     watch: &Watch,
@@ -905,11 +914,13 @@ fn wait_batch(
                 })
             }
             Err(ascend_sys::Error::Timeout { .. }) => {}
+            // Nothing says a failed wait cancelled the queued copies: the
+            // batch is abandoned and its pages stay with it.
             Err(source) => {
-                return Ok(Err(ChannelError::Npu {
+                return Err(ChannelError::Npu {
                     context: format!("batch of {count} op(s) with {node}"),
                     source,
-                }))
+                })
             }
         }
         let now = Instant::now();

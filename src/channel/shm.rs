@@ -276,8 +276,8 @@ impl TransferChannel for ShmChannel {
         Ok(self.grants.add(&node, access, pages, p))
     }
 
-    fn release(&self, grant: GrantId) {
-        self.grants.release(grant);
+    fn release(&self, grant: GrantId) -> bool {
+        self.grants.release(grant)
     }
 
     fn revoke(&self, grant: GrantId) {

@@ -29,7 +29,7 @@
 //! (u64); a write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
 //! bytes, message length (u32), then the message, or a read's payload.
 
-use super::grant::GrantTable;
+use super::grant::{GrantTable, Serving};
 use super::staging::{StageError, Stager};
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
@@ -148,8 +148,12 @@ struct ServerHandle {
     stop: Arc<AtomicBool>,
     addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Arc<Mutex<ServedConns>>,
 }
+
+/// A handle on each connection being served (to cut it at shutdown),
+/// removed when its serving thread ends.
+type ServedConns = HashMap<u64, TcpStream>;
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
@@ -160,7 +164,8 @@ impl Drop for ServerHandle {
             .conns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
+            .drain()
+            .map(|(_, c)| c)
         {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -212,7 +217,7 @@ impl TcpChannel {
         }
         let (listener, addr) = bind_listener(host, "tcp transfer server")?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
+        let conns = Arc::new(Mutex::new(ServedConns::new()));
         let (stop2, conns2) = (Arc::clone(&stop), Arc::clone(&conns));
         // Served pools stay alive while the server runs: the channel owns them
         // and its `server` field (dropped first) joins every serving thread.
@@ -258,29 +263,45 @@ fn accept_loop(
     listener: TcpListener,
     served: Arc<Served>,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Arc<Mutex<ServedConns>>,
 ) {
     let mut workers: Vec<JoinHandle<()>> = Vec::new();
-    for stream in listener.incoming() {
+    for (id, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::Acquire) {
             break;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors, say: do not spin while it lasts.
+                log::warn!("tcp transfer server: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         if let Ok(c) = stream.try_clone() {
-            conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+            conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, c);
         }
-        let served = Arc::clone(&served);
-        if let Ok(h) = std::thread::Builder::new()
+        let (served, conns2) = (Arc::clone(&served), Arc::clone(&conns));
+        let spawned = std::thread::Builder::new()
             .name("pd-tcp-serve".into())
-            .spawn(move || serve_connection(stream, &served))
-        {
-            workers.push(h);
+            .spawn(move || {
+                serve_connection(stream, &served);
+                // Our handle goes too, so the socket really closes.
+                conns2.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            });
+        match spawned {
+            Ok(h) => workers.push(h),
+            Err(_) => drop(conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)),
         }
         workers.retain(|h| !h.is_finished());
     }
     // Pools must outlive every serving thread: wait for them before returning.
-    for c in conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+    for c in conns.lock().unwrap_or_else(|p| p.into_inner()).values() {
         let _ = c.shutdown(Shutdown::Both);
     }
     for h in workers {
@@ -351,7 +372,7 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
                         .begin(&node, BufferRef { uuid, page }, op == OP_WRITE)?;
                 Ok((t, serving))
             });
-        let ((pool, at, len), _serving) = match target {
+        let ((pool, at, len), serving) = match target {
             Ok(t) => t,
             Err(msg) => {
                 let _ = reply(&mut stream, 1, &msg);
@@ -359,7 +380,7 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
             }
         };
         if let Some(dev) = &pool.device {
-            if !serve_device(&mut stream, &mut stagers, op, dev, at, len) {
+            if !serve_device(&mut stream, &mut stagers, op, (dev, at, len), serving) {
                 return;
             }
             continue;
@@ -370,13 +391,16 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
                 // SAFETY: check_request proved [addr, addr+len) lies inside
                 // one page of a registered pool that outlives this thread
                 // (accept_loop joins us before the pools can drop). The page
-                // is under a live write grant of this client (`_serving`
+                // is under a live write grant of this client (`serving`
                 // holds it): its owner lent it out and keeps no handle to
                 // its bytes until the grant is over, which waits for us.
                 let dst = unsafe { std::slice::from_raw_parts_mut(addr, len) };
-                stream
-                    .read_exact(dst)
-                    .and_then(|_| reply(&mut stream, 0, ""))
+                stream.read_exact(dst).and_then(|_| {
+                    // Done with the page before the client can learn it:
+                    // its notice then never finds this request in flight.
+                    drop(serving);
+                    reply(&mut stream, 0, "")
+                })
             }
             _ => {
                 // SAFETY: in the pool as above; under a live read grant the
@@ -393,13 +417,12 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
 
 /// Serves one request on an NPU page (byte `at` of `dev`) through staging;
 /// false when the connection must close.
-fn serve_device(
+fn serve_device<S>(
     stream: &mut TcpStream,
     stagers: &mut Stagers,
     op: u8,
-    dev: &DeviceBuffer,
-    at: usize,
-    len: usize,
+    (dev, at, len): (&DeviceBuffer, usize, usize),
+    serving: Serving<'_, S>,
 ) -> bool {
     let stager = match stagers.get(dev, SERVER_STAGE_TIMEOUT) {
         Ok(s) => s,
@@ -416,9 +439,10 @@ fn serve_device(
     };
     let r = match op {
         // The reply goes out only once the bytes are in device memory.
-        OP_WRITE => stager
-            .recv_into(out.inner, dev, at, len)
-            .and_then(|()| reply(out.inner, 0, "").map_err(StageError::Io)),
+        OP_WRITE => stager.recv_into(out.inner, dev, at, len).and_then(|()| {
+            drop(serving); // the page is written: see serve_connection
+            reply(out.inner, 0, "").map_err(StageError::Io)
+        }),
         _ => stager.send_from(&mut out, dev, at, len, Some(&ok_header)),
     };
     let replied = out.written > 0;
@@ -574,8 +598,8 @@ impl TransferChannel for TcpChannel {
         Ok(self.served.grants.add(&node, access, pages, ()))
     }
 
-    fn release(&self, grant: GrantId) {
-        self.served.grants.release(grant);
+    fn release(&self, grant: GrantId) -> bool {
+        self.served.grants.release(grant)
     }
 
     fn revoke(&self, grant: GrantId) {

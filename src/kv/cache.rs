@@ -250,6 +250,10 @@ impl KvCache {
                     DeviceKind::Cpu => MemcpyKind::HostToDevice,
                 };
                 let src = page.addr();
+                // Held from before the first copy is queued: if a later one
+                // fails, those already queued still read the page until a
+                // fence after them completes.
+                self.pending.push(page.clone());
                 for c in &copies {
                     // SAFETY: the plan keeps [cache_offset, +len) inside the
                     // cache (slots < num_slots) and [chunk_offset, +len) inside
@@ -268,7 +272,6 @@ impl KvCache {
                     }
                     .map_err(device_err("queueing a scatter copy"))?;
                 }
-                self.pending.push(page.clone());
             }
         }
         Ok(ScatterStats::of(&copies))

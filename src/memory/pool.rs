@@ -709,6 +709,17 @@ impl LentPage {
     pub fn release_quiescent(mut self) {
         drop(self.page.take());
     }
+
+    /// Nobody will learn when the peer is done (its owner is shutting
+    /// down): the page stays quarantined for good, and with it its pool.
+    /// The caller reports it; dropping a `LentPage` does the same with an
+    /// error logged per page.
+    pub(crate) fn abandon(mut self) {
+        if let Some(page) = self.page.take() {
+            page.mark_quarantined();
+            std::mem::forget(page);
+        }
+    }
 }
 
 impl Drop for LentPage {

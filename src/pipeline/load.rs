@@ -429,8 +429,7 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
         let (mut c, deadline, bytes) = read;
         // Past the deadline the sender may free its pages: a read that has
         // not completed by then cannot be trusted.
-        let budget = deadline.saturating_duration_since(Instant::now());
-        match c.wait_timeout(budget) {
+        match c.wait_until(deadline) {
             Some(done) => match done.result {
                 Ok(()) => {
                     self.env.read_bytes(bytes);

@@ -93,7 +93,7 @@ use {
         AckOutcome, InsertError, InsertOutcome, PullPending, PullPendingLimits, ReleaseReason,
         ReleasedPull, ReqFailedOutcome,
     },
-    receiver::{NoticeReply, PullReply, PushReply},
+    receiver::{NoticeReply, PullReply, PushReply, Settled},
     sender::{Put, PutEnd},
 };
 

@@ -195,6 +195,15 @@ impl PushPlan {
     pub fn metas(&self) -> &[ChunkMeta] {
         &self.metas
     }
+
+    /// The allocator's answer, checked to be one page per chunk before the
+    /// shell grants them to anyone (a wrong count frees them at once).
+    pub fn check_pages(
+        &self,
+        pages: Result<Vec<MemObj>, MemoryError>,
+    ) -> Result<Vec<MemObj>, MemoryError> {
+        pages.and_then(|p| exact_pages(&self.metas, p))
+    }
 }
 
 /// The answer to an `AllocRequest`.
@@ -215,8 +224,15 @@ pub struct PushReply {
 pub struct NoticeReply {
     /// The answer: accepted, or refused and why.
     pub result: Result<(), String>,
-    /// The grant to release (the writer is done with those pages).
-    pub release: Option<GrantId>,
+    /// Keys that became resident.
+    pub landed: usize,
+}
+
+/// What [`ReceiverCore::on_quiescent`] did with an allocation's pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Pages back in the pool.
+    pub freed: usize,
     /// Keys that became resident.
     pub landed: usize,
 }
@@ -417,10 +433,23 @@ struct Allocation {
     keys: Vec<String>,
     pages: Vec<LentPage>,
     refs: Vec<BufferRef>,
-    grant: Option<GrantId>,
+    grant: GrantId,
     deadline: Instant,
-    /// Revoked after the deadline; waiting for the writer to be quiescent.
-    quarantined: bool,
+    state: AllocState,
+}
+
+/// Where an allocation is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AllocState {
+    /// Lent to the writer, waiting for its notice.
+    Open,
+    /// No notice by the deadline: keys dropped, grant revoked, pages
+    /// quarantined until the writer is quiescent.
+    Revoked,
+    /// The writer's notice came (its transfer is over), but the channel is
+    /// still serving requests under the grant (tcp): the outcome applies
+    /// once they end.
+    Ending(PushOutcome),
 }
 
 #[derive(Debug)]
@@ -630,21 +659,26 @@ impl ReceiverCore {
             done,
         };
         if plan.metas.is_empty() {
-            return Err(Box::new(self.commit_push(now, plan, Ok(Vec::new()), None)));
+            return Err(Box::new(self.commit_push(
+                now,
+                plan,
+                Ok((Vec::new(), None)),
+            )));
         }
         Ok(plan)
     }
 
-    /// Completes a push with the pages the shell allocated (all or nothing)
-    /// and the grant it made for them to the writer (`None` when the writer
-    /// has no attachment to grant to: it cannot reach the pages then).
-    /// The pages are lent to the writer until its notice.
+    /// Completes a push with the pages the shell allocated (all or nothing,
+    /// checked by [`PushPlan::check_pages`]) and the write grant it made for them to the route's writer. Pages
+    /// without a grant (the writer is not attached, or granting failed) are
+    /// never advertised: the push fails, since a one-sided writer could
+    /// reach pages nobody tracks. The pages are lent to the writer until
+    /// its notice.
     pub fn commit_push(
         &mut self,
         now: Instant,
         plan: PushPlan,
-        pages: Result<Vec<MemObj>, MemoryError>,
-        grant: Option<GrantId>,
+        pages: Result<(Vec<MemObj>, Option<GrantId>), MemoryError>,
     ) -> PushReply {
         let PushPlan {
             route,
@@ -653,7 +687,7 @@ impl ReceiverCore {
             metas,
             done,
         } = plan;
-        let pages = match pages.and_then(|p| exact_pages(&metas, p)) {
+        let (pages, grant) = match pages {
             Ok(p) => p,
             Err(e) => {
                 self.counters.alloc_failures += 1;
@@ -664,6 +698,7 @@ impl ReceiverCore {
                 };
             }
         };
+        debug_assert_eq!(pages.len(), metas.len(), "checked by PushPlan::check_pages");
         self.counters.dedup_hits += part.present.len() as u64;
         let response_for = |refs: &[BufferRef]| AscendAllocResponse {
             already_sent_indexes: indexes(&part.present),
@@ -682,6 +717,22 @@ impl ReceiverCore {
                 done,
             };
         }
+        let grant = match grant {
+            Some(g) => g,
+            None => {
+                // Unadvertised, so nobody can have written them: free.
+                drop(pages);
+                self.counters.rejected_alloc_requests += 1;
+                return PushReply {
+                    response: failed_push_response(),
+                    verdict: Verdict::Rejected(InvalidMessage::UnknownSender {
+                        msg: MessageType::AllocRequest,
+                        sender: super::error::shorten(route_node(&route)),
+                    }),
+                    done,
+                };
+            }
+        };
         let id = AllocId(self.next_alloc);
         self.next_alloc += 1;
         let refs: Vec<BufferRef> = pages.iter().map(|p| p.buffer_ref()).collect();
@@ -703,7 +754,7 @@ impl ReceiverCore {
                 refs: refs.clone(),
                 grant,
                 deadline: now + self.config.push_landing_timeout,
-                quarantined: false,
+                state: AllocState::Open,
             },
         );
         PushReply {
@@ -715,17 +766,27 @@ impl ReceiverCore {
 
     /// A writer's notice, received on request route `from`. Accepted only
     /// when it names an open allocation of a route of the same writer
-    /// (node) and exactly its pages: `landed` makes the keys resident,
+    /// (node) and exactly its pages; `aborted` with no pages names whatever
+    /// the route was given (the writer never got the reply, so it wrote
+    /// nothing). `release` tells the channel the writer is done with the
+    /// allocation's grant and says whether nothing is still being served
+    /// under it; if something is (tcp), the outcome waits for
+    /// [`ReceiverCore::on_quiescent`]. `landed` makes the keys resident,
     /// `aborted` frees the pages. For an allocation already revoked either
-    /// notice proves the writer is done, so its quarantined pages are freed
-    /// (and `landed` is refused: its keys were dropped). A repeated notice
-    /// (its first reply was lost) gets the first answer again.
-    pub fn on_push_notice(&mut self, now: Instant, from: &str, notice: &PushNotice) -> NoticeReply {
+    /// notice proves the writer is done (and `landed` is refused: its keys
+    /// were dropped). A repeated notice (its first reply was lost) gets the
+    /// first answer again.
+    pub fn on_push_notice(
+        &mut self,
+        now: Instant,
+        from: &str,
+        notice: &PushNotice,
+        release: impl FnOnce(GrantId) -> bool,
+    ) -> NoticeReply {
         let refused = |me: &mut ReceiverCore, why: String| {
             me.counters.notices_refused += 1;
             NoticeReply {
                 result: Err(why),
-                release: None,
                 landed: 0,
             }
         };
@@ -739,12 +800,19 @@ impl ReceiverCore {
                 ),
             );
         }
+        let unanswered = notice.refs.is_empty() && notice.outcome == PushOutcome::Aborted;
         let Some(&id) = self.route_alloc.get(&notice.route) else {
+            if unanswered {
+                // Nothing was allocated on that route (or it already ended).
+                return NoticeReply {
+                    result: Ok(()),
+                    landed: 0,
+                };
+            }
             if let Some((refs, answer)) = self.ended.get(&notice.route, now) {
                 if *refs == notice.refs {
                     return NoticeReply {
                         result: answer.clone(),
-                        release: None,
                         landed: 0,
                     };
                 }
@@ -761,7 +829,7 @@ impl ReceiverCore {
             .allocs
             .get(&id)
             .expect("route_alloc points at a live allocation");
-        if a.refs != notice.refs {
+        if !unanswered && a.refs != notice.refs {
             return refused(
                 self,
                 format!(
@@ -773,95 +841,126 @@ impl ReceiverCore {
             );
         }
         self.route_alloc.remove(&notice.route);
-        let a = self.allocs.remove(&id).expect("looked up above");
-        let reply = if a.quarantined {
-            // The writer reports: it no longer touches the pages.
-            for p in a.pages {
-                p.release_quiescent();
+        let settled = release(a.grant);
+        let revoked = a.state == AllocState::Revoked;
+        let result = match (revoked, notice.outcome) {
+            (true, PushOutcome::Landed) => {
+                self.counters.notices_refused += 1;
+                Err(format!(
+                    "too late: the allocation waited longer than pd_push_landing_timeout ({:?}) and its chunks were dropped",
+                    self.config.push_landing_timeout
+                ))
             }
-            NoticeReply {
-                result: match notice.outcome {
-                    PushOutcome::Aborted => Ok(()),
-                    PushOutcome::Landed => {
-                        self.counters.notices_refused += 1;
-                        Err(format!(
-                            "too late: the allocation waited longer than pd_push_landing_timeout ({:?}) and its chunks were dropped",
-                            self.config.push_landing_timeout
-                        ))
-                    }
-                },
-                release: a.grant,
-                landed: 0,
-            }
-        } else {
-            let mut landed = 0;
-            for (key, page) in a.keys.into_iter().zip(a.pages) {
-                let ours = matches!(self.entries.get(&key), Some(Entry::PendingPush { alloc }) if *alloc == id);
-                match (notice.outcome, ours) {
-                    (PushOutcome::Landed, true) => {
-                        self.entries
-                            .insert(key, Entry::Resident(page.landed().seal()));
-                        landed += 1;
-                    }
-                    (PushOutcome::Aborted, true) => {
-                        self.entries.remove(&key);
-                        page.release_quiescent();
-                    }
-                    // Only pending keys point at their allocation; keep the
-                    // page accounting right anyway.
-                    (_, false) => page.release_quiescent(),
-                }
-            }
-            self.counters.landed += landed as u64;
-            NoticeReply {
-                result: Ok(()),
-                release: a.grant,
-                landed,
-            }
+            _ => Ok(()),
         };
-        self.ended.insert(
-            &notice.route,
-            (notice.refs.clone(), reply.result.clone()),
-            now,
-        );
-        reply
+        // A revoked allocation's keys are gone: either notice only frees.
+        let outcome = if revoked {
+            PushOutcome::Aborted
+        } else {
+            notice.outcome
+        };
+        let landed = if settled {
+            self.end_allocation(id, outcome)
+        } else {
+            let a = self.allocs.get_mut(&id).expect("looked up above");
+            a.state = AllocState::Ending(outcome);
+            for p in &a.pages {
+                p.quarantine();
+            }
+            if outcome == PushOutcome::Aborted {
+                // The keys may be pushed again at once; the pages wait.
+                let keys = a.keys.clone();
+                self.drop_pending_keys(id, &keys);
+            }
+            0
+        };
+        self.ended
+            .insert(&notice.route, (notice.refs.clone(), result.clone()), now);
+        NoticeReply { result, landed }
     }
 
-    /// Revoked grants whose pages wait for the writer to be quiescent (ask
-    /// the channel, then call [`ReceiverCore::on_quiescent`]).
-    pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
-        self.allocs
-            .values()
-            .filter(|a| a.quarantined)
-            .filter_map(|a| a.grant)
-            .collect()
-    }
-
-    /// The channel says the writer of revoked grant `grant` can no longer
-    /// touch its pages: they go back to the pool. Returns how many.
-    pub fn on_quiescent(&mut self, grant: GrantId) -> usize {
-        let Some(id) = self
-            .allocs
-            .iter()
-            .find(|(_, a)| a.quarantined && a.grant == Some(grant))
-            .map(|(id, _)| *id)
-        else {
+    /// Ends allocation `id` whose writer is provably done with its pages:
+    /// `landed` makes its still-pending keys resident, anything else goes
+    /// back to the pool. Returns how many keys became resident.
+    fn end_allocation(&mut self, id: AllocId, outcome: PushOutcome) -> usize {
+        let Some(a) = self.allocs.remove(&id) else {
             return 0;
         };
-        let a = self.allocs.remove(&id).expect("found above");
         if self.route_alloc.get(&a.route) == Some(&id) {
             self.route_alloc.remove(&a.route);
         }
-        let n = a.pages.len();
-        for p in a.pages {
-            p.release_quiescent();
+        let mut landed = 0;
+        for (key, page) in a.keys.into_iter().zip(a.pages) {
+            let ours = matches!(self.entries.get(&key), Some(Entry::PendingPush { alloc }) if *alloc == id);
+            match (outcome, ours) {
+                (PushOutcome::Landed, true) => {
+                    self.entries
+                        .insert(key, Entry::Resident(page.landed().seal()));
+                    landed += 1;
+                }
+                (PushOutcome::Aborted, true) => {
+                    self.entries.remove(&key);
+                    page.release_quiescent();
+                }
+                // Only pending keys point at their allocation.
+                (_, false) => page.release_quiescent(),
+            }
         }
-        n
+        self.counters.landed += landed as u64;
+        landed
+    }
+
+    /// Forgets the keys of allocation `id` that still wait for it.
+    fn drop_pending_keys(&mut self, id: AllocId, keys: &[String]) -> Vec<String> {
+        let mut dropped = Vec::new();
+        for k in keys {
+            if matches!(self.entries.get(k), Some(Entry::PendingPush { alloc }) if *alloc == id) {
+                self.entries.remove(k);
+                dropped.push(k.clone());
+            }
+        }
+        dropped
+    }
+
+    /// Grants whose allocations wait for the channel (revoked, or ended by
+    /// the writer while requests under them were still served): ask the
+    /// channel, then call [`ReceiverCore::on_quiescent`].
+    pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
+        self.allocs
+            .values()
+            .filter(|a| a.state != AllocState::Open)
+            .map(|a| a.grant)
+            .collect()
+    }
+
+    /// The channel says nobody can touch the pages of `grant` any more:
+    /// an allocation ended as `landed` becomes resident, any other goes
+    /// back to the pool.
+    pub fn on_quiescent(&mut self, grant: GrantId) -> Settled {
+        let Some((id, state)) = self
+            .allocs
+            .iter()
+            .find(|(_, a)| a.state != AllocState::Open && a.grant == grant)
+            .map(|(id, a)| (*id, a.state))
+        else {
+            return Settled::default();
+        };
+        let pages = self.allocs[&id].pages.len();
+        let outcome = match state {
+            AllocState::Ending(o) => o,
+            _ => PushOutcome::Aborted,
+        };
+        let landed = self.end_allocation(id, outcome);
+        Settled {
+            freed: pages - landed,
+            landed,
+        }
     }
 
     // -------------------------------------------------------------- pull
 
-    /// Checks a `PullReadyNotif` from a sender whose agreed lease is
+    /// Checks a `PullReadyNotif` that came on route `from` (it must be the
+    /// named sender's) from a sender whose agreed lease is
     /// `lease` (`None`: the sender never completed a handshake) and works
     /// out its read window: the deadline in the pull id, capped at
     /// `now + lease`. A notification that arrives after the window's start
@@ -870,12 +969,24 @@ impl ReceiverCore {
     pub fn plan_pull(
         &mut self,
         now: Instant,
+        from: &str,
         notif: &PullReadyNotif,
         lease: Option<Duration>,
     ) -> Result<PullPlan, Box<PullReply>> {
         let msg = MessageType::PullReadyNotif;
         let short = |s: &str| super::error::shorten(s);
         let checked = check_pull_notif(notif, &self.config.layout)
+            .and_then(|c| {
+                if route_node(from) == notif.sender_id {
+                    Ok(c)
+                } else {
+                    Err(InvalidMessage::NotFromSender {
+                        msg,
+                        sender: short(&notif.sender_id),
+                        from: short(route_node(from)),
+                    })
+                }
+            })
             .and_then(|c| {
                 if self.contexts.contains_key(&notif.pull_id)
                     || self.eager.contains_key(&notif.pull_id)
@@ -1142,10 +1253,9 @@ impl ReceiverCore {
 
     /// Reclaims what time has run out for at `now`:
     ///
-    /// * push allocations past their landing deadline lose their keys; a
-    ///   granted one's grant is to be revoked and its pages stay
-    ///   quarantined until the writer is quiescent; an ungranted one (its
-    ///   writer had no attachment, so no access) frees its pages at once;
+    /// * push allocations past their landing deadline lose their keys,
+    ///   their grants are to be revoked, and their pages stay quarantined
+    ///   until the writer is quiescent;
     /// * pull-eager reads not completed by their lease end: their keys are
     ///   dropped and the Done is emitted (the pages return when the read's
     ///   transfer ends);
@@ -1157,37 +1267,21 @@ impl ReceiverCore {
         let late: Vec<AllocId> = self
             .allocs
             .iter()
-            .filter(|(_, a)| !a.quarantined && now >= a.deadline)
+            .filter(|(_, a)| a.state == AllocState::Open && now >= a.deadline)
             .map(|(id, _)| *id)
             .collect();
         for id in late {
             let a = self.allocs.get_mut(&id).expect("listed above");
-            for k in &a.keys {
-                if matches!(self.entries.get(k), Some(Entry::PendingPush { alloc }) if *alloc == id)
-                {
-                    self.entries.remove(k);
-                    report.reclaimed_pushes.push(k.clone());
-                }
+            a.state = AllocState::Revoked;
+            for p in &a.pages {
+                p.quarantine();
             }
+            report.revoke.push(a.grant);
+            let keys = a.keys.clone();
+            report
+                .reclaimed_pushes
+                .extend(self.drop_pending_keys(id, &keys));
             self.counters.reclaimed_pushes += 1;
-            match a.grant {
-                Some(g) => {
-                    a.quarantined = true;
-                    for p in &a.pages {
-                        p.quarantine();
-                    }
-                    report.revoke.push(g);
-                }
-                None => {
-                    let a = self.allocs.remove(&id).expect("listed above");
-                    if self.route_alloc.get(&a.route) == Some(&id) {
-                        self.route_alloc.remove(&a.route);
-                    }
-                    for p in a.pages {
-                        p.release_quiescent();
-                    }
-                }
-            }
         }
 
         let late: Vec<String> = self
@@ -1270,26 +1364,35 @@ impl ReceiverCore {
         c.contexts_open = self.contexts.len();
         c.proxies_outstanding = self.contexts.values().map(|c| c.ctx.outstanding()).sum();
         c.eager_reads_open = self.eager.len();
-        c.allocations_quarantined = self.allocs.values().filter(|a| a.quarantined).count();
+        c.allocations_quarantined = self
+            .allocs
+            .values()
+            .filter(|a| a.state != AllocState::Open)
+            .count();
         c.allocations_pending = self.allocs.len() - c.allocations_quarantined;
         c
     }
 
-    /// The receiver is shutting down and its pools go with it: every lent
-    /// page is released (no one will be handed these pages again, so a late
-    /// write cannot land in anyone's data). Returns the grants still held.
-    pub fn shut_down(&mut self) -> Vec<GrantId> {
-        let mut grants = Vec::new();
+    /// The receiver stops: every allocation's grant is revoked by
+    /// `revoke_quiescent`, which says whether its writer can no longer
+    /// touch the pages. Those pages return to the pool; the others stay
+    /// quarantined for good (the pool outlives the receiver rather than
+    /// hand out a page a late write could reach). Pending keys are
+    /// dropped. Returns how many pages stayed quarantined.
+    pub fn shut_down(&mut self, mut revoke_quiescent: impl FnMut(GrantId) -> bool) -> usize {
+        let mut kept = 0;
         for (_, a) in self.allocs.drain() {
-            grants.extend(a.grant);
-            for p in a.pages {
-                p.release_quiescent();
+            if revoke_quiescent(a.grant) {
+                a.pages.into_iter().for_each(LentPage::release_quiescent);
+            } else {
+                kept += a.pages.len();
+                a.pages.into_iter().for_each(LentPage::abandon);
             }
         }
         self.route_alloc.clear();
         self.entries
             .retain(|_, e| !matches!(e, Entry::PendingPush { .. }));
-        grants
+        kept
     }
 
     // ---------------------------------------------------------- helpers

@@ -266,6 +266,8 @@ enum State {
     Granting {
         reserved: usize,
     },
+    /// The grant came back; the notification is being built.
+    Granted,
     Announcing {
         pull_id: String,
     },
@@ -283,6 +285,9 @@ enum State {
         outcome: PushOutcome,
         already: usize,
         attempts: u32,
+        /// Set when we wrote nothing into an allocation we could not use:
+        /// the put ends with this whatever the notice's reply.
+        unused: Option<PutFailure>,
     },
     Finished,
 }
@@ -445,7 +450,10 @@ impl SenderCore {
         let State::Granting { reserved } = put.state else {
             return self.finish(put, Err(PutFailure::Io));
         };
+        // The reservation ends here, whatever follows: the pins (if any)
+        // now count in the pending map.
         self.reserved -= reserved;
+        put.state = State::Granted;
         let Some(grant) = grant else {
             return self.finish(put, Err(PutFailure::Io));
         };
@@ -544,6 +552,14 @@ impl SenderCore {
                         };
                     }
                 }
+                if let State::Allocating { route } = &put.state {
+                    if delivery == Delivery::Unknown {
+                        // The receiver may have allocated on that route and
+                        // we never saw where: tell it nothing was written.
+                        let route = route.clone();
+                        return self.unused_allocation(put, route, PutFailure::Io);
+                    }
+                }
                 if let State::Announcing { pull_id } = &put.state {
                     let pull_id = pull_id.clone();
                     // Released now only if it never left; otherwise held
@@ -554,12 +570,29 @@ impl SenderCore {
                         self.releases.extend(r.grant);
                     }
                 }
-                return self.finish(put, Err(PutFailure::Io));
+                let failure = match &mut put.state {
+                    State::Noticing { unused, .. } => unused.take(),
+                    _ => None,
+                };
+                return self.finish(put, Err(failure.unwrap_or(PutFailure::Io)));
             }
         };
         match std::mem::replace(&mut put.state, State::Finished) {
             State::Allocating { route } => self.on_alloc_response(put, now, route, &reply),
             State::Announcing { pull_id } => self.on_ack(put, now, &pull_id, &reply),
+            State::Noticing {
+                unused: Some(failure),
+                ..
+            } => {
+                if !matches!(decode_reply(&reply), Ok(Ok(()))) {
+                    log::warn!(
+                        "receiver {} did not take back an allocation we left unwritten; its pages \
+                         stay quarantined until its landing timeout and our exit",
+                        put.spec.peer_key
+                    );
+                }
+                self.finish(put, Err(failure))
+            }
             State::Noticing {
                 outcome,
                 already,
@@ -618,7 +651,12 @@ impl SenderCore {
         };
         let outcome = match end {
             WriteEnd::Written => PushOutcome::Landed,
-            WriteEnd::Failed => PushOutcome::Aborted,
+            WriteEnd::Failed => {
+                // Attach again next time: the receiver may have restarted
+                // (new pools), which fails every write until we do.
+                self.broken(&put.spec.peer_key);
+                PushOutcome::Aborted
+            }
             WriteEnd::Abandoned => {
                 // No notice until the device lets go: re-attach, which
                 // replaces our attachment (and route) on the receiver.
@@ -638,6 +676,7 @@ impl SenderCore {
             outcome,
             already,
             attempts: 1,
+            unused: None,
         };
         PutAction::Request {
             route: self.route(&put.spec.peer_key),
@@ -807,13 +846,11 @@ impl SenderCore {
             Ok(r) => r,
             Err(e) => {
                 self.broken(&peer);
-                return self.finish(
-                    put,
-                    Err(PutFailure::Rejected(PutRejected::BadReply {
-                        peer,
-                        detail: e.to_string(),
-                    })),
-                );
+                let e = PutFailure::Rejected(PutRejected::BadReply {
+                    peer,
+                    detail: e.to_string(),
+                });
+                return self.unused_allocation(put, route, e);
             }
         };
         if resp.alloc_failed {
@@ -824,10 +861,8 @@ impl SenderCore {
             Ok(ops) => ops,
             Err(detail) => {
                 self.broken(&peer);
-                return self.finish(
-                    put,
-                    Err(PutFailure::Rejected(PutRejected::BadReply { peer, detail })),
-                );
+                let e = PutFailure::Rejected(PutRejected::BadReply { peer, detail });
+                return self.unused_allocation(put, route, e);
             }
         };
         let already = put.chunks.len() - ops.len();
@@ -841,7 +876,7 @@ impl SenderCore {
             );
         }
         let Some(a) = self.attached(&peer) else {
-            return self.finish(put, Err(PutFailure::Io));
+            return self.unused_allocation(put, route, PutFailure::Io);
         };
         put.state = State::Writing {
             route,
@@ -888,6 +923,38 @@ impl SenderCore {
         )
     }
 
+    /// We will not write into whatever the receiver allocated on `route`
+    /// (we never learnt where, or cannot use it): an `aborted` notice with
+    /// no pages gives it back at once instead of at the landing timeout
+    /// (on one-sided channels, at our exit). The put then ends with
+    /// `failure`.
+    fn unused_allocation(
+        &mut self,
+        put: &mut Put,
+        route: String,
+        failure: PutFailure,
+    ) -> PutAction {
+        let frame = PushNotice {
+            route,
+            outcome: PushOutcome::Aborted,
+            refs: Vec::new(),
+        }
+        .encode();
+        put.state = State::Noticing {
+            frame: frame.clone(),
+            refs: 0,
+            outcome: PushOutcome::Aborted,
+            already: 0,
+            attempts: 1,
+            unused: Some(failure),
+        };
+        PutAction::Request {
+            route: self.route(&put.spec.peer_key),
+            frame,
+            kind: RequestKind::PushNotice,
+        }
+    }
+
     fn finish(&mut self, put: &mut Put, result: Result<PutOutcome, PutFailure>) -> PutAction {
         if let State::Granting { reserved } = put.state {
             self.reserved -= reserved;
@@ -905,7 +972,11 @@ impl SenderCore {
         })
     }
 
+    /// The receiver refused to allocate: skip it for the backoff window,
+    /// then attach again (a receiver that restarted, or lost our
+    /// attachment, refuses us the same way as a full one).
     fn open_breaker(&mut self, peer: &str, now: Instant) {
+        self.broken(peer);
         self.breaker
             .open(peer, now, self.cfg.alloc_fail_backoff_ttl);
         log::warn!(

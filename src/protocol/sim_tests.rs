@@ -674,7 +674,12 @@ impl Sim {
         let now = self.r_now();
         let reply = if let Some(n) = PushNotice::decode(&frame) {
             let n = n.unwrap();
-            let r = self.receiver.on_push_notice(now, &route, &n);
+            // The simulated channel: nothing is served under the grant
+            // once its writes stopped running.
+            let running = &self.writes_running;
+            let r = self.receiver.on_push_notice(now, &route, &n, |g| {
+                running.get(&g).copied().unwrap_or(0) == 0
+            });
             notice::encode_reply(&r.result)
         } else {
             match Message::decode(&frame).unwrap() {
@@ -682,12 +687,13 @@ impl Sim {
                     let reply = match self.receiver.plan_push(now, &route, &a) {
                         Err(r) => *r,
                         Ok(plan) => {
-                            let pages = self.recv_pool.allocate_batch(plan.metas());
-                            let grant = pages
-                                .as_ref()
-                                .ok()
-                                .map(|p| GrantId(1_000_000 + u64::from(p[0].page())));
-                            self.receiver.commit_push(now, plan, pages, grant)
+                            let pages =
+                                plan.check_pages(self.recv_pool.allocate_batch(plan.metas()));
+                            let granted = pages.map(|p| {
+                                let g = GrantId(1_000_000 + u64::from(p[0].page()));
+                                (p, Some(g))
+                            });
+                            self.receiver.commit_push(now, plan, granted)
                         }
                     };
                     for d in reply.done {
@@ -696,7 +702,7 @@ impl Sim {
                     Message::AscendAllocResponse(reply.response).encode()
                 }
                 Message::PullReadyNotif(n) => {
-                    let reply = match self.receiver.plan_pull(now, &n, Some(self.lease)) {
+                    let reply = match self.receiver.plan_pull(now, &route, &n, Some(self.lease)) {
                         Err(r) => *r,
                         Ok(plan) if self.mode == TransferMode::PullEager => {
                             let pages = self.recv_pool.allocate_batch(plan.metas());

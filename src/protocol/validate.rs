@@ -128,6 +128,17 @@ pub enum InvalidMessage {
         /// The sender id (shortened).
         sender: String,
     },
+    /// A notification names a sender other than the one that sent it: a
+    /// sender may only announce its own pages.
+    #[error("{msg}.sender_id: {sender:?}, but it came from {from:?}; a sender may only announce its own pages")]
+    NotFromSender {
+        /// Message type.
+        msg: MessageType,
+        /// The sender id (shortened).
+        sender: String,
+        /// The node it came from (shortened).
+        from: String,
+    },
     /// The pull id does not carry an ascend-pd lease deadline.
     #[error("{msg}.pull_id: {pull_id:?} carries no lease deadline (not an ascend-pd sender of this version)")]
     NoLease {
@@ -173,6 +184,7 @@ impl InvalidMessage {
             | InvalidMessage::EmptyField { msg, .. }
             | InvalidMessage::PullIdInUse { msg, .. }
             | InvalidMessage::UnknownSender { msg, .. }
+            | InvalidMessage::NotFromSender { msg, .. }
             | InvalidMessage::NoLease { msg, .. }
             | InvalidMessage::LeaseOver { msg, .. }
             | InvalidMessage::BadDoneUrl { msg, .. } => *msg,

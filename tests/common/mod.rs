@@ -148,13 +148,16 @@ pub fn pull_notif(
 }
 
 /// Sends `notif` to the receiver of config `rc` (TP rank 0) on a REQ
-/// socket, as a pull sender would, and returns its ack.
+/// socket named like a sender's route (`<sender_id>#0`), as a pull sender
+/// would, and returns its ack.
 pub fn announce_pull(
     ctx: &zmq::Context,
     rc: &PdConfig,
     notif: ascend_pd::protocol::PullReadyNotif,
 ) -> ascend_pd::protocol::PullReadyDoneAck {
     let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_identity(format!("{}#0", notif.sender_id).as_bytes())
+        .unwrap();
     req.set_rcvtimeo(10_000).unwrap();
     req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
         .unwrap();

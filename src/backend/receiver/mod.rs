@@ -19,7 +19,7 @@ mod upkeep;
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
-use crate::channel::handshake::{HandshakeServer, Hello};
+use crate::channel::handshake::{Agreement, HandshakeServer, Hello};
 use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
 use crate::kv::KvCache;
@@ -79,7 +79,6 @@ struct Shared {
     landed: Condvar,
     /// Attached senders by node id.
     peers: Mutex<HashMap<String, PeerLink>>,
-    peers_changed: Condvar,
     dones: PushPool,
     counters: Arc<MessageCounters>,
     stop: AtomicBool,
@@ -92,26 +91,23 @@ impl Shared {
             .send(&d.done_url, Message::PullDoneSignal(d.signal).encode());
     }
 
-    /// The link of sender `node`. The handshake reply goes out before its
-    /// event is processed, so a message may race ahead of the registration:
-    /// wait for it briefly (bounded) before calling the sender unknown.
+    /// The link of sender `node`. Links are registered before the
+    /// handshake's answer goes out, so a sender that heard it is known:
+    /// no waiting here (an unknown node cannot stall the request loop).
     fn attached(&self, node: &str) -> Option<PeerLink> {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let mut peers = lock(&self.peers);
-        loop {
-            if let Some(p) = peers.get(node) {
-                return Some(*p);
-            }
-            let now = Instant::now();
-            if now >= deadline || self.stop.load(Ordering::Acquire) {
-                return None;
-            }
-            peers = self
-                .peers_changed
-                .wait_timeout(peers, (deadline - now).min(Duration::from_millis(100)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        lock(&self.peers).get(node).copied()
+    }
+
+    /// Records an attached sender (run by the handshake server before it
+    /// answers); a re-attach of the same node replaces its link.
+    fn register(&self, a: &Agreement) {
+        lock(&self.peers).insert(
+            a.remote.node.clone(),
+            PeerLink {
+                peer: a.peer,
+                lease: a.lease,
+            },
+        );
     }
 }
 
@@ -200,7 +196,6 @@ impl Receiver {
             core: Mutex::new(core),
             landed: Condvar::new(),
             peers: Mutex::new(HashMap::new()),
-            peers_changed: Condvar::new(),
             dones,
             counters,
             stop: AtomicBool::new(false),
@@ -213,12 +208,17 @@ impl Receiver {
             channel.as_ref(),
         );
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
-        let handshake = HandshakeServer::spawn(
+        let s2 = Arc::clone(&shared);
+        let handshake = HandshakeServer::spawn_with(
             &ctx,
             &format!("tcp://{host}:{init_port}"),
             channel,
             hello,
             ev_tx,
+            Box::new(move |a| {
+                s2.register(a);
+                Ok(())
+            }),
         )?;
         let router = ctx
             .socket(zmq::ROUTER)
@@ -400,12 +400,17 @@ impl Receiver {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        // Nothing allocates from these pools any more: pages still lent to
-        // writers are freed with them (a late write cannot reach anyone's
-        // data), and their grants revoked.
-        let grants = lock(&s.core).shut_down();
-        for g in grants {
+        // Grants first, then pages: a page returns only if its writer can
+        // no longer touch it; the others stay quarantined with their pool.
+        let kept = lock(&s.core).shut_down(|g| {
             s.channel.revoke(g);
+            s.channel.is_quiescent(g)
+        });
+        if kept > 0 {
+            log::warn!(
+                "receiver stopped with {kept} page(s) lent to writers that may still write them; \
+                 they stay quarantined (their pool is not freed)"
+            );
         }
     }
 }
@@ -454,12 +459,15 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
         remote: proxy.remote,
         len: proxy.byte_len(),
     };
-    let budget = proxy
-        .lease_deadline
-        .saturating_duration_since(Instant::now());
+    // Waiting for the attachment and the page took time: the read may only
+    // start inside its window.
+    if Instant::now() >= proxy.read_by {
+        finish(ReadOutcome::Failed);
+        return Err("its read window closed while a page was found for it".into());
+    }
     let result = match s.channel.submit_read(peer, vec![op]) {
         Err(e) => Err(e.to_string()),
-        Ok(mut c) => match c.wait_timeout(budget) {
+        Ok(mut c) => match c.wait_until(proxy.lease_deadline) {
             Some(done) => done.result.map(|()| done.pages).map_err(|e| e.to_string()),
             // Dropping the completion leaves the page with the transfer.
             None => Err("the read did not finish within the pull's lease".into()),

@@ -77,10 +77,10 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
     if let Some(notice) = PushNotice::decode(frame) {
         s.counters.bump(MessageKind::PushNotice);
         let result = notice.and_then(|n| {
-            let reply = lock(&s.core).on_push_notice(Instant::now(), route, &n);
-            if let Some(g) = reply.release {
-                s.channel.release(g);
-            }
+            // The grant is released before any key becomes resident, so no
+            // request under it can start once loads may see the pages.
+            let reply =
+                lock(&s.core).on_push_notice(Instant::now(), route, &n, |g| s.channel.release(g));
             s.landed.notify_all();
             reply.result
         });
@@ -111,23 +111,27 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
                 Ok(plan) => {
                     // Outside the core's lock: waiting for pages must not
                     // stall lookups, loads or the sweeper.
-                    let pages = s.alloc.allocate_batch_until(
+                    let pages = plan.check_pages(s.alloc.allocate_batch_until(
                         plan.metas(),
                         Instant::now() + s.config.alloc_fail_backoff_ttl,
-                    );
+                    ));
                     // The writer may touch exactly these pages, from now
-                    // until its notice (or the revoke after the deadline).
-                    let grant = match (&pages, s.attached(route_node(route))) {
-                        (Ok(p), Some(link)) => {
-                            let refs: Vec<_> = p.iter().map(|m| m.buffer_ref()).collect();
-                            s.channel
-                                .grant(link.peer, Access::Write, &refs)
-                                .map_err(|e| log::warn!("granting {route:?} its pages: {e}"))
-                                .ok()
-                        }
-                        _ => None,
-                    };
-                    lock(&s.core).commit_push(Instant::now(), plan, pages, grant)
+                    // until its notice (or the revoke after the deadline);
+                    // without a grant they are never advertised.
+                    let granted = pages.map(|p| {
+                        let grant = match s.attached(route_node(route)) {
+                            Some(link) => {
+                                let refs: Vec<_> = p.iter().map(|m| m.buffer_ref()).collect();
+                                s.channel
+                                    .grant(link.peer, Access::Write, &refs)
+                                    .map_err(|e| log::warn!("granting {route:?} its pages: {e}"))
+                                    .ok()
+                            }
+                            None => None,
+                        };
+                        (p, grant)
+                    });
+                    lock(&s.core).commit_push(Instant::now(), plan, granted)
                 }
             };
             note_verdict(s, &reply.verdict);
@@ -138,7 +142,7 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
             let lease = s.attached(&notif.sender_id).map(|l| l.lease);
-            let planned = lock(&s.core).plan_pull(Instant::now(), &notif, lease);
+            let planned = lock(&s.core).plan_pull(Instant::now(), route, &notif, lease);
             let reply = match planned {
                 Err(reply) => *reply,
                 Ok(plan) if s.mode == TransferMode::PullEager => {
@@ -256,7 +260,7 @@ fn read_pages(
             return None;
         }
     };
-    match c.wait_timeout(deadline.saturating_duration_since(Instant::now())) {
+    match c.wait_until(deadline) {
         Some(done) => match done.result {
             Ok(()) => Some(done.pages),
             Err(e) => {

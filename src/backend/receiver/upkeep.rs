@@ -4,7 +4,7 @@
 //! late eager reads and expired proxies send their Done).
 
 use super::super::lock;
-use super::{PeerLink, Shared};
+use super::Shared;
 use crate::channel::handshake::HandshakeEvent;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -15,16 +15,9 @@ const SWEEP_EVERY: Duration = Duration::from_millis(200);
 pub(super) fn peer_events(s: &Shared, rx: crossbeam_channel::Receiver<HandshakeEvent>) {
     while !s.stop.load(Ordering::Acquire) {
         match rx.recv_timeout(Duration::from_millis(100)) {
+            // Registered by the handshake server before it answered.
             Ok(HandshakeEvent::Attached(a)) => {
                 log::debug!("sender {} attached as {}", a.remote.node, a.peer);
-                lock(&s.peers).insert(
-                    a.remote.node.clone(),
-                    PeerLink {
-                        peer: a.peer,
-                        lease: a.lease,
-                    },
-                );
-                s.peers_changed.notify_all();
             }
             Ok(HandshakeEvent::Refused { node, error }) => {
                 log::warn!(
@@ -68,8 +61,15 @@ fn sweep_once(s: &Shared) {
     let waiting = lock(&s.core).awaiting_quiescence();
     for g in waiting {
         if s.channel.is_quiescent(g) {
-            let n = lock(&s.core).on_quiescent(g);
-            log::debug!("{g}: the writer is done; {n} quarantined page(s) back in the pool");
+            let settled = lock(&s.core).on_quiescent(g);
+            log::debug!(
+                "{g}: nobody touches its pages any more; {} back in the pool, {} key(s) resident",
+                settled.freed,
+                settled.landed
+            );
+            if settled.landed > 0 {
+                s.landed.notify_all();
+            }
         }
     }
 }
