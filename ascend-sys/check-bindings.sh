@@ -12,7 +12,10 @@ bindings=ascend-sys/src/sys.rs
 have_libclang() {
     [ -n "${LIBCLANG_PATH:-}" ] && return 0
     local f
-    for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*-linux-gnu/libclang*.so* /usr/lib64/libclang.so*; do
+    # libclang itself, not libclang-cpp (which bindgen cannot use).
+    for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* \
+        /usr/lib/*-linux-gnu/libclang.so* /usr/lib/*-linux-gnu/libclang-[0-9]*.so* \
+        /usr/lib64/libclang.so*; do
         [ -e "$f" ] && return 0
     done
     return 1
