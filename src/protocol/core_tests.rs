@@ -2059,3 +2059,61 @@ fn a_failed_write_or_refused_allocation_makes_the_next_put_attach_again() {
     let (_, a) = sc.begin_put(t0 + 3 * S, spec("r"), keys(&["c"]), alloc(&spool, 1));
     assert!(matches!(a, PutAction::Connect), "{a:?}");
 }
+
+/// Review finding: a notification's `sender_id` was taken on trust, so one
+/// sender could make the receiver read another's pages. It must come on a
+/// route of the sender it names.
+#[test]
+fn a_notification_from_someone_else_than_its_sender_is_refused() {
+    let t0 = Instant::now();
+    let mut ks = receiver();
+    let n = remote_notif(&lease_id(t0 + LEASE), &["a"]);
+    let reply = ks
+        .plan_pull(t0, "intruder:1/p9r0-00000009#0", &n, Some(LEASE))
+        .unwrap_err();
+    assert!(reply.ack.alloc_failed);
+    match &reply.verdict {
+        Verdict::Rejected(e @ InvalidMessage::NotFromSender { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("prefill:7600") && text.contains("intruder:1"),
+                "{text}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!ks.contains("a"));
+    assert!(ks.plan_pull(t0, SENDER_ROUTE, &n, Some(LEASE)).is_ok());
+}
+
+/// Review finding: shutting down returned lent pages to the pool before
+/// their grants were revoked. Now each grant is revoked first, and a page
+/// whose writer may still write it stays quarantined for good.
+#[test]
+fn shutting_down_frees_only_pages_no_writer_can_touch() {
+    let t0 = Instant::now();
+    let pool = pool(4);
+    let mut ks = receiver();
+    let (quiet, busy) = (GrantId(1), GrantId(2));
+    for (k, route, g) in [("a", ROUTE, quiet), ("b", ROUTE_NEXT, busy)] {
+        push_with(
+            &mut ks,
+            &alloc_request(&[k], 4),
+            route,
+            t0,
+            |m| pool.allocate_batch(m),
+            Some(g),
+        );
+    }
+    let mut revoked = Vec::new();
+    let kept = ks.shut_down(|g| {
+        revoked.push(g);
+        g == quiet
+    });
+    revoked.sort_by_key(|g| g.0);
+    assert_eq!(revoked, vec![quiet, busy]);
+    assert_eq!(kept, 1);
+    let s = pool.stats();
+    assert_eq!((s.allocated, s.quarantined), (1, 1));
+    assert!(ks.is_empty());
+}
