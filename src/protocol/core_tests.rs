@@ -1143,9 +1143,11 @@ fn an_aborted_notice_with_no_pages_frees_the_routes_unseen_allocation() {
     assert_eq!(r.result, Ok(()));
     assert!(!ks.contains("a") && !ks.contains("b"));
     assert_idle(&pool);
+    // The notice overtook its request (they come on different sockets):
+    // nothing to free yet, and the request is refused when it arrives.
     let r = notice(&mut ks, ROUTE, ROUTE_NEXT, PushOutcome::Aborted, &[], t0);
     assert_eq!(r.result, Ok(()));
-    push_with(
+    let late = push_with(
         &mut ks,
         &alloc_request(&["c"], 4),
         ROUTE_NEXT,
@@ -1153,17 +1155,26 @@ fn an_aborted_notice_with_no_pages_frees_the_routes_unseen_allocation() {
         |m| pool.allocate_batch(m),
         Some(GRANT),
     );
-    let r = notice(&mut ks, ROUTE, ROUTE_NEXT, PushOutcome::Landed, &[], t0);
-    assert!(r.result.is_err());
-    // Another writer cannot end it that way either.
-    let r = notice(
+    assert!(late.response.alloc_failed);
+    assert!(matches!(
+        late.verdict,
+        Verdict::Rejected(InvalidMessage::RouteGivenUp { .. })
+    ));
+    assert_idle(&pool);
+    // A route still in use keeps its allocation against a `landed` notice
+    // with no pages, and against another writer's `aborted` one.
+    const THIRD: &str = "prefill:7600/p1r0-00000001#3";
+    push_with(
         &mut ks,
-        OTHER_WRITER,
-        ROUTE_NEXT,
-        PushOutcome::Aborted,
-        &[],
+        &alloc_request(&["c"], 4),
+        THIRD,
         t0,
+        |m| pool.allocate_batch(m),
+        Some(GRANT),
     );
+    let r = notice(&mut ks, THIRD, THIRD, PushOutcome::Landed, &[], t0);
+    assert!(r.result.is_err());
+    let r = notice(&mut ks, OTHER_WRITER, THIRD, PushOutcome::Aborted, &[], t0);
     assert!(r.result.is_err());
     assert!(ks.contains("c"));
 }
@@ -1947,8 +1958,8 @@ fn an_allocation_the_sender_never_writes_is_given_back_at_once() {
     use crate::config::TransferMode;
     let t0 = Instant::now();
     let (spool, rpool) = (pool(8), pool(8));
-    let mut ks = receiver();
     for lose_reply in [true, false] {
+        let mut ks = receiver();
         let mut sc = sender_core(TransferMode::Push, &spool);
         let (mut put, _) = sc.begin_put(t0, spec("r:7400"), keys(&["a"]), alloc(&spool, 1));
         let PutAction::Request { route, frame, .. } =

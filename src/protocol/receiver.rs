@@ -481,6 +481,9 @@ pub struct ReceiverCore {
     /// repeated after a lost reply gets the same answer (keyed by route,
     /// with the allocation's pages).
     ended: RecentIds<(Vec<BufferRef>, Result<(), String>)>,
+    /// Routes whose writers said they gave them up (an `aborted` notice
+    /// naming no pages): a request still in flight on one is refused.
+    given_up: RecentIds<()>,
     contexts: HashMap<String, PullContext>,
     eager: HashMap<String, EagerPull>,
     counters: ReceiverCounters,
@@ -529,6 +532,7 @@ impl ReceiverCore {
             route_alloc: HashMap::new(),
             next_alloc: 0,
             ended: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
+            given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -637,7 +641,15 @@ impl ReceiverCore {
         route: &str,
         req: &AllocRequest,
     ) -> Result<PushPlan, Box<PushReply>> {
-        let checked = match check_alloc_request(req, &self.config.layout) {
+        let checked = match check_alloc_request(req, &self.config.layout).and_then(|c| {
+            match self.given_up.get(route, now) {
+                Some(()) => Err(InvalidMessage::RouteGivenUp {
+                    msg: MessageType::AllocRequest,
+                    route: super::error::shorten(route),
+                }),
+                None => Ok(c),
+            }
+        }) {
             Ok(c) => c,
             Err(e) => {
                 self.counters.rejected_alloc_requests += 1;
@@ -801,6 +813,11 @@ impl ReceiverCore {
             );
         }
         let unanswered = notice.refs.is_empty() && notice.outcome == PushOutcome::Aborted;
+        if unanswered {
+            // The request may still be on its way (notice and request come
+            // on different sockets): it must not allocate when it arrives.
+            self.given_up.insert(&notice.route, (), now);
+        }
         let Some(&id) = self.route_alloc.get(&notice.route) else {
             if unanswered {
                 // Nothing was allocated on that route (or it already ended).

@@ -139,6 +139,15 @@ pub enum InvalidMessage {
         /// The node it came from (shortened).
         from: String,
     },
+    /// The request came on a route its sender already gave up (it said
+    /// so in an `aborted` notice naming no pages): nobody hears the reply.
+    #[error("{msg}: route {route:?} was given up by its sender; nothing is allocated for it")]
+    RouteGivenUp {
+        /// Message type.
+        msg: MessageType,
+        /// The route (shortened).
+        route: String,
+    },
     /// The pull id does not carry an ascend-pd lease deadline.
     #[error("{msg}.pull_id: {pull_id:?} carries no lease deadline (not an ascend-pd sender of this version)")]
     NoLease {
@@ -185,6 +194,7 @@ impl InvalidMessage {
             | InvalidMessage::PullIdInUse { msg, .. }
             | InvalidMessage::UnknownSender { msg, .. }
             | InvalidMessage::NotFromSender { msg, .. }
+            | InvalidMessage::RouteGivenUp { msg, .. }
             | InvalidMessage::NoLease { msg, .. }
             | InvalidMessage::LeaseOver { msg, .. }
             | InvalidMessage::BadDoneUrl { msg, .. } => *msg,
