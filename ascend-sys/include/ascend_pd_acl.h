@@ -65,6 +65,20 @@ typedef enum aclrtEventRecordedStatus {
     ACL_EVENT_RECORDED_STATUS_COMPLETE = 1,
 } aclrtEventRecordedStatus;
 
+/* Which memory aclrtGetMemInfo reports on. */
+typedef enum aclrtMemAttr {
+    ACL_DDR_MEM = 0,
+    ACL_HBM_MEM = 1,
+    ACL_DDR_MEM_HUGE = 2,
+    ACL_DDR_MEM_NORMAL = 3,
+    ACL_HBM_MEM_HUGE = 4,
+    ACL_HBM_MEM_NORMAL = 5,
+    ACL_DDR_MEM_P2P_HUGE = 6,
+    ACL_DDR_MEM_P2P_NORMAL = 7,
+    ACL_HBM_MEM_P2P_HUGE = 8,
+    ACL_HBM_MEM_P2P_NORMAL = 9,
+} aclrtMemAttr;
+
 /* Process-wide setup and teardown; configPath may be NULL. */
 aclError aclInit(const char *configPath);
 aclError aclFinalize(void);
@@ -73,6 +87,12 @@ aclError aclFinalize(void);
 aclError aclrtSetDevice(int32_t deviceId);
 aclError aclrtResetDevice(int32_t deviceId);
 aclError aclrtGetDeviceCount(uint32_t *count);
+
+/* Optional (not required at load): the SoC name (e.g. "Ascend910B3"; NULL
+ * on failure; needs no aclInit), and the free and total bytes of the
+ * current device's memory of one kind. */
+const char *aclrtGetSocName(void);
+aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total);
 
 /* Device and pinned host memory. */
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);

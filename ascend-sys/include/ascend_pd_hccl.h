@@ -24,7 +24,8 @@
 extern "C" {
 #endif
 
-/* Status of every HCCL call; 0 is success. */
+/* Status of every HCCL call; 0 is success. Values as in CANN 8.5
+ * (23, 24 and 1041 are new there; RESERVED moved from 23 to 1042). */
 typedef enum {
     HCCL_SUCCESS = 0,
     HCCL_E_PARA = 1,
@@ -49,10 +50,14 @@ typedef enum {
     HCCL_E_AGAIN = 20,
     HCCL_E_REMOTE = 21,
     HCCL_E_SUSPENDING = 22,
-    HCCL_E_RESERVED = 23,
+    HCCL_E_OPRETRY_FAIL = 23,
+    HCCL_E_OOM = 24,
+    HCCL_E_IN_STATUS = 1041,
+    HCCL_E_RESERVED = 1042,
 } HcclResult;
 
-/* Element type of a transfer; counts are in elements of this type. */
+/* Element type of a transfer; counts are in elements of this type
+ * (CANN 8.5 values; 13 is unused). */
 typedef enum {
     HCCL_DATA_TYPE_INT8 = 0,
     HCCL_DATA_TYPE_INT16 = 1,
@@ -67,7 +72,11 @@ typedef enum {
     HCCL_DATA_TYPE_FP64 = 10,
     HCCL_DATA_TYPE_BFP16 = 11,
     HCCL_DATA_TYPE_INT128 = 12,
-    HCCL_DATA_TYPE_RESERVED = 13,
+    HCCL_DATA_TYPE_HIF8 = 14,
+    HCCL_DATA_TYPE_FP8E4M3 = 15,
+    HCCL_DATA_TYPE_FP8E5M2 = 16,
+    HCCL_DATA_TYPE_FP8E8M0 = 17,
+    HCCL_DATA_TYPE_RESERVED = 255,
 } HcclDataType;
 
 /* Where registered memory lives. */

@@ -129,17 +129,35 @@ impl Acl {
     }
 
     /// True when the loaded HCCL has the one-sided API (register, exchange,
-    /// enable, batch put/get).
+    /// enable, batch put/get), through libhccl.so or libhcomm.so.
     pub fn one_sided_supported(&self) -> bool {
-        self.inner.libs.hccl_lib().is_ok_and(|h| {
-            h.HcclRegisterMem.is_ok()
-                && h.HcclDeregisterMem.is_ok()
-                && h.HcclExchangeMemDesc.is_ok()
-                && h.HcclEnableMemAccess.is_ok()
-                && h.HcclDisableMemAccess.is_ok()
-                && h.HcclBatchPut.is_ok()
-                && h.HcclBatchGet.is_ok()
-        })
+        self.inner.libs.one_sided_path().is_some()
+    }
+
+    /// The library serving the one-sided API, if any (see
+    /// [`CannLibraries::one_sided_path`]).
+    pub fn one_sided_library_path(&self) -> Option<&Path> {
+        self.inner.libs.one_sided_path()
+    }
+
+    /// True when this runtime is the CANN emulator, not CANN.
+    pub fn is_emulator(&self) -> bool {
+        self.inner.libs.is_emulator()
+    }
+
+    /// The SoC name (`aclrtGetSocName`, e.g. "Ascend910B3"), when the
+    /// runtime has the function and answers.
+    pub fn soc_name(&self) -> Option<String> {
+        let f = self.libs().acl().aclrtGetSocName.as_ref().ok()?;
+        // SAFETY: takes no arguments; returns NULL or a NUL-terminated
+        // string owned by the runtime, copied here at once.
+        let p = unsafe { f() };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null and NUL-terminated per the runtime's contract.
+        let name = unsafe { std::ffi::CStr::from_ptr(p) };
+        Some(name.to_string_lossy().into_owned())
     }
 
     /// Number of devices visible to this process.
@@ -202,6 +220,21 @@ impl Device {
 
     pub(crate) fn libs(&self) -> &CannLibraries {
         self.inner.acl.libs()
+    }
+
+    /// Free and total bytes of this device's memory (`aclrtGetMemInfo`
+    /// for HBM).
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both are valid out-parameters for the call.
+        unsafe {
+            acl_call!(
+                self.libs(),
+                aclrtGetMemInfo(sys::ACL_HBM_MEM, &mut free, &mut total)
+            )?
+        };
+        Ok((free, total))
     }
 
     /// Makes this device current on the calling thread.

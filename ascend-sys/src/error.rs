@@ -88,6 +88,44 @@ pub enum Error {
         /// The conflicting request.
         requested: PathBuf,
     },
+    /// `ASCEND_PD_CANN_LIB_DIR=emulator` was asked for, but the emulator
+    /// library is not built or not found.
+    #[error(
+        "the CANN emulator ({}) was asked for (ASCEND_PD_CANN_LIB_DIR=emulator or --emulator) but not found; tried:{}\nfix: build it with `cargo build --release -p ascend-emu` (or plain `cargo build --release` in the workspace), or set ASCEND_EMU_LIB to the file",
+        crate::emulator::LIBRARY_FILE,
+        list(.attempts)
+    )]
+    EmulatorNotFound {
+        /// Every place looked at.
+        attempts: Vec<LoadAttempt>,
+    },
+    /// A limit of the runtime would be crossed; refused before calling it.
+    #[error("{what}: {asked} exceeds the limit of {limit} ({why})")]
+    Limit {
+        /// What was asked for.
+        what: &'static str,
+        /// How many.
+        asked: usize,
+        /// The most the runtime accepts.
+        limit: usize,
+        /// Where the limit comes from and what to do.
+        why: String,
+    },
+    /// A one-sided batch was split into several runtime calls to respect the
+    /// per-call op limit, and a later call failed after earlier ones were
+    /// queued. Reported by the batch's completion, once the queued part has
+    /// finished, so no memory is released while it may still be in use.
+    #[error("{call} queued {queued} of {total} op(s), then failed: {cause}")]
+    BatchPartlyQueued {
+        /// `HcclBatchPut` or `HcclBatchGet`.
+        call: &'static str,
+        /// Ops queued before the failure.
+        queued: usize,
+        /// Ops in the batch.
+        total: usize,
+        /// The failing call's error, as text.
+        cause: String,
+    },
     /// An argument was rejected before any library call was made.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -10,15 +10,25 @@
 //! yourself); each enables access to the peer's descriptors
 //! ([`Comm::enable_access`]) and then issues [`Comm::batch_put`] /
 //! [`Comm::batch_get`] with addresses inside those regions.
+//!
+//! Runtime limits (CANN 8.5 sources; see ascend-sys/README.md): one
+//! `HcclBatchPut`/`HcclBatchGet` call takes at most [`BATCH_OP_LIMIT`] ops
+//! ([`BATCH_OP_LIMIT_ASCEND950`] on the Ascend 950 generation) and refuses
+//! more with `HCCL_E_PARA`; a communicator holds at most
+//! [`REGISTRATION_LIMIT`] registrations and refuses more with
+//! `HCCL_E_UNAVAIL`. CANN offers no query for either. Batches are split
+//! into calls of at most [`Comm::batch_op_limit`] ops, queued in order on
+//! one stream; registrations beyond the limit are refused here, naming it.
 
 use std::any::Any;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::acl::Device;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, HostBuffer};
-use crate::result::hccl_call;
+use crate::result::{hccl_call, hccl_one_sided_call};
 use crate::stream::{Completion, Stream};
 use crate::sys;
 
@@ -145,12 +155,50 @@ impl Device {
     }
 }
 
+/// Ops one batch call accepts on Atlas A2/A3 SoCs (`MAX_DESC_NUM` in CANN 8.5).
+pub const BATCH_OP_LIMIT: usize = 256;
+/// Ops one batch call accepts on the Ascend 950 generation.
+pub const BATCH_OP_LIMIT_ASCEND950: usize = 64;
+/// Live registrations one communicator accepts.
+pub const REGISTRATION_LIMIT: usize = 256;
+/// Environment variable overriding the per-call op limit (a positive number).
+pub const BATCH_OP_LIMIT_ENV: &str = "ASCEND_PD_HCCL_MAX_BATCH_OPS";
+
+/// The per-call op limit of the SoC `aclrtGetSocName` names (Atlas A2/A3
+/// when unknown).
+pub fn batch_op_limit_for_soc(soc: Option<&str>) -> usize {
+    match soc {
+        Some(s) if s.starts_with("Ascend950") => BATCH_OP_LIMIT_ASCEND950,
+        _ => BATCH_OP_LIMIT,
+    }
+}
+
+/// The op limit a new communicator uses: [`BATCH_OP_LIMIT_ENV`] when set to
+/// a positive number, else the SoC's. A malformed override is an error, not
+/// silently ignored.
+fn initial_op_limit(device: &Device) -> Result<usize> {
+    match std::env::var(BATCH_OP_LIMIT_ENV) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(Error::InvalidArgument(format!(
+                "{BATCH_OP_LIMIT_ENV}={v:?}: expected a positive number of ops per \
+                 HcclBatchPut/HcclBatchGet call (unset it to use the SoC's limit)"
+            ))),
+        },
+        _ => Ok(batch_op_limit_for_soc(device.acl().soc_name().as_deref())),
+    }
+}
+
 struct CommInner {
     device: Device,
     raw: sys::HcclComm,
     rank: u32,
     /// Serialises calls on the communicator.
     calls: Mutex<()>,
+    /// Ops per batch call (see the module notes).
+    op_limit: AtomicUsize,
+    /// Live registrations.
+    registrations: AtomicUsize,
 }
 
 // SAFETY: the handle is only used under `calls`, with the device bound.
@@ -215,6 +263,7 @@ impl Comm {
             )));
         }
         device.bind()?;
+        let op_limit = initial_op_limit(device)?;
         let raw_root = root.to_raw();
         let mut raw: sys::HcclComm = std::ptr::null_mut();
         // SAFETY: raw_root lives across the call; raw is a valid out-parameter.
@@ -230,8 +279,26 @@ impl Comm {
                 raw,
                 rank,
                 calls: Mutex::new(()),
+                op_limit: AtomicUsize::new(op_limit),
+                registrations: AtomicUsize::new(0),
             }),
         })
+    }
+
+    /// Ops per `HcclBatchPut`/`HcclBatchGet` call; larger batches are split.
+    pub fn batch_op_limit(&self) -> usize {
+        self.inner.op_limit.load(Ordering::Relaxed)
+    }
+
+    /// Changes the ops per call (at least 1). Above the runtime's own limit
+    /// the runtime refuses the call; tests use that to see the refusal.
+    pub fn set_batch_op_limit(&self, ops: usize) {
+        self.inner.op_limit.store(ops.max(1), Ordering::Relaxed);
+    }
+
+    /// Live registrations on this communicator.
+    pub fn registrations(&self) -> usize {
+        self.inner.registrations.load(Ordering::Relaxed)
     }
 
     /// This rank.
@@ -280,11 +347,22 @@ impl Comm {
         len: usize,
     ) -> Result<RegisteredMem> {
         let _guard = self.inner.lock()?;
+        let live = self.inner.registrations.load(Ordering::Relaxed);
+        if live >= REGISTRATION_LIMIT {
+            return Err(Error::Limit {
+                what: "HcclRegisterMem on one communicator",
+                asked: live + 1,
+                limit: REGISTRATION_LIMIT,
+                why: "HCCL refuses more with HCCL_E_UNAVAIL; register whole pools, not pages, \
+                      or drop registrations no longer used"
+                    .into(),
+            });
+        }
         let mut desc = sys::HcclMemDesc::default();
         // SAFETY: the range is valid per the caller's contract; desc is a
         // valid out-parameter.
         unsafe {
-            hccl_call!(
+            hccl_one_sided_call!(
                 self.inner.device.libs(),
                 HcclRegisterMem(
                     self.inner.raw,
@@ -296,6 +374,7 @@ impl Comm {
                 )
             )?
         };
+        self.inner.registrations.fetch_add(1, Ordering::Relaxed);
         Ok(RegisteredMem {
             comm: self.inner.clone(),
             desc: MemDescriptor::from_raw(&desc),
@@ -342,7 +421,7 @@ impl Comm {
         // declared; actual is a valid out-parameter. Timeout 0 means HCCL's
         // own timeout, as its documentation asks.
         unsafe {
-            hccl_call!(
+            hccl_one_sided_call!(
                 self.inner.device.libs(),
                 HcclExchangeMemDesc(
                     self.inner.raw,
@@ -369,7 +448,7 @@ impl Comm {
         let _guard = self.inner.lock()?;
         // SAFETY: raw_desc and mem are valid for the call.
         unsafe {
-            hccl_call!(
+            hccl_one_sided_call!(
                 self.inner.device.libs(),
                 HcclEnableMemAccess(self.inner.raw, &mut raw_desc, &mut mem)
             )?
@@ -402,52 +481,75 @@ impl Comm {
                 self.inner.device.id()
             )));
         }
-        let n = u32::try_from(ops.len())
-            .map_err(|_| Error::InvalidArgument("too many ops in one batch".into()))?;
-        if n > 0 {
-            // Counts are in elements of the data type; bytes as UINT8.
-            let mut raw: Vec<sys::HcclOneSideOpDesc> = ops
-                .iter()
-                .map(|op| sys::HcclOneSideOpDesc {
-                    localAddr: op.local_addr as *mut c_void,
-                    remoteAddr: op.remote_addr as *mut c_void,
-                    count: op.len,
-                    dataType: sys::HCCL_DATA_TYPE_UINT8,
-                })
-                .collect();
+        let call = if put { "HcclBatchPut" } else { "HcclBatchGet" };
+        let limit = self.batch_op_limit();
+        // Counts are in elements of the data type; bytes as UINT8.
+        let mut raw: Vec<sys::HcclOneSideOpDesc> = ops
+            .iter()
+            .map(|op| sys::HcclOneSideOpDesc {
+                localAddr: op.local_addr as *mut c_void,
+                remoteAddr: op.remote_addr as *mut c_void,
+                count: op.len,
+                dataType: sys::HCCL_DATA_TYPE_UINT8,
+            })
+            .collect();
+        let mut queued = 0usize;
+        let mut failure = None;
+        {
             let _guard = self.inner.lock()?;
             let libs = self.inner.device.libs();
-            // SAFETY: raw holds n op descriptors and lives across the call;
-            // address validity is the caller's contract (batch_put/get).
-            unsafe {
-                if put {
-                    hccl_call!(
-                        libs,
-                        HcclBatchPut(
-                            self.inner.raw,
-                            self.peer_rank(),
-                            raw.as_mut_ptr(),
-                            n,
-                            stream.as_raw()
+            for chunk in raw.chunks_mut(limit) {
+                let n = u32::try_from(chunk.len())
+                    .map_err(|_| Error::InvalidArgument("too many ops in one call".into()))?;
+                // SAFETY: chunk holds n op descriptors and lives across the
+                // call; address validity is the caller's contract
+                // (batch_put/get). Chunks are queued in order on one stream.
+                let r = unsafe {
+                    if put {
+                        hccl_one_sided_call!(
+                            libs,
+                            HcclBatchPut(
+                                self.inner.raw,
+                                self.peer_rank(),
+                                chunk.as_mut_ptr(),
+                                n,
+                                stream.as_raw()
+                            )
                         )
-                    )?
-                } else {
-                    hccl_call!(
-                        libs,
-                        HcclBatchGet(
-                            self.inner.raw,
-                            self.peer_rank(),
-                            raw.as_mut_ptr(),
-                            n,
-                            stream.as_raw()
+                    } else {
+                        hccl_one_sided_call!(
+                            libs,
+                            HcclBatchGet(
+                                self.inner.raw,
+                                self.peer_rank(),
+                                chunk.as_mut_ptr(),
+                                n,
+                                stream.as_raw()
+                            )
                         )
-                    )?
+                    }
+                };
+                match r {
+                    Ok(()) => queued += chunk.len(),
+                    // Nothing queued yet: nothing in flight, plain failure.
+                    Err(e) if queued == 0 => return Err(e),
+                    Err(e) => {
+                        failure = Some(Error::BatchPartlyQueued {
+                            call,
+                            queued,
+                            total: ops.len(),
+                            cause: e.to_string(),
+                        });
+                        break;
+                    }
                 }
-            };
+            }
         }
         let mut hold = hold;
         hold.push(Arc::new(self.clone()) as Arc<dyn Any + Send + Sync>);
-        stream.completion_holding(hold)
+        // A partly queued batch still gets a real completion: the caller
+        // must not reuse its memory before the queued calls have run.
+        stream.completion_holding(hold, failure)
     }
 
     /// Queues writes of local memory into the peer's memory on `stream`
@@ -528,12 +630,13 @@ impl Drop for RegisteredMem {
         if let Ok(_guard) = self.comm.lock() {
             // SAFETY: raw describes a live registration, deregistered once.
             let _ = unsafe {
-                hccl_call!(
+                hccl_one_sided_call!(
                     self.comm.device.libs(),
                     HcclDeregisterMem(self.comm.raw, &mut raw)
                 )
             };
         }
+        self.comm.registrations.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -589,7 +692,7 @@ impl Drop for RemoteMem {
         if let Ok(_guard) = self.comm.lock() {
             // SAFETY: raw names a region enabled on this communicator.
             let _ = unsafe {
-                hccl_call!(
+                hccl_one_sided_call!(
                     self.comm.device.libs(),
                     HcclDisableMemAccess(self.comm.raw, &mut raw)
                 )

@@ -23,6 +23,7 @@
 #![warn(missing_docs)]
 
 mod acl;
+pub mod emulator;
 mod error;
 mod hccl;
 mod loader;
@@ -46,12 +47,13 @@ pub mod sys;
 pub use acl::{Acl, Device};
 pub use error::{Error, LoadAttempt, Result};
 pub use hccl::{
-    Comm, MemDescriptor, MemKind, OneSidedOp, RegisteredMem, RemoteMem, RootInfo,
-    MEM_DESCRIPTOR_LEN, ROOT_INFO_LEN,
+    batch_op_limit_for_soc, Comm, MemDescriptor, MemKind, OneSidedOp, RegisteredMem, RemoteMem,
+    RootInfo, BATCH_OP_LIMIT, BATCH_OP_LIMIT_ASCEND950, BATCH_OP_LIMIT_ENV, MEM_DESCRIPTOR_LEN,
+    REGISTRATION_LIMIT, ROOT_INFO_LEN,
 };
 pub use loader::{
     available, search_locations, CannLibraries, SearchLocation, ACL_LIBRARY,
-    DEFAULT_TOOLKIT_LIB_DIR, HCCL_LIBRARY, LIB_DIR_ENV,
+    DEFAULT_TOOLKIT_LIB_DIR, HCCL_LIBRARY, HCOMM_LIBRARY, LIB_DIR_ENV,
 };
 pub use memory::{DeviceBuffer, HostBuffer, MemcpyKind};
 pub use stream::{Completion, Event, Stream};

@@ -5,6 +5,15 @@
 //! `/usr/local/Ascend/ascend-toolkit/latest/lib64`, then the system loader
 //! (`LD_LIBRARY_PATH`, ld.so.cache). libhccl.so is looked for in the
 //! directory libascendcl.so came from first.
+//!
+//! The HCCL one-sided functions (register, exchange, enable, batch put/get)
+//! live in `libhcomm.so` from CANN 8.5 on, which `libhccl.so` links against;
+//! they are looked up through `libhccl.so` first and, when it does not
+//! resolve them, in `libhcomm.so` next to it. [`CannLibraries::one_sided_path`]
+//! says which library served them.
+//!
+//! `ASCEND_PD_CANN_LIB_DIR=emulator` loads the CANN emulator (ascend-emu)
+//! instead, and only it (see [`crate::emulator`]).
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +24,8 @@ use crate::sys;
 pub const ACL_LIBRARY: &str = "libascendcl.so";
 /// File name of the HCCL library.
 pub const HCCL_LIBRARY: &str = "libhccl.so";
+/// File name of the library that implements the one-sided API from CANN 8.5.
+pub const HCOMM_LIBRARY: &str = "libhcomm.so";
 /// Environment variable naming a directory to load both libraries from.
 pub const LIB_DIR_ENV: &str = "ASCEND_PD_CANN_LIB_DIR";
 /// Where the CANN toolkit installs by default.
@@ -34,6 +45,8 @@ pub enum SearchLocation {
     Unset(&'static str),
     /// The system dynamic loader's own search (bare library name).
     SystemLoader,
+    /// `ASCEND_PD_CANN_LIB_DIR=emulator`: the CANN emulator, and nothing else.
+    Emulator,
 }
 
 /// The search locations in order, as the current environment defines them.
@@ -46,6 +59,12 @@ pub fn search_locations() -> Vec<SearchLocation> {
         },
         _ => SearchLocation::Unset(var),
     };
+    let emulator =
+        std::env::var_os(LIB_DIR_ENV).is_some_and(|v| v == crate::emulator::LIB_DIR_VALUE);
+    if emulator {
+        out.push(SearchLocation::Emulator);
+        return out;
+    }
     out.push(env_dir(LIB_DIR_ENV, ""));
     out.push(env_dir("ASCEND_HOME_PATH", "lib64"));
     out.push(env_dir("ASCEND_TOOLKIT_HOME", "lib64"));
@@ -82,7 +101,8 @@ fn missing_acl_symbol(lib: &sys::AclLib) -> Option<&'static str> {
         ("aclrtStreamWaitEvent", lib.aclrtStreamWaitEvent.is_ok()),
         ("aclrtDestroyEvent", lib.aclrtDestroyEvent.is_ok()),
     ];
-    // aclGetRecentErrMsg is optional: without it errors carry only their code.
+    // Optional: aclGetRecentErrMsg (without it errors carry only their
+    // code), aclrtGetSocName and aclrtGetMemInfo (selftest reports).
     required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
 }
 
@@ -95,6 +115,17 @@ fn missing_hccl_symbol(lib: &sys::HcclLib) -> Option<&'static str> {
         ("HcclGetErrorString", lib.HcclGetErrorString.is_ok()),
     ];
     required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
+}
+
+/// Whether a table resolves every one-sided function.
+fn has_one_sided(lib: &sys::HcclLib) -> bool {
+    lib.HcclRegisterMem.is_ok()
+        && lib.HcclDeregisterMem.is_ok()
+        && lib.HcclExchangeMemDesc.is_ok()
+        && lib.HcclEnableMemAccess.is_ok()
+        && lib.HcclDisableMemAccess.is_ok()
+        && lib.HcclBatchPut.is_ok()
+        && lib.HcclBatchGet.is_ok()
 }
 
 /// Outcome of trying to load one library from one candidate.
@@ -217,6 +248,9 @@ pub struct CannLibraries {
     acl: sys::AclLib,
     acl_path: PathBuf,
     hccl: std::result::Result<(sys::HcclLib, PathBuf), HcclMissing>,
+    /// libhcomm.so, opened only when libhccl.so does not resolve the
+    /// one-sided functions and libhcomm.so does.
+    hcomm: Option<(sys::HcclLib, PathBuf)>,
 }
 
 impl std::fmt::Debug for CannLibraries {
@@ -224,6 +258,7 @@ impl std::fmt::Debug for CannLibraries {
         f.debug_struct("CannLibraries")
             .field("acl_path", &self.acl_path)
             .field("hccl_path", &self.hccl_path())
+            .field("one_sided_path", &self.one_sided_path())
             .finish()
     }
 }
@@ -242,17 +277,33 @@ impl CannLibraries {
             missing_hccl_symbol,
         )
         .map_err(HcclMissing::from_error);
-        Ok(CannLibraries {
+        Ok(CannLibraries::assemble(acl, acl_path, hccl))
+    }
+
+    fn assemble(
+        acl: sys::AclLib,
+        acl_path: PathBuf,
+        hccl: std::result::Result<(sys::HcclLib, PathBuf), HcclMissing>,
+    ) -> CannLibraries {
+        let hcomm = match &hccl {
+            Ok((lib, path)) if !has_one_sided(lib) => open_hcomm_near(path),
+            _ => None,
+        };
+        CannLibraries {
             acl,
             acl_path,
             hccl,
-        })
+            hcomm,
+        }
     }
 
     /// Opens the libraries from the first location in [`search_locations`]
-    /// that has them.
+    /// that has them; with `ASCEND_PD_CANN_LIB_DIR=emulator`, the emulator.
     pub fn open_default() -> Result<CannLibraries> {
         let locations = search_locations();
+        if locations.contains(&SearchLocation::Emulator) {
+            return CannLibraries::open_dir(crate::emulator::install_dir()?);
+        }
         let unset: Vec<&'static str> = locations
             .iter()
             .filter_map(|l| match l {
@@ -265,7 +316,7 @@ impl CannLibraries {
             .filter_map(|l| match l {
                 SearchLocation::Dir { dir, .. } => Some(Some(dir.clone())),
                 SearchLocation::SystemLoader => Some(None),
-                SearchLocation::Unset(_) => None,
+                SearchLocation::Unset(_) | SearchLocation::Emulator => None,
             })
             .collect();
         let (acl, acl_path) = search(
@@ -293,11 +344,7 @@ impl CannLibraries {
             missing_hccl_symbol,
         )
         .map_err(HcclMissing::from_error);
-        Ok(CannLibraries {
-            acl,
-            acl_path,
-            hccl,
-        })
+        Ok(CannLibraries::assemble(acl, acl_path, hccl))
     }
 
     /// The libascendcl.so that was loaded.
@@ -315,6 +362,33 @@ impl CannLibraries {
         self.hccl_lib().map(drop)
     }
 
+    /// The library that serves the HCCL one-sided functions: libhccl.so, or
+    /// libhcomm.so when only it resolves them; `None` when neither does.
+    pub fn one_sided_path(&self) -> Option<&Path> {
+        if let Some((_, path)) = &self.hcomm {
+            return Some(path);
+        }
+        match &self.hccl {
+            Ok((lib, path)) if has_one_sided(lib) => Some(path),
+            _ => None,
+        }
+    }
+
+    /// True when the libraries are the CANN emulator (ascend-emu), however
+    /// they were reached (the emulator is loaded through links named like
+    /// CANN's libraries).
+    pub fn is_emulator(&self) -> bool {
+        crate::emulator::is_emulator_library(&self.acl_path)
+    }
+
+    /// The table the one-sided functions are called through.
+    pub(crate) fn one_sided_lib(&self) -> Result<&sys::HcclLib> {
+        match &self.hcomm {
+            Some((lib, _)) => Ok(lib),
+            None => self.hccl_lib(),
+        }
+    }
+
     pub(crate) fn acl(&self) -> &sys::AclLib {
         &self.acl
     }
@@ -325,6 +399,20 @@ impl CannLibraries {
             .map(|(lib, _)| lib)
             .map_err(HcclMissing::to_error)
     }
+}
+
+/// libhcomm.so in the directory of `hccl` (or by the system loader when
+/// `hccl` is a bare name), if it opens and resolves the one-sided API.
+fn open_hcomm_near(hccl: &Path) -> Option<(sys::HcclLib, PathBuf)> {
+    let candidate = match hccl.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) => dir.join(HCOMM_LIBRARY),
+        None => PathBuf::from(HCOMM_LIBRARY),
+    };
+    if candidate.is_absolute() && !candidate.exists() {
+        return None;
+    }
+    let lib = open_hccl(&candidate).ok()?;
+    has_one_sided(&lib).then_some((lib, candidate))
 }
 
 /// True when libascendcl.so can be found and opened (with all required

@@ -33,34 +33,39 @@ pub fn acl_error_name(code: i32) -> Option<&'static str> {
     })
 }
 
-/// Name of an HCCL status code.
+/// Name of an HCCL status code: every `HcclResult` of CANN 8.5, including
+/// `HCCL_E_RESERVED` (1042, the end marker).
 pub fn hccl_error_name(code: u32) -> Option<&'static str> {
-    const NAMES: [&str; 23] = [
-        "HCCL_SUCCESS",
-        "HCCL_E_PARA",
-        "HCCL_E_PTR",
-        "HCCL_E_MEMORY",
-        "HCCL_E_INTERNAL",
-        "HCCL_E_NOT_SUPPORT",
-        "HCCL_E_NOT_FOUND",
-        "HCCL_E_UNAVAIL",
-        "HCCL_E_SYSCALL",
-        "HCCL_E_TIMEOUT",
-        "HCCL_E_OPEN_FILE_FAILURE",
-        "HCCL_E_TCP_CONNECT",
-        "HCCL_E_ROCE_CONNECT",
-        "HCCL_E_TCP_TRANSFER",
-        "HCCL_E_ROCE_TRANSFER",
-        "HCCL_E_RUNTIME",
-        "HCCL_E_DRV",
-        "HCCL_E_PROFILING",
-        "HCCL_E_CCE",
-        "HCCL_E_NETWORK",
-        "HCCL_E_AGAIN",
-        "HCCL_E_REMOTE",
-        "HCCL_E_SUSPENDING",
-    ];
-    NAMES.get(code as usize).copied()
+    Some(match code {
+        sys::HCCL_SUCCESS => "HCCL_SUCCESS",
+        sys::HCCL_E_PARA => "HCCL_E_PARA",
+        sys::HCCL_E_PTR => "HCCL_E_PTR",
+        sys::HCCL_E_MEMORY => "HCCL_E_MEMORY",
+        sys::HCCL_E_INTERNAL => "HCCL_E_INTERNAL",
+        sys::HCCL_E_NOT_SUPPORT => "HCCL_E_NOT_SUPPORT",
+        sys::HCCL_E_NOT_FOUND => "HCCL_E_NOT_FOUND",
+        sys::HCCL_E_UNAVAIL => "HCCL_E_UNAVAIL",
+        sys::HCCL_E_SYSCALL => "HCCL_E_SYSCALL",
+        sys::HCCL_E_TIMEOUT => "HCCL_E_TIMEOUT",
+        sys::HCCL_E_OPEN_FILE_FAILURE => "HCCL_E_OPEN_FILE_FAILURE",
+        sys::HCCL_E_TCP_CONNECT => "HCCL_E_TCP_CONNECT",
+        sys::HCCL_E_ROCE_CONNECT => "HCCL_E_ROCE_CONNECT",
+        sys::HCCL_E_TCP_TRANSFER => "HCCL_E_TCP_TRANSFER",
+        sys::HCCL_E_ROCE_TRANSFER => "HCCL_E_ROCE_TRANSFER",
+        sys::HCCL_E_RUNTIME => "HCCL_E_RUNTIME",
+        sys::HCCL_E_DRV => "HCCL_E_DRV",
+        sys::HCCL_E_PROFILING => "HCCL_E_PROFILING",
+        sys::HCCL_E_CCE => "HCCL_E_CCE",
+        sys::HCCL_E_NETWORK => "HCCL_E_NETWORK",
+        sys::HCCL_E_AGAIN => "HCCL_E_AGAIN",
+        sys::HCCL_E_REMOTE => "HCCL_E_REMOTE",
+        sys::HCCL_E_SUSPENDING => "HCCL_E_SUSPENDING",
+        sys::HCCL_E_OPRETRY_FAIL => "HCCL_E_OPRETRY_FAIL",
+        sys::HCCL_E_OOM => "HCCL_E_OOM",
+        sys::HCCL_E_IN_STATUS => "HCCL_E_IN_STATUS",
+        sys::HCCL_E_RESERVED => "HCCL_E_RESERVED",
+        _ => return None,
+    })
 }
 
 const NO_MESSAGE: &str = "(the library gave no further message)";
@@ -190,7 +195,22 @@ macro_rules! hccl_call {
     }};
 }
 
-pub(crate) use {acl_call, hccl_call};
+/// As [`hccl_call`], for the one-sided functions: called through the
+/// library that serves them (libhccl.so, or libhcomm.so on CANN 8.5+).
+macro_rules! hccl_one_sided_call {
+    ($libs:expr, $name:ident ( $($arg:expr),* $(,)? )) => {{
+        let libs: &$crate::loader::CannLibraries = $libs;
+        match libs
+            .one_sided_lib()
+            .and_then(|h| $crate::result::func(&h.$name, stringify!($name)))
+        {
+            Ok(f) => libs.hccl_check(stringify!($name), f($($arg),*)),
+            Err(e) => Err(e),
+        }
+    }};
+}
+
+pub(crate) use {acl_call, hccl_call, hccl_one_sided_call};
 
 #[cfg(test)]
 mod tests {
@@ -253,7 +273,13 @@ mod tests {
              op 3: remote range outside enabled regions"
         );
         assert_eq!(hccl_error_name(9), Some("HCCL_E_TIMEOUT"));
-        assert_eq!(hccl_error_name(23), None);
+        assert_eq!(hccl_error_name(23), Some("HCCL_E_OPRETRY_FAIL"));
+        assert_eq!(hccl_error_name(24), Some("HCCL_E_OOM"));
+        assert_eq!(hccl_error_name(1041), Some("HCCL_E_IN_STATUS"));
+        assert_eq!(hccl_error_name(1042), Some("HCCL_E_RESERVED"));
+        assert_eq!(hccl_error_name(25), None);
+        // Every value 0..=24 of CANN 8.5 has a name; 25..1041 are unused.
+        assert!((0..=24).all(|c| hccl_error_name(c).is_some()));
     }
 
     #[test]

@@ -117,16 +117,23 @@ impl Stream {
 
     /// A completion for everything submitted to this stream so far.
     pub fn completion(&self) -> Result<Completion> {
-        self.completion_holding(Vec::new())
+        self.completion_holding(Vec::new(), None)
     }
 
+    /// A completion for the work queued so far; `failure`, when given, is
+    /// what waiting reports once that work has finished.
     pub(crate) fn completion_holding(
         &self,
         hold: Vec<Arc<dyn Any + Send + Sync>>,
+        failure: Option<Error>,
     ) -> Result<Completion> {
         let event = self.inner.device.create_event()?;
         self.record(&event)?;
-        Ok(Completion { event, _hold: hold })
+        Ok(Completion {
+            event,
+            failure,
+            _hold: hold,
+        })
     }
 
     /// Queues a raw copy (`aclrtMemcpyAsync`).
@@ -332,6 +339,9 @@ impl Drop for Event {
 #[must_use = "a completion is how you learn the work has finished"]
 pub struct Completion {
     event: Event,
+    /// Set when only part of the work could be queued
+    /// ([`Error::BatchPartlyQueued`]); reported after the queued part ran.
+    failure: Option<Error>,
     _hold: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -349,10 +359,26 @@ impl Completion {
         self.event.is_complete()
     }
 
-    /// Waits at most `timeout` for the work to finish.
+    /// Waits at most `timeout` for the work to finish. A batch that was only
+    /// partly queued reports its failure here, once the queued part is done.
     pub fn wait(&self, timeout: Duration) -> Result<()> {
         self.event.wait_timeout(timeout)?;
-        self.event.synchronize()
+        self.event.synchronize()?;
+        match &self.failure {
+            Some(Error::BatchPartlyQueued {
+                call,
+                queued,
+                total,
+                cause,
+            }) => Err(Error::BatchPartlyQueued {
+                call,
+                queued: *queued,
+                total: *total,
+                cause: cause.clone(),
+            }),
+            Some(other) => Err(Error::InvalidArgument(other.to_string())),
+            None => Ok(()),
+        }
     }
 
     /// The event recorded after the work, e.g. for [`Stream::wait_event`].

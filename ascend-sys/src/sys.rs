@@ -44,6 +44,17 @@ pub type aclrtMemMallocPolicy = ::core::ffi::c_uint;
 pub const ACL_EVENT_RECORDED_STATUS_NOT_READY: aclrtEventRecordedStatus = 0;
 pub const ACL_EVENT_RECORDED_STATUS_COMPLETE: aclrtEventRecordedStatus = 1;
 pub type aclrtEventRecordedStatus = ::core::ffi::c_uint;
+pub const ACL_DDR_MEM: aclrtMemAttr = 0;
+pub const ACL_HBM_MEM: aclrtMemAttr = 1;
+pub const ACL_DDR_MEM_HUGE: aclrtMemAttr = 2;
+pub const ACL_DDR_MEM_NORMAL: aclrtMemAttr = 3;
+pub const ACL_HBM_MEM_HUGE: aclrtMemAttr = 4;
+pub const ACL_HBM_MEM_NORMAL: aclrtMemAttr = 5;
+pub const ACL_DDR_MEM_P2P_HUGE: aclrtMemAttr = 6;
+pub const ACL_DDR_MEM_P2P_NORMAL: aclrtMemAttr = 7;
+pub const ACL_HBM_MEM_P2P_HUGE: aclrtMemAttr = 8;
+pub const ACL_HBM_MEM_P2P_NORMAL: aclrtMemAttr = 9;
+pub type aclrtMemAttr = ::core::ffi::c_uint;
 pub const HCCL_SUCCESS: HcclResult = 0;
 pub const HCCL_E_PARA: HcclResult = 1;
 pub const HCCL_E_PTR: HcclResult = 2;
@@ -67,7 +78,10 @@ pub const HCCL_E_NETWORK: HcclResult = 19;
 pub const HCCL_E_AGAIN: HcclResult = 20;
 pub const HCCL_E_REMOTE: HcclResult = 21;
 pub const HCCL_E_SUSPENDING: HcclResult = 22;
-pub const HCCL_E_RESERVED: HcclResult = 23;
+pub const HCCL_E_OPRETRY_FAIL: HcclResult = 23;
+pub const HCCL_E_OOM: HcclResult = 24;
+pub const HCCL_E_IN_STATUS: HcclResult = 1041;
+pub const HCCL_E_RESERVED: HcclResult = 1042;
 pub type HcclResult = ::core::ffi::c_uint;
 pub const HCCL_DATA_TYPE_INT8: HcclDataType = 0;
 pub const HCCL_DATA_TYPE_INT16: HcclDataType = 1;
@@ -82,7 +96,11 @@ pub const HCCL_DATA_TYPE_UINT32: HcclDataType = 9;
 pub const HCCL_DATA_TYPE_FP64: HcclDataType = 10;
 pub const HCCL_DATA_TYPE_BFP16: HcclDataType = 11;
 pub const HCCL_DATA_TYPE_INT128: HcclDataType = 12;
-pub const HCCL_DATA_TYPE_RESERVED: HcclDataType = 13;
+pub const HCCL_DATA_TYPE_HIF8: HcclDataType = 14;
+pub const HCCL_DATA_TYPE_FP8E4M3: HcclDataType = 15;
+pub const HCCL_DATA_TYPE_FP8E5M2: HcclDataType = 16;
+pub const HCCL_DATA_TYPE_FP8E8M0: HcclDataType = 17;
+pub const HCCL_DATA_TYPE_RESERVED: HcclDataType = 255;
 pub type HcclDataType = ::core::ffi::c_uint;
 pub const HCCL_MEM_TYPE_DEVICE: HcclMemType = 0;
 pub const HCCL_MEM_TYPE_HOST: HcclMemType = 1;
@@ -248,6 +266,18 @@ pub struct AclLib {
         unsafe extern "C" fn(count: *mut u32) -> aclError,
         ::libloading::Error,
     >,
+    pub aclrtGetSocName: Result<
+        unsafe extern "C" fn() -> *const ::core::ffi::c_char,
+        ::libloading::Error,
+    >,
+    pub aclrtGetMemInfo: Result<
+        unsafe extern "C" fn(
+            attr: aclrtMemAttr,
+            free: *mut usize,
+            total: *mut usize,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtMalloc: Result<
         unsafe extern "C" fn(
             devPtr: *mut *mut ::core::ffi::c_void,
@@ -365,6 +395,8 @@ impl AclLib {
         let aclrtGetDeviceCount = __library
             .get(b"aclrtGetDeviceCount\0")
             .map(|sym| *sym);
+        let aclrtGetSocName = __library.get(b"aclrtGetSocName\0").map(|sym| *sym);
+        let aclrtGetMemInfo = __library.get(b"aclrtGetMemInfo\0").map(|sym| *sym);
         let aclrtMalloc = __library.get(b"aclrtMalloc\0").map(|sym| *sym);
         let aclrtFree = __library.get(b"aclrtFree\0").map(|sym| *sym);
         let aclrtMallocHost = __library.get(b"aclrtMallocHost\0").map(|sym| *sym);
@@ -397,6 +429,8 @@ impl AclLib {
             aclrtSetDevice,
             aclrtResetDevice,
             aclrtGetDeviceCount,
+            aclrtGetSocName,
+            aclrtGetMemInfo,
             aclrtMalloc,
             aclrtFree,
             aclrtMallocHost,
@@ -436,6 +470,20 @@ impl AclLib {
             .aclrtGetDeviceCount
             .as_ref()
             .expect("Expected function, got error."))(count)
+    }
+    pub unsafe fn aclrtGetSocName(&self) -> *const ::core::ffi::c_char {
+        (self.aclrtGetSocName.as_ref().expect("Expected function, got error."))()
+    }
+    pub unsafe fn aclrtGetMemInfo(
+        &self,
+        attr: aclrtMemAttr,
+        free: *mut usize,
+        total: *mut usize,
+    ) -> aclError {
+        (self
+            .aclrtGetMemInfo
+            .as_ref()
+            .expect("Expected function, got error."))(attr, free, total)
     }
     pub unsafe fn aclrtMalloc(
         &self,

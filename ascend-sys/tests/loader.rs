@@ -132,6 +132,7 @@ fn search_locations_follow_the_documented_order() {
             ascend_sys::SearchLocation::Dir { source, .. } => source.to_string(),
             ascend_sys::SearchLocation::Unset(var) => var.to_string(),
             ascend_sys::SearchLocation::SystemLoader => "system".to_string(),
+            ascend_sys::SearchLocation::Emulator => "emulator".to_string(),
         })
         .collect();
     assert_eq!(
@@ -144,4 +145,55 @@ fn search_locations_follow_the_documented_order() {
             "system"
         ]
     );
+}
+
+/// CANN 8.5 layout: libhccl.so has the communicator functions, the
+/// one-sided ones live in libhcomm.so. Here libhccl.so is a stub compiled
+/// from C with only the four required functions; libhcomm.so is the
+/// emulator. The loader must serve the one-sided API from libhcomm.so and
+/// say so.
+#[test]
+fn one_sided_functions_fall_back_to_libhcomm() {
+    let dir = scratch_dir("hcomm");
+    let src = dir.join("stub.c");
+    std::fs::write(
+        &src,
+        "int HcclGetRootInfo(void *r) { (void)r; return 5; }\n\
+         int HcclCommInitRootInfo(unsigned n, const void *r, unsigned k, void **c) \
+         { (void)n; (void)r; (void)k; (void)c; return 5; }\n\
+         int HcclCommDestroy(void *c) { (void)c; return 5; }\n\
+         const char *HcclGetErrorString(int c) { (void)c; return \"stub\"; }\n",
+    )
+    .unwrap();
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libhccl.so"))
+        .arg(&src)
+        .status()
+        .expect("a C compiler (cc) is needed to build the stub libhccl.so");
+    assert!(status.success());
+    let emu = ascend_emu::library_path().unwrap();
+    std::os::unix::fs::symlink(&emu, dir.join("libascendcl.so")).unwrap();
+
+    // Without libhcomm.so: HCCL loads, the one-sided API is absent.
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    assert!(libs.hccl_status().is_ok());
+    assert_eq!(libs.one_sided_path(), None);
+
+    std::os::unix::fs::symlink(&emu, dir.join("libhcomm.so")).unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    assert_eq!(libs.hccl_path(), Some(dir.join("libhccl.so").as_path()));
+    assert_eq!(
+        libs.one_sided_path(),
+        Some(dir.join("libhcomm.so").as_path())
+    );
+    assert!(libs.is_emulator());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_emulator_directory_serves_everything_from_libhccl() {
+    let libs = CannLibraries::open_dir(ascend_emu::install_dir().unwrap()).unwrap();
+    assert!(libs.is_emulator());
+    assert_eq!(libs.one_sided_path(), libs.hccl_path());
 }

@@ -187,6 +187,10 @@ fn run_rank(rank: u32, root: &RootInfo) {
         "sources untouched"
     );
 
+    // Both sides have checked their memory; the peer's may be written again.
+    assert!(comm.exchange_descriptors(&[], 0).unwrap().is_empty());
+    op_limit_steps(&comm, &stream, &devbuf, &land, r_dev, rank);
+
     // Out of range: one byte past the peer's device region.
     let past_end = [OneSidedOp {
         local_addr: devbuf.addr(),
@@ -230,8 +234,123 @@ fn run_rank(rank: u32, root: &RootInfo) {
 
     // A batch with no failures queued nothing out of order: the stream is clean.
     stream.synchronize().unwrap();
+    registration_limit_step(&comm, &dev);
     // Final barrier so neither side tears down while the other still checks.
     assert!(comm.exchange_descriptors(&[], 0).unwrap().is_empty());
+}
+
+/// Batches above the runtime's per-call op limit: split and delivered byte
+/// for byte; unsplit, refused with the runtime's code; split with a later
+/// call refused, reported by the completion after the queued part ran.
+fn op_limit_steps(
+    comm: &Comm,
+    stream: &ascend_sys::Stream,
+    devbuf: &Arc<ascend_sys::DeviceBuffer>,
+    land: &Arc<ascend_sys::DeviceBuffer>,
+    r_dev: &ascend_sys::RemoteMem,
+    rank: u32,
+) {
+    const SMALL: usize = 512;
+    // The emulator reports an Atlas A2 SoC: 256 ops per call, as CANN 8.5.
+    assert_eq!(comm.batch_op_limit(), ascend_sys::BATCH_OP_LIMIT);
+    let n = 300;
+    assert!(n > comm.batch_op_limit());
+    // Put 300 small ops of my device source into the peer's landing half,
+    // in reverse order; get 600 of the peer's source into my landing buffer.
+    let puts: Vec<OneSidedOp> = (0..n)
+        .map(|i| OneSidedOp {
+            local_addr: devbuf.addr() + (i * SMALL) as u64,
+            remote_addr: r_dev.addr() + (DEV_LEN / 2 + (n - 1 - i) * SMALL) as u64,
+            len: SMALL as u64,
+        })
+        .collect();
+    let m = 600;
+    let gets: Vec<OneSidedOp> = (0..m)
+        .map(|i| OneSidedOp {
+            local_addr: land.addr() + (i * SMALL) as u64,
+            remote_addr: r_dev.addr() + (i * SMALL) as u64,
+            len: SMALL as u64,
+        })
+        .collect();
+    // SAFETY: every range is inside registered / enabled memory that outlives
+    // the completions, which are waited on before anything is read.
+    let done = unsafe {
+        [
+            comm.batch_put(stream, &puts).unwrap(),
+            comm.batch_get(stream, &gets).unwrap(),
+        ]
+    };
+    for d in &done {
+        d.wait(WAIT).unwrap();
+    }
+    assert!(comm.exchange_descriptors(&[], 0).unwrap().is_empty());
+    let peer_src = pattern(seed(1 - rank, 1), DEV_LEN / 2);
+    let mut got = vec![0u8; n * SMALL];
+    devbuf.copy_to_host(DEV_LEN / 2, &mut got).unwrap();
+    for i in 0..n {
+        let at = (n - 1 - i) * SMALL;
+        assert_eq!(
+            &got[at..at + SMALL],
+            &peer_src[i * SMALL..(i + 1) * SMALL],
+            "split put, op {i}"
+        );
+    }
+    let mut got = vec![0u8; m * SMALL];
+    land.copy_to_host(0, &mut got).unwrap();
+    assert_eq!(&got[..], &peer_src[..m * SMALL], "split get");
+
+    // Unsplit (limit raised past the runtime's): the runtime refuses the
+    // whole call with HCCL_E_PARA, and nothing is queued.
+    comm.set_batch_op_limit(1000);
+    // SAFETY: refused before any transfer is queued.
+    let err = unsafe { comm.batch_put(stream, &puts) }.unwrap_err();
+    assert_eq!(hccl_code(&err), 1, "{err}");
+    assert!(err.to_string().contains("exceeds the 256 ops"), "{err}");
+
+    // Split in calls of 100, the second call refused (its last op runs past
+    // the peer's region): the first 100 ops ran; the completion says so.
+    comm.set_batch_op_limit(100);
+    let mut bad = puts[..150].to_vec();
+    bad[149].remote_addr = r_dev.addr() + DEV_LEN as u64 - 8;
+    // SAFETY: the valid ops are as above; the invalid one is refused by the
+    // runtime before its call queues anything.
+    let done = unsafe { comm.batch_put(stream, &bad) }.unwrap();
+    match done.wait(WAIT).unwrap_err() {
+        Error::BatchPartlyQueued {
+            call,
+            queued,
+            total,
+            cause,
+        } => {
+            assert_eq!((call, queued, total), ("HcclBatchPut", 100, 150));
+            assert!(cause.contains("outside every region"), "{cause}");
+        }
+        other => panic!("expected a partly queued batch, got {other:?}"),
+    }
+    assert!(done.is_complete().unwrap());
+    comm.set_batch_op_limit(ascend_sys::BATCH_OP_LIMIT);
+    assert!(comm.exchange_descriptors(&[], 0).unwrap().is_empty());
+}
+
+/// The 257th registration on one communicator is refused, naming the limit;
+/// dropping registrations makes room again.
+fn registration_limit_step(comm: &Comm, dev: &ascend_sys::Device) {
+    let before = comm.registrations();
+    let mut extra = Vec::new();
+    while comm.registrations() < ascend_sys::REGISTRATION_LIMIT {
+        let b = Arc::new(dev.alloc(CHUNK).unwrap());
+        extra.push(comm.register_device_buffer(&b).unwrap());
+    }
+    let b = Arc::new(dev.alloc(CHUNK).unwrap());
+    let err = comm.register_device_buffer(&b).unwrap_err();
+    match &err {
+        Error::Limit { asked, limit, .. } => assert_eq!((*asked, *limit), (257, 256)),
+        other => panic!("expected the registration limit, got {other:?}"),
+    }
+    assert!(err.to_string().contains("HCCL_E_UNAVAIL"), "{err}");
+    drop(extra);
+    assert_eq!(comm.registrations(), before);
+    drop(comm.register_device_buffer(&b).unwrap());
 }
 
 #[test]

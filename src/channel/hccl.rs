@@ -914,6 +914,14 @@ fn wait_batch(
                 })
             }
             Err(ascend_sys::Error::Timeout { .. }) => {}
+            // Split across several calls, a later one refused: what was
+            // queued has run, so the batch ends (failed) and frees its pages.
+            Err(source @ ascend_sys::Error::BatchPartlyQueued { .. }) => {
+                return Ok(Err(ChannelError::Npu {
+                    context: format!("batch of {count} op(s) with {node}"),
+                    source,
+                }))
+            }
             // Nothing says a failed wait cancelled the queued copies: the
             // batch is abandoned and its pages stay with it.
             Err(source) => {

@@ -80,12 +80,8 @@ impl NpuRuntime for AclRuntime {
 
     fn describe(&self) -> String {
         let path = self.acl.library_path();
-        // The emulator is loaded through symlinks named like CANN's libraries.
-        let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-        if real
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().contains("ascend_emu"))
-        {
+        if self.acl.is_emulator() {
+            let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
             format!("CANN emulator (ascend-emu) at {}", real.display())
         } else {
             format!("CANN runtime at {}", path.display())

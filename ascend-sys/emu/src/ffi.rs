@@ -117,6 +117,27 @@ pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> c_int {
 }
 
 #[no_mangle]
+pub extern "C" fn aclrtGetSocName() -> *const c_char {
+    runtime::soc_name().as_ptr()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aclrtGetMemInfo(attr: u32, free: *mut usize, total: *mut usize) -> c_int {
+    let r = out_ptr(free, "free")
+        .and_then(|f| Ok((f, out_ptr(total, "total")?)))
+        .and_then(|(f, t)| {
+            let (free_bytes, total_bytes) = runtime::mem_info(attr)?;
+            // SAFETY: both are non-null and point to size_t slots the caller owns.
+            unsafe {
+                f.write(free_bytes);
+                t.write(total_bytes);
+            }
+            Ok(())
+        });
+    acl_status("aclrtGetMemInfo", r)
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, policy: u32) -> c_int {
     let r = out_ptr(dev_ptr, "devPtr").and_then(|p| {
         let base = runtime::malloc(size, policy)?;
@@ -436,6 +457,17 @@ unsafe fn batch_ops<'a>(
 ) -> Result<&'a [HcclOneSideOpDesc], Failure> {
     if n == 0 {
         return Ok(&[]);
+    }
+    // Checked before the array is read, as the runtime does.
+    let limit = runtime::batch_op_limit();
+    if n as usize > limit {
+        return Err(Failure::hccl(
+            HCCL_E_PARA,
+            format!(
+                "descNum {n} exceeds the {limit} ops one call accepts on {}",
+                runtime::soc_name().to_string_lossy()
+            ),
+        ));
     }
     let desc = hccl_ptr(desc, "desc")?;
     // SAFETY: the caller's array holds descNum entries (CANN contract).

@@ -507,6 +507,15 @@ pub(crate) fn register_mem(
         }
     }
     let mut st = lock(&c.state);
+    if st.registrations.len() >= crate::runtime::REGISTRATION_LIMIT {
+        return Err(Failure::hccl(
+            HCCL_E_UNAVAIL,
+            format!(
+                "this communicator already has {} registrations, the most it accepts",
+                st.registrations.len()
+            ),
+        ));
+    }
     let end = addr + size;
     let overlaps = st
         .registrations
@@ -767,11 +776,11 @@ pub(crate) fn disable_mem_access(
 /// Bytes per element of an `HcclDataType`.
 fn element_size(data_type: u32) -> Option<usize> {
     Some(match data_type {
-        0 | 7 => 1,          // INT8, UINT8
-        1 | 3 | 8 | 11 => 2, // INT16, FP16, UINT16, BFP16
-        2 | 4 | 9 => 4,      // INT32, FP32, UINT32
-        5 | 6 | 10 => 8,     // INT64, UINT64, FP64
-        12 => 16,            // INT128
+        0 | 7 | 14..=17 => 1, // INT8, UINT8, HIF8, FP8 (E4M3, E5M2, E8M0)
+        1 | 3 | 8 | 11 => 2,  // INT16, FP16, UINT16, BFP16
+        2 | 4 | 9 => 4,       // INT32, FP32, UINT32
+        5 | 6 | 10 => 8,      // INT64, UINT64, FP64
+        12 => 16,             // INT128
         _ => return None,
     })
 }

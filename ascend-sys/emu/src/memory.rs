@@ -47,6 +47,73 @@ pub(crate) fn memfd_name(pid: u32, id: u64) -> String {
     format!("ascend-emu-{pid}-{id}")
 }
 
+/// Allocations of at least this size start on a multiple of it, as the
+/// runtime's huge-page allocations do (HCCS wants 2 MiB-aligned memory).
+pub(crate) const HUGE_ALIGN: usize = 2 << 20;
+
+/// Maps `len` bytes of `fd` shared and read-write; at a `HUGE_ALIGN`
+/// boundary when `len` is at least that.
+fn map_aligned(fd: i32, len: usize) -> io::Result<usize> {
+    let map_fd_at = |at: *mut libc::c_void, flags: i32| {
+        // SAFETY: fd is a valid memfd of at least len bytes; `at` is either
+        // NULL (kernel's choice) or inside a reservation this function owns.
+        let p = unsafe {
+            libc::mmap(
+                at,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | flags,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(p as usize)
+        }
+    };
+    if len < HUGE_ALIGN {
+        return map_fd_at(std::ptr::null_mut(), 0);
+    }
+    // Reserve len + HUGE_ALIGN of address space, place the mapping on the
+    // first boundary inside it, and give back the slack on both sides.
+    let reserve_len = len + HUGE_ALIGN;
+    // SAFETY: an anonymous PROT_NONE reservation at a kernel-chosen address.
+    let reserve = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve_len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if reserve == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let start = reserve as usize;
+    let aligned = start.next_multiple_of(HUGE_ALIGN);
+    let placed = map_fd_at(aligned as *mut libc::c_void, libc::MAP_FIXED);
+    let (keep_from, keep_len) = match placed {
+        Ok(_) => (aligned, len),
+        Err(_) => (start, 0),
+    };
+    let tail = keep_from + keep_len;
+    // SAFETY: both ranges lie inside the reservation made above and hold
+    // nothing of ours (the mapping, if placed, is [keep_from, tail)).
+    unsafe {
+        if keep_from > start {
+            libc::munmap(start as *mut libc::c_void, keep_from - start);
+        }
+        if start + reserve_len > tail {
+            libc::munmap(tail as *mut libc::c_void, start + reserve_len - tail);
+        }
+    }
+    placed
+}
+
 impl Region {
     /// Creates and maps a zero-filled region of `len` bytes.
     pub(crate) fn create(id: u64, len: usize, placement: Placement) -> io::Result<Region> {
@@ -66,23 +133,10 @@ impl Region {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: mapping a valid fd of at least map_len bytes at a kernel-chosen address.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        let ptr = map_aligned(fd.as_raw_fd(), map_len)?;
         Ok(Region {
             id,
-            base: ptr as usize,
+            base: ptr,
             len,
             map_len,
             fd,

@@ -18,6 +18,53 @@ const DEFAULT_DEVICE_COUNT: u32 = 8;
 /// Default bytes per emulated device (override: `ASCEND_EMU_DEVICE_MEMORY`).
 const DEFAULT_DEVICE_MEMORY: usize = 16 << 30;
 
+/// SoC the emulator reports (override: `ASCEND_EMU_SOC_NAME`). It picks the
+/// HCCL limits the emulator enforces, as the SoC does on real hardware.
+const DEFAULT_SOC_NAME: &str = "Ascend910B3";
+
+/// Ops one `HcclBatchPut`/`HcclBatchGet` call accepts on Atlas A2/A3 SoCs.
+pub(crate) const BATCH_OP_LIMIT: usize = 256;
+/// Ops per call on the Ascend 950 generation.
+pub(crate) const BATCH_OP_LIMIT_950: usize = 64;
+/// Live `HcclRegisterMem` registrations one communicator accepts.
+pub(crate) const REGISTRATION_LIMIT: usize = 256;
+
+/// The SoC name `aclrtGetSocName` returns (NUL-terminated, lives forever).
+pub(crate) fn soc_name() -> &'static CStr {
+    static NAME: OnceLock<std::ffi::CString> = OnceLock::new();
+    NAME.get_or_init(|| {
+        let name = std::env::var("ASCEND_EMU_SOC_NAME")
+            .ok()
+            .filter(|n| !n.is_empty() && !n.contains('\0'))
+            .unwrap_or_else(|| DEFAULT_SOC_NAME.to_string());
+        std::ffi::CString::new(name).unwrap_or_default()
+    })
+}
+
+/// The per-call op limit of the emulated SoC.
+pub(crate) fn batch_op_limit() -> usize {
+    if soc_name().to_bytes().starts_with(b"Ascend950") {
+        BATCH_OP_LIMIT_950
+    } else {
+        BATCH_OP_LIMIT
+    }
+}
+
+/// Free and total bytes of the current device (`aclrtGetMemInfo`; every
+/// memory kind is the one emulated device memory).
+pub(crate) fn mem_info(attr: u32) -> Result<(usize, usize), Failure> {
+    if attr > 9 {
+        return Err(Failure::acl(
+            ACL_ERROR_INVALID_PARAM,
+            format!("unknown memory attribute {attr}"),
+        ));
+    }
+    let device = current_device()?;
+    let st = runtime().initialized()?;
+    let used = st.regions.device_bytes(device).min(st.device_memory);
+    Ok((st.device_memory - used, st.device_memory))
+}
+
 /// `aclrtMemcpyKind` values.
 pub(crate) const MEMCPY_HOST_TO_HOST: u32 = 0;
 pub(crate) const MEMCPY_HOST_TO_DEVICE: u32 = 1;

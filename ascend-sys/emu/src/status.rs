@@ -28,6 +28,7 @@ pub(crate) const HCCL_E_PTR: u32 = 2;
 pub(crate) const HCCL_E_INTERNAL: u32 = 4;
 pub(crate) const HCCL_E_NOT_SUPPORT: u32 = 5;
 pub(crate) const HCCL_E_NOT_FOUND: u32 = 6;
+pub(crate) const HCCL_E_UNAVAIL: u32 = 7;
 pub(crate) const HCCL_E_SYSCALL: u32 = 8;
 pub(crate) const HCCL_E_TIMEOUT: u32 = 9;
 pub(crate) const HCCL_E_TCP_CONNECT: u32 = 11;

@@ -20,13 +20,16 @@ use std::process::ExitCode;
 
 use bindgen::{Builder, EnumVariation, Formatter};
 
-/// ACL runtime functions the product calls (all required at load time).
+/// ACL runtime functions the product calls (required at load time unless
+/// `loader.rs` says otherwise).
 const ACL_FUNCTIONS: &[&str] = &[
     "aclInit",
     "aclFinalize",
     "aclrtSetDevice",
     "aclrtResetDevice",
     "aclrtGetDeviceCount",
+    "aclrtGetSocName",
+    "aclrtGetMemInfo",
     "aclrtMalloc",
     "aclrtFree",
     "aclrtMallocHost",
@@ -68,6 +71,7 @@ const TYPES: &[&str] = &[
     "aclrtMemcpyKind",
     "aclrtMemMallocPolicy",
     "aclrtEventRecordedStatus",
+    "aclrtMemAttr",
     "HcclResult",
     "HcclDataType",
     "HcclMemType",
