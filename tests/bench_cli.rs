@@ -449,3 +449,86 @@ fn a_worker_dying_mid_run_fails_the_run_quickly_and_names_it() {
     assert!(err.contains("exited before finishing"), "{err}");
     let _ = std::fs::remove_file(cfg);
 }
+
+#[test]
+fn selftest_passes_on_the_emulator_and_names_it() {
+    let json = tmp("selftest.json");
+    let out = bench()
+        .args(["selftest", "--emulator", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("on the CANN EMULATOR"), "{text}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["runtime"], "emulator");
+    assert_eq!(doc["passed"], true);
+    let steps = doc["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 8);
+    for s in steps {
+        assert_eq!(s["result"], "pass", "{s}");
+    }
+    let hccl = steps
+        .iter()
+        .find(|s| s["name"].as_str().unwrap().starts_with("HCCL"))
+        .unwrap();
+    // One batch above the 256-op limit of the emulated SoC, verified.
+    assert!(
+        hccl["detail"].as_str().unwrap().contains("300 ops"),
+        "{hccl}"
+    );
+    let _ = std::fs::remove_file(json);
+}
+
+#[test]
+fn selftest_without_cann_fails_listing_the_paths_tried() {
+    let out = bench()
+        .env("ASCEND_PD_CANN_LIB_DIR", "/nonexistent/cann/lib64")
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("ASCEND_TOOLKIT_HOME")
+        .args(["selftest"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("/nonexistent/cann/lib64/libascendcl.so: directory does not exist"),
+        "{text}"
+    );
+    assert!(text.contains("--emulator"), "names the way out: {text}");
+    assert!(text.contains("selftest FAILED"), "{text}");
+}
+
+#[test]
+fn an_hccl_batch_above_the_op_limit_moves_every_byte_through_the_channel() {
+    // 300 pages in one write and one read: the channel submits them as one
+    // batch, which ascend-sys splits at the emulated SoC's 256-op limit.
+    for op in ["write", "read"] {
+        let out = bench()
+            .env("ASCEND_PD_CANN_LIB_DIR", "emulator")
+            .args([
+                "channel",
+                "--channel=hccl",
+                "--device=npu",
+                "--chunks=300",
+                "--chunk-bytes=4096",
+                "--reps=1",
+                &format!("--op={op}"),
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("verified  every byte"), "{text}");
+        assert!(text.contains("CANN emulator"), "{text}");
+    }
+}

@@ -12,6 +12,7 @@ mod metrics;
 mod report;
 mod roles;
 mod run;
+mod selftest;
 
 use std::process::ExitCode;
 
@@ -40,11 +41,19 @@ commands:
           [--chunk-bytes N] [--chunks M] [--reps R] [--json FILE]
                          transfer-channel micro-benchmark between two processes,
                          with a same-run baseline (memcpy for shm/hccl, one TCP stream
-                         for tcp); hccl and npu pools need CANN or the emulator
-                         (ASCEND_PD_CANN_LIB_DIR)
+                         for tcp); hccl and npu pools need CANN or --emulator
+  selftest [--devices A,B] [--json FILE]
+                         checks in order what ascend-pd needs from CANN (libraries,
+                         devices, 2 MiB allocations, copies, stream/event ordering,
+                         two-process HCCL one-sided put/get above the per-call op
+                         limit, tcp staging an NPU pool, a 1P1D hccl run); prints
+                         pass/fail with the runtime's text and the likely fix
   check-config FILE...   validate configs, print the effective values (defaults filled in)
   help                   this text
 
+--emulator (any command) uses the CANN emulator instead of CANN, as does
+ASCEND_PD_CANN_LIB_DIR=emulator; it needs the emulator built (`cargo build
+--release` builds it). Whatever it serves is reported as the emulator.
 --metrics-port serves counters in Prometheus text format at http://HOST:PORT/metrics.
 Long-running processes stop cleanly on SIGINT / SIGTERM.";
 
@@ -59,7 +68,15 @@ fn main() -> ExitCode {
     // The library logs through `log`; ASCEND_PD_LOG takes env_logger filters
     // ("debug", "ascend_pd=debug", "off"), warnings by default.
     env_logger::Builder::from_env(env_logger::Env::new().filter_or("ASCEND_PD_LOG", "warn")).init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--emulator` anywhere: load the CANN emulator, here and in every
+    // process this one starts (they inherit the environment).
+    let before = args.len();
+    args.retain(|a| a != "--emulator");
+    if args.len() != before {
+        // Single-threaded here: nothing else reads the environment yet.
+        std::env::set_var(ascend_sys::LIB_DIR_ENV, ascend_sys::emulator::LIB_DIR_VALUE);
+    }
     // No command, or flags without one (`ascend-bench --json F`), means `run`.
     let (cmd, rest) = match args.split_first() {
         Some((c, r)) if !c.starts_with("--") || c == "--help" => (c.as_str(), r),
@@ -72,6 +89,8 @@ fn main() -> ExitCode {
         "proxy" => report(roles::proxy_main(rest)),
         "channel" => report(channel::bench_main(rest)),
         "channel-peer" => report(channel::peer_main(rest).map(|()| true)),
+        "selftest" => report(selftest::selftest_main(rest)),
+        "selftest-peer" => report(selftest::peer_main(rest).map(|()| true)),
         "check-config" => {
             if rest.is_empty() {
                 eprintln!("error: check-config needs at least one FILE\n\n{USAGE}");
