@@ -2,7 +2,7 @@
 # Binding drift check: regenerate ascend-sys/src/sys.rs with bindgen and fail
 # if it differs from the committed file. Generation reads real CANN headers
 # when ASCEND_HOME_PATH / ASCEND_TOOLKIT_HOME point at an install, otherwise
-# ascend-sys/include. Needs libclang at run time (installed here if missing).
+# ascend-sys/cann-headers. Needs libclang at run time (installed here if missing).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,4 +41,15 @@ if ! git diff --exit-code -- "$bindings"; then
     echo "  run 'cargo run -p ascend-sys-gen' and commit the result" >&2
     exit 1
 fi
-echo "check-bindings: $bindings matches its headers"
+# The same tree as an install (ASCEND_HOME_PATH): the real-header path
+# must give the same bindings.
+fake_home="$(mktemp -d)"
+trap 'rm -rf "$fake_home"' EXIT
+cp -r ascend-sys/cann-headers/. "$fake_home/"
+ASCEND_HOME_PATH="$fake_home" cargo run --quiet --locked -p ascend-sys-gen -- --out "$fake_home/sys.rs"
+if ! cmp -s "$bindings" "$fake_home/sys.rs"; then
+    echo "check-bindings: generating from ASCEND_HOME_PATH (a CANN 8.5 layout) differs:" >&2
+    diff "$bindings" "$fake_home/sys.rs" | head -20 >&2
+    exit 1
+fi
+echo "check-bindings: $bindings matches its headers (as a tree and as ASCEND_HOME_PATH)"

@@ -35,7 +35,7 @@ use crate::sys;
 /// Size of an HCCL root info in bytes.
 pub const ROOT_INFO_LEN: usize = sys::HCCL_ROOT_INFO_BYTES as usize;
 /// Size of an HCCL memory descriptor in bytes.
-pub const MEM_DESCRIPTOR_LEN: usize = sys::HCCL_MEM_DESC_BYTES as usize;
+pub const MEM_DESCRIPTOR_LEN: usize = sys::HCCL_MEM_DESC_LENGTH as usize + 1;
 
 /// The rendezvous blob rank 0 creates and every rank passes to
 /// [`Comm::init_two_ranks`]. Opaque; send it as bytes.

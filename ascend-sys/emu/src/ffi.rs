@@ -1,10 +1,10 @@
 //! The exported C symbols: the ACL runtime and HCCL subset declared in
-//! ascend-sys/include, with CANN's signatures. Each entry point checks its
+//! ascend-sys/cann-headers, with CANN's signatures. Each entry point checks its
 //! pointers, converts arguments and calls into `runtime` / `hccl`; none of
 //! them calls another exported symbol (a host program could interpose those).
 
 // The C contract of every function is CANN's, documented in
-// ascend-sys/include; the emulator checks what it can (NULL, handles,
+// ascend-sys/cann-headers; the emulator checks what it can (NULL, handles,
 // address ranges) and otherwise trusts pointers exactly as CANN does.
 #![allow(clippy::missing_safety_doc)]
 

@@ -1,7 +1,7 @@
 //! Status codes the emulator returns and the per-thread "recent error" text
 //! behind `aclGetRecentErrMsg`.
 //!
-//! Values are the ones CANN publishes (see ascend-sys/include). HCCL failures
+//! Values are the ones CANN publishes (see ascend-sys/cann-headers). HCCL failures
 //! also leave their text here, as CANN's shared error manager does.
 
 use std::cell::RefCell;

@@ -1,8 +1,16 @@
 //! Regenerates `ascend-sys/src/sys.rs`, the committed bindgen output.
 //!
-//! Source headers: the real CANN headers when `ASCEND_HOME_PATH` or
-//! `ASCEND_TOOLKIT_HOME` points at an install that has `include/acl/acl.h`,
-//! otherwise our own declarations in `ascend-sys/include`.
+//! Source headers: a CANN install when `ASCEND_HOME_PATH` or
+//! `ASCEND_TOOLKIT_HOME` points at one that has `include/acl/acl.h`,
+//! otherwise our own declarations in `ascend-sys/cann-headers`, laid out as
+//! a CANN 8.5 install is: `include/acl/acl.h` (with the runtime's
+//! `ACL_ERROR_RT_*` codes as macros in `include/acl/error_codes/`),
+//! `include/hccl/{hccl,hccl_types}.h`, and the one-sided API in
+//! `pkg_inc/hccl/hccl_one_sided_services.h`, which includes a
+//! `hccl_mem_defs.h` the package does not install (`gen/shim` supplies
+//! ours when the tree has none). Both are read by the same code, so CI's
+//! drift check exercises the real-header path. Older installs that declare
+//! the one-sided API under `include/hccl` are found too.
 //!
 //! The output has three parts: the types and constants, then one
 //! dynamic-loading struct per library (`AclLib` over libascendcl.so and
@@ -104,7 +112,7 @@ const VARS: &[&str] = &[
     "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT",
     "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT",
     "HCCL_ROOT_INFO_BYTES",
-    "HCCL_MEM_DESC_BYTES",
+    "HCCL_MEM_DESC_LENGTH",
 ];
 
 const PREAMBLE: &str = "\
@@ -113,12 +121,11 @@ const PREAMBLE: &str = "\
 // ascend-sys/check-bindings.sh.
 ";
 
-/// Where the declarations come from.
-enum Source {
-    /// Our own headers in `ascend-sys/include`.
-    Ours { include: PathBuf },
-    /// A CANN install's `include` directory.
-    Cann { include: PathBuf },
+/// Where the declarations come from: the root of a CANN install (or of our
+/// own tree laid out like one) and what to call it in messages.
+struct Source {
+    root: PathBuf,
+    what: String,
 }
 
 fn exact(names: &[&str]) -> String {
@@ -128,25 +135,35 @@ fn exact(names: &[&str]) -> String {
 fn find_source(crate_dir: &Path) -> Source {
     for var in ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"] {
         if let Some(root) = env::var_os(var).filter(|v| !v.is_empty()) {
-            let include = PathBuf::from(root).join("include");
-            if include.join("acl/acl.h").is_file() {
-                return Source::Cann { include };
+            let root = PathBuf::from(root);
+            if root.join("include/acl/acl.h").is_file() {
+                return Source {
+                    what: format!("CANN headers under {} (${var})", root.display()),
+                    root,
+                };
             }
             eprintln!(
-                "note: {var} is set but {} has no acl/acl.h; using ascend-sys/include",
-                include.display()
+                "note: {var} is set but {} has no include/acl/acl.h; using ascend-sys/cann-headers",
+                root.display()
             );
         }
     }
-    Source::Ours {
-        include: crate_dir.join("include"),
+    let root = crate_dir.join("cann-headers");
+    Source {
+        what: format!("our declarations under {}", root.display()),
+        root,
     }
 }
 
-/// A header under `include/hccl` that declares the one-sided API, if the install has one.
-fn find_one_sided_header(include: &Path) -> Option<PathBuf> {
-    let dir = include.join("hccl");
-    let mut entries: Vec<PathBuf> = fs::read_dir(dir)
+/// The header that declares the one-sided API: CANN 8.5's
+/// `pkg_inc/hccl/hccl_one_sided_services.h`, else any header under
+/// `include/hccl` that declares `HcclBatchPut` (older layouts).
+fn find_one_sided_header(root: &Path) -> Option<PathBuf> {
+    let pkg = root.join("pkg_inc/hccl/hccl_one_sided_services.h");
+    if pkg.is_file() {
+        return Some(pkg);
+    }
+    let mut entries: Vec<PathBuf> = fs::read_dir(root.join("include/hccl"))
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "h"))
@@ -159,26 +176,50 @@ fn find_one_sided_header(include: &Path) -> Option<PathBuf> {
     })
 }
 
-/// Writes the wrapper header bindgen parses and returns its path plus clang include args.
-fn wrapper(source: &Source, scratch: &Path) -> std::io::Result<(PathBuf, Vec<String>)> {
-    let (text, include) = match source {
-        Source::Ours { include } => ("#include \"ascend_pd_hccl.h\"\n".to_string(), include),
-        Source::Cann { include } => {
-            let mut text = String::from("#include <acl/acl.h>\n#include <hccl/hccl.h>\n");
-            match find_one_sided_header(include) {
-                Some(h) => text.push_str(&format!("#include \"{}\"\n", h.display())),
-                None => eprintln!(
-                    "note: no header under {}/hccl declares HcclBatchPut; the one-sided \
-                     functions will be missing from the output",
-                    include.display()
-                ),
-            }
-            (text, include)
-        }
-    };
+/// Writes the wrapper header bindgen parses; returns its path and the
+/// clang include arguments (the shim directory last, so an install's own
+/// `hccl_mem_defs.h` wins).
+fn wrapper(
+    source: &Source,
+    shim: &Path,
+    scratch: &Path,
+) -> std::io::Result<(PathBuf, Vec<String>)> {
+    let mut text = String::from("#include <acl/acl.h>\n#include <hccl/hccl.h>\n");
+    match find_one_sided_header(&source.root) {
+        Some(h) => text.push_str(&format!("#include \"{}\"\n", h.display())),
+        None => eprintln!(
+            "note: neither pkg_inc/hccl/hccl_one_sided_services.h nor a header under \
+             include/hccl declares HcclBatchPut in {}; the one-sided functions will be \
+             missing from the output",
+            source.root.display()
+        ),
+    }
     let path = scratch.join("ascend_pd_bindgen_wrapper.h");
     fs::write(&path, text)?;
-    Ok((path, vec![format!("-I{}", include.display())]))
+    let dirs = [
+        source.root.join("include"),
+        source.root.join("include/hccl"),
+        source.root.join("pkg_inc"),
+        source.root.join("pkg_inc/hccl"),
+        shim.to_path_buf(),
+    ];
+    Ok((
+        path,
+        dirs.iter().map(|d| format!("-I{}", d.display())).collect(),
+    ))
+}
+
+/// Gives the ACL status macros (`#define ACL_ERROR_RT_... 107000` in CANN
+/// 8.5) the C type of `aclError`, as the `static const int` codes have, so
+/// every code is an `i32` whichever form the headers use.
+#[derive(Debug)]
+struct AclCodesAreInt;
+
+impl bindgen::callbacks::ParseCallbacks for AclCodesAreInt {
+    fn int_macro(&self, name: &str, _value: i64) -> Option<bindgen::callbacks::IntKind> {
+        name.starts_with("ACL_")
+            .then_some(bindgen::callbacks::IntKind::Int)
+    }
 }
 
 fn base_builder(header: &Path, clang_args: &[String]) -> Builder {
@@ -194,10 +235,15 @@ fn base_builder(header: &Path, clang_args: &[String]) -> Builder {
         .derive_debug(false)
         .generate_comments(false)
         .use_core()
+        .parse_callbacks(Box::new(AclCodesAreInt))
 }
 
-fn generate(source: &Source, scratch: &Path) -> Result<String, Box<dyn std::error::Error>> {
-    let (header, args) = wrapper(source, scratch)?;
+fn generate(
+    source: &Source,
+    shim: &Path,
+    scratch: &Path,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let (header, args) = wrapper(source, shim, scratch)?;
 
     let types = base_builder(&header, &args)
         .allowlist_type(exact(TYPES))
@@ -257,18 +303,14 @@ fn main() -> ExitCode {
     }
 
     let source = find_source(&crate_dir);
-    match &source {
-        Source::Ours { include } => eprintln!("generating from {}", include.display()),
-        Source::Cann { include } => {
-            eprintln!("generating from CANN headers in {}", include.display())
-        }
-    }
+    eprintln!("generating from {}", source.what);
+    let shim = crate_dir.join("gen/shim");
     let scratch = env::temp_dir().join(format!("ascend-sys-gen-{}", std::process::id()));
     if let Err(e) = fs::create_dir_all(&scratch) {
         eprintln!("cannot create {}: {e}", scratch.display());
         return ExitCode::FAILURE;
     }
-    let result = generate(&source, &scratch);
+    let result = generate(&source, &shim, &scratch);
     let _ = fs::remove_dir_all(&scratch);
     match result.and_then(|text| fs::write(&out, text).map_err(Into::into)) {
         Ok(()) => {

@@ -405,10 +405,16 @@ fn hccl_rank0(acl: &Acl, d0: u32, d1: u32) -> Result<String> {
             comm.register_host_buffer(&host)?,
         ];
         let remote = comm.exchange_descriptors(&regs.iter().collect::<Vec<_>>(), 4)?;
-        let peer = remote
-            .first()
-            .ok_or_else(|| anyhow!("the peer registered no memory"))?;
-        let peer = comm.enable_access(peer)?;
+        // Both ranks enable every region of the other, in order (over HCCS
+        // this is an exchange both must make); the first is the target.
+        let mut enabled = remote
+            .iter()
+            .map(|d| comm.enable_access(d))
+            .collect::<Result<Vec<_>, _>>()?;
+        if enabled.is_empty() {
+            bail!("the peer registered no memory");
+        }
+        let peer = enabled.swap_remove(0);
         if peer.len() < span as u64 {
             bail!("the peer registered {} bytes, {span} needed", peer.len());
         }
@@ -424,7 +430,7 @@ fn hccl_rank0(acl: &Acl, d0: u32, d1: u32) -> Result<String> {
         lines.push("host-memory put ok".into());
         // Barrier: the peer may leave once we are done with its memory.
         comm.exchange_descriptors(&[], 0)?;
-        drop((peer, regs));
+        drop((peer, enabled, regs));
         Ok(format!(
             "devices {d0}<->{d1}, {OP_BYTES}-byte ops, limit {limit} per call: {} (put + get, verified)",
             lines.join(", ")
@@ -506,10 +512,22 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     let dev = Acl::init()?.device(device)?;
     let comm = Comm::init_two_ranks(&dev, &root, 1)?;
     let span = (comm.batch_op_limit() + 44) * OP_BYTES;
-    let mem = Arc::new(dev.alloc(span)?);
-    let reg = comm.register_device_buffer(&mem)?;
-    comm.exchange_descriptors(&[&reg], 4)?;
+    // Three regions, as rank 0 registers; the first is what it writes.
+    let target = Arc::new(dev.alloc(span)?);
+    let spare = Arc::new(dev.alloc(span)?);
+    let host = Arc::new(dev.alloc_host(span)?);
+    let regs = [
+        comm.register_device_buffer(&target)?,
+        comm.register_device_buffer(&spare)?,
+        comm.register_host_buffer(&host)?,
+    ];
+    let remote = comm.exchange_descriptors(&regs.iter().collect::<Vec<_>>(), 4)?;
+    let enabled = remote
+        .iter()
+        .map(|d| comm.enable_access(d))
+        .collect::<Result<Vec<_>, _>>()?;
     comm.exchange_descriptors(&[], 0)?;
+    drop((enabled, regs));
     println!("done");
     std::io::stdout().flush()?;
     Ok(())

@@ -2,13 +2,17 @@
  * ascend-pd: our own declarations of the subset of the CANN ACL runtime
  * (libascendcl.so) that ascend-pd calls. Written from the public ACL
  * runtime API reference; names, values and signatures follow CANN so the
- * generated bindings load a real libascendcl.so unchanged.
+ * generated bindings load a real libascendcl.so unchanged. The files under
+ * ascend-sys/cann-headers sit where a CANN 8.5 install has them, so the
+ * generator reads this tree and a real install the same way.
  */
 #ifndef ASCEND_PD_ACL_H
 #define ASCEND_PD_ACL_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "error_codes/rt_error_codes.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -21,7 +25,8 @@ typedef int aclError;
 typedef void *aclrtStream;
 typedef void *aclrtEvent;
 
-/* Status codes used by ascend-pd (values as published by CANN). */
+/* Generic status codes used by ascend-pd (values as published by CANN;
+ * the runtime's ACL_ERROR_RT_* are in error_codes/rt_error_codes.h). */
 static const int ACL_SUCCESS = 0;
 static const int ACL_ERROR_INVALID_PARAM = 100000;
 static const int ACL_ERROR_UNINITIALIZE = 100001;
@@ -29,17 +34,6 @@ static const int ACL_ERROR_REPEAT_INITIALIZE = 100002;
 static const int ACL_ERROR_INVALID_FILE = 100003;
 static const int ACL_ERROR_REPEAT_FINALIZE = 100037;
 static const int ACL_ERROR_BAD_ALLOC = 200000;
-static const int ACL_ERROR_RT_PARAM_INVALID = 107000;
-static const int ACL_ERROR_RT_INVALID_DEVICEID = 107001;
-static const int ACL_ERROR_RT_CONTEXT_NULL = 107002;
-static const int ACL_ERROR_RT_STREAM_CONTEXT = 107003;
-static const int ACL_ERROR_RT_INVALID_HANDLE = 107017;
-static const int ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000;
-static const int ACL_ERROR_RT_MEMORY_ALLOCATION = 207001;
-static const int ACL_ERROR_RT_MEMORY_FREE = 207002;
-static const int ACL_ERROR_RT_INTERNAL_ERROR = 507000;
-static const int ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046;
-static const int ACL_ERROR_RT_EVENT_SYNC_TIMEOUT = 507047;
 
 /* Direction of a copy. */
 typedef enum aclrtMemcpyKind {

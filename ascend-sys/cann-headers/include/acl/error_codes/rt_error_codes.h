@@ -1,0 +1,21 @@
+/*
+ * ascend-pd: our own declarations, in the place and form CANN 8.5 gives
+ * them: the runtime's ACL_ERROR_RT_* codes are macros in
+ * include/acl/error_codes/rt_error_codes.h. Values as CANN publishes them.
+ */
+#ifndef ASCEND_PD_RT_ERROR_CODES_H
+#define ASCEND_PD_RT_ERROR_CODES_H
+
+#define ACL_ERROR_RT_PARAM_INVALID 107000
+#define ACL_ERROR_RT_INVALID_DEVICEID 107001
+#define ACL_ERROR_RT_CONTEXT_NULL 107002
+#define ACL_ERROR_RT_STREAM_CONTEXT 107003
+#define ACL_ERROR_RT_INVALID_HANDLE 107017
+#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
+#define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+#define ACL_ERROR_RT_MEMORY_FREE 207002
+#define ACL_ERROR_RT_INTERNAL_ERROR 507000
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
+#define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
+
+#endif /* ASCEND_PD_RT_ERROR_CODES_H */
