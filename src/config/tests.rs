@@ -418,3 +418,20 @@ fn an_empty_or_overlong_peer_host_is_named() {
     expect_problem(&with_host(&long), "pd_peer_host", &["181 bytes", "255"]);
     ok(&with_host(&"h".repeat(MAX_HOST_BYTES)));
 }
+
+#[test]
+fn a_huge_finite_ttl_is_refused_naming_the_key_not_a_panic_later() {
+    // 1e18 s used to load and then overflow `Instant + ttl` at first use;
+    // 1e300 s used to be "too large for a duration".
+    for v in ["1e18", "1e300", "1000000001"] {
+        let ps = problems(&format!("{SENDER}pd_pull_pending_ttl: {v}\n"));
+        assert_eq!(ps.len(), 1, "{ps:?}");
+        assert_eq!(ps[0].key, "pd_pull_pending_ttl");
+        assert!(ps[0].to_string().contains("31-year"), "{}", ps[0]);
+    }
+    let c = ok(&format!("{RECEIVER}pd_alloc_fail_backoff_ttl: 1e9\n"));
+    let ttl = c.config.alloc_fail_backoff_ttl;
+    assert_eq!(ttl, Duration::from_secs(1_000_000_000));
+    // The longest accepted TTL is a valid deadline.
+    assert!(std::time::Instant::now().checked_add(ttl).is_some());
+}

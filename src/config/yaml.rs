@@ -7,6 +7,9 @@ use crate::layout::Dtype;
 use serde_yaml::{Mapping, Value};
 use std::time::Duration;
 
+/// Longest duration a config key may give, in seconds.
+const MAX_SECONDS: f64 = 1e9;
+
 /// Every key this backend reads. Anything else gets an "unknown key" warning.
 pub(crate) const KNOWN_KEYS: &[&str] = &[
     "enable_pd",
@@ -101,6 +104,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A duration key in seconds: at least 0 and at most [`MAX_SECONDS`].
     fn seconds(&mut self, key: &str, default: f64) -> Duration {
         let s = self.float(key, default);
         if s < 0.0 {
@@ -111,17 +115,17 @@ impl<'a> Reader<'a> {
             ));
             return Duration::from_secs_f64(default);
         }
-        match Duration::try_from_secs_f64(s) {
-            Ok(d) => d,
-            Err(_) => {
-                self.problems.push(ConfigProblem::new(
-                    key,
-                    format!("is {s}, too large for a duration"),
-                    "use a number of seconds below 1e18",
-                ));
-                Duration::from_secs_f64(default)
-            }
+        // Deadlines are `Instant + duration`, which panics on overflow; a
+        // billion seconds (about 31 years) is far beyond any useful TTL.
+        if s > MAX_SECONDS {
+            self.problems.push(ConfigProblem::new(
+                key,
+                format!("is {s} seconds, longer than the {MAX_SECONDS:e}-second (31-year) limit"),
+                "use a number of seconds up to 1e9",
+            ));
+            return Duration::from_secs_f64(default);
         }
+        Duration::from_secs_f64(s)
     }
 
     fn string(&mut self, key: &str) -> Option<String> {
