@@ -126,6 +126,16 @@ pub enum Error {
         /// The failing call's error, as text.
         cause: String,
     },
+    /// A batch was queued but could not be tracked, and the stream could
+    /// not be waited for: its memory may still be read or written by the
+    /// device. The caller must never reuse that memory.
+    #[error("{call} was queued but cannot be tracked ({cause}); its memory may still be in use")]
+    BatchInFlight {
+        /// `HcclBatchPut` or `HcclBatchGet`.
+        call: &'static str,
+        /// What failed.
+        cause: String,
+    },
     /// An argument was rejected before any library call was made.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

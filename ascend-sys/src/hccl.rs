@@ -493,6 +493,10 @@ impl Comm {
                 dataType: sys::HCCL_DATA_TYPE_UINT8,
             })
             .collect();
+        // The completion's event exists before any call is queued: once
+        // something is queued, failing to make it would leave work in flight
+        // that nothing tracks.
+        let event = self.inner.device.create_event()?;
         let mut queued = 0usize;
         let mut failure = None;
         {
@@ -549,7 +553,20 @@ impl Comm {
         hold.push(Arc::new(self.clone()) as Arc<dyn Any + Send + Sync>);
         // A partly queued batch still gets a real completion: the caller
         // must not reuse its memory before the queued calls have run.
-        stream.completion_holding(hold, failure)
+        match stream.record(&event) {
+            Ok(()) => Ok(Completion::new(event, hold, failure)),
+            Err(e) if queued == 0 => Err(e),
+            // Queued work and no event to track it: wait for the stream so
+            // the error means "nothing in flight"; if even that fails, say
+            // the memory may still be in use.
+            Err(e) => match stream.synchronize() {
+                Ok(()) => Err(e),
+                Err(sync) => Err(Error::BatchInFlight {
+                    call,
+                    cause: format!("{e}; then waiting for the stream failed: {sync}"),
+                }),
+            },
+        }
     }
 
     /// Queues writes of local memory into the peer's memory on `stream`

@@ -129,11 +129,7 @@ impl Stream {
     ) -> Result<Completion> {
         let event = self.inner.device.create_event()?;
         self.record(&event)?;
-        Ok(Completion {
-            event,
-            failure,
-            _hold: hold,
-        })
+        Ok(Completion::new(event, hold, failure))
     }
 
     /// Queues a raw copy (`aclrtMemcpyAsync`).
@@ -354,6 +350,19 @@ impl std::fmt::Debug for Completion {
 }
 
 impl Completion {
+    /// A completion of the work before `event` (already recorded).
+    pub(crate) fn new(
+        event: Event,
+        hold: Vec<Arc<dyn Any + Send + Sync>>,
+        failure: Option<Error>,
+    ) -> Completion {
+        Completion {
+            event,
+            failure,
+            _hold: hold,
+        }
+    }
+
     /// True once the work has finished.
     pub fn is_complete(&self) -> Result<bool> {
         self.event.is_complete()

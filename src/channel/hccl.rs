@@ -453,11 +453,25 @@ impl HcclChannel {
                 unsafe { link.comm.batch_get(&link.stream, &batch) },
             ),
         };
-        let done = done.map_err(npu_err(format!(
-            "{call} of {} op(s) with {}",
-            batch.len(),
-            p.node
-        )))?;
+        let context = format!("{call} of {} op(s) with {}", batch.len(), p.node);
+        let done = match done {
+            Ok(d) => d,
+            // Queued but untracked: the device may still use these pages.
+            // They stay quarantined for the life of the process rather
+            // than go back to a pool under a transfer.
+            Err(source @ ascend_sys::Error::BatchInFlight { .. }) => {
+                let (tx, completion) = Completion::pending(watch_ops(&ops));
+                let keep =
+                    Box::new(Batch { ops, tx }).abandon(Err(ChannelError::Npu { context, source }));
+                log::error!(
+                    "hccl batch with {} could not be tracked; its pages stay quarantined",
+                    p.node
+                );
+                std::mem::forget(keep);
+                return Ok(completion);
+            }
+            Err(e) => return Err(npu_err(context)(e)),
+        };
         let (tx, completion) = Completion::pending(watch_ops(&ops));
         let entry = InFlight {
             done,
@@ -616,6 +630,23 @@ struct Link {
 /// bytes; its closing (EOF or error) is the signal.
 struct Watch {
     stream: TcpStream,
+    /// The first terminal answer the socket gave. The kernel reports a
+    /// socket error once and then reads as EOF, so a keepalive timeout
+    /// (no proof) would look like a clean close (proof) on the next look:
+    /// the first answer is kept and every later question gets it.
+    end: std::sync::Mutex<Option<LinkEnd>>,
+}
+
+/// How a liveness link ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum LinkEnd {
+    /// EOF: the peer closed it (its process exited or detached).
+    Closed,
+    /// Reset by the peer's host: its process is gone.
+    Reset(String),
+    /// Anything else (a keepalive timeout in a partition): no proof the
+    /// peer stopped.
+    Failed(String),
 }
 
 impl Watch {
@@ -624,33 +655,51 @@ impl Watch {
         stream
             .set_nonblocking(true)
             .map_err(|e| format!("liveness link: {e}"))?;
-        Ok(Watch { stream })
+        Ok(Watch {
+            stream,
+            end: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// How the link ended, if it has; the first answer is remembered.
+    fn end(&self) -> Option<LinkEnd> {
+        let mut end = self.end.lock().unwrap_or_else(|e| e.into_inner());
+        if end.is_none() {
+            let mut b = [0u8; 1];
+            *end = match self.stream.peek(&mut b) {
+                Ok(0) => Some(LinkEnd::Closed),
+                Ok(_) => None,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => None,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                    Some(LinkEnd::Reset(e.to_string()))
+                }
+                Err(e) => Some(LinkEnd::Failed(e.to_string())),
+            };
+        }
+        end.clone()
     }
 
     /// `Err` with what was seen once the peer closed the link or it broke.
     fn check(&self) -> Result<(), String> {
-        let mut b = [0u8; 1];
-        match self.stream.peek(&mut b) {
-            Ok(0) => Err("its liveness link closed (the process exited or detached)".into()),
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
-            Err(e) => Err(format!("its liveness link failed: {e}")),
+        match self.end() {
+            None => Ok(()),
+            Some(LinkEnd::Closed) => {
+                Err("its liveness link closed (the process exited or detached)".into())
+            }
+            Some(LinkEnd::Reset(e) | LinkEnd::Failed(e)) => {
+                Err(format!("its liveness link failed: {e}"))
+            }
         }
     }
 
     /// Whether the peer closed its end, or its process is gone (reset):
     /// it can no longer touch our memory (see the module docs). A link
     /// that merely failed (a keepalive timeout in a network partition) is
-    /// no such proof: HCCL traffic may take another network, so its DMA
-    /// may still be queued.
+    /// no such proof, now or on any later look: HCCL traffic may take
+    /// another network, so its DMA may still be queued.
     fn peer_closed(&self) -> bool {
-        let mut b = [0u8; 1];
-        match self.stream.peek(&mut b) {
-            Ok(0) => true,
-            Err(e) => e.kind() == io::ErrorKind::ConnectionReset,
-            Ok(_) => false,
-        }
+        matches!(self.end(), Some(LinkEnd::Closed | LinkEnd::Reset(_)))
     }
 
     /// Closes our end for writing: the peer sees EOF, and we keep reading
@@ -1023,6 +1072,48 @@ impl Drop for WatchServer {
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
         if let Some(t) = self.accept.take() {
             let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod watch_tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (Watch, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        (Watch::new(ours).unwrap(), theirs)
+    }
+
+    #[test]
+    fn a_clean_close_is_proof_and_stays_so() {
+        let (w, theirs) = pair();
+        assert!(w.check().is_ok() && !w.peer_closed());
+        drop(theirs);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !w.peer_closed() {
+            assert!(Instant::now() < deadline, "EOF never seen");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(w.check().unwrap_err().contains("closed"));
+        assert!(w.peer_closed());
+    }
+
+    /// The kernel reports a keepalive timeout once, then reads EOF; the
+    /// first answer (no proof) must stand, or a partitioned writer's pages
+    /// would be freed on the next sweep.
+    #[test]
+    fn a_failed_link_never_turns_into_proof_on_a_later_look() {
+        let (w, theirs) = pair();
+        *w.end.lock().unwrap() = Some(LinkEnd::Failed("Connection timed out".into()));
+        drop(theirs);
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..3 {
+            assert!(!w.peer_closed());
+            assert!(w.check().unwrap_err().contains("timed out"));
         }
     }
 }
