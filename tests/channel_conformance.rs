@@ -9,7 +9,9 @@
 //! Ascend hardware.
 
 use ascend_pd::channel::handshake::{self, Hello};
-use ascend_pd::channel::{self as chan, ChannelError, PeerId, ReadOp, TransferChannel, WriteOp};
+use ascend_pd::channel::{
+    self as chan, ChannelError, GrantTag, PeerId, ReadOp, TransferChannel, WriteOp,
+};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
@@ -293,7 +295,11 @@ fn batches_of_1_to_64_ops_move_every_byte_both_ways() {
         let partial = PAGE / 3 + 5;
         let len = |i: usize| if i == 63 { partial } else { PAGE };
         l.channel
-            .write(pid, writes(&src, uuid, |i| i as u32, len))
+            .write(
+                pid,
+                GrantTag::UNTAGGED,
+                writes(&src, uuid, |i| i as u32, len),
+            )
             .unwrap();
         let back_pages: Vec<MemObj> = l.objs.drain(..64).collect();
         let back = l
@@ -383,7 +389,7 @@ fn bad_references_are_rejected_and_nothing_is_written() {
             ),
         ];
         for (ops, words) in cases {
-            let e = l.channel.write(pid, ops).unwrap_err();
+            let e = l.channel.write(pid, GrantTag::UNTAGGED, ops).unwrap_err();
             let text = e.to_string();
             assert!(
                 text.contains("op 1") && text.contains(words),
@@ -441,7 +447,11 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
         // Writes share their sealed sources, so many batches can be in flight.
         let ops = |n: usize| writes(&objs[..n], uuid, |i| i as u32, |_| 1 << 20);
         let mut inflight: Vec<_> = (0..8)
-            .map(|_| channel.submit_write(a.peer, ops(64)).unwrap())
+            .map(|_| {
+                channel
+                    .submit_write(a.peer, GrantTag::UNTAGGED, ops(64))
+                    .unwrap()
+            })
             .collect();
         std::thread::sleep(Duration::from_millis(5));
         peer.kill();
@@ -451,7 +461,7 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
         }
         // Whatever finished before the kill, the next batch must fail.
         let e = channel
-            .write(a.peer, ops(4))
+            .write(a.peer, GrantTag::UNTAGGED, ops(4))
             .expect_err("a batch to a dead peer must fail");
         assert!(
             matches!(
@@ -661,7 +671,11 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
             let partial = PAGE / 3 + 5;
             let len = |i: usize| if i == PAGES - 1 { partial } else { PAGE };
             l.channel
-                .write(pid, writes(&src, uuid, |i| i as u32, len))
+                .write(
+                    pid,
+                    GrantTag::UNTAGGED,
+                    writes(&src, uuid, |i| i as u32, len),
+                )
                 .unwrap();
             let back_pages: Vec<MemObj> = l.objs.drain(..PAGES).collect();
             let back = l
@@ -688,6 +702,7 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
                 .channel
                 .write(
                     pid,
+                    GrantTag::UNTAGGED,
                     writes(&src[..2], uuid, |i| (i * PAGES) as u32, |_| PAGE),
                 )
                 .unwrap_err();

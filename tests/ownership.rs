@@ -39,6 +39,9 @@ fn pool_stats(r: &Receiver) -> PoolStats {
 struct LateWriter {
     channel: Arc<dyn TransferChannel>,
     peer: chan::PeerId,
+    /// The receiver's hello (its table and transfer endpoint).
+    remote: Hello,
+    node: String,
     req: zmq::Socket,
     route: String,
     chunks: Vec<SealedMemObj>,
@@ -87,14 +90,12 @@ impl LateWriter {
         )
         .unwrap();
         let route = format!("{node}#1");
-        let req = ctx.socket(zmq::REQ).unwrap();
-        req.set_identity(route.as_bytes()).unwrap();
-        req.set_rcvtimeo(10_000).unwrap();
-        req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
-            .unwrap();
+        let req = route_socket(&ctx, rc, &route);
         LateWriter {
             channel,
             peer: a.peer,
+            remote: a.remote,
+            node,
             req,
             route,
             chunks: pages.into_iter().map(MemObj::seal).collect(),
@@ -130,13 +131,35 @@ impl LateWriter {
 
     /// The one-sided write into `refs`, whenever the test says.
     fn write(&self, refs: &[BufferRef]) -> Result<(), chan::ChannelError> {
-        let ops = self
-            .chunks
+        self.channel.write(self.peer, self.tag(), self.ops(0, refs))
+    }
+
+    /// Writes our chunks from `first` on into `refs`, under the current route.
+    fn write_from(&self, first: usize, refs: &[BufferRef]) -> Result<(), chan::ChannelError> {
+        self.channel
+            .write(self.peer, self.tag(), self.ops(first, refs))
+    }
+
+    /// Writes of our chunks from `first` on into `refs`.
+    fn ops(&self, first: usize, refs: &[BufferRef]) -> Vec<WriteOp> {
+        self.chunks[first..]
             .iter()
             .zip(refs)
             .map(|(c, r)| WriteOp::chunk(c.clone(), *r))
-            .collect();
-        self.channel.write(self.peer, ops)
+            .collect()
+    }
+
+    /// The grant tag of the current route's allocation.
+    fn tag(&self) -> chan::GrantTag {
+        chan::GrantTag::of_route(&self.route).expect("<node>#<n>")
+    }
+
+    /// A new request socket on the next route, as a real sender opens
+    /// after a write that did not land.
+    fn next_route(&mut self, rc: &PdConfig) {
+        let n: u64 = self.route.rsplit_once('#').unwrap().1.parse().unwrap();
+        self.route = format!("{}#{}", self.node, n + 1);
+        self.req = route_socket(&self._ctx, rc, &self.route);
     }
 
     /// The notice ending the allocation of `refs`; the receiver's answer.
@@ -149,6 +172,16 @@ impl LateWriter {
         self.req.send(n.encode(), 0).unwrap();
         notice::decode_reply(&self.req.recv_bytes(0).unwrap()).unwrap()
     }
+}
+
+/// A REQ socket to the receiver's allocation port, named `route`.
+fn route_socket(ctx: &zmq::Context, rc: &PdConfig, route: &str) -> zmq::Socket {
+    let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_identity(route.as_bytes()).unwrap();
+    req.set_rcvtimeo(10_000).unwrap();
+    req.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
+        .unwrap();
+    req
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -240,6 +273,140 @@ fn a_push_write_delayed_past_the_landing_timeout_never_changes_another_requests_
             "{kind:?}"
         );
     }
+}
+
+/// A TCP relay that passes a connection's first `pass` bytes (the tcp
+/// channel's hello) and holds the rest until released: a connection whose
+/// queued bytes reach the server late, as they do when a client gives up
+/// on a connection (or the network stalls) after writing them.
+struct HoldingRelay {
+    addr: std::net::SocketAddr,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    release: std::sync::mpsc::Sender<()>,
+}
+
+impl HoldingRelay {
+    fn start(target: std::net::SocketAddr, pass: usize) -> HoldingRelay {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let counted = Arc::clone(&held);
+        std::thread::spawn(move || {
+            let (mut client, _) = listener.accept().unwrap();
+            let mut server = std::net::TcpStream::connect(target).unwrap();
+            let (mut back_from, mut back_to) =
+                (server.try_clone().unwrap(), client.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut back_from, &mut back_to);
+                let _ = back_to.shutdown(std::net::Shutdown::Write);
+            });
+            let mut hello = vec![0u8; pass];
+            client.read_exact(&mut hello).unwrap();
+            server.write_all(&hello).unwrap();
+            // Everything after the hello waits in here until released.
+            let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n @ 1..) = client.read(&mut buf) {
+                    counted.fetch_add(n, Ordering::SeqCst);
+                    if tx.send(buf[..n].to_vec()).is_err() {
+                        break;
+                    }
+                }
+            });
+            let _ = released.recv();
+            for bytes in rx {
+                if server.write_all(&bytes).is_err() {
+                    break;
+                }
+            }
+            let _ = server.shutdown(std::net::Shutdown::Write);
+        });
+        HoldingRelay {
+            addr,
+            held,
+            release,
+        }
+    }
+
+    fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Review finding (tcp). A writer's request for page P sat unread on a
+/// connection (the writer gave up on it: a timeout, a stalled network),
+/// the writer reported its push aborted, and the receiver — its server
+/// thread idle between requests — gave P back and granted it to the same
+/// writer for its next push. The old request, delivered late, named the
+/// right node, page and access, and its stale bytes landed over the new
+/// push's. Now every write carries its allocation's tag (the route's
+/// number, never reused after a write that did not land), and the late
+/// one is refused: the new push keeps every byte.
+#[test]
+fn a_write_delivered_late_on_a_dropped_tcp_connection_never_lands_under_the_pages_next_grant() {
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 1);
+    let r = Receiver::start(&rc, 0).unwrap();
+    let ks = keys("relayed", 2);
+    let mut w = LateWriter::start(ChannelKind::Tcp, &rc, &ks, 21);
+    let chan::Endpoint::Tcp { addr } = &w.remote.endpoint else {
+        panic!("a tcp receiver advertises a tcp endpoint")
+    };
+    let relay = HoldingRelay::start(addr.parse().unwrap(), 6 + w.node.len());
+    let relayed = w
+        .channel
+        .attach(
+            "receiver-via-relay",
+            &w.remote.buffers,
+            &chan::Endpoint::Tcp {
+                addr: relay.addr.to_string(),
+            },
+        )
+        .unwrap();
+
+    // Push 1 (route #1): its write of chunk 0 is stuck in the relay.
+    let first = w.allocate(&rc, &ks[..1]);
+    let stale = w
+        .channel
+        .submit_write(relayed, w.tag(), w.ops(0, &first))
+        .unwrap();
+    let page = rc.chunk_layout().page_bytes();
+    wait_until("the stale write to be queued", || relay.held() >= page);
+    assert_eq!(w.notice(PushOutcome::Aborted, &first), Ok(()));
+    wait_until("the aborted page to return", || {
+        pool_stats(&r).allocated == 0
+    });
+
+    // Push 2 (route #2) gets the same page and writes chunk 1 into it.
+    w.next_route(&rc);
+    let second = w.allocate(&rc, &ks[1..]);
+    assert_eq!(second, first, "a one-page pool grants the same page again");
+    w.write_from(1, &second).unwrap();
+
+    // Now the stale request arrives: refused, counted, nothing written.
+    let refused = r.stats().grants.refused;
+    relay.release.send(()).unwrap();
+    let late = stale.wait();
+    let e = late.result.expect_err("the stale write must be refused");
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert_eq!(r.stats().grants.refused, refused + 1);
+    drop(late.pages);
+
+    assert_eq!(w.notice(PushOutcome::Landed, &second), Ok(()));
+    let got = r.get_wait(&ks[1], Duration::from_secs(10)).expect("landed");
+    let want = pattern::page_seed(21, 1);
+    assert_eq!(
+        pattern::first_mismatch(got.host_bytes().unwrap(), want),
+        None,
+        "the second push's bytes changed"
+    );
+    drop(got);
+    assert!(r.remove(&ks[1]));
+    let st = pool_stats(&r);
+    assert_eq!((st.allocated, st.pinned, st.quarantined), (0, 0, 0));
 }
 
 /// A revoked grant whose writer never reports: its pages come back only

@@ -7,7 +7,7 @@
 mod common;
 
 use ascend_pd::backend::{MessageKind, Receiver, Sender};
-use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access};
+use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access, GrantTag};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
@@ -395,7 +395,8 @@ impl ScriptedSender {
             handshake::connect(&ctx, &init, ch.as_ref(), &hello, Duration::from_secs(10)).unwrap();
         // The receiver may read exactly the announced pages.
         let refs: Vec<_> = pages.iter().map(|p| p.buffer_ref()).collect();
-        ch.grant(a.peer, Access::Read, &refs).unwrap();
+        ch.grant(a.peer, Access::Read, GrantTag::UNTAGGED, &refs)
+            .unwrap();
         // Same process as the receiver: its clock is ours.
         let pull_id =
             PullId::due_in_this_process(Instant::now() + Duration::from_secs(60)).encode();

@@ -10,7 +10,7 @@ use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
 use crate::channel::handshake::{self, Hello};
-use crate::channel::{Access, GrantStats, TransferChannel};
+use crate::channel::{Access, GrantStats, GrantTag, TransferChannel};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, SealedMemObj};
@@ -328,7 +328,7 @@ impl Sender {
                 PutAction::Grant { peer, pages } => {
                     let grant = s
                         .channel
-                        .grant(peer, Access::Read, &pages)
+                        .grant(peer, Access::Read, GrantTag::UNTAGGED, &pages)
                         .map_err(|e| last_io = Some(e.into()))
                         .ok();
                     lock(&s.core).on_granted(&mut put, Instant::now(), grant)
@@ -358,9 +358,9 @@ impl Sender {
                     s.apply_releases(&mut core);
                     next
                 }
-                PutAction::Write { peer, ops } => {
+                PutAction::Write { peer, tag, ops } => {
                     let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
-                    let end = match s.channel.submit_write(peer, ops) {
+                    let end = match s.channel.submit_write(peer, tag, ops) {
                         Err(e) => {
                             // Refused before any byte moved.
                             last_io = Some(e.into());

@@ -60,6 +60,51 @@ impl fmt::Display for GrantId {
     }
 }
 
+/// Which of a peer's grants a request acts under.
+///
+/// A peer can be granted the same page again after an earlier grant of it
+/// ended, and a request of the earlier one may still be on its way (a
+/// connection the peer gave up on still delivers what it had queued). Node
+/// and page alone cannot tell the two apart; the tag can: a push grant is
+/// tagged with the allocation's route (`<node>#<n>`, a number the writer
+/// never reuses after a write that did not land), its writes carry the
+/// same tag, and a request is served only under a grant with the tag it
+/// carries. Pull grants and reads are untagged: a late read cannot change
+/// our pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GrantTag(Option<u64>);
+
+impl GrantTag {
+    /// No tag: matches only untagged grants.
+    pub const UNTAGGED: GrantTag = GrantTag(None);
+
+    /// Tag number `n`.
+    pub fn new(n: u64) -> GrantTag {
+        GrantTag(Some(n))
+    }
+
+    /// The tag of the allocation asked for on `route` (`<node>#<n>`: `n`);
+    /// `None` when the route has no number.
+    pub fn of_route(route: &str) -> Option<GrantTag> {
+        let (_, n) = route.rsplit_once('#')?;
+        n.parse().ok().map(GrantTag::new)
+    }
+
+    /// The number, if tagged.
+    pub fn get(self) -> Option<u64> {
+        self.0
+    }
+}
+
+impl fmt::Display for GrantTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "tag {n}"),
+            None => f.write_str("no tag"),
+        }
+    }
+}
+
 /// Counters of a channel's grants.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GrantStats {
@@ -75,6 +120,7 @@ pub struct GrantStats {
 pub(crate) struct Entry<S> {
     pub(crate) node: String,
     access: Access,
+    tag: GrantTag,
     pages: Vec<BufferRef>,
     pub(crate) revoked: bool,
     pub(crate) inflight: u32,
@@ -164,11 +210,12 @@ impl<S> GrantTable<S> {
         self.grants.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records a grant of `pages` to `peer` (`node`).
+    /// Records a grant of `pages` to `peer` (`node`), for requests tagged `tag`.
     pub(crate) fn add(
         &self,
         node: &str,
         access: Access,
+        tag: GrantTag,
         pages: &[BufferRef],
         session: S,
     ) -> GrantId {
@@ -182,6 +229,7 @@ impl<S> GrantTable<S> {
             Entry {
                 node: node.to_string(),
                 access,
+                tag,
                 pages: pages.to_vec(),
                 revoked: false,
                 inflight: 0,
@@ -244,21 +292,22 @@ impl<S> GrantTable<S> {
         quiet
     }
 
-    /// Starts serving a request of `node` for `page` (a write when `write`):
-    /// allowed only under a live grant of that peer with that access. A
-    /// refusal is counted and logged once per node.
+    /// Starts serving a request of `node` for `page` (a write when `write`)
+    /// tagged `tag`: allowed only under a live grant of that peer with that
+    /// access and that tag. A refusal is counted and logged once per node.
     pub(crate) fn begin(
         &self,
         node: &str,
         page: BufferRef,
         write: bool,
+        tag: GrantTag,
     ) -> Result<Serving<'_, S>, String> {
         let mut g = self.lock();
         let found = g.by_page.get(&page).and_then(|ids| {
             ids.iter().copied().find(|id| {
-                g.by_id
-                    .get(id)
-                    .is_some_and(|e| !e.revoked && e.node == node && e.access.allows(write))
+                g.by_id.get(id).is_some_and(|e| {
+                    !e.revoked && e.node == node && e.tag == tag && e.access.allows(write)
+                })
             })
         });
         match found {
@@ -277,14 +326,14 @@ impl<S> GrantTable<S> {
                     .insert(node.to_string());
                 if first {
                     log::warn!(
-                        "refused a {what} of page {page} by {node}: no live grant of that peer covers \
-                         it (its grant was revoked or never made; later refusals of {node} are \
-                         only counted)"
+                        "refused a {what} of page {page} by {node} ({tag}): no live grant of that \
+                         peer with that tag covers it (its grant ended, was revoked or never \
+                         made; later refusals of {node} are only counted)"
                     );
                 }
                 Err(format!(
-                    "{what} of page {page} refused: {node} holds no live grant for it (revoked after \
-                     its deadline, or never granted)"
+                    "{what} of page {page} refused: {node} holds no live grant for it with {tag} \
+                     (that grant ended or was revoked after its deadline, or it was never granted)"
                 ))
             }
         }
@@ -317,20 +366,32 @@ mod tests {
     #[test]
     fn only_the_granted_peer_with_the_granted_access_is_served() {
         let t: GrantTable<()> = GrantTable::default();
-        let g = t.add("a", Access::Write, &[page(0), page(1)], ());
-        assert!(t.begin("a", page(0), true).is_ok());
+        let g = t.add(
+            "a",
+            Access::Write,
+            GrantTag::UNTAGGED,
+            &[page(0), page(1)],
+            (),
+        );
+        assert!(t.begin("a", page(0), true, GrantTag::UNTAGGED).is_ok());
         assert!(
-            t.begin("a", page(0), false).is_err(),
+            t.begin("a", page(0), false, GrantTag::UNTAGGED).is_err(),
             "write grant, read refused"
         );
-        assert!(t.begin("b", page(1), true).is_err(), "other peer refused");
         assert!(
-            t.begin("a", page(2), true).is_err(),
+            t.begin("b", page(1), true, GrantTag::UNTAGGED).is_err(),
+            "other peer refused"
+        );
+        assert!(
+            t.begin("a", page(2), true, GrantTag::UNTAGGED).is_err(),
             "ungranted page refused"
         );
         assert_eq!(t.stats().refused, 3);
         t.revoke(g);
-        let e = t.begin("a", page(0), true).err().unwrap();
+        let e = t
+            .begin("a", page(0), true, GrantTag::UNTAGGED)
+            .err()
+            .unwrap();
         assert!(
             e.contains("refused") && e.contains("a holds no live grant"),
             "{e}"
@@ -341,8 +402,8 @@ mod tests {
     #[test]
     fn a_revoked_grant_is_quiescent_only_after_requests_in_flight_end() {
         let t: GrantTable<()> = GrantTable::default();
-        let g = t.add("a", Access::Write, &[page(3)], ());
-        let serving = t.begin("a", page(3), true).unwrap();
+        let g = t.add("a", Access::Write, GrantTag::UNTAGGED, &[page(3)], ());
+        let serving = t.begin("a", page(3), true, GrantTag::UNTAGGED).unwrap();
         assert!(!t.settle(g, |_| true), "live grant");
         t.revoke(g);
         assert!(!t.settle(g, |_| true), "a write is still being served");
@@ -357,13 +418,13 @@ mod tests {
     #[test]
     fn released_grants_vanish_once_their_last_request_ends() {
         let t: GrantTable<()> = GrantTable::default();
-        let g = t.add("a", Access::Read, &[page(1)], ());
-        let h = t.add("b", Access::Read, &[page(1)], ());
-        let serving = t.begin("a", page(1), false).unwrap();
+        let g = t.add("a", Access::Read, GrantTag::UNTAGGED, &[page(1)], ());
+        let h = t.add("b", Access::Read, GrantTag::UNTAGGED, &[page(1)], ());
+        let serving = t.begin("a", page(1), false, GrantTag::UNTAGGED).unwrap();
         assert!(t.release(g), "a read being served only copies out");
-        assert!(t.begin("a", page(1), false).is_err());
+        assert!(t.begin("a", page(1), false, GrantTag::UNTAGGED).is_err());
         assert!(
-            t.begin("b", page(1), false).is_ok(),
+            t.begin("b", page(1), false, GrantTag::UNTAGGED).is_ok(),
             "the other grant stands"
         );
         drop(serving);
@@ -378,13 +439,53 @@ mod tests {
     #[test]
     fn releasing_a_write_grant_under_a_request_in_flight_is_not_free_yet() {
         let t: GrantTable<()> = GrantTable::default();
-        let g = t.add("a", Access::Write, &[page(2)], ());
-        let serving = t.begin("a", page(2), true).unwrap();
+        let g = t.add("a", Access::Write, GrantTag::UNTAGGED, &[page(2)], ());
+        let serving = t.begin("a", page(2), true, GrantTag::UNTAGGED).unwrap();
         assert!(!t.release(g));
-        assert!(t.begin("a", page(2), true).is_err(), "no new request");
+        assert!(
+            t.begin("a", page(2), true, GrantTag::UNTAGGED).is_err(),
+            "no new request"
+        );
         assert!(!t.settle(g, |_| true), "still writing");
         drop(serving);
         assert!(t.settle(g, |_| false), "released: the peer's word suffices");
         assert_eq!(t.stats().live + t.stats().revoked, 0);
+    }
+
+    /// Review finding: a client gave up on a connection whose queued write
+    /// for page P (allocation A) the server had not read yet; A ended, and
+    /// P was granted to the same peer again for allocation B. The late
+    /// request must not be served under B: it names A's tag.
+    #[test]
+    fn a_late_request_of_an_ended_grant_is_refused_under_the_pages_next_grant() {
+        let t: GrantTable<()> = GrantTable::default();
+        let a = GrantTag::of_route("w#4").unwrap();
+        let b = GrantTag::of_route("w#5").unwrap();
+        let first = t.add("w", Access::Write, a, &[page(1)], ());
+        assert!(t.release(first));
+        let _second = t.add("w", Access::Write, b, &[page(1)], ());
+        let e = t
+            .begin("w", page(1), true, a)
+            .err()
+            .expect("A's tag is refused");
+        assert!(e.contains("with tag 4"), "{e}");
+        assert!(t.begin("w", page(1), true, GrantTag::UNTAGGED).is_err());
+        assert!(
+            t.begin("w", page(1), true, b).is_ok(),
+            "B's own write is served"
+        );
+        assert_eq!(t.stats().refused, 2);
+    }
+
+    #[test]
+    fn tags_come_from_the_routes_number() {
+        assert_eq!(
+            GrantTag::of_route("host:1/p2r0-ab#17"),
+            Some(GrantTag::new(17))
+        );
+        assert_eq!(GrantTag::of_route("a#b#3").and_then(GrantTag::get), Some(3));
+        assert_eq!(GrantTag::of_route("no-number"), None);
+        assert_eq!(GrantTag::of_route("x#"), None);
+        assert_eq!(GrantTag::of_route("x#-1"), None);
     }
 }

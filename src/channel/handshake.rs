@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// Version of the hello format; both sides must send the same.
-pub const HANDSHAKE_VERSION: u64 = 2;
+pub const HANDSHAKE_VERSION: u64 = 3;
 
 /// Cap on buffers in one table (a worker has two pools; this only bounds garbage).
 const MAX_BUFFERS: usize = 64;

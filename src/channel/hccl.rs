@@ -51,8 +51,8 @@
 use super::grant::GrantTable;
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
-    ChannelError, Completion, CompletionSender, Endpoint, GrantId, GrantStats, LocalPage, OpKind,
-    PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    ChannelError, Completion, CompletionSender, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
+    OpKind, PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
@@ -353,8 +353,12 @@ impl TransferChannel for HcclChannel {
     fn submit_write(
         &self,
         peer: PeerId,
+        tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError> {
+        // One-sided: the peer cannot check a tag; its quarantine of
+        // revoked pages is what keeps a late write harmless.
+        let _ = tag;
         self.submit(peer, OpKind::Write, ops)
     }
 
@@ -362,11 +366,14 @@ impl TransferChannel for HcclChannel {
         &self,
         peer: PeerId,
         access: Access,
+        tag: GrantTag,
         pages: &[BufferRef],
     ) -> Result<GrantId, ChannelError> {
         check_grant_pages(&self.pools, pages)?;
         let (node, p) = self.peers.entry(peer)?;
-        Ok(self.grants.add(&node, access, pages, Arc::clone(&p.setup)))
+        Ok(self
+            .grants
+            .add(&node, access, tag, pages, Arc::clone(&p.setup)))
     }
 
     fn release(&self, grant: GrantId) -> bool {

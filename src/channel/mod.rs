@@ -34,7 +34,7 @@ pub mod tcp;
 
 pub use completion::{Completion, Done};
 pub(crate) use completion::{CompletionSender, LocalPage};
-pub use grant::{Access, GrantId, GrantStats};
+pub use grant::{Access, GrantId, GrantStats, GrantTag};
 
 use crate::config::ChannelKind;
 use crate::memory::{
@@ -381,10 +381,13 @@ pub trait TransferChannel: Send + Sync {
         ops: Vec<ReadOp>,
     ) -> Result<Completion<MemObj>, ChannelError>;
 
-    /// Starts writing `ops`' sealed pages into the peer's pages.
+    /// Starts writing `ops`' sealed pages into the peer's pages, under the
+    /// peer's grant tagged `tag` (see [`GrantTag`]; tcp sends it with every
+    /// request and the peer refuses a write its grant's tag does not match).
     fn submit_write(
         &self,
         peer: PeerId,
+        tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError>;
 
@@ -394,17 +397,18 @@ pub trait TransferChannel: Send + Sync {
         done.result.map(|()| done.pages)
     }
 
-    /// Writes a batch and waits for it.
-    fn write(&self, peer: PeerId, ops: Vec<WriteOp>) -> Result<(), ChannelError> {
-        self.submit_write(peer, ops)?.wait().result
+    /// Writes a batch under the peer's grant tagged `tag` and waits for it.
+    fn write(&self, peer: PeerId, tag: GrantTag, ops: Vec<WriteOp>) -> Result<(), ChannelError> {
+        self.submit_write(peer, tag, ops)?.wait().result
     }
 
-    /// Lets `peer` access `pages` of our pools with `access` until the
-    /// grant is released or revoked (see [`grant`]).
+    /// Lets `peer` access `pages` of our pools with `access`, by requests
+    /// tagged `tag`, until the grant is released or revoked (see [`grant`]).
     fn grant(
         &self,
         peer: PeerId,
         access: Access,
+        tag: GrantTag,
         pages: &[BufferRef],
     ) -> Result<GrantId, ChannelError>;
 

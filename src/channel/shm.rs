@@ -13,8 +13,8 @@
 use super::grant::GrantTable;
 use super::{
     check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
-    Completion, Endpoint, GrantId, GrantStats, LocalPage, OpKind, PeerId, PeerRegistry, PeerTable,
-    ReadOp, TransferChannel, TransferOp, WriteOp,
+    Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry,
+    PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
@@ -260,8 +260,12 @@ impl TransferChannel for ShmChannel {
     fn submit_write(
         &self,
         peer: PeerId,
+        tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError> {
+        // One-sided: the peer cannot check a tag; its quarantine of
+        // revoked pages is what keeps a late write harmless.
+        let _ = tag;
         self.submit(peer, OpKind::Write, ops)
     }
 
@@ -269,11 +273,12 @@ impl TransferChannel for ShmChannel {
         &self,
         peer: PeerId,
         access: Access,
+        tag: GrantTag,
         pages: &[BufferRef],
     ) -> Result<GrantId, ChannelError> {
         check_grant_pages(&self.pools, pages)?;
         let (node, p) = self.peers.entry(peer)?;
-        Ok(self.grants.add(&node, access, pages, p))
+        Ok(self.grants.add(&node, access, tag, pages, p))
     }
 
     fn release(&self, grant: GrantId) -> bool {

@@ -19,21 +19,25 @@
 //! **Who may touch what.** Every connection opens with a hello naming the
 //! client's node (magic `APDH`, node length u16, the node id). The server
 //! serves a request only under a live [grant](super::grant) of that node
-//! covering the page with that access; anything else is refused (counted,
-//! logged once per node) and the connection closed. A revoked grant is
+//! covering the page with that access and carrying the request's
+//! [tag](super::GrantTag); anything else is refused (counted, logged once
+//! per node) and the connection closed. The tag is what refuses a write
+//! the client queued under an earlier grant of the same page (on a
+//! connection it gave up on) once the page is granted to it again. A revoked grant is
 //! quiescent once the requests it was serving have ended; served sockets
 //! have read and write timeouts, so that is bounded.
 //!
-//! Request (40 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
-//! 3 pad bytes, buffer uuid (16), page (u32), offset in page (u32), length
-//! (u64); a write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
+//! Request (48 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
+//! flags (bit 0: tagged), 2 pad bytes, buffer uuid (16), page (u32),
+//! offset in page (u32), length (u64), grant tag (u64, 0 when untagged); a
+//! write's payload follows. Reply (8 bytes): status (0 ok), 3 pad
 //! bytes, message length (u32), then the message, or a read's payload.
 
 use super::grant::{GrantTable, Serving};
 use super::staging::{StageError, Stager};
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
-    ChannelError, Completion, Endpoint, GrantId, GrantStats, LocalPage, OpKind, PeerId,
+    ChannelError, Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
     PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::config::ChannelKind;
@@ -55,7 +59,8 @@ const HELLO_MAGIC: &[u8; 4] = b"APDH";
 const MAX_NODE_LEN: usize = 1024;
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
-const REQ_LEN: usize = 40;
+const REQ_LEN: usize = 48;
+const FLAG_TAGGED: u8 = 1;
 const REPLY_LEN: usize = 8;
 const MAX_ERROR_LEN: u32 = 4096;
 
@@ -364,12 +369,16 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
         let page = u32::from_le_bytes(req[24..28].try_into().expect("4"));
         let offset = u32::from_le_bytes(req[28..32].try_into().expect("4")) as usize;
         let len = u64::from_le_bytes(req[32..40].try_into().expect("8"));
+        let tag = match req[5] & FLAG_TAGGED {
+            0 => GrantTag::UNTAGGED,
+            _ => GrantTag::new(u64::from_le_bytes(req[40..48].try_into().expect("8"))),
+        };
         let target = check_request(&served.pools, magic, op, uuid, page as usize, offset, len)
             .and_then(|t| {
                 let serving =
                     served
                         .grants
-                        .begin(&node, BufferRef { uuid, page }, op == OP_WRITE)?;
+                        .begin(&node, BufferRef { uuid, page }, op == OP_WRITE, tag)?;
                 Ok((t, serving))
             });
         let ((pool, at, len), serving) = match target {
@@ -576,26 +585,28 @@ impl TransferChannel for TcpChannel {
         peer: PeerId,
         ops: Vec<ReadOp>,
     ) -> Result<Completion<MemObj>, ChannelError> {
-        self.submit(peer, OpKind::Read, ops)
+        self.submit(peer, OpKind::Read, GrantTag::UNTAGGED, ops)
     }
 
     fn submit_write(
         &self,
         peer: PeerId,
+        tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError> {
-        self.submit(peer, OpKind::Write, ops)
+        self.submit(peer, OpKind::Write, tag, ops)
     }
 
     fn grant(
         &self,
         peer: PeerId,
         access: Access,
+        tag: GrantTag,
         pages: &[BufferRef],
     ) -> Result<GrantId, ChannelError> {
         check_grant_pages(&self.pools, pages)?;
         let (node, _) = self.peers.entry(peer)?;
-        Ok(self.served.grants.add(&node, access, pages, ()))
+        Ok(self.served.grants.add(&node, access, tag, pages, ()))
     }
 
     fn release(&self, grant: GrantId) -> bool {
@@ -621,6 +632,7 @@ impl TcpChannel {
         &self,
         peer: PeerId,
         kind: OpKind,
+        tag: GrantTag,
         ops: Vec<TransferOp<P>>,
     ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
@@ -658,7 +670,7 @@ impl TcpChannel {
         std::thread::Builder::new()
             .name("pd-tcp-batch".into())
             .spawn(move || {
-                let r = run_batch(&p, &node, kind, &ops, &slices, &opts);
+                let r = run_batch(&p, &node, (kind, tag), &ops, &slices, &opts);
                 // Every connection thread of the batch has ended: the pages
                 // are no longer touched.
                 tx.complete(r, pages_of(ops));
@@ -674,7 +686,7 @@ impl TcpChannel {
 fn run_batch<P: LocalPage>(
     p: &TcpPeer,
     node: &str,
-    kind: OpKind,
+    kind: (OpKind, GrantTag),
     ops: &[TransferOp<P>],
     slices: &[Slice],
     opts: &TcpOptions,
@@ -758,7 +770,7 @@ fn run_on_connection<P: LocalPage>(
     p: &TcpPeer,
     node: &str,
     conn: &mut Option<Conn>,
-    kind: OpKind,
+    (kind, tag): (OpKind, GrantTag),
     ops: &[TransferOp<P>],
     slices: &[Slice],
     opts: &TcpOptions,
@@ -800,6 +812,10 @@ fn run_on_connection<P: LocalPage>(
             h[24..28].copy_from_slice(&op.remote.page.to_le_bytes());
             h[28..32].copy_from_slice(&(sl.offset as u32).to_le_bytes());
             h[32..40].copy_from_slice(&(sl.len as u64).to_le_bytes());
+            if let Some(t) = tag.get() {
+                h[5] = FLAG_TAGGED;
+                h[40..48].copy_from_slice(&t.to_le_bytes());
+            }
             stream
                 .write_all(&h)
                 .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;

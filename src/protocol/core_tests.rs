@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::*;
-use crate::channel::GrantId;
+use crate::channel::{GrantId, GrantTag};
 use crate::memory::{
     BufferRef, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, MemoryError, PagePool, PoolStats,
     RegisteredBuffer, SealedMemObj,
@@ -1691,10 +1691,15 @@ fn a_push_runs_connect_alloc_write_notice_on_one_route() {
         t0,
         Ok(Message::AscendAllocResponse(reply.response).encode()),
     );
-    let PutAction::Write { ops, .. } = a else {
+    let PutAction::Write { ops, tag, .. } = a else {
         panic!("{a:?}")
     };
     assert_eq!(ops.len(), 2);
+    assert_eq!(
+        Some(tag),
+        GrantTag::of_route(&route),
+        "written under its route"
+    );
     drop(ops);
     let a = sc.on_written(&mut put, t0, WriteEnd::Written);
     let PutAction::Request {
@@ -1763,6 +1768,62 @@ fn a_failed_push_write_aborts_and_an_abandoned_one_reattaches() {
                 assert_ne!(sc.route("r:7400"), route, "a new request socket");
             }
             other => panic!("{other:?}"),
+        }
+    }
+    assert_idle(&spool);
+}
+
+/// Review finding (tcp): the receiver serves a push write only under the
+/// grant tagged with its allocation's route number, and a write the sender
+/// gave up on may still arrive later. So a number must never name a later
+/// allocation: a write that did not land ends its route, and links to
+/// different receivers (or one receiver under two names) never share one.
+#[test]
+fn a_route_number_never_names_two_allocations() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    let mut sc = sender_core(TransferMode::Push, &spool);
+    let mut seen = std::collections::HashSet::new();
+    for peer in ["r:7400", "r2:7400", "r:7400", "r2:7400"] {
+        for end in [WriteEnd::Failed, WriteEnd::Abandoned] {
+            let (mut put, a) = sc.begin_put(t0, spec(peer), keys(&["a"]), alloc(&spool, 1));
+            let a = match a {
+                PutAction::Connect => sc.on_connected(&mut put, t0, Some(attached(t0))),
+                other => other,
+            };
+            let PutAction::Request { route, kind, .. } = a else {
+                panic!("{a:?}")
+            };
+            assert_eq!(kind, RequestKind::AllocRequest);
+            let resp = AscendAllocResponse {
+                already_sent_indexes: vec![],
+                remote_indexes: vec![5],
+                remote_buffer_uuids: vec![Uuid::new_v4().simple().to_string()],
+                alloc_failed: false,
+            };
+            let a = sc.on_reply(
+                &mut put,
+                t0,
+                Ok(Message::AscendAllocResponse(resp).encode()),
+            );
+            let PutAction::Write { ops, tag, .. } = a else {
+                panic!("{a:?}")
+            };
+            drop(ops);
+            assert_eq!(Some(tag), GrantTag::of_route(&route));
+            assert!(
+                seen.insert(tag),
+                "{route}: its number named an earlier allocation"
+            );
+            if let PutAction::Request { .. } = sc.on_written(&mut put, t0, end) {
+                finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&Ok(())))));
+            }
+            assert_ne!(
+                Some(tag),
+                GrantTag::of_route(&sc.route(peer)),
+                "route ended"
+            );
         }
     }
     assert_idle(&spool);

@@ -51,7 +51,7 @@ use super::pending::{
     AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertOutcome, PullCounters, PullPending,
     PullPendingLimits,
 };
-use crate::channel::{GrantId, PeerId, WriteOp};
+use crate::channel::{GrantId, GrantTag, PeerId, WriteOp};
 use crate::config::TransferMode;
 use crate::layout::ChunkLayout;
 use crate::memory::{BufferRef, SealedMemObj};
@@ -249,6 +249,9 @@ pub enum PutAction {
     Write {
         /// The receiver.
         peer: PeerId,
+        /// The allocation's grant tag (its route's number): the receiver
+        /// serves these writes only under that allocation.
+        tag: GrantTag,
         /// The chunks and their destinations.
         ops: Vec<WriteOp>,
     },
@@ -304,7 +307,8 @@ pub struct Put {
 #[derive(Debug, Default)]
 struct Link {
     attached: Option<Attached>,
-    /// The route number; bumped whenever the request socket is replaced.
+    /// The route number; a fresh one whenever the request socket is
+    /// replaced (see [`SenderCore::new_route`]).
     epoch: u64,
 }
 
@@ -335,6 +339,8 @@ pub struct SenderCore {
     /// grant is quiescent (no request of the receiver is still served).
     expired: Vec<(GrantId, Vec<SealedMemObj>)>,
     notices_refused: u64,
+    /// The last route number handed out, to any link.
+    routes: u64,
 }
 
 /// How many times a push notice is sent when its reply is lost.
@@ -356,7 +362,23 @@ impl SenderCore {
             revokes: Vec::new(),
             expired: Vec::new(),
             notices_refused: 0,
+            routes: 0,
         }
+    }
+
+    /// Gives `peer_key`'s link a route no link of this sender used before.
+    ///
+    /// The receiver tags a push allocation's write grant with its route's
+    /// number, so a write left queued on a connection we gave up on can
+    /// never be served under a later allocation of the same page: every
+    /// write that does not land ends its route (the link is broken or the
+    /// request socket replaced), and numbers are never reused, not even by
+    /// another link to the same receiver.
+    fn new_route(&mut self, peer_key: &str) -> &mut Link {
+        self.routes += 1;
+        let link = self.links.entry(peer_key.to_string()).or_default();
+        link.epoch = self.routes;
+        link
     }
 
     /// The request route to `peer_key` now (`<node>#<n>`).
@@ -400,10 +422,9 @@ impl SenderCore {
     /// The handshake ended: `Some` when a receiver is attached.
     pub fn on_connected(&mut self, put: &mut Put, now: Instant, r: Option<Attached>) -> PutAction {
         debug_assert!(matches!(put.state, State::Connecting));
-        let link = self.links.entry(put.spec.peer_key.clone()).or_default();
         // A new attachment gets a fresh request socket: the receiver may be
         // a new process, and the old socket's late messages must not count.
-        link.epoch += 1;
+        let link = self.new_route(&put.spec.peer_key);
         match r {
             Some(a) => {
                 link.attached = Some(a);
@@ -533,10 +554,7 @@ impl SenderCore {
             Ok(r) => r,
             Err(delivery) => {
                 // The shell replaces the socket; so does the route.
-                self.links
-                    .entry(put.spec.peer_key.clone())
-                    .or_default()
-                    .epoch += 1;
+                self.new_route(&put.spec.peer_key);
                 if let State::Noticing {
                     frame, attempts, ..
                 } = &mut put.state
@@ -878,12 +896,19 @@ impl SenderCore {
         let Some(a) = self.attached(&peer) else {
             return self.unused_allocation(put, route, PutFailure::Io);
         };
+        // Routes are `<node>#<n>` (SenderCore::route); were one not, the
+        // receiver would refuse the untagged write, never misplace it.
+        let tag = GrantTag::of_route(&route).unwrap_or(GrantTag::UNTAGGED);
         put.state = State::Writing {
             route,
             refs: ops.iter().map(|o| o.remote).collect(),
             already,
         };
-        PutAction::Write { peer: a.peer, ops }
+        PutAction::Write {
+            peer: a.peer,
+            tag,
+            ops,
+        }
     }
 
     fn on_ack(&mut self, put: &mut Put, now: Instant, pull_id: &str, reply: &[u8]) -> PutAction {
@@ -987,9 +1012,7 @@ impl SenderCore {
 
     /// The receiver must be attached again (and the route replaced).
     fn broken(&mut self, peer: &str) {
-        let link = self.links.entry(peer.to_string()).or_default();
-        link.attached = None;
-        link.epoch += 1;
+        self.new_route(peer).attached = None;
     }
 
     /// One chunk per key, pages of our pools, one layout, only the last

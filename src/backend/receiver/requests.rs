@@ -9,7 +9,7 @@ use super::super::counters::MessageKind;
 use super::super::lock;
 use super::super::zmq_io::{router_recv, router_reply};
 use super::Shared;
-use crate::channel::{Access, ReadOp, TransferOp};
+use crate::channel::{Access, GrantTag, ReadOp, TransferOp};
 use crate::config::TransferMode;
 use crate::memory::MemObj;
 use crate::protocol::notice::{encode_reply, route_node};
@@ -119,15 +119,26 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
                     // until its notice (or the revoke after the deadline);
                     // without a grant they are never advertised.
                     let granted = pages.map(|p| {
-                        let grant = match s.attached(route_node(route)) {
-                            Some(link) => {
+                        // Tagged with the route: a write the sender queued
+                        // under an earlier allocation of these pages (on
+                        // another route) is refused under this one.
+                        let tag = GrantTag::of_route(route);
+                        let grant = match (s.attached(route_node(route)), tag) {
+                            (Some(link), Some(tag)) => {
                                 let refs: Vec<_> = p.iter().map(|m| m.buffer_ref()).collect();
                                 s.channel
-                                    .grant(link.peer, Access::Write, &refs)
+                                    .grant(link.peer, Access::Write, tag, &refs)
                                     .map_err(|e| log::warn!("granting {route:?} its pages: {e}"))
                                     .ok()
                             }
-                            None => None,
+                            (Some(_), None) => {
+                                log::warn!(
+                                    "refused to grant pages to route {route:?}: it does not end in \
+                                     #<number> as an ascend-pd sender's does"
+                                );
+                                None
+                            }
+                            (None, _) => None,
                         };
                         (p, grant)
                     });

@@ -5,7 +5,9 @@
 use crate::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
-use ascend_pd::channel::{self as chan, Access, PeerId, ReadOp, TransferChannel, WriteOp};
+use ascend_pd::channel::{
+    self as chan, Access, GrantTag, PeerId, ReadOp, TransferChannel, WriteOp,
+};
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
@@ -164,7 +166,11 @@ pub fn peer_main(args: &[String]) -> Result<()> {
         channel,
         hello,
         tx,
-        Box::new(move |a| granting.grant(a.peer, Access::ReadWrite, &refs).map(|_| ())),
+        Box::new(move |a| {
+            granting
+                .grant(a.peer, Access::ReadWrite, GrantTag::UNTAGGED, &refs)
+                .map(|_| ())
+        }),
     )?;
     println!("READY {}", server.url());
     std::io::stdout().flush()?;
@@ -385,7 +391,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 })
                 .collect();
             let t = Instant::now();
-            channel.write(peer_id, ops)?;
+            channel.write(peer_id, GrantTag::UNTAGGED, ops)?;
             rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
         // Verify every byte at the far end by reading the peer's pages back
