@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod backend;
 pub mod channel;
 pub mod config;

@@ -57,6 +57,11 @@ impl Writer {
         self.buf
     }
 
+    /// The bytes written so far, without giving them up.
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
     fn marker(&mut self, m: Marker) {
         self.buf.push(m.to_u8());
     }

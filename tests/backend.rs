@@ -6,7 +6,7 @@
 mod common;
 
 use ascend_pd::backend::{BackendError, MessageKind, PutOutcome, Receiver, Sender};
-use ascend_pd::channel::handshake::{HandshakeServer, Hello};
+use ascend_pd::channel::handshake::{self, HandshakeServer, Hello};
 use ascend_pd::channel::{self as chan};
 use ascend_pd::config::{ChannelKind, PortList, Role, TransferMode};
 use ascend_pd::memory::{ChunkMeta, DualAllocator, DualSpec, MemObj, PoolKind};
@@ -241,7 +241,7 @@ fn scripted_receiver(mode: TransferMode) -> ScriptedReceiver {
     let rc = receiver_config(ChannelKind::Tcp, mode, 8);
     let alloc = DualAllocator::new(&ascend_pd::backend::pools::pool_spec(&rc, 0), None).unwrap();
     let pools: Vec<_> = alloc.pools().cloned().collect();
-    let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "scripted", &pools).unwrap();
+    let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "scripted", &pools, None).unwrap();
     let hello = Hello::local(
         "scripted",
         Role::Receiver,
@@ -439,8 +439,10 @@ fn malformed_frames_on_every_socket_leave_both_sides_serving() {
                         other => panic!("{other:?}"),
                     }
                 } else {
-                    let (_, err) = Hello::decode(&reply).unwrap();
-                    assert!(err.is_some());
+                    // A refusal, never the table.
+                    assert!(Hello::decode(&reply).is_err());
+                    let why = handshake::refusal_reason(&reply).expect("a refusal");
+                    assert!(!why.is_empty());
                 }
             }
         }

@@ -167,7 +167,7 @@ fn local_on(kind: ChannelKind, dev: Dev, pages: usize) -> Local {
     let objs = pool
         .allocate_batch(&vec![ChunkMeta::full(layout(PAGE)); pages])
         .unwrap();
-    let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)]).unwrap();
+    let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)], None).unwrap();
     Local {
         pool,
         channel,
@@ -434,7 +434,7 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
             .into_iter()
             .map(MemObj::seal)
             .collect();
-        let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)]).unwrap();
+        let channel = chan::open(kind, "127.0.0.1", NODE, &[Arc::clone(&pool)], None).unwrap();
         let a = handshake::connect(
             &ctx,
             &peer.url,
@@ -566,20 +566,43 @@ fn reconnecting_to_a_restarted_peer_replaces_the_old_connection() {
     }
 }
 
+/// A garbage frame on the init port is refused with a reason and nothing
+/// else: no buffer table, no address, no endpoint (issue 11: it used to
+/// get the whole table, and with it every page of the pools).
 #[test]
-fn a_malformed_hello_is_refused_and_the_server_keeps_serving() {
+fn a_malformed_hello_is_refused_without_the_table_and_the_server_keeps_serving() {
     let peer = Peer::spawn(ChannelKind::Tcp, 1, PAGE, "push", "peer");
     let ctx = zmq::Context::new();
+    let mut l = local(ChannelKind::Tcp, 1);
+    let a = handshake::connect(
+        &ctx,
+        &peer.url,
+        l.channel.as_ref(),
+        &hello(l.channel.as_ref(), TransferMode::Push),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let chan::Endpoint::Tcp { addr } = &a.remote.endpoint else {
+        panic!("tcp endpoint")
+    };
+    let secrets = [
+        a.remote.buffers[0].uuid.simple().to_string(),
+        addr.clone(),
+        "buffers".into(),
+        "endpoint".into(),
+    ];
     let req = ctx.socket(zmq::REQ).unwrap();
     req.set_rcvtimeo(5000).unwrap();
     req.connect(&peer.url).unwrap();
     req.send(&b"\x93garbage"[..], 0).unwrap();
     let reply = req.recv_bytes(0).unwrap();
-    let (server_hello, error) = Hello::decode(&reply).unwrap();
-    assert_eq!(server_hello.node, "peer");
-    assert!(error.unwrap().contains("malformed hello"));
+    assert!(Hello::decode(&reply).is_err(), "a refusal, not a hello");
+    let text = String::from_utf8_lossy(&reply);
+    assert!(text.contains("malformed hello"), "{text}");
+    for s in &secrets {
+        assert!(!text.contains(s.as_str()), "the refusal leaks {s}: {text}");
+    }
     // The same server still attaches a well-formed peer.
-    let mut l = local(ChannelKind::Tcp, 1);
     let (pid, uuid) = connect(&ctx, &l, &peer);
     let page = l.objs.pop().unwrap();
     let back = l.channel.read(pid, reads(vec![page], uuid, |_| 0)).unwrap();
@@ -618,7 +641,7 @@ fn an_npu_pool_on_shm_is_a_clear_configuration_error() {
     let buf = RegisteredBuffer::npu(&FakeNpu, 0, PAGE, PAGE).unwrap();
     assert_eq!(buf.device(), DeviceKind::Npu(0));
     let pool = PagePool::new(buf);
-    let e = chan::open(ChannelKind::Shm, "127.0.0.1", NODE, &[pool])
+    let e = chan::open(ChannelKind::Shm, "127.0.0.1", NODE, &[pool], None)
         .err()
         .unwrap();
     let text = e.to_string();
@@ -730,10 +753,16 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
 #[test]
 fn hccl_refuses_pools_the_acl_runtime_did_not_allocate() {
     let buf = RegisteredBuffer::host(PAGE, PAGE, false).unwrap();
-    let e = chan::open(ChannelKind::Hccl, "127.0.0.1", NODE, &[PagePool::new(buf)])
-        .err()
-        .unwrap()
-        .to_string();
+    let e = chan::open(
+        ChannelKind::Hccl,
+        "127.0.0.1",
+        NODE,
+        &[PagePool::new(buf)],
+        None,
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(
         e.contains("allocated by the ACL runtime") && e.contains("transfer_channel: tcp"),
         "{e}"

@@ -71,7 +71,7 @@ impl LateWriter {
             );
         }
         let node = format!("late-writer-{seed}");
-        let channel = chan::open(kind, "127.0.0.1", &node, &[Arc::clone(&pool)]).unwrap();
+        let channel = chan::open(kind, "127.0.0.1", &node, &[Arc::clone(&pool)], None).unwrap();
         let ctx = zmq::Context::new();
         let hello = Hello::local(
             &node,
@@ -355,7 +355,7 @@ fn a_write_delivered_late_on_a_dropped_tcp_connection_never_lands_under_the_page
     let chan::Endpoint::Tcp { addr } = &w.remote.endpoint else {
         panic!("a tcp receiver advertises a tcp endpoint")
     };
-    let relay = HoldingRelay::start(addr.parse().unwrap(), 6 + w.node.len());
+    let relay = HoldingRelay::start(addr.parse().unwrap(), 6 + w.node.len() + 16);
     let relayed = w
         .channel
         .attach(
@@ -691,10 +691,12 @@ impl StallingSender {
                 .unwrap();
             let mut hello = [0u8; 6];
             conn.read_exact(&mut hello).unwrap();
-            let mut node = vec![0u8; u16::from_le_bytes([hello[4], hello[5]]) as usize];
+            // The node id and the client's nonce; we run without a secret.
+            let mut node = vec![0u8; u16::from_le_bytes([hello[4], hello[5]]) as usize + 16];
             conn.read_exact(&mut node).unwrap();
+            conn.write_all(b"APDA\0").unwrap();
             let mut lens = Vec::new();
-            let mut req = [0u8; 40];
+            let mut req = [0u8; 48];
             conn.set_read_timeout(Some(Duration::from_millis(300)))
                 .unwrap();
             while conn.read_exact(&mut req).is_ok() {
@@ -730,7 +732,7 @@ impl StallingSender {
         // Our side of the handshake needs a channel to attach the receiver to.
         let pool =
             PagePool::new(RegisteredBuffer::host(page as usize, page as usize, false).unwrap());
-        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "stalling", &[pool]).unwrap();
+        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "stalling", &[pool], None).unwrap();
         let hello = Hello {
             version: HANDSHAKE_VERSION,
             node: "stalling".into(),

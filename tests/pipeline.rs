@@ -380,6 +380,7 @@ impl ScriptedSender {
             "127.0.0.1",
             node,
             std::slice::from_ref(&pool),
+            None,
         )
         .unwrap();
         let hello = Hello::local(

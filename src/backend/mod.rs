@@ -167,7 +167,10 @@ impl Opened {
         // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
         let alloc = pools::allocator_for(config, node.rank() as u32)?;
         let pools: Vec<_> = alloc.pools().cloned().collect();
-        let channel = crate::channel::open(config.transfer_channel, host, node.as_str(), &pools)?;
+        let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
+            .map_err(|e| BackendError::Setup(e.to_string()))?;
+        let channel =
+            crate::channel::open(config.transfer_channel, host, node.as_str(), &pools, secret)?;
         let ctx = zmq::Context::new();
         let counters = std::sync::Arc::new(counters::MessageCounters::default());
         let c2 = std::sync::Arc::clone(&counters);

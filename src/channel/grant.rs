@@ -115,6 +115,9 @@ pub struct GrantStats {
     /// Peer requests refused because no live grant of that peer covered
     /// the page (tcp only: the other channels cannot see requests).
     pub refused: u64,
+    /// Transfer connections refused because the peer did not prove it
+    /// holds the deployment secret (tcp only).
+    pub unauthenticated: u64,
 }
 
 pub(crate) struct Entry<S> {
@@ -347,6 +350,7 @@ impl<S> GrantTable<S> {
             live: g.by_id.len() - revoked,
             revoked,
             refused: self.refused.load(Ordering::Relaxed),
+            unauthenticated: 0,
         }
     }
 }

@@ -16,6 +16,7 @@
 //! measures it again later on the same socket.
 
 use super::{BufferDesc, ChannelError, Endpoint, PeerId, PeerTable, TransferChannel};
+use crate::auth::{self, Nonce, Proof, Secret, Step, SECRET_ENV, SECRET_KEY};
 use crate::config::{ChannelKind, Role, TransferMode};
 use crate::memory::DeviceKind;
 use crate::wire::{RawError, Reader, Writer};
@@ -129,9 +130,16 @@ impl Hello {
 
     /// Encodes as a msgpack map, with `error` when refusing.
     pub fn encode(&self, error: Option<&str>) -> Vec<u8> {
+        self.encode_sealed(error, None)
+    }
+
+    /// Encodes, and with `seal` ends the map with the proof over every byte
+    /// before it (see [`crate::auth`]).
+    fn encode_sealed(&self, error: Option<&str>, seal: Option<&Seal<'_>>) -> Vec<u8> {
         let mut w = Writer::with_capacity(256);
-        // Nine fields and `error` (nil when accepting).
-        w.map_len(10).expect("small map");
+        // Nine fields and `error` (nil when accepting), then the seal's.
+        let sealed = seal.map_or(0, |s| 1 + usize::from(s.send_nonce.is_some()));
+        w.map_len(10 + sealed).expect("small map");
         let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
         s(&mut w, "v");
         w.uint(self.version);
@@ -196,12 +204,216 @@ impl Hello {
             Some(e) => s(&mut w, e),
             None => w.nil(),
         }
+        if let Some(seal) = seal {
+            if let Some(n) = &seal.send_nonce {
+                s(&mut w, "auth_nonce");
+                s(&mut w, &auth::hex(n));
+            }
+            let proof = seal
+                .secret
+                .prove(seal.step, &[&seal.nonces.0, &seal.nonces.1, w.as_bytes()]);
+            s(&mut w, "auth");
+            s(&mut w, &auth::hex(&proof));
+        }
         w.into_bytes()
     }
 
     /// Decodes and validates a received hello; also returns the peer's `error`, if any.
     pub fn decode(bytes: &[u8]) -> Result<(Hello, Option<String>), ChannelError> {
-        decode_hello(bytes).map_err(|e| ChannelError::Handshake(format!("malformed hello: {e}")))
+        decode_hello(bytes)
+            .map(|d| (d.hello, d.error))
+            .map_err(|e| ChannelError::Handshake(format!("malformed hello: {e}")))
+    }
+}
+
+/// How a hello is sealed: the proof for `step` over the two nonces (in
+/// order) and the hello's bytes; a connecting side also names the
+/// listening side's nonce (`send_nonce`), so the listener finds its challenge.
+struct Seal<'a> {
+    secret: &'a Secret,
+    step: Step,
+    nonces: (Nonce, Nonce),
+    send_nonce: Option<Nonce>,
+}
+
+/// The seal found at the end of a received hello.
+#[derive(Debug)]
+struct SealSeen {
+    nonce: Option<Nonce>,
+    proof: Proof,
+    /// Bytes of the hello the proof covers (all before the `auth` key).
+    covered: usize,
+}
+
+impl SealSeen {
+    fn verify(&self, secret: &Secret, step: Step, nonces: (&Nonce, &Nonce), frame: &[u8]) -> bool {
+        secret.verify(
+            step,
+            &[nonces.0, nonces.1, &frame[..self.covered]],
+            &self.proof,
+        )
+    }
+}
+
+struct Decoded {
+    hello: Hello,
+    error: Option<String>,
+    seal: Option<SealSeen>,
+}
+
+/// A refusal: why, and (once the peer is authenticated, or when no secret
+/// is in use) what this side runs, so a mode mismatch is named alike on
+/// both sides. Never a buffer table, an address or an endpoint.
+fn refusal(local: Option<&Hello>, error: &str) -> Vec<u8> {
+    let mut w = Writer::with_capacity(64 + error.len());
+    let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
+    match local {
+        Some(h) => {
+            w.map_len(7).expect("7");
+            s(&mut w, "v");
+            w.uint(h.version);
+            s(&mut w, "node");
+            s(&mut w, &h.node);
+            s(&mut w, "refused");
+            w.bool(true);
+            s(&mut w, "role");
+            s(&mut w, h.role.name());
+            s(&mut w, "mode");
+            s(&mut w, h.mode.name());
+            s(&mut w, "channel");
+            s(&mut w, h.channel.name());
+        }
+        None => {
+            w.map_len(3).expect("3");
+            s(&mut w, "v");
+            w.uint(HANDSHAKE_VERSION);
+            s(&mut w, "refused");
+            w.bool(true);
+        }
+    }
+    s(&mut w, "error");
+    s(&mut w, error);
+    w.into_bytes()
+}
+
+/// Why the listening side refused, if `reply` is a refusal.
+pub fn refusal_reason(reply: &[u8]) -> Option<String> {
+    decode_refusal(reply).map(|r| r.error)
+}
+
+/// A received refusal.
+struct Refusal {
+    error: String,
+    /// The refusing side's node and mode, when it said.
+    node: Option<String>,
+    mode: Option<TransferMode>,
+}
+
+fn decode_refusal(bytes: &[u8]) -> Option<Refusal> {
+    let mut r = Reader::new(bytes);
+    let n = r.map_len().ok()?;
+    let (mut refused, mut error, mut node, mut mode) = (false, None, None, None);
+    for _ in 0..n {
+        match r.str().ok()? {
+            "refused" => refused = r.bool().ok()?,
+            "error" => error = Some(r.str().ok()?.to_string()),
+            "node" => node = Some(r.str().ok()?.to_string()),
+            "mode" => mode = parse_mode(r.str().ok()?).ok(),
+            _ => r.skip_value().ok()?,
+        }
+    }
+    refused.then_some(())?;
+    Some(Refusal {
+        error: error?,
+        node,
+        mode,
+    })
+}
+
+fn parse_mode(v: &str) -> Result<TransferMode, String> {
+    match v {
+        "push" => Ok(TransferMode::Push),
+        "pull-eager" => Ok(TransferMode::PullEager),
+        "pull-delay" => Ok(TransferMode::PullDelay),
+        _ => Err(format!("unknown mode {v:?}")),
+    }
+}
+
+/// A one-entry map `{key: value}` (the authentication steps' frames).
+fn single(key: &str, value: &str) -> Vec<u8> {
+    let mut w = Writer::with_capacity(16 + key.len() + value.len());
+    w.map_len(1).expect("1");
+    w.str(key).expect("short");
+    w.str(value).expect("short");
+    w.into_bytes()
+}
+
+/// The value of a one-entry map `{key: value}`, if `frame` is one.
+fn single_value<'a>(frame: &'a [u8], key: &str) -> Option<&'a str> {
+    let mut r = Reader::new(frame);
+    if r.map_len().ok()? != 1 || r.str().ok()? != key {
+        return None;
+    }
+    let v = r.str().ok()?;
+    (r.remaining() == 0).then_some(v)
+}
+
+/// The listening side's answer to a challenge: `{auth_nonce, auth_proof}`.
+fn challenge_answer(nonce: &Nonce, proof: &Proof) -> Vec<u8> {
+    let mut w = Writer::with_capacity(160);
+    w.map_len(2).expect("2");
+    w.str("auth_nonce").expect("short");
+    w.str(&auth::hex(nonce)).expect("short");
+    w.str("auth_proof").expect("short");
+    w.str(&auth::hex(proof)).expect("short");
+    w.into_bytes()
+}
+
+fn decode_challenge_answer(frame: &[u8]) -> Option<(Nonce, Proof)> {
+    let mut r = Reader::new(frame);
+    if r.map_len().ok()? != 2 || r.str().ok()? != "auth_nonce" {
+        return None;
+    }
+    let nonce = auth::unhex(r.str().ok()?)?;
+    if r.str().ok()? != "auth_proof" {
+        return None;
+    }
+    let proof = auth::unhex(r.str().ok()?)?;
+    (r.remaining() == 0).then_some((nonce, proof))
+}
+
+/// Challenges a listening side answered and whose hello has not come yet,
+/// by its nonce. Bounded: a flood of challenges cannot grow it.
+#[derive(Debug, Default)]
+pub(crate) struct Challenges {
+    open: std::collections::HashMap<Nonce, (Nonce, Instant)>,
+}
+
+/// Most open challenges kept at once.
+pub(crate) const MAX_OPEN_CHALLENGES: usize = 1024;
+/// How long a challenge waits for its hello.
+pub(crate) const CHALLENGE_TTL: Duration = Duration::from_secs(30);
+
+impl Challenges {
+    /// Records our nonce `ours` for the peer's `theirs`; false when too
+    /// many are open (after dropping the expired).
+    pub(crate) fn open(&mut self, now: Instant, ours: Nonce, theirs: Nonce) -> bool {
+        if self.open.len() >= MAX_OPEN_CHALLENGES {
+            self.open.retain(|_, (_, until)| *until > now);
+        }
+        if self.open.len() >= MAX_OPEN_CHALLENGES {
+            return false;
+        }
+        self.open.insert(ours, (theirs, now + CHALLENGE_TTL));
+        true
+    }
+
+    /// The peer's nonce of the open challenge `ours` (used once).
+    pub(crate) fn take(&mut self, now: Instant, ours: &Nonce) -> Option<Nonce> {
+        match self.open.remove(ours) {
+            Some((theirs, until)) if until > now => Some(theirs),
+            _ => None,
+        }
     }
 }
 
@@ -216,18 +428,32 @@ fn parse_device(s: &str) -> Option<DeviceKind> {
     }
 }
 
-fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
+fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
     let mut r = Reader::new(bytes);
     let n = r.map_len().map_err(|e| raw(e, "<top>"))?;
+    let (mut seal_nonce, mut seal) = (None, None);
     let (mut version, mut node, mut role, mut mode, mut channel, mut lease) =
         (None, None, None, None, None, None);
     let mut clock_us = None;
     let mut buffers = None;
     let mut endpoint = None;
     let mut error = None;
-    for _ in 0..n {
+    for i in 0..n {
+        let at = r.pos();
         let key = r.str().map_err(|e| raw(e, "<key>"))?;
         match key {
+            "auth_nonce" => {
+                let v = r.str().map_err(|e| raw(e, key))?;
+                seal_nonce = Some(auth::unhex(v).ok_or("auth_nonce is not 32 hex digits")?);
+            }
+            "auth" => {
+                if i + 1 != n {
+                    return Err("auth must be the last field".into());
+                }
+                let v = r.str().map_err(|e| raw(e, key))?;
+                let proof = auth::unhex(v).ok_or("auth is not 64 hex digits")?;
+                seal = Some((proof, at));
+            }
             "v" => version = Some(r.uint().map_err(|e| raw(e, key))?),
             "node" => node = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
             "role" => {
@@ -235,13 +461,7 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
                 role = Some(Role::from_str(v).map_err(|_| format!("unknown role {v:?}"))?);
             }
             "mode" => {
-                let v = r.str().map_err(|e| raw(e, key))?;
-                mode = Some(match v {
-                    "push" => TransferMode::Push,
-                    "pull-eager" => TransferMode::PullEager,
-                    "pull-delay" => TransferMode::PullDelay,
-                    _ => return Err(format!("unknown mode {v:?}")),
-                });
+                mode = Some(parse_mode(r.str().map_err(|e| raw(e, key))?)?);
             }
             "channel" => {
                 let v = r.str().map_err(|e| raw(e, key))?;
@@ -304,7 +524,15 @@ fn decode_hello(bytes: &[u8]) -> Result<(Hello, Option<String>), String> {
         endpoint: endpoint.ok_or_else(|| missing("endpoint"))?,
         clock_us: clock_us.ok_or_else(|| missing("clock_us"))?,
     };
-    Ok((hello, error))
+    Ok(Decoded {
+        hello,
+        error,
+        seal: seal.map(|(proof, covered)| SealSeen {
+            nonce: seal_nonce,
+            proof,
+            covered,
+        }),
+    })
 }
 
 /// Lowercase hex (the codec has no bin type; root infos travel as str).
@@ -419,6 +647,51 @@ pub fn connect(
     timeout: Duration,
 ) -> Result<Agreement, ChannelError> {
     let sock = req_socket(ctx, url, timeout)?;
+    let exchange = |frame: Vec<u8>| -> Result<Vec<u8>, ChannelError> {
+        sock.send(frame, 0).map_err(|e| match e {
+            zmq::Error::EAGAIN => ChannelError::Timeout {
+                what: format!("handshake send to {url}"),
+                after: timeout,
+            },
+            source => ChannelError::Zmq {
+                context: format!("handshake send to {url}"),
+                source,
+            },
+        })?;
+        sock.recv_bytes(0).map_err(|e| match e {
+            zmq::Error::EAGAIN => ChannelError::Timeout {
+                what: format!(
+                    "handshake with {url} (is the receiver running and listening on that init port?)"
+                ),
+                after: timeout,
+            },
+            source => ChannelError::Zmq {
+                context: format!("handshake reply from {url}"),
+                source,
+            },
+        })
+    };
+    // With a secret, the listener proves it first: our table leaves only then.
+    let nonces = match channel.auth() {
+        None => None,
+        Some(secret) => {
+            let ours = auth::nonce();
+            let answer = exchange(single("auth_challenge", &auth::hex(&ours)))?;
+            let Some((theirs, proof)) = decode_challenge_answer(&answer) else {
+                return Err(refused_by(url, &answer, local));
+            };
+            if !secret.verify(Step::HandshakeServer, &[&ours, &theirs], &proof) {
+                let why = format!(
+                    "{url} did not prove it holds the deployment secret: its {SECRET_KEY} \
+                     differs from this side's (use the same secret file on every worker)"
+                );
+                // Tell it, so both sides report the mismatch; its answer does not matter.
+                let _ = exchange(single("auth_failed", &why));
+                return Err(ChannelError::Handshake(why));
+            }
+            Some((secret, ours, theirs))
+        }
+    };
     // Channels that need a fresh endpoint per connection (hccl's root info) offer one.
     let offered = channel.offer()?.map(|endpoint| Hello {
         endpoint,
@@ -427,30 +700,36 @@ pub fn connect(
     let mut local = offered.unwrap_or_else(|| local.clone());
     let sent = Instant::now();
     local.clock_us = crate::wire::micros(sent);
-    sock.send(local.encode(None), 0).map_err(|e| match e {
-        zmq::Error::EAGAIN => ChannelError::Timeout {
-            what: format!("handshake send to {url}"),
-            after: timeout,
-        },
-        source => ChannelError::Zmq {
-            context: format!("handshake send to {url}"),
-            source,
-        },
-    })?;
-    let reply = sock.recv_bytes(0).map_err(|e| match e {
-        zmq::Error::EAGAIN => ChannelError::Timeout {
-            what: format!(
-                "handshake with {url} (is the receiver running and listening on that init port?)"
-            ),
-            after: timeout,
-        },
-        source => ChannelError::Zmq {
-            context: format!("handshake reply from {url}"),
-            source,
-        },
-    })?;
+    let seal = nonces.map(|(secret, ours, theirs)| Seal {
+        secret,
+        step: Step::HandshakeHello,
+        nonces: (theirs, ours),
+        send_nonce: Some(theirs),
+    });
+    let reply = exchange(local.encode_sealed(None, seal.as_ref()))?;
     let received = Instant::now();
-    let (remote, error) = Hello::decode(&reply)?;
+    let decoded = match decode_hello(&reply) {
+        Ok(d) => d,
+        Err(_) if decode_refusal(&reply).is_some() => return Err(refused_by(url, &reply, &local)),
+        Err(e) => {
+            return Err(ChannelError::Handshake(format!(
+                "malformed hello from {url}: {e}"
+            )))
+        }
+    };
+    if let Some((secret, ours, theirs)) = nonces {
+        let proven = decoded
+            .seal
+            .as_ref()
+            .is_some_and(|s| s.verify(secret, Step::HandshakeAnswer, (&ours, &theirs), &reply));
+        if !proven {
+            return Err(ChannelError::Handshake(format!(
+                "the answer of {url} carries no valid proof of the deployment secret ({SECRET_KEY}); \
+                 it was altered on the way, or the peer does not hold the secret"
+            )));
+        }
+    }
+    let (remote, error) = (decoded.hello, decoded.error);
     // A mode mismatch gets the same typed error on both sides.
     let lease = local.agree(&remote)?;
     if let Some(e) = error {
@@ -471,6 +750,29 @@ pub fn connect(
         lease,
         exchange: Some((sent, received)),
     })
+}
+
+/// The error for a refusal (or an unreadable answer) from `url`: a mode
+/// mismatch is typed as on the refusing side.
+fn refused_by(url: &str, reply: &[u8], local: &Hello) -> ChannelError {
+    match decode_refusal(reply) {
+        Some(Refusal {
+            mode: Some(mode),
+            node,
+            ..
+        }) if mode != local.mode => ChannelError::ModeMismatch {
+            local: local.mode.name().into(),
+            remote: mode.name().into(),
+            peer: node.unwrap_or_else(|| url.to_string()),
+        },
+        Some(Refusal { error, node, .. }) => ChannelError::Handshake(format!(
+            "{} refused: {error}",
+            node.as_deref().unwrap_or(url)
+        )),
+        None => ChannelError::Handshake(format!(
+            "{url} answered with something that is neither a hello nor a refusal"
+        )),
+    }
 }
 
 /// Measures the peer's clock again over its handshake socket at `url`:
@@ -619,6 +921,7 @@ fn serve(
     on_attach: OnAttach,
     stop: Arc<AtomicBool>,
 ) {
+    let mut challenges = Challenges::default();
     while !stop.load(Ordering::Acquire) {
         match sock.poll(zmq::POLLIN, 100) {
             Ok(0) => continue,
@@ -632,51 +935,146 @@ fn serve(
             let _ = sock.send(answer, 0);
             continue;
         }
-        let (reply, event) = match Hello::decode(&frame) {
-            Err(error) => (
-                local.encode(Some(&error.to_string())),
-                HandshakeEvent::Refused { node: None, error },
-            ),
-            Ok((remote, _)) => {
-                let outcome = local.agree(&remote).and_then(|lease| {
-                    let a = channel
-                        .attach(&remote.node, &remote.buffers, &remote.endpoint)
-                        .map(|peer| Agreement {
-                            peer,
-                            remote: remote.clone(),
-                            lease,
-                            exchange: None,
-                        })?;
-                    if let Err(e) = on_attach(&a) {
-                        channel.detach(a.peer);
-                        return Err(e);
-                    }
-                    Ok(a)
-                });
-                match outcome {
-                    Ok(a) => {
-                        let mut answer = local.clone();
-                        if let Some(endpoint) = channel.answer(&remote.endpoint) {
-                            answer.endpoint = endpoint;
-                        }
-                        // Read as late as possible: the connecting side
-                        // bounds our clock by when the answer arrives.
-                        answer.clock_us = crate::wire::micros(Instant::now());
-                        (answer.encode(None), HandshakeEvent::Attached(a))
-                    }
-                    Err(error) => (
-                        local.encode(Some(&error.to_string())),
-                        HandshakeEvent::Refused {
-                            node: Some(remote.node.clone()),
-                            error,
-                        },
-                    ),
-                }
-            }
-        };
+        let (reply, event) = answer_frame(
+            &frame,
+            channel.as_ref(),
+            &local,
+            &on_attach,
+            &mut challenges,
+        );
         // A REQ peer that vanished leaves nothing to reply to; keep serving.
         let _ = sock.send(reply, 0);
-        let _ = events.send(event);
+        if let Some(event) = event {
+            let _ = events.send(event);
+        }
+    }
+}
+
+/// The listening side's answer to one frame, and what to report.
+fn answer_frame(
+    frame: &[u8],
+    channel: &dyn TransferChannel,
+    local: &Hello,
+    on_attach: &OnAttach,
+    challenges: &mut Challenges,
+) -> (Vec<u8>, Option<HandshakeEvent>) {
+    let secret = channel.auth();
+    let refuse = |node: Option<String>, error: ChannelError, tell: Option<&Hello>| {
+        let reply = refusal(tell, &error.to_string());
+        (reply, Some(HandshakeEvent::Refused { node, error }))
+    };
+    let unauthenticated = |why: String| {
+        refuse(
+            None,
+            ChannelError::Handshake(format!("not authenticated: {why}")),
+            None,
+        )
+    };
+    if let Some(theirs) = single_value(frame, "auth_challenge") {
+        let Some(secret) = secret else {
+            return refuse(
+                None,
+                ChannelError::Handshake(format!(
+                    "the connecting side has {SECRET_KEY} set, but this side runs without a \
+                     deployment secret: set the same secret file on both (or on neither)"
+                )),
+                None,
+            );
+        };
+        let Some(theirs) = auth::unhex::<{ auth::NONCE_LEN }>(theirs) else {
+            return unauthenticated("malformed challenge".into());
+        };
+        let ours = auth::nonce();
+        if !challenges.open(Instant::now(), ours, theirs) {
+            return unauthenticated(format!(
+                "more than {MAX_OPEN_CHALLENGES} handshakes in progress; try again later"
+            ));
+        }
+        let proof = secret.prove(Step::HandshakeServer, &[&theirs, &ours]);
+        return (challenge_answer(&ours, &proof), None);
+    }
+    if let Some(why) = single_value(frame, "auth_failed") {
+        let error = ChannelError::Handshake(format!(
+            "the connecting side could not verify this side's proof ({why}); the two {SECRET_KEY} \
+             files differ"
+        ));
+        return refuse(None, error, None);
+    }
+    let decoded = match decode_hello(frame) {
+        Ok(d) => d,
+        Err(e) => {
+            let error = ChannelError::Handshake(format!("malformed hello: {e}"));
+            // Only an authenticated peer learns what this side runs.
+            return refuse(None, error, secret.is_none().then_some(local));
+        }
+    };
+    let nonces = match (secret, &decoded.seal) {
+        (None, None) => None,
+        (None, Some(_)) => {
+            return unauthenticated(format!(
+                "the hello is sealed but this side runs without {SECRET_KEY}: set the same secret \
+                 file on both (or on neither)"
+            ))
+        }
+        (Some(_), None) => {
+            return unauthenticated(format!(
+                "this side requires the deployment secret: set {SECRET_KEY} (or {SECRET_ENV}) on \
+                 the connecting side to the same secret file"
+            ))
+        }
+        (Some(secret), Some(seal)) => {
+            let ours = seal
+                .nonce
+                .and_then(|n| challenges.take(Instant::now(), &n).map(|t| (n, t)));
+            let Some((ours, theirs)) = ours else {
+                return unauthenticated("the hello answers no open challenge of this side".into());
+            };
+            if !seal.verify(secret, Step::HandshakeHello, (&ours, &theirs), frame) {
+                return unauthenticated(format!(
+                    "the hello's proof does not verify: the connecting side's {SECRET_KEY} differs \
+                     from this side's, or the hello was altered on the way"
+                ));
+            }
+            Some((secret, ours, theirs))
+        }
+    };
+    let remote = decoded.hello;
+    let outcome = local.agree(&remote).and_then(|lease| {
+        let a = channel
+            .attach(&remote.node, &remote.buffers, &remote.endpoint)
+            .map(|peer| Agreement {
+                peer,
+                remote: remote.clone(),
+                lease,
+                exchange: None,
+            })?;
+        if let Err(e) = on_attach(&a) {
+            channel.detach(a.peer);
+            return Err(e);
+        }
+        Ok(a)
+    });
+    match outcome {
+        Ok(a) => {
+            let mut answer = local.clone();
+            if let Some(endpoint) = channel.answer(&remote.endpoint) {
+                answer.endpoint = endpoint;
+            }
+            // Read as late as possible: the connecting side
+            // bounds our clock by when the answer arrives.
+            answer.clock_us = crate::wire::micros(Instant::now());
+            let seal = nonces.map(|(secret, ours, theirs)| Seal {
+                secret,
+                step: Step::HandshakeAnswer,
+                nonces: (theirs, ours),
+                send_nonce: None,
+            });
+            (
+                answer.encode_sealed(None, seal.as_ref()),
+                Some(HandshakeEvent::Attached(a)),
+            )
+        }
+        Err(error) => refuse(Some(remote.node.clone()), error, Some(local)),
     }
 }
 
@@ -743,5 +1141,87 @@ mod tests {
         .encode(None);
         let e = Hello::decode(&bad).unwrap_err().to_string();
         assert!(e.contains("hccl_root is 6 hex digits"), "{e}");
+    }
+
+    #[test]
+    fn challenges_are_used_once_expire_and_stay_bounded() {
+        let t0 = Instant::now();
+        let mut c = Challenges::default();
+        assert!(c.open(t0, [1; 16], [2; 16]));
+        assert_eq!(c.take(t0, &[1; 16]), Some([2; 16]));
+        assert_eq!(c.take(t0, &[1; 16]), None, "used once");
+        assert!(c.open(t0, [3; 16], [4; 16]));
+        assert_eq!(c.take(t0 + CHALLENGE_TTL, &[3; 16]), None, "expired");
+        for i in 0..MAX_OPEN_CHALLENGES {
+            let mut n = [0u8; 16];
+            n[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            assert!(c.open(t0, n, n));
+        }
+        assert!(!c.open(t0, [9; 16], [9; 16]), "full");
+        assert!(
+            c.open(
+                t0 + CHALLENGE_TTL + Duration::from_secs(1),
+                [9; 16],
+                [9; 16]
+            ),
+            "the expired make room"
+        );
+    }
+
+    #[test]
+    fn a_sealed_hello_verifies_only_unaltered_and_with_the_same_secret() {
+        let secret = Secret::from_bytes(&[5; 32]).unwrap();
+        let h = hello(Endpoint::Tcp {
+            addr: "1.2.3.4:5".into(),
+        });
+        let seal = Seal {
+            secret: &secret,
+            step: Step::HandshakeHello,
+            nonces: ([1; 16], [2; 16]),
+            send_nonce: Some([1; 16]),
+        };
+        let bytes = h.encode_sealed(None, Some(&seal));
+        let d = decode_hello(&bytes).unwrap();
+        assert_eq!(d.hello, h);
+        let seen = d.seal.unwrap();
+        assert_eq!(seen.nonce, Some([1; 16]));
+        assert!(seen.verify(&secret, Step::HandshakeHello, (&[1; 16], &[2; 16]), &bytes));
+        let other = Secret::from_bytes(&[6; 32]).unwrap();
+        assert!(!seen.verify(&other, Step::HandshakeHello, (&[1; 16], &[2; 16]), &bytes));
+        assert!(!seen.verify(&secret, Step::HandshakeAnswer, (&[1; 16], &[2; 16]), &bytes));
+        // Another endpoint, same length: the proof no longer holds.
+        let at = bytes.windows(9).position(|w| w == b"1.2.3.4:5").unwrap();
+        let mut altered = bytes.clone();
+        altered[at..at + 9].copy_from_slice(b"6.6.6.6:6");
+        assert_eq!(altered.len(), bytes.len());
+        let d = decode_hello(&altered).unwrap();
+        assert!(!d.seal.unwrap().verify(
+            &secret,
+            Step::HandshakeHello,
+            (&[1; 16], &[2; 16]),
+            &altered
+        ));
+    }
+
+    #[test]
+    fn refusals_name_the_reason_and_carry_no_table() {
+        let h = hello(Endpoint::Tcp {
+            addr: "1.2.3.4:5".into(),
+        });
+        for tell in [None, Some(&h)] {
+            let bytes = refusal(tell, "no");
+            assert!(decode_hello(&bytes).is_err());
+            assert_eq!(refusal_reason(&bytes).as_deref(), Some("no"));
+            let text = String::from_utf8_lossy(&bytes);
+            assert!(
+                !text.contains("1.2.3.4") && !text.contains("buffers"),
+                "{text}"
+            );
+        }
+        let r = decode_refusal(&refusal(Some(&h), "no")).unwrap();
+        assert_eq!(
+            (r.mode, r.node.as_deref()),
+            (Some(TransferMode::Push), Some("n"))
+        );
     }
 }

@@ -54,6 +54,7 @@ use super::{
     ChannelError, Completion, CompletionSender, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
     OpKind, PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
+use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
 use crate::memory::{BufferRef, MemObj, PagePool, SealedMemObj};
@@ -127,6 +128,7 @@ pub struct HcclChannel {
     offers: Mutex<HashMap<u64, (RootInfo, Instant)>>,
     peers: PeerRegistry<HcclPeer>,
     grants: GrantTable<Arc<SetupCell>>,
+    auth: Option<Secret>,
 }
 
 struct HcclPeer {
@@ -198,7 +200,15 @@ impl HcclChannel {
             offers: Mutex::new(HashMap::new()),
             peers: PeerRegistry::default(),
             grants: GrantTable::default(),
+            auth: None,
         })
+    }
+
+    /// Requires peers to prove they hold `secret` in the handshake (which
+    /// carries the communicator's root info).
+    pub fn with_auth(mut self, secret: Option<Secret>) -> HcclChannel {
+        self.auth = secret;
+        self
     }
 
     /// The NPU the communicators run on.
@@ -387,6 +397,10 @@ impl TransferChannel for HcclChannel {
     fn is_quiescent(&self, grant: GrantId) -> bool {
         self.grants
             .settle(grant, |e| e.read_only() || e.session.peer_cannot_access())
+    }
+
+    fn auth(&self) -> Option<&Secret> {
+        self.auth.as_ref()
     }
 
     fn grant_stats(&self) -> GrantStats {

@@ -36,6 +36,7 @@ pub use completion::{Completion, Done};
 pub(crate) use completion::{CompletionSender, LocalPage};
 pub use grant::{Access, GrantId, GrantStats, GrantTag};
 
+use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::{
     BufferRef, DeviceKind, MemObj, Page, PagePool, RegisteredBuffer, SealedMemObj,
@@ -430,32 +431,43 @@ pub trait TransferChannel: Send + Sync {
 
     /// The grant counters.
     fn grant_stats(&self) -> GrantStats;
+
+    /// The deployment secret peers must prove they hold (in the handshake,
+    /// and on tcp on every transfer connection); `None`: unauthenticated.
+    fn auth(&self) -> Option<&Secret>;
 }
 
 /// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer
 /// server (or the hccl liveness listener) binds (the worker's own address),
 /// `node` this worker's id (its handshake node; tcp presents it to peers).
 /// `hccl` and NPU pools on `tcp` need pools allocated by the ACL runtime
-/// (`memory::npu`); the device comes from the pools.
+/// (`memory::npu`); the device comes from the pools. With `auth`, every
+/// peer must prove it holds the secret ([`crate::auth`]); without, the data
+/// plane is unauthenticated, and a warning says so once per process.
 pub fn open(
     kind: ChannelKind,
     host: &str,
     node: &str,
     pools: &[Arc<PagePool>],
+    auth: Option<Secret>,
 ) -> Result<Arc<dyn TransferChannel>, ChannelError> {
+    if auth.is_none() {
+        crate::auth::warn_unauthenticated_once();
+    }
     Ok(match kind {
-        ChannelKind::Shm => Arc::new(shm::ShmChannel::new(pools)?),
+        ChannelKind::Shm => Arc::new(shm::ShmChannel::new(pools)?.with_auth(auth)),
         ChannelKind::Tcp => Arc::new(tcp::TcpChannel::bind(
             host,
             node,
             pools,
-            tcp::TcpOptions::default(),
+            tcp::TcpOptions {
+                auth,
+                ..Default::default()
+            },
         )?),
-        ChannelKind::Hccl => Arc::new(hccl::HcclChannel::new(
-            host,
-            pools,
-            hccl::HcclOptions::default(),
-        )?),
+        ChannelKind::Hccl => Arc::new(
+            hccl::HcclChannel::new(host, pools, hccl::HcclOptions::default())?.with_auth(auth),
+        ),
     })
 }
 

@@ -16,6 +16,7 @@ use super::{
     Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry,
     PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
+use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use std::collections::HashMap;
@@ -34,6 +35,7 @@ pub struct ShmChannel {
     peers: PeerRegistry<ShmPeer>,
     grants: GrantTable<Arc<ShmPeer>>,
     threads: usize,
+    auth: Option<Secret>,
 }
 
 struct Mapping {
@@ -114,7 +116,14 @@ impl ShmChannel {
             peers: PeerRegistry::default(),
             grants: GrantTable::default(),
             threads,
+            auth: None,
         })
+    }
+
+    /// Requires peers to prove they hold `secret` in the handshake.
+    pub fn with_auth(mut self, secret: Option<Secret>) -> ShmChannel {
+        self.auth = secret;
+        self
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<ShmPeer>, ChannelError> {
@@ -293,6 +302,10 @@ impl TransferChannel for ShmChannel {
         // The peer's mapping of our pools lives as long as its process.
         self.grants
             .settle(grant, |e| e.read_only() || !e.session.alive())
+    }
+
+    fn auth(&self) -> Option<&Secret> {
+        self.auth.as_ref()
     }
 
     fn grant_stats(&self) -> GrantStats {

@@ -17,7 +17,15 @@
 //! only once its bytes are in device memory.
 //!
 //! **Who may touch what.** Every connection opens with a hello naming the
-//! client's node (magic `APDH`, node length u16, the node id). The server
+//! client's node (magic `APDH`, node length u16, the node id, a 16-byte
+//! nonce). The server answers `APDA` and a mode byte: 0 when it runs
+//! without a secret; 1 followed by its own nonce and its proof over both
+//! nonces and the node, when it runs with the deployment secret
+//! ([`crate::auth`]). The client then checks that proof and sends its own
+//! (32 bytes), and the server serves nothing before it checked it: the
+//! node the grants name is authenticated. Both sides must run with the
+//! same secret, or both without; anything else fails the connection with
+//! an error naming `pd_auth_secret_file`. The server
 //! serves a request only under a live [grant](super::grant) of that node
 //! covering the page with that access and carrying the request's
 //! [tag](super::GrantTag); anything else is refused (counted, logged once
@@ -40,6 +48,7 @@ use super::{
     ChannelError, Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
     PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
+use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
 use crate::memory::npu::device_buffer;
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
@@ -47,7 +56,7 @@ use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -55,6 +64,9 @@ use uuid::Uuid;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"APDT");
 const HELLO_MAGIC: &[u8; 4] = b"APDH";
+const ANSWER_MAGIC: &[u8; 4] = b"APDA";
+const MODE_OPEN: u8 = 0;
+const MODE_AUTH: u8 = 1;
 /// Longest node id a connection hello may carry.
 const MAX_NODE_LEN: usize = 1024;
 const OP_WRITE: u8 = 1;
@@ -75,6 +87,9 @@ pub struct TcpOptions {
     pub window: usize,
     /// A socket that makes no progress for this long fails the batch.
     pub io_timeout: Duration,
+    /// The deployment secret: peers prove they hold it on every
+    /// connection, and we prove it to them. `None`: unauthenticated.
+    pub auth: Option<Secret>,
 }
 
 impl Default for TcpOptions {
@@ -87,6 +102,7 @@ impl Default for TcpOptions {
             slice_bytes: 1 << 20,
             window: 16,
             io_timeout: Duration::from_secs(30),
+            auth: None,
         }
     }
 }
@@ -108,6 +124,10 @@ struct Served {
     pools: HashMap<Uuid, LocalPool>,
     grants: GrantTable<()>,
     io_timeout: Duration,
+    auth: Option<Secret>,
+    /// Connections refused for a failed or missing proof.
+    unauthenticated: AtomicU64,
+    unauthenticated_logged: AtomicBool,
 }
 
 /// The tcp channel of one worker: its transfer server and its peers.
@@ -230,6 +250,9 @@ impl TcpChannel {
             pools: served,
             grants: GrantTable::default(),
             io_timeout: opts.io_timeout,
+            auth: opts.auth.clone(),
+            unauthenticated: AtomicU64::new(0),
+            unauthenticated_logged: AtomicBool::new(false),
         });
         let served2 = Arc::clone(&served);
         let accept = std::thread::Builder::new()
@@ -323,8 +346,8 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
     stream.write_all(m)
 }
 
-/// Reads a connection's hello: the client's node id.
-fn read_hello(stream: &mut TcpStream) -> Result<String, String> {
+/// Reads a connection's hello: the client's node id and nonce.
+fn read_hello(stream: &mut TcpStream) -> Result<(String, Nonce), String> {
     let mut h = [0u8; 6];
     stream
         .read_exact(&mut h)
@@ -340,7 +363,113 @@ fn read_hello(stream: &mut TcpStream) -> Result<String, String> {
     stream
         .read_exact(&mut node)
         .map_err(|e| format!("truncated hello: {e}"))?;
-    String::from_utf8(node).map_err(|_| "hello node id is not UTF-8".into())
+    let mut nonce = [0u8; NONCE_LEN];
+    stream
+        .read_exact(&mut nonce)
+        .map_err(|e| format!("truncated hello: {e}"))?;
+    let node = String::from_utf8(node).map_err(|_| "hello node id is not UTF-8".to_string())?;
+    Ok((node, nonce))
+}
+
+/// The server's side of a connection's authentication, after the hello:
+/// answers, and with a secret checks the client's proof.
+fn authenticate_client(
+    stream: &mut TcpStream,
+    served: &Served,
+    node: &str,
+    client_nonce: &Nonce,
+) -> Result<(), String> {
+    let Some(secret) = &served.auth else {
+        let mut a = [0u8; 5];
+        a[..4].copy_from_slice(ANSWER_MAGIC);
+        a[4] = MODE_OPEN;
+        return stream
+            .write_all(&a)
+            .map_err(|e| format!("answering the hello: {e}"));
+    };
+    let ours = auth::nonce();
+    let proof = secret.prove(Step::TcpServer, &[client_nonce, &ours, node.as_bytes()]);
+    let mut a = Vec::with_capacity(5 + NONCE_LEN + PROOF_LEN);
+    a.extend_from_slice(ANSWER_MAGIC);
+    a.push(MODE_AUTH);
+    a.extend_from_slice(&ours);
+    a.extend_from_slice(&proof);
+    stream
+        .write_all(&a)
+        .map_err(|e| format!("answering the hello: {e}"))?;
+    let mut theirs = [0u8; PROOF_LEN];
+    stream
+        .read_exact(&mut theirs)
+        .map_err(|e| format!("no proof of the deployment secret from {node}: {e}"))?;
+    if secret.verify(
+        Step::TcpClient,
+        &[&ours, client_nonce, node.as_bytes()],
+        &theirs,
+    ) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{node} did not prove it holds the deployment secret: its {SECRET_KEY} differs from \
+             this worker's"
+        ))
+    }
+}
+
+/// The client's side of a connection's authentication: sends the hello,
+/// checks the server's answer, proves our own secret when it asks.
+fn authenticate_server(
+    stream: &mut TcpStream,
+    node: &str,
+    auth: Option<&Secret>,
+    server: &str,
+) -> Result<(), String> {
+    let ours = auth::nonce();
+    let mut hello = Vec::with_capacity(6 + node.len() + NONCE_LEN);
+    hello.extend_from_slice(HELLO_MAGIC);
+    hello.extend_from_slice(&(node.len() as u16).to_le_bytes());
+    hello.extend_from_slice(node.as_bytes());
+    hello.extend_from_slice(&ours);
+    stream
+        .write_all(&hello)
+        .map_err(|e| format!("sending the hello: {e}"))?;
+    let mut a = [0u8; 5];
+    stream
+        .read_exact(&mut a)
+        .map_err(|e| format!("no answer to the hello: {e}"))?;
+    if &a[..4] != ANSWER_MAGIC {
+        return Err(format!(
+            "{server} did not answer as an ascend-pd transfer server of this version"
+        ));
+    }
+    match (a[4], auth) {
+        (MODE_OPEN, None) => Ok(()),
+        (MODE_OPEN, Some(_)) => Err(format!(
+            "{server} runs without a deployment secret, but this worker has {SECRET_KEY} set: \
+             set the same secret file on both workers (or on neither)"
+        )),
+        (MODE_AUTH, None) => Err(format!(
+            "{server} requires the deployment secret: set {SECRET_KEY} (or {SECRET_ENV}) to the \
+             same secret file it uses"
+        )),
+        (MODE_AUTH, Some(secret)) => {
+            let mut rest = [0u8; NONCE_LEN + PROOF_LEN];
+            stream
+                .read_exact(&mut rest)
+                .map_err(|e| format!("truncated answer to the hello: {e}"))?;
+            let (theirs, proof) = rest.split_at(NONCE_LEN);
+            if !secret.verify(Step::TcpServer, &[&ours, theirs, node.as_bytes()], proof) {
+                return Err(format!(
+                    "{server} did not prove it holds the deployment secret: its {SECRET_KEY} \
+                     differs from this worker's"
+                ));
+            }
+            let mine = secret.prove(Step::TcpClient, &[theirs, &ours, node.as_bytes()]);
+            stream
+                .write_all(&mine)
+                .map_err(|e| format!("sending our proof: {e}"))
+        }
+        (m, _) => Err(format!("{server} answered the hello with unknown mode {m}")),
+    }
 }
 
 /// Serves one connection until EOF or error. A malformed, out-of-range or
@@ -350,9 +479,20 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
     // A stalled client must not hold a grant's request open forever.
     let _ = stream.set_read_timeout(Some(served.io_timeout));
     let _ = stream.set_write_timeout(Some(served.io_timeout));
-    let node = match read_hello(&mut stream) {
+    let node = match read_hello(&mut stream).and_then(|(node, nonce)| {
+        authenticate_client(&mut stream, served, &node, &nonce).map(|()| node)
+    }) {
         Ok(n) => n,
         Err(msg) => {
+            if served.auth.is_some() {
+                served.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                if !served.unauthenticated_logged.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "tcp transfer server: refused a connection: {msg} (later refusals are \
+                         only counted)"
+                    );
+                }
+            }
             let _ = reply(&mut stream, 1, &msg);
             return;
         }
@@ -623,7 +763,14 @@ impl TransferChannel for TcpChannel {
     }
 
     fn grant_stats(&self) -> GrantStats {
-        self.served.grants.stats()
+        GrantStats {
+            unauthenticated: self.served.unauthenticated.load(Ordering::Relaxed),
+            ..self.served.grants.stats()
+        }
+    }
+
+    fn auth(&self) -> Option<&Secret> {
+        self.opts.auth.as_ref()
     }
 }
 
@@ -781,14 +928,11 @@ fn run_on_connection<P: LocalPage>(
         s.set_nodelay(true).ok();
         s.set_read_timeout(Some(opts.io_timeout)).ok();
         s.set_write_timeout(Some(opts.io_timeout)).ok();
-        // The server serves us only under grants made to our node.
-        let mut hello = Vec::with_capacity(6 + node.len());
-        hello.extend_from_slice(HELLO_MAGIC);
-        hello.extend_from_slice(&(node.len() as u16).to_le_bytes());
-        hello.extend_from_slice(node.as_bytes());
+        // The server serves us only under grants made to our (proven) node.
         let mut s = s;
-        s.write_all(&hello)
-            .map_err(|e| gone(p, None, &e, opts.io_timeout))?;
+        let server = format!("{} ({})", p.node, p.addr);
+        authenticate_server(&mut s, node, opts.auth.as_ref(), &server)
+            .map_err(|e| ChannelError::Handshake(format!("tcp transfer connection: {e}")))?;
         *conn = Some(Conn {
             stream: s,
             stagers: Stagers::default(),

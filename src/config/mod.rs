@@ -256,6 +256,11 @@ pub struct PdConfig {
     pub proxy_host: Option<String>,
     /// `pd_proxy_port`.
     pub proxy_port: Option<u16>,
+    /// `pd_auth_secret_file`: the deployment's shared secret, which every
+    /// peer must prove it holds (see [`crate::auth`]); the environment
+    /// variable `ASCEND_PD_AUTH_SECRET_FILE` overrides it. `None`: the data
+    /// plane is unauthenticated (a warning says so once).
+    pub auth_secret_file: Option<std::path::PathBuf>,
     /// `pd_pull_mode`.
     pub pull_mode: bool,
     /// `pd_delay_pull`.
@@ -303,6 +308,7 @@ impl PdConfig {
             peer_alloc_port: None,
             proxy_host: None,
             proxy_port: None,
+            auth_secret_file: None,
             pull_mode: false,
             delay_pull: false,
             pull_done_port: None,
@@ -703,6 +709,13 @@ impl PdConfig {
             s,
             "pd_proxy_port: {}",
             self.proxy_port.map_or("null".into(), |p| p.to_string())
+        );
+        let _ = writeln!(
+            s,
+            "pd_auth_secret_file: {}",
+            self.auth_secret_file
+                .as_ref()
+                .map_or("null".into(), |p| p.display().to_string())
         );
         let _ = writeln!(s, "pd_pull_mode: {}", self.pull_mode);
         let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);

@@ -22,6 +22,7 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "pd_peer_alloc_port",
     "pd_proxy_host",
     "pd_proxy_port",
+    "pd_auth_secret_file",
     "pd_pull_mode",
     "pd_delay_pull",
     "pd_pull_done_port",
@@ -302,6 +303,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
         proxy_port: r
             .get("pd_proxy_port")
             .and_then(|v| r.port("pd_proxy_port", v)),
+        auth_secret_file: r.string("pd_auth_secret_file").map(Into::into),
         pull_mode: r.bool("pd_pull_mode", false),
         delay_pull: r.bool("pd_delay_pull", false),
         pull_done_port: r.ports("pd_pull_done_port"),

@@ -148,7 +148,13 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     // Every page is open to whoever attaches (this is a test peer): tcp
     // serves only granted pages.
     let refs: Vec<BufferRef> = objs.iter().map(|o| o.buffer_ref()).collect();
-    let channel = chan::open(kind, "127.0.0.1", &node, &[Arc::clone(&pool)])?;
+    let channel = chan::open(
+        kind,
+        "127.0.0.1",
+        &node,
+        &[Arc::clone(&pool)],
+        bench_secret()?,
+    )?;
     let hello = Hello::local(
         &node,
         Role::Receiver,
@@ -370,7 +376,13 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     ])?;
     let runtime = runtime_for(kind, device)?;
     let (pool, mut objs) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
-    let channel = chan::open(kind, "127.0.0.1", BENCH_NODE, &[Arc::clone(&pool)])?;
+    let channel = chan::open(
+        kind,
+        "127.0.0.1",
+        BENCH_NODE,
+        &[Arc::clone(&pool)],
+        bench_secret()?,
+    )?;
     let ctx = zmq::Context::new();
     let (peer_id, uuid) = connect(&ctx, &peer.url, channel.as_ref())?;
     let local_seed = 99u64;
@@ -397,7 +409,13 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         // Verify every byte at the far end by reading the peer's pages back
         // into fresh local pages over a second connection.
         let (back_pool, back) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
-        let ch2 = chan::open(kind, "127.0.0.1", BENCH_NODE, &[Arc::clone(&back_pool)])?;
+        let ch2 = chan::open(
+            kind,
+            "127.0.0.1",
+            BENCH_NODE,
+            &[Arc::clone(&back_pool)],
+            bench_secret()?,
+        )?;
         let (p2, uuid2) = connect(&ctx, &peer.url, ch2.as_ref())?;
         let reads = back
             .into_iter()
@@ -489,4 +507,10 @@ fn device_name(d: PoolDevice) -> &'static str {
         PoolDevice::Cpu => "cpu",
         PoolDevice::Npu => "npu",
     }
+}
+
+/// The secret named by `ASCEND_PD_AUTH_SECRET_FILE`, if any: with it, the
+/// channel bench measures authenticated connections.
+fn bench_secret() -> anyhow::Result<Option<ascend_pd::auth::Secret>> {
+    Ok(ascend_pd::auth::Secret::from_env_or(None)?)
 }

@@ -324,11 +324,16 @@ fn publish_pools(reg: &Registry, pools: &DualStats, page: u64) {
 }
 
 /// What peers may touch: grants in force, revoked but not yet quiescent,
-/// and peer requests refused for want of a grant.
+/// peer requests refused for want of a grant, and transfer connections
+/// refused for want of a proof of the deployment secret.
 fn publish_grants(reg: &Registry, g: &GrantStats) {
     reg.set("ascend_pd_grants_live", g.live as f64);
     reg.set("ascend_pd_grants_revoked", g.revoked as f64);
     reg.set("ascend_pd_grant_refusals_total", g.refused as f64);
+    reg.set(
+        "ascend_pd_unauthenticated_connections_total",
+        g.unauthenticated as f64,
+    );
 }
 
 fn publish_messages(reg: &Registry, messages: &[(MessageKind, u64)]) {
@@ -679,6 +684,7 @@ mod tests {
                 live: 4,
                 revoked: 1,
                 refused: 7,
+                unauthenticated: 2,
             },
         );
         let text = reg.render();
@@ -691,6 +697,7 @@ mod tests {
             "ascend_pd_grants_live 4",
             "ascend_pd_grants_revoked 1",
             "ascend_pd_grant_refusals_total 7",
+            "ascend_pd_unauthenticated_connections_total 2",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
