@@ -675,3 +675,71 @@ fn a_restarted_receiver_is_picked_up_by_its_senders() {
         }
     }
 }
+
+/// Peak resident memory of process `pid` (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb * 1024
+}
+
+/// Issue 11: a 96 MiB frame (2 million keys' worth) sent to a receiver's
+/// request socket used to be buffered and decoded (its RSS jumped by
+/// hundreds of MiB). ZMQ now drops it at the socket, before buffering: the
+/// receiver process's peak RSS grows by less than 8 MiB, and it keeps
+/// answering other senders.
+#[test]
+fn an_oversized_frame_is_dropped_at_the_socket_without_growing_the_receiver() {
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    assert!(
+        rc.max_message_bytes() < 4 << 20,
+        "{}",
+        rc.max_message_bytes()
+    );
+    let dir = std::env::temp_dir().join(format!("ascend-pd-big-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let yaml = dir.join("receiver.yaml");
+    std::fs::write(&yaml, rc.to_effective_yaml()).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+        .args(["receiver", "--config", yaml.to_str().unwrap()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let ctx = zmq::Context::new();
+    let url = format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap());
+    // A small malformed frame always gets an answer: the receiver serves.
+    let answers = || {
+        let req = ctx.socket(zmq::REQ).unwrap();
+        req.set_linger(0).unwrap();
+        req.set_rcvtimeo(500).unwrap();
+        req.connect(&url).unwrap();
+        req.send(&b"\x81\xa4type\xa4junk"[..], 0).unwrap();
+        req.recv_bytes(0).is_ok()
+    };
+    assert!(eventually(Duration::from_secs(20), answers), "receiver up");
+    let before = peak_rss(child.id());
+    let big = vec![0x91u8; 96 << 20];
+    let req = ctx.socket(zmq::REQ).unwrap();
+    req.set_linger(0).unwrap();
+    req.set_rcvtimeo(2000).unwrap();
+    req.connect(&url).unwrap();
+    req.send(big, 0).unwrap();
+    assert!(
+        req.recv_bytes(0).is_err(),
+        "no answer: the frame was dropped"
+    );
+    assert!(answers(), "still serving after the oversized frame");
+    let grown = peak_rss(child.id()).saturating_sub(before);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    assert!(
+        grown < 8 << 20,
+        "the receiver's peak RSS grew by {} MiB",
+        grown >> 20
+    );
+}

@@ -202,6 +202,10 @@ impl Sender {
                 .map_err(BackendError::zmq("creating the PullDoneSignal socket"))?;
             sock.set_rcvtimeo(100).ok();
             sock.set_linger(0).ok();
+            sock.set_maxmsgsize(config.max_message_bytes())
+                .map_err(BackendError::zmq(
+                    "capping the PullDoneSignal socket's frame size",
+                ))?;
             let url = format!("tcp://{host}:{port}");
             sock.bind(&url).map_err(BackendError::zmq(format!(
                 "binding the PullDoneSignal socket {url} (pd_pull_done_port in use?)"
@@ -262,6 +266,15 @@ impl Sender {
         spec: &TransferSpec,
     ) -> Result<PutOutcome, BackendError> {
         let s = &self.shared;
+        let max_keys = s.config.max_keys_per_message();
+        if keys.len() as u64 > max_keys {
+            return Err(BackendError::InvalidInput(format!(
+                "a put of {} keys exceeds pd_max_keys_per_message ({max_keys}): the receiver \
+                 would drop the message; split the put, or raise pd_max_keys_per_message on \
+                 both sides",
+                keys.len()
+            )));
+        }
         let rank = self.shared_rank();
         let (init, alloc) = match (
             spec.receiver_init_port.for_rank(rank),

@@ -34,6 +34,11 @@ pub const HANDSHAKE_VERSION: u64 = 3;
 /// Cap on buffers in one table (a worker has two pools; this only bounds garbage).
 const MAX_BUFFERS: usize = 64;
 
+/// The largest frame the handshake socket accepts: a hello of
+/// [`MAX_BUFFERS`] buffers is a few KiB; ZMQ drops anything longer (and
+/// its connection) before buffering it.
+pub const MAX_HELLO_BYTES: i64 = 256 * 1024;
+
 /// One side's half of the handshake.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
@@ -870,6 +875,11 @@ impl HandshakeServer {
             source,
         })?;
         sock.set_linger(0).ok();
+        sock.set_maxmsgsize(MAX_HELLO_BYTES)
+            .map_err(|source| ChannelError::Zmq {
+                context: format!("capping the frame size of the handshake socket {url}"),
+                source,
+            })?;
         sock.bind(url).map_err(|source| ChannelError::Zmq {
             context: format!("binding the handshake socket {url} (is the init port in use?)"),
             source,

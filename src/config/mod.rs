@@ -233,6 +233,14 @@ impl Default for KvLayout {
     }
 }
 
+/// Fewest keys per message the derived default allows.
+pub const MIN_KEYS_PER_MESSAGE: u64 = 1024;
+/// Frame budget per key (the key string, a buffer UUID and an index, with
+/// room for long model names in the key).
+pub const MESSAGE_BYTES_PER_KEY: u64 = 1024;
+/// Frame budget besides the keys.
+pub const MESSAGE_BYTES_FIXED: u64 = 64 * 1024;
+
 /// The complete configuration of one PD worker, defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PdConfig {
@@ -261,6 +269,11 @@ pub struct PdConfig {
     /// variable `ASCEND_PD_AUTH_SECRET_FILE` overrides it. `None`: the data
     /// plane is unauthenticated (a warning says so once).
     pub auth_secret_file: Option<std::path::PathBuf>,
+    /// `pd_max_keys_per_message`: the most keys one side-channel message
+    /// may carry; bounds every receiving socket's frame size
+    /// ([`PdConfig::max_message_bytes`]). `None`: as many chunks as this
+    /// worker's pools hold, at least [`MIN_KEYS_PER_MESSAGE`].
+    pub max_keys_per_message: Option<u64>,
     /// `pd_pull_mode`.
     pub pull_mode: bool,
     /// `pd_delay_pull`.
@@ -309,6 +322,7 @@ impl PdConfig {
             proxy_host: None,
             proxy_port: None,
             auth_secret_file: None,
+            max_keys_per_message: None,
             pull_mode: false,
             delay_pull: false,
             pull_done_port: None,
@@ -411,6 +425,30 @@ impl PdConfig {
     /// `pd_peer_init_port` of TP rank `rank`.
     pub fn init_port(&self, rank: usize) -> Option<u16> {
         self.peer_init_port.as_ref()?.for_rank(rank)
+    }
+
+    /// The most keys one side-channel message may carry:
+    /// `pd_max_keys_per_message`, or as many chunks as the pools hold (at
+    /// least [`MIN_KEYS_PER_MESSAGE`]).
+    pub fn max_keys_per_message(&self) -> u64 {
+        self.max_keys_per_message.unwrap_or_else(|| {
+            let page = self.page_bytes().max(1);
+            let pages = self.buffer_pool_bytes() / page
+                + if self.use_cpu_offload || !self.has_npu_pool() {
+                    0
+                } else {
+                    self.cpu_pool_bytes() / page
+                };
+            pages.max(MIN_KEYS_PER_MESSAGE)
+        })
+    }
+
+    /// The largest frame a receiving side-channel socket accepts (ZMQ
+    /// drops a longer one before buffering it, and the connection with
+    /// it): [`MESSAGE_BYTES_FIXED`] plus [`MESSAGE_BYTES_PER_KEY`] per key.
+    pub fn max_message_bytes(&self) -> i64 {
+        let keys = self.max_keys_per_message().min(1 << 32);
+        (MESSAGE_BYTES_FIXED + keys * MESSAGE_BYTES_PER_KEY) as i64
     }
 
     /// `pd_peer_alloc_port` of TP rank `rank`.
@@ -518,6 +556,15 @@ impl PdConfig {
                 format!("is {}, outside [0, 100)", self.backpressure_reserve_pct),
                 "use a percentage such as 2.0",
             );
+        }
+        if let Some(n) = self.max_keys_per_message {
+            if !(1..=1 << 24).contains(&n) {
+                bad(
+                    "pd_max_keys_per_message",
+                    format!("is {n}; a message carries 1 to 16777216 keys"),
+                    "leave it out (sized from the pools) or set the longest request's chunk count",
+                );
+            }
         }
         if self.push_landing_timeout.is_zero() {
             bad(
@@ -716,6 +763,12 @@ impl PdConfig {
             self.auth_secret_file
                 .as_ref()
                 .map_or("null".into(), |p| p.display().to_string())
+        );
+        let _ = writeln!(
+            s,
+            "pd_max_keys_per_message: {}",
+            self.max_keys_per_message
+                .map_or("null".into(), |n| n.to_string())
         );
         let _ = writeln!(s, "pd_pull_mode: {}", self.pull_mode);
         let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);

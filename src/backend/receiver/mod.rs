@@ -225,6 +225,11 @@ impl Receiver {
             .map_err(BackendError::zmq("creating the request socket"))?;
         router.set_linger(0).ok();
         router.set_rcvtimeo(100).ok();
+        // A longer frame is dropped (with its connection) before ZMQ
+        // buffers it: nobody can make us hold a 100 MB notification.
+        router
+            .set_maxmsgsize(config.max_message_bytes())
+            .map_err(BackendError::zmq("capping the request socket's frame size"))?;
         let url = format!("tcp://{host}:{alloc_port}");
         router.bind(&url).map_err(BackendError::zmq(format!(
             "binding the request socket {url} (pd_peer_alloc_port in use?)"
