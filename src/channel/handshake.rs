@@ -35,7 +35,7 @@ pub const HANDSHAKE_VERSION: u64 = 3;
 const MAX_BUFFERS: usize = 64;
 
 /// The largest frame the handshake socket accepts: a hello of
-/// [`MAX_BUFFERS`] buffers is a few KiB; ZMQ drops anything longer (and
+/// 64 buffers (the most it may list) is a few KiB; ZMQ drops anything longer (and
 /// its connection) before buffering it.
 pub const MAX_HELLO_BYTES: i64 = 256 * 1024;
 
