@@ -187,6 +187,91 @@ fn alloc_failure_opens_the_breaker_which_closes_after_the_ttl() {
 }
 
 #[test]
+fn a_sender_waiting_for_pages_never_delays_another_senders_request() {
+    for mode in [TransferMode::Push, TransferMode::PullEager] {
+        let mut rc = receiver_config(ChannelKind::Tcp, mode, 8);
+        // Long enough that the test would see it: under a blocking loop,
+        // b's second put would wait for a's 60 s.
+        rc.alloc_fail_backoff_ttl = Duration::from_secs(60);
+        let r = Receiver::start(&rc, 0).unwrap();
+        let start = r.stats().pools.cpu.unwrap();
+        let a = Sender::start(
+            &sender_config(ChannelKind::Tcp, mode, 16),
+            0,
+            Default::default(),
+        )
+        .unwrap();
+        let b = Sender::start(
+            &sender_config(ChannelKind::Tcp, mode, 16),
+            0,
+            Default::default(),
+        )
+        .unwrap();
+        // b fills six of the receiver's eight pages (resident until removed).
+        let fill = keys("fill", 6);
+        let cf = chunks(&b, &fill, CHUNK);
+        b.put(&fill, &cf, &spec_for(&rc, "fill", true)).unwrap();
+        assert!(eventually(Duration::from_secs(10), || fill.iter().all(
+            |k| r.state(k) == Some(ascend_pd::protocol::KeyState::Resident)
+        )));
+        let waits = keys("waits", 4);
+        let one = keys("one", 1);
+        // a asks for four pages; two are free, so its request waits.
+        let ca = chunks(&a, &waits, CHUNK);
+        std::thread::scope(|scope| {
+            let a_put = scope.spawn(|| a.put(&waits, &ca, &spec_for(&rc, "waits", true)).unwrap());
+            assert!(
+                eventually(Duration::from_secs(10), || r.stats().waiting_for_pages == 1),
+                "{mode:?}: a's request never waited for pages"
+            );
+            // b's one-page request is answered while a's still waits.
+            let c1 = chunks(&b, &one, CHUNK);
+            let out = b.put(&one, &c1, &spec_for(&rc, "one", true)).unwrap();
+            assert!(
+                matches!(
+                    out,
+                    PutOutcome::Pushed { written: 1, .. }
+                        | PutOutcome::Announced { announced: 1, .. }
+                ),
+                "{mode:?}: {out:?}"
+            );
+            assert!(
+                !a_put.is_finished(),
+                "{mode:?}: a's put ended before pages were freed"
+            );
+            assert_eq!(r.stats().waiting_for_pages, 1, "{mode:?}");
+            // Freeing b's first pages lets a's request through.
+            for k in &fill {
+                assert!(r.remove(k), "{mode:?}: {k}");
+            }
+            let out = a_put.join().unwrap();
+            assert!(
+                matches!(
+                    out,
+                    PutOutcome::Pushed { written: 4, .. }
+                        | PutOutcome::Announced { announced: 4, .. }
+                ),
+                "{mode:?}: {out:?}"
+            );
+        });
+        assert_eq!(r.stats().waiting_for_pages, 0);
+        consume_and_verify(&r, mode, &waits, &[]);
+        consume_and_verify(&r, mode, &one, &[]);
+        drop((cf, ca));
+        assert!(a.drain(Duration::from_secs(10)) && b.drain(Duration::from_secs(10)));
+        for s in [&a, &b] {
+            assert_no_pages(s.stats().pools.cpu.unwrap(), &format!("{mode:?} sender"));
+        }
+        let end = r.stats().pools.cpu.unwrap();
+        assert_eq!(
+            (end.allocated, end.quarantined),
+            (start.allocated, 0),
+            "{mode:?} receiver"
+        );
+    }
+}
+
+#[test]
 fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
     let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
     let r = Receiver::start(&rc, 0).unwrap();

@@ -124,18 +124,29 @@ pub(crate) struct Routed {
     pub(crate) frame: Vec<u8>,
 }
 
-/// Receives one request on a ROUTER socket that REQ peers talk to
-/// (`[identity, empty, body]`); `Ok(None)` on timeout or a malformed envelope.
-pub(crate) fn router_recv(sock: &zmq::Socket) -> Result<Option<Routed>, zmq::Error> {
-    let parts = match sock.recv_multipart(0) {
+/// What one non-blocking read of a ROUTER socket gave.
+pub(crate) enum Received {
+    /// Nothing is queued.
+    Nothing,
+    /// A message that is not a REQ envelope (`[identity, empty, body]`):
+    /// dropped, since nobody could read a reply to it.
+    Junk,
+    /// A request.
+    Request(Routed),
+}
+
+/// Reads one request from a ROUTER socket that REQ peers talk to, without
+/// waiting.
+pub(crate) fn router_try_recv(sock: &zmq::Socket) -> Result<Received, zmq::Error> {
+    let parts = match sock.recv_multipart(zmq::DONTWAIT) {
         Ok(p) => p,
-        Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => return Ok(None),
+        Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => return Ok(Received::Nothing),
         Err(e) => return Err(e),
     };
-    match <[Vec<u8>; 3]>::try_from(parts) {
-        Ok([route, empty, frame]) if empty.is_empty() => Ok(Some(Routed { route, frame })),
-        _ => Ok(None),
-    }
+    Ok(match <[Vec<u8>; 3]>::try_from(parts) {
+        Ok([route, empty, frame]) if empty.is_empty() => Received::Request(Routed { route, frame }),
+        _ => Received::Junk,
+    })
 }
 
 /// Replies to the REQ peer named `route` on a ROUTER socket.

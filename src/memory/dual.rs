@@ -167,6 +167,15 @@ impl DualAllocator {
         self.primary().allocate_batch(metas)
     }
 
+    /// Pages from the placement pool if they are free now (see
+    /// [`PagePool::try_allocate_batch`]).
+    pub fn try_allocate_batch(
+        &self,
+        metas: &[ChunkMeta],
+    ) -> Result<Option<Vec<MemObj>>, MemoryError> {
+        self.primary().try_allocate_batch(metas)
+    }
+
     /// Pages from the placement pool, retrying until `deadline`, all or nothing.
     pub fn allocate_batch_until(
         &self,

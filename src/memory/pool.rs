@@ -267,6 +267,23 @@ impl PagePool {
         }
     }
 
+    /// `metas.len()` pages if they are free now, all or nothing; `Ok(None)`
+    /// when they are not (not counted as a failure: the caller retries, and
+    /// counts its last try with [`PagePool::allocate_batch`]). A batch that
+    /// can never fit is an error at once.
+    pub fn try_allocate_batch(
+        self: &Arc<Self>,
+        metas: &[ChunkMeta],
+    ) -> Result<Option<Vec<MemObj>>, MemoryError> {
+        self.check_fits(metas)?;
+        if metas.len() > self.buffer.num_pages() {
+            self.lock().failed += 1;
+            return Err(self.exhausted(metas.len(), self.stats().free));
+        }
+        let mut s = self.lock();
+        Ok(self.take(&mut s, metas))
+    }
+
     /// Like [`PagePool::allocate_batch`], but waits for pages to come back until
     /// `deadline`. All or nothing.
     pub fn allocate_batch_until(

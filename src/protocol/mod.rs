@@ -56,6 +56,7 @@ pub(crate) mod receiver;
 pub(crate) mod recent;
 pub(crate) mod sender;
 pub(crate) mod validate;
+pub(crate) mod waiting;
 
 // What users of the library see: the messages, and the counters, states
 // and outcomes the backend reports.
@@ -81,6 +82,7 @@ pub(crate) use sender::{
     Attached, PutAction, PutFailure, PutRejected, PutSpec, RequestKind, SenderConfig, SenderCore,
     WriteEnd,
 };
+pub(crate) use waiting::{Retry, WaitQueue, MAX_WAITING};
 
 // ... and the rest of them for the tests.
 #[cfg(test)]

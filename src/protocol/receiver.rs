@@ -196,6 +196,12 @@ impl PushPlan {
         &self.metas
     }
 
+    /// Gives the plan up (its pages are not free yet; the shell plans the
+    /// request again later), keeping the Done signals planning freed.
+    pub fn into_done(self) -> Vec<SendPullDone> {
+        self.done
+    }
+
     /// The allocator's answer, checked to be one page per chunk before the
     /// shell grants them to anyone (a wrong count frees them at once).
     pub fn check_pages(
@@ -254,6 +260,11 @@ impl PullPlan {
     /// The pages a pull-eager read needs (one per new key).
     pub fn metas(&self) -> &[ChunkMeta] {
         &self.metas
+    }
+
+    /// Gives the plan up (see [`PushPlan::into_done`]).
+    pub fn into_done(self) -> Vec<SendPullDone> {
+        self.done
     }
 
     #[cfg(test)]
@@ -680,6 +691,25 @@ impl ReceiverCore {
         Ok(plan)
     }
 
+    /// Refuses a push whose writer cannot be granted pages (its node is not
+    /// attached, or its route does not name an allocation), before any page
+    /// is taken for it.
+    pub fn refuse_push(&mut self, plan: PushPlan) -> PushReply {
+        self.refuse_writer(&plan.route, plan.done)
+    }
+
+    fn refuse_writer(&mut self, route: &str, done: Vec<SendPullDone>) -> PushReply {
+        self.counters.rejected_alloc_requests += 1;
+        PushReply {
+            response: failed_push_response(),
+            verdict: Verdict::Rejected(InvalidMessage::UnknownSender {
+                msg: MessageType::AllocRequest,
+                sender: super::error::shorten(route_node(route)),
+            }),
+            done,
+        }
+    }
+
     /// Completes a push with the pages the shell allocated (all or nothing,
     /// checked by [`PushPlan::check_pages`]) and the write grant it made for them to the route's writer. Pages
     /// without a grant (the writer is not attached, or granting failed) are
@@ -734,15 +764,7 @@ impl ReceiverCore {
             None => {
                 // Unadvertised, so nobody can have written them: free.
                 drop(pages);
-                self.counters.rejected_alloc_requests += 1;
-                return PushReply {
-                    response: failed_push_response(),
-                    verdict: Verdict::Rejected(InvalidMessage::UnknownSender {
-                        msg: MessageType::AllocRequest,
-                        sender: super::error::shorten(route_node(&route)),
-                    }),
-                    done,
-                };
+                return self.refuse_writer(&route, done);
             }
         };
         let id = AllocId(self.next_alloc);

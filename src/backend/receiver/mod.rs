@@ -32,7 +32,7 @@ use crate::protocol::{
     SendPullDone,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -52,6 +52,11 @@ pub struct ReceiverStats {
     pub peers: usize,
     /// Write grants on the channel (push) and refused peer requests.
     pub grants: GrantStats,
+    /// Requests waiting for pages now (parked; other senders are served
+    /// meanwhile).
+    pub waiting_for_pages: usize,
+    /// Requests refused at once because the wait queue was full.
+    pub refused_waiting: u64,
 }
 
 /// Why fetching some keys failed; the rest were fetched.
@@ -81,6 +86,9 @@ struct Shared {
     peers: Mutex<HashMap<String, PeerLink>>,
     dones: PushPool,
     counters: Arc<MessageCounters>,
+    /// What the request loop's wait queue holds, and refused (for stats).
+    waiting: AtomicUsize,
+    refused_waiting: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -198,6 +206,8 @@ impl Receiver {
             peers: Mutex::new(HashMap::new()),
             dones,
             counters,
+            waiting: AtomicUsize::new(0),
+            refused_waiting: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
         let hello = Hello::local(
@@ -389,6 +399,8 @@ impl Receiver {
             bytes_read: s.counters.bytes(),
             peers: lock(&s.peers).len(),
             grants: s.channel.grant_stats(),
+            waiting_for_pages: s.waiting.load(Ordering::Relaxed),
+            refused_waiting: s.refused_waiting.load(Ordering::Relaxed),
         }
     }
 

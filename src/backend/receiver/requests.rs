@@ -4,21 +4,35 @@
 //! `AllocRequest`, a `PullReadyNotif` or one of our push notices; the core
 //! decides the answer, this loop allocates pages (outside the core's lock),
 //! grants them on the channel, replies, and starts pull-eager reads.
+//!
+//! The loop never waits on one sender: a request whose pages are not free
+//! yet is parked in a bounded [`WaitQueue`] and retried as pages come
+//! back (until `pd_alloc_fail_backoff_ttl`), while every other sender's
+//! frames are answered at once. Senders without a handshake are refused
+//! before any page is taken.
 
 use super::super::counters::MessageKind;
 use super::super::lock;
-use super::super::zmq_io::{router_recv, router_reply};
+use super::super::zmq_io::{router_reply, router_try_recv, Received};
 use super::Shared;
 use crate::channel::{Access, GrantTag, ReadOp, TransferOp};
 use crate::config::TransferMode;
 use crate::memory::MemObj;
 use crate::protocol::notice::{encode_reply, route_node};
 use crate::protocol::{
-    AscendAllocResponse, EagerRead, Message, PullReadyDoneAck, PushNotice, SendPullDone, Verdict,
+    AllocRequest, AscendAllocResponse, EagerRead, Message, PullReadyDoneAck, PullReadyNotif,
+    PushNotice, Retry, SendPullDone, Verdict, WaitQueue, MAX_WAITING,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How often parked requests look for freed pages (only while some wait).
+const RETRY_TICK: Duration = Duration::from_millis(2);
+
+/// How long the loop sleeps in `poll` when nothing waits (bounds the
+/// delay of a shutdown).
+const IDLE_TICK: Duration = Duration::from_millis(100);
 
 /// Work that must follow the reply (ack always before Done / reads).
 #[derive(Default)]
@@ -27,29 +41,176 @@ struct AfterReply {
     read: Option<EagerRead>,
 }
 
+/// A request in the wait queue.
+enum Parked {
+    /// A frame of a route that already had a request waiting, not read
+    /// yet (frames of one route are answered in order).
+    Frame(Vec<u8>),
+    /// An `AllocRequest` waiting for pages (planned afresh on each retry,
+    /// so whatever changed meanwhile is seen).
+    Alloc(AllocRequest),
+    /// A pull-eager `PullReadyNotif` waiting for pages.
+    Pull(PullReadyNotif),
+}
+
+/// What serving a request gave.
+enum Served {
+    /// The reply to send now, and what follows it.
+    Reply(Vec<u8>, AfterReply),
+    /// Its pages are not free yet; Done signals planning freed meanwhile.
+    Wait(Vec<SendPullDone>),
+}
+
 pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
+    let mut waiting: WaitQueue<Parked> = WaitQueue::new(MAX_WAITING);
     while !s.stop.load(Ordering::Acquire) {
-        let req = match router_recv(&sock) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => {
-                log::warn!("request socket failed: {e}");
-                break;
-            }
+        let now = Instant::now();
+        let tick = match waiting.next_deadline() {
+            None => IDLE_TICK,
+            Some(d) => RETRY_TICK.min(d.saturating_duration_since(now)),
         };
-        // Our senders name their sockets `<node>#<n>`; others get ZMQ's
-        // binary ids, which only ever name a route here.
-        let route = String::from_utf8_lossy(&req.route).into_owned();
-        let (reply, after) = handle_frame(s, &route, &req.frame);
-        if let Err(e) = router_reply(&sock, &req.route, &reply) {
-            log::warn!("could not reply on the request socket to {route:?}: {e}");
+        if let Err(e) = sock.poll(zmq::POLLIN, tick.as_millis() as i64) {
+            log::warn!("request socket failed: {e}");
+            break;
         }
-        for d in after.dones {
-            s.send_done(d);
+        if !waiting.is_empty() {
+            retry_waiting(s, &sock, &mut waiting);
         }
-        if let Some(read) = after.read {
-            start_eager_read(s, read);
+        loop {
+            publish(s, &waiting);
+            match router_try_recv(&sock) {
+                Ok(Received::Request(req)) => {
+                    on_frame(s, &sock, &mut waiting, req.route, req.frame)
+                }
+                Ok(Received::Junk) => {
+                    if s.counters.bump(MessageKind::Malformed) == 0 {
+                        log::warn!(
+                            "a message on the request socket is not a REQ envelope; dropped (logged once)"
+                        );
+                    }
+                }
+                Ok(Received::Nothing) => break,
+                Err(e) => {
+                    log::warn!("request socket failed: {e}");
+                    return;
+                }
+            }
         }
+    }
+    publish(s, &waiting);
+    // Shutting down: whoever still waits hears that it failed now rather
+    // than at its own timeout.
+    for w in waiting.drain() {
+        let reply = match w.item {
+            Parked::Pull(_) => failed_ack(),
+            Parked::Alloc(_) | Parked::Frame(_) => failed_reply(),
+        };
+        router_reply(&sock, &w.route, &reply).ok();
+    }
+}
+
+/// A frame just read: answered at once, or parked.
+fn on_frame(
+    s: &Arc<Shared>,
+    sock: &zmq::Socket,
+    waiting: &mut WaitQueue<Parked>,
+    route: Vec<u8>,
+    frame: Vec<u8>,
+) {
+    let deadline = Instant::now() + s.config.alloc_fail_backoff_ttl;
+    let name = String::from_utf8_lossy(&route).into_owned();
+    if waiting.holds(&route) {
+        if let Err(Parked::Frame(frame)) =
+            waiting.park(route.clone(), Parked::Frame(frame), deadline)
+        {
+            // The queue is full; the frame's type decides the reply's.
+            let reply = match Message::decode(&frame) {
+                Ok(Message::PullReadyNotif(_)) => failed_ack(),
+                _ => failed_reply(),
+            };
+            refuse_full(s, &name);
+            send(s, sock, &route, reply, AfterReply::default());
+        }
+        return;
+    }
+    let parked = match read_frame(s, &name, &frame) {
+        Ok(p) => p,
+        Err(reply) => return send(s, sock, &route, reply, AfterReply::default()),
+    };
+    match serve(s, &name, &parked, true) {
+        Served::Reply(reply, after) => send(s, sock, &route, reply, after),
+        Served::Wait(dones) => {
+            send_dones(s, dones);
+            if let Err(parked) = waiting.park(route.clone(), parked, deadline) {
+                refuse_full(s, &name);
+                let reply = match parked {
+                    Parked::Pull(_) => failed_ack(),
+                    _ => failed_reply(),
+                };
+                send(s, sock, &route, reply, AfterReply::default());
+            }
+        }
+    }
+}
+
+/// Serves what waits, oldest first, one request per route.
+fn retry_waiting(s: &Arc<Shared>, sock: &zmq::Socket, waiting: &mut WaitQueue<Parked>) {
+    waiting.retry(Instant::now(), |w, last| {
+        let name = String::from_utf8_lossy(&w.route).into_owned();
+        if let Parked::Frame(frame) = &w.item {
+            match read_frame(s, &name, frame) {
+                Ok(p) => w.item = p,
+                Err(reply) => {
+                    send(s, sock, &w.route, reply, AfterReply::default());
+                    return Retry::Answered;
+                }
+            }
+        }
+        match serve(s, &name, &w.item, !last) {
+            Served::Reply(reply, after) => {
+                send(s, sock, &w.route, reply, after);
+                Retry::Answered
+            }
+            Served::Wait(dones) => {
+                send_dones(s, dones);
+                Retry::StillWaiting
+            }
+        }
+    });
+}
+
+fn publish(s: &Shared, waiting: &WaitQueue<Parked>) {
+    s.waiting.store(waiting.len(), Ordering::Relaxed);
+    s.refused_waiting
+        .store(waiting.refused(), Ordering::Relaxed);
+}
+
+fn refuse_full(s: &Shared, route: &str) {
+    if s.counters.bump(MessageKind::Rejected) == 0 {
+        log::warn!(
+            "{MAX_WAITING} requests already wait for pages; refused the one from {route:?} at once \
+             (replied alloc_failed; logged once). Free pages sooner (smaller requests, prompt \
+             loads) or give the receiver a larger pool."
+        );
+    }
+}
+
+fn send(s: &Arc<Shared>, sock: &zmq::Socket, route: &[u8], reply: Vec<u8>, after: AfterReply) {
+    if let Err(e) = router_reply(sock, route, &reply) {
+        log::warn!(
+            "could not reply on the request socket to {:?}: {e}",
+            String::from_utf8_lossy(route)
+        );
+    }
+    send_dones(s, after.dones);
+    if let Some(read) = after.read {
+        start_eager_read(s, read);
+    }
+}
+
+fn send_dones(s: &Shared, dones: Vec<SendPullDone>) {
+    for d in dones {
+        s.send_done(d);
     }
 }
 
@@ -72,8 +233,10 @@ fn failed_ack() -> Vec<u8> {
     .encode()
 }
 
-fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) {
-    let mut after = AfterReply::default();
+/// Decodes and counts a frame. Push notices and frames that cannot be
+/// served are answered at once (`Err`: the reply); requests that may need
+/// pages come back to be served.
+fn read_frame(s: &Shared, route: &str, frame: &[u8]) -> Result<Parked, Vec<u8>> {
     if let Some(notice) = PushNotice::decode(frame) {
         s.counters.bump(MessageKind::PushNotice);
         let result = notice.and_then(|n| {
@@ -89,7 +252,7 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
                 log::warn!("refused a push notice from {route:?}: {e} (logged once)");
             }
         }
-        return (encode_reply(&result), after);
+        return Err(encode_reply(&result));
     }
     let msg = match Message::decode(frame) {
         Ok(m) => m,
@@ -99,77 +262,17 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
                     "malformed frame on the request socket: {e} (replied alloc_failed; logged once)"
                 );
             }
-            return (failed_reply(), after);
+            return Err(failed_reply());
         }
     };
     match msg {
         Message::AllocRequest(req) if s.mode == TransferMode::Push => {
             s.counters.bump(MessageKind::AllocRequest);
-            let planned = lock(&s.core).plan_push(Instant::now(), route, &req);
-            let reply = match planned {
-                Err(reply) => *reply,
-                Ok(plan) => {
-                    // Outside the core's lock: waiting for pages must not
-                    // stall lookups, loads or the sweeper.
-                    let pages = plan.check_pages(s.alloc.allocate_batch_until(
-                        plan.metas(),
-                        Instant::now() + s.config.alloc_fail_backoff_ttl,
-                    ));
-                    // The writer may touch exactly these pages, from now
-                    // until its notice (or the revoke after the deadline);
-                    // without a grant they are never advertised.
-                    let granted = pages.map(|p| {
-                        // Tagged with the route: a write the sender queued
-                        // under an earlier allocation of these pages (on
-                        // another route) is refused under this one.
-                        let tag = GrantTag::of_route(route);
-                        let grant = match (s.attached(route_node(route)), tag) {
-                            (Some(link), Some(tag)) => {
-                                let refs: Vec<_> = p.iter().map(|m| m.buffer_ref()).collect();
-                                s.channel
-                                    .grant(link.peer, Access::Write, tag, &refs)
-                                    .map_err(|e| log::warn!("granting {route:?} its pages: {e}"))
-                                    .ok()
-                            }
-                            (Some(_), None) => {
-                                log::warn!(
-                                    "refused to grant pages to route {route:?}: it does not end in \
-                                     #<number> as an ascend-pd sender's does"
-                                );
-                                None
-                            }
-                            (None, _) => None,
-                        };
-                        (p, grant)
-                    });
-                    lock(&s.core).commit_push(Instant::now(), plan, granted)
-                }
-            };
-            note_verdict(s, &reply.verdict);
-            after.dones = reply.done;
-            s.counters.bump(MessageKind::AllocResponse);
-            (Message::AscendAllocResponse(reply.response).encode(), after)
+            Ok(Parked::Alloc(req))
         }
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
-            let lease = s.attached(&notif.sender_id).map(|l| l.lease);
-            let planned = lock(&s.core).plan_pull(Instant::now(), route, &notif, lease);
-            let reply = match planned {
-                Err(reply) => *reply,
-                Ok(plan) if s.mode == TransferMode::PullEager => {
-                    let pages = s.alloc.allocate_batch_until(
-                        plan.metas(),
-                        Instant::now() + s.config.alloc_fail_backoff_ttl,
-                    );
-                    lock(&s.core).commit_pull_eager(plan, pages)
-                }
-                Ok(plan) => lock(&s.core).commit_pull_delay(plan),
-            };
-            note_verdict(s, &reply.verdict);
-            after.dones = reply.done;
-            after.read = reply.read;
-            s.counters.bump(MessageKind::PullReadyDoneAck);
-            (Message::PullReadyDoneAck(reply.ack).encode(), after)
+            Ok(Parked::Pull(notif))
         }
         other => {
             if s.counters.bump(MessageKind::Malformed) == 0 {
@@ -183,9 +286,102 @@ fn handle_frame(s: &Shared, route: &str, frame: &[u8]) -> (Vec<u8>, AfterReply) 
                 Message::PullReadyNotif(_) => failed_ack(),
                 _ => failed_reply(),
             };
-            (reply, after)
+            Err(reply)
         }
     }
+}
+
+/// Serves a decoded request. With `may_wait`, a request whose pages are
+/// not free yet comes back as [`Served::Wait`]; without, that is its last
+/// try and it fails (counted by the pool).
+fn serve(s: &Shared, route: &str, p: &Parked, may_wait: bool) -> Served {
+    match p {
+        Parked::Alloc(req) => serve_alloc(s, route, req, may_wait),
+        Parked::Pull(notif) => serve_pull(s, route, notif, may_wait),
+        Parked::Frame(_) => unreachable!("frames are read before they are served"),
+    }
+}
+
+fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> Served {
+    let planned = lock(&s.core).plan_push(Instant::now(), route, req);
+    let reply = match planned {
+        Err(reply) => *reply,
+        Ok(plan) => {
+            // Only a sender with a handshake can be granted pages; nobody
+            // else may hold (or wait for) any.
+            let writer = match (s.attached(route_node(route)), GrantTag::of_route(route)) {
+                (Some(link), Some(tag)) => Some((link.peer, tag)),
+                (Some(_), None) => {
+                    log::warn!(
+                        "refused to grant pages to route {route:?}: it does not end in \
+                         #<number> as an ascend-pd sender's does"
+                    );
+                    None
+                }
+                (None, _) => None,
+            };
+            match writer {
+                None => lock(&s.core).refuse_push(plan),
+                Some((peer, tag)) => {
+                    // Outside the core's lock, and never waiting here.
+                    let pages = match s.alloc.try_allocate_batch(plan.metas()) {
+                        Ok(Some(p)) => Ok(p),
+                        Ok(None) if may_wait => return Served::Wait(plan.into_done()),
+                        Ok(None) => s.alloc.allocate_batch(plan.metas()),
+                        Err(e) => Err(e),
+                    };
+                    // The writer may touch exactly these pages, from now
+                    // until its notice (or the revoke after the deadline);
+                    // without a grant they are never advertised. Tagged
+                    // with the route: a write the sender queued under an
+                    // earlier allocation of these pages (on another route)
+                    // is refused under this one.
+                    let granted = plan.check_pages(pages).map(|p| {
+                        let refs: Vec<_> = p.iter().map(|m| m.buffer_ref()).collect();
+                        let grant = s
+                            .channel
+                            .grant(peer, Access::Write, tag, &refs)
+                            .map_err(|e| log::warn!("granting {route:?} its pages: {e}"))
+                            .ok();
+                        (p, grant)
+                    });
+                    lock(&s.core).commit_push(Instant::now(), plan, granted)
+                }
+            }
+        }
+    };
+    note_verdict(s, &reply.verdict);
+    s.counters.bump(MessageKind::AllocResponse);
+    let after = AfterReply {
+        dones: reply.done,
+        read: None,
+    };
+    Served::Reply(Message::AscendAllocResponse(reply.response).encode(), after)
+}
+
+fn serve_pull(s: &Shared, route: &str, notif: &PullReadyNotif, may_wait: bool) -> Served {
+    let lease = s.attached(&notif.sender_id).map(|l| l.lease);
+    let planned = lock(&s.core).plan_pull(Instant::now(), route, notif, lease);
+    let reply = match planned {
+        Err(reply) => *reply,
+        Ok(plan) if s.mode == TransferMode::PullEager => {
+            let pages = match s.alloc.try_allocate_batch(plan.metas()) {
+                Ok(Some(p)) => Ok(p),
+                Ok(None) if may_wait => return Served::Wait(plan.into_done()),
+                Ok(None) => s.alloc.allocate_batch(plan.metas()),
+                Err(e) => Err(e),
+            };
+            lock(&s.core).commit_pull_eager(plan, pages)
+        }
+        Ok(plan) => lock(&s.core).commit_pull_delay(plan),
+    };
+    note_verdict(s, &reply.verdict);
+    s.counters.bump(MessageKind::PullReadyDoneAck);
+    let after = AfterReply {
+        dones: reply.done,
+        read: reply.read,
+    };
+    Served::Reply(Message::PullReadyDoneAck(reply.ack).encode(), after)
 }
 
 fn note_verdict(s: &Shared, v: &Verdict) {
