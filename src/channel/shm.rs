@@ -20,7 +20,7 @@ use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use uuid::Uuid;
 
@@ -142,6 +142,44 @@ fn open_peer_fd(pid: u32, fd: i32) -> Result<OwnedFd, std::io::Error> {
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
+/// Before a peer's pool is mapped: the fd must be a memfd of exactly the
+/// announced size, sealed against shrinking and growing. An unsealed file
+/// could be truncated by its owner (or anyone who can open it) while we
+/// copy, and the copy would die of SIGBUS.
+fn check_peer_memfd(
+    node: &str,
+    desc: &BufferDesc,
+    fd: i32,
+    file: &OwnedFd,
+    st: &libc::stat,
+) -> Result<(), ChannelError> {
+    let pool = desc.uuid.simple();
+    let refuse = |what: String| {
+        Err(ChannelError::Handshake(format!(
+            "peer {node}: pool {pool} (fd {fd}) {what}; refusing to map it. Both sides must run \
+             an ascend-pd that seals its shm pools"
+        )))
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return refuse("is not a memfd".into());
+    }
+    let seals = match crate::memory::host::seals_of(file.as_fd()) {
+        Ok(s) => s,
+        Err(e) => return refuse(format!("is not a sealable memfd ({e})")),
+    };
+    let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    if seals & needed != needed {
+        return refuse("is not sealed against shrinking and growing".into());
+    }
+    if st.st_size < 0 || st.st_size as u64 != desc.len {
+        return refuse(format!(
+            "has {} bytes, but {} were announced",
+            st.st_size, desc.len
+        ));
+    }
+    Ok(())
+}
+
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     // SAFETY: the pidfd_open syscall takes (pid, flags) and returns an fd or -1.
     let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
@@ -211,15 +249,9 @@ impl TransferChannel for ShmChannel {
             let len = usize::try_from(desc.len).map_err(|_| {
                 ChannelError::Handshake(format!("peer {node}: pool too large for this host"))
             })?;
-            if (st.st_size as u64) < desc.len {
-                return Err(ChannelError::Handshake(format!(
-                    "peer {node}: pool {} claims {} bytes but its memfd has {}",
-                    desc.uuid.simple(),
-                    desc.len,
-                    st.st_size
-                )));
-            }
-            // SAFETY: mapping `len` bytes of a memfd that has at least that many.
+            check_peer_memfd(node, desc, fd, &file, &st)?;
+            // SAFETY: mapping `len` bytes of a memfd of exactly that size,
+            // sealed so nobody can shrink it under the mapping.
             let ptr = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -419,4 +451,104 @@ fn run_copies<P: LocalPage>(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::host::SIZE_SEALS;
+
+    /// A memfd of `len` bytes, with `seals` added.
+    fn memfd(len: u64, seals: libc::c_int) -> OwnedFd {
+        // SAFETY: valid C string; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"peer-pool".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate and fcntl on our own fd.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+            if seals != 0 {
+                assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
+            }
+        }
+        fd
+    }
+
+    fn attach(fd: &OwnedFd, announced: u64) -> Result<PeerId, ChannelError> {
+        let ch = ShmChannel::new(&[]).unwrap();
+        let desc = BufferDesc {
+            uuid: Uuid::new_v4(),
+            base: 0x10_0000,
+            len: announced,
+            page_size: 4096,
+            device: DeviceKind::Cpu,
+        };
+        let ep = Endpoint::Shm {
+            pid: std::process::id(),
+            fds: vec![fd.as_raw_fd()],
+        };
+        ch.attach("peer", &[desc], &ep)
+    }
+
+    #[test]
+    fn a_peer_pool_is_mapped_only_as_a_sealed_memfd_of_the_announced_size() {
+        let len = 16 * 4096;
+        let refused = |fd: &OwnedFd, announced: u64, why: &str| {
+            let e = attach(fd, announced).unwrap_err().to_string();
+            assert!(
+                e.contains("refusing to map") && e.contains(why),
+                "{why}: {e}"
+            );
+        };
+        // Unsealed: its owner could shrink it under our copies (SIGBUS).
+        refused(
+            &memfd(len, 0),
+            len,
+            "not sealed against shrinking and growing",
+        );
+        refused(&memfd(len, libc::F_SEAL_GROW), len, "not sealed");
+        // Sealed, but not the size announced (larger or smaller).
+        refused(&memfd(len, SIZE_SEALS), 2 * len, "were announced");
+        refused(&memfd(len, SIZE_SEALS), len / 2, "were announced");
+        // Not a memfd at all.
+        let dir = std::env::temp_dir().join(format!("apd-shm-{}", std::process::id()));
+        std::fs::write(&dir, vec![0u8; len as usize]).unwrap();
+        let file: OwnedFd = std::fs::File::open(&dir).unwrap().into();
+        refused(&file, len, "not a sealable memfd");
+        std::fs::remove_file(&dir).ok();
+        // A sealed memfd of the right size is mapped.
+        assert!(attach(&memfd(len, SIZE_SEALS), len).is_ok());
+    }
+
+    #[test]
+    fn a_peer_cannot_shrink_our_pool_under_its_mapping() {
+        use crate::memory::{DualAllocator, DualSpec, PoolKind};
+        let spec = DualSpec {
+            cpu_bytes: Some(8 * 4096),
+            npu: None,
+            page_size: 4096,
+            placement: PoolKind::Cpu,
+            shareable_cpu: true,
+        };
+        let alloc = DualAllocator::new(&spec, None).unwrap();
+        let pool = Arc::clone(alloc.pools().next().unwrap());
+        let ch = ShmChannel::new(&[Arc::clone(&pool)]).unwrap();
+        let Endpoint::Shm { pid, fds } = ch.endpoint() else {
+            unreachable!()
+        };
+        // What a peer does: open the pool through /proc, then truncate it.
+        let theirs = open_peer_fd(pid, fds[0]).unwrap();
+        // SAFETY: ftruncate on a valid fd; it must fail.
+        let rc = unsafe { libc::ftruncate(theirs.as_raw_fd(), 0) };
+        assert_eq!(rc, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EPERM)
+        );
+        // The pool is whole: its last byte is still ours to write.
+        let last = pool.buffer().len() - 1;
+        // SAFETY: `last` is inside the pool's host region.
+        unsafe { pool.buffer().host_ptr().unwrap().add(last).write(1) };
+    }
 }

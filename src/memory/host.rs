@@ -25,17 +25,36 @@ unsafe impl Send for HostRegion {}
 // SAFETY: as above; `&HostRegion` only hands out the base address and the fd.
 unsafe impl Sync for HostRegion {}
 
+/// The seals of a shared region's memfd: its size can never change, and
+/// no further seal can be added (so nobody can forbid our writes).
+pub const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// The seals on `fd`; an error when it cannot be sealed at all (not a memfd).
+pub fn seals_of(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl(F_GET_SEALS) on a valid fd takes no argument.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(seals)
+}
+
 impl HostRegion {
     /// Private anonymous memory of `len` bytes (`len` > 0), 2 MiB aligned.
     pub fn anonymous(len: usize) -> io::Result<HostRegion> {
         Self::map(len, None)
     }
 
-    /// Memory in a new memfd named `name`, shareable with other processes through [`HostRegion::fd`].
+    /// Memory in a new memfd named `name`, shareable with other processes
+    /// through [`HostRegion::fd`]. The memfd is sealed at its size
+    /// ([`SIZE_SEALS`]): a process that opens it can never shrink it under
+    /// our mapping (which would SIGBUS us) nor grow it.
     pub fn shared(len: usize, name: &str) -> io::Result<HostRegion> {
         let cname = std::ffi::CString::new(name.replace('\0', "_")).expect("nul removed");
         // SAFETY: memfd_create reads a valid NUL-terminated string and returns a new fd or -1.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -45,6 +64,10 @@ impl HostRegion {
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
         // SAFETY: ftruncate on our own fd.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fcntl on our own fd with an integer argument.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } != 0 {
             return Err(io::Error::last_os_error());
         }
         Self::map(len, Some(fd))
@@ -218,6 +241,25 @@ mod tests {
         // SAFETY: unmapping what we mapped.
         unsafe { libc::munmap(p, 8192) };
         assert_eq!(v, 42);
+    }
+
+    #[test]
+    fn a_shared_regions_memfd_can_be_neither_shrunk_nor_grown() {
+        let r = HostRegion::shared(8192, "sealed").unwrap();
+        let fd = r.fd().unwrap();
+        assert_eq!(seals_of(fd).unwrap() & SIZE_SEALS, SIZE_SEALS);
+        for size in [0, 4096, 16384] {
+            // SAFETY: ftruncate on a valid fd; it must fail.
+            let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), size) };
+            assert_eq!(rc, -1, "resized to {size}");
+            assert_eq!(io::Error::last_os_error().raw_os_error(), Some(libc::EPERM));
+        }
+        // Still whole, and nobody can lift the seals.
+        // SAFETY: the region is 8192 bytes and ours.
+        unsafe { r.as_ptr().add(8191).write(7) };
+        // SAFETY: fcntl on a valid fd with an integer argument; it must fail.
+        let rc = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_eq!(rc, -1);
     }
 
     #[test]
