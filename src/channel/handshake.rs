@@ -802,13 +802,20 @@ pub fn probe_clock(
         .map_err(|_| timeout_err("to"))?;
     let reply = sock.recv_bytes(0).map_err(|_| timeout_err("answer from"))?;
     let received = Instant::now();
-    let bad = || ChannelError::Handshake(format!("malformed clock probe answer from {url}"));
-    let mut r = Reader::new(&reply);
-    if r.map_len().map_err(|_| bad())? != 1 || r.str().map_err(|_| bad())? != "clock_us" {
-        return Err(bad());
-    }
-    let clock = r.uint().map_err(|_| bad())?;
+    let clock = decode_clock_answer(&reply).ok_or_else(|| {
+        ChannelError::Handshake(format!("malformed clock probe answer from {url}"))
+    })?;
     Ok((sent, received, clock))
+}
+
+/// The peer's clock from a clock probe's answer `{clock_us}`.
+fn decode_clock_answer(reply: &[u8]) -> Option<u64> {
+    let mut r = Reader::new(reply);
+    if r.map_len().ok()? != 1 || r.str().ok()? != "clock_us" {
+        return None;
+    }
+    let clock = r.uint().ok()?;
+    (r.remaining() == 0).then_some(clock)
 }
 
 /// Whether `frame` is a clock probe; the answer to it.
@@ -1085,6 +1092,43 @@ fn answer_frame(
             )
         }
         Err(error) => refuse(Some(remote.node.clone()), error, Some(local)),
+    }
+}
+
+/// The handshake's other decoders, for the fuzz tests (`tests/fuzz.rs`);
+/// hellos and refusals go through [`Hello::decode`] and [`refusal_reason`].
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// A challenge's answer `{auth_nonce, auth_proof}`.
+    pub fn challenge_answer(nonce: &Nonce, proof: &Proof) -> Vec<u8> {
+        super::challenge_answer(nonce, proof)
+    }
+
+    /// Decodes a challenge's answer.
+    pub fn decode_challenge_answer(frame: &[u8]) -> Option<(Nonce, Proof)> {
+        super::decode_challenge_answer(frame)
+    }
+
+    /// A one-entry frame `{key: value}` (a challenge, an `auth_failed`).
+    pub fn single(key: &str, value: &str) -> Vec<u8> {
+        super::single(key, value)
+    }
+
+    /// The value of a one-entry frame.
+    pub fn single_value<'a>(frame: &'a [u8], key: &str) -> Option<&'a str> {
+        super::single_value(frame, key)
+    }
+
+    /// Whether the listening side takes `frame` for a clock probe.
+    pub fn is_clock_probe(frame: &[u8]) -> bool {
+        clock_probe_answer(frame).is_some()
+    }
+
+    /// The clock of a clock probe's answer.
+    pub fn decode_clock_answer(reply: &[u8]) -> Option<u64> {
+        super::decode_clock_answer(reply)
     }
 }
 

@@ -346,8 +346,18 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
     stream.write_all(m)
 }
 
+/// A connection's hello: magic, node length, node id, nonce.
+fn encode_hello(node: &str, nonce: &Nonce) -> Vec<u8> {
+    let mut hello = Vec::with_capacity(6 + node.len() + NONCE_LEN);
+    hello.extend_from_slice(HELLO_MAGIC);
+    hello.extend_from_slice(&(node.len() as u16).to_le_bytes());
+    hello.extend_from_slice(node.as_bytes());
+    hello.extend_from_slice(nonce);
+    hello
+}
+
 /// Reads a connection's hello: the client's node id and nonce.
-fn read_hello(stream: &mut TcpStream) -> Result<(String, Nonce), String> {
+fn read_hello(stream: &mut impl Read) -> Result<(String, Nonce), String> {
     let mut h = [0u8; 6];
     stream
         .read_exact(&mut h)
@@ -424,13 +434,8 @@ fn authenticate_server(
     server: &str,
 ) -> Result<(), String> {
     let ours = auth::nonce();
-    let mut hello = Vec::with_capacity(6 + node.len() + NONCE_LEN);
-    hello.extend_from_slice(HELLO_MAGIC);
-    hello.extend_from_slice(&(node.len() as u16).to_le_bytes());
-    hello.extend_from_slice(node.as_bytes());
-    hello.extend_from_slice(&ours);
     stream
-        .write_all(&hello)
+        .write_all(&encode_hello(node, &ours))
         .map_err(|e| format!("sending the hello: {e}"))?;
     let mut a = [0u8; 5];
     stream
@@ -503,24 +508,12 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
         if stream.read_exact(&mut req).is_err() {
             return;
         }
-        let magic = u32::from_le_bytes(req[0..4].try_into().expect("4"));
-        let op = req[4];
-        let uuid = Uuid::from_bytes(req[8..24].try_into().expect("16"));
-        let page = u32::from_le_bytes(req[24..28].try_into().expect("4"));
-        let offset = u32::from_le_bytes(req[28..32].try_into().expect("4")) as usize;
-        let len = u64::from_le_bytes(req[32..40].try_into().expect("8"));
-        let tag = match req[5] & FLAG_TAGGED {
-            0 => GrantTag::UNTAGGED,
-            _ => GrantTag::new(u64::from_le_bytes(req[40..48].try_into().expect("8"))),
-        };
-        let target = check_request(&served.pools, magic, op, uuid, page as usize, offset, len)
-            .and_then(|t| {
-                let serving =
-                    served
-                        .grants
-                        .begin(&node, BufferRef { uuid, page }, op == OP_WRITE, tag)?;
-                Ok((t, serving))
-            });
+        let r = Request::parse(&req);
+        let op = r.op;
+        let target = check_request(&served.pools, &r).and_then(|t| {
+            let serving = served.grants.begin(&node, r.at, op == OP_WRITE, r.tag)?;
+            Ok((t, serving))
+        });
         let ((pool, at, len), serving) = match target {
             Ok(t) => t,
             Err(msg) => {
@@ -629,15 +622,72 @@ impl Write for Counted<'_> {
 
 /// Checks a request against the served pools; returns the pool, the byte
 /// offset in it and the length.
-fn check_request(
-    pools: &HashMap<Uuid, LocalPool>,
+/// One transfer request's header (48 bytes, little-endian; see the
+/// module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Request {
     magic: u32,
     op: u8,
-    uuid: Uuid,
-    page: usize,
-    offset: usize,
+    at: BufferRef,
+    offset: u32,
     len: u64,
-) -> Result<(&LocalPool, usize, usize), String> {
+    tag: GrantTag,
+}
+
+impl Request {
+    fn encode(&self) -> [u8; REQ_LEN] {
+        let mut h = [0u8; REQ_LEN];
+        h[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        h[4] = self.op;
+        h[8..24].copy_from_slice(self.at.uuid.as_bytes());
+        h[24..28].copy_from_slice(&self.at.page.to_le_bytes());
+        h[28..32].copy_from_slice(&self.offset.to_le_bytes());
+        h[32..40].copy_from_slice(&self.len.to_le_bytes());
+        if let Some(t) = self.tag.get() {
+            h[5] = FLAG_TAGGED;
+            h[40..48].copy_from_slice(&t.to_le_bytes());
+        }
+        h
+    }
+
+    /// Every 48 bytes parse; [`check_request`] decides whether they mean
+    /// anything.
+    fn parse(h: &[u8; REQ_LEN]) -> Request {
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&h[8..24]);
+        Request {
+            magic: u32_at(0),
+            op: h[4],
+            at: BufferRef {
+                uuid: Uuid::from_bytes(uuid),
+                page: u32_at(24),
+            },
+            offset: u32_at(28),
+            len: u64_at(32),
+            tag: match h[5] & FLAG_TAGGED {
+                0 => GrantTag::UNTAGGED,
+                _ => GrantTag::new(u64_at(40)),
+            },
+        }
+    }
+}
+
+/// Where a request's bytes are: its pool, the byte offset in it, the
+/// length; or why it is refused.
+fn check_request<'a>(
+    pools: &'a HashMap<Uuid, LocalPool>,
+    r: &Request,
+) -> Result<(&'a LocalPool, usize, usize), String> {
+    let (magic, op, uuid, page, offset, len) = (
+        r.magic,
+        r.op,
+        r.at.uuid,
+        r.at.page as usize,
+        r.offset as usize,
+        r.len,
+    );
     if magic != MAGIC {
         return Err("bad magic: not an ascend-pd tcp transfer request".into());
     }
@@ -945,21 +995,19 @@ fn run_on_connection<P: LocalPage>(
         while sent < slices.len() && sent - done < window {
             let sl = slices[sent];
             let op = &ops[sl.op];
-            let mut h = [0u8; REQ_LEN];
-            h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-            h[4] = if kind == OpKind::Write {
-                OP_WRITE
-            } else {
-                OP_READ
-            };
-            h[8..24].copy_from_slice(op.remote.uuid.as_bytes());
-            h[24..28].copy_from_slice(&op.remote.page.to_le_bytes());
-            h[28..32].copy_from_slice(&(sl.offset as u32).to_le_bytes());
-            h[32..40].copy_from_slice(&(sl.len as u64).to_le_bytes());
-            if let Some(t) = tag.get() {
-                h[5] = FLAG_TAGGED;
-                h[40..48].copy_from_slice(&t.to_le_bytes());
+            let h = Request {
+                magic: MAGIC,
+                op: if kind == OpKind::Write {
+                    OP_WRITE
+                } else {
+                    OP_READ
+                },
+                at: op.remote,
+                offset: sl.offset as u32,
+                len: sl.len as u64,
+                tag,
             }
+            .encode();
             stream
                 .write_all(&h)
                 .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
@@ -1025,4 +1073,63 @@ fn run_on_connection<P: LocalPage>(
         done += 1;
     }
     Ok(())
+}
+
+/// The server's decoders, for the fuzz tests (`tests/fuzz.rs`).
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Length of a request header.
+    pub const REQUEST_LEN: usize = REQ_LEN;
+
+    /// A valid request header.
+    pub fn request(write: bool, at: BufferRef, offset: u32, len: u64, tag: Option<u64>) -> Vec<u8> {
+        Request {
+            magic: MAGIC,
+            op: if write { OP_WRITE } else { OP_READ },
+            at,
+            offset,
+            len,
+            tag: tag.map_or(GrantTag::UNTAGGED, GrantTag::new),
+        }
+        .encode()
+        .to_vec()
+    }
+
+    /// Checks a request header (its first 48 bytes, zero-padded) against
+    /// pools of `(uuid, pages, page_size)` at address 0: the byte range it
+    /// would touch, or why it is refused.
+    pub fn check(header: &[u8], pools: &[(Uuid, usize, usize)]) -> Result<(usize, usize), String> {
+        let mut h = [0u8; REQ_LEN];
+        let n = header.len().min(REQ_LEN);
+        h[..n].copy_from_slice(&header[..n]);
+        let r = Request::parse(&h);
+        if Request::parse(&r.encode()) != r {
+            return Err("a parsed request does not encode back to itself".into());
+        }
+        let pools: HashMap<Uuid, LocalPool> = pools
+            .iter()
+            .map(|&(uuid, pages, page_size)| {
+                let pool = LocalPool {
+                    ptr: 0,
+                    page_size,
+                    pages,
+                    device: None,
+                };
+                (uuid, pool)
+            })
+            .collect();
+        check_request(&pools, &r).map(|(_, at, len)| (at, len))
+    }
+
+    /// A valid connection hello.
+    pub fn hello(node: &str, nonce: [u8; 16]) -> Vec<u8> {
+        encode_hello(node, &nonce)
+    }
+
+    /// Reads a connection hello from `bytes`: the node id, or why not.
+    pub fn read(bytes: &[u8]) -> Result<String, String> {
+        read_hello(&mut std::io::Cursor::new(bytes)).map(|(node, _)| node)
+    }
 }
