@@ -532,3 +532,50 @@ fn an_hccl_batch_above_the_op_limit_moves_every_byte_through_the_channel() {
         assert!(text.contains("CANN emulator"), "{text}");
     }
 }
+
+/// The short soak CI runs: 300 requests over shm and tcp in every mode
+/// with seeded faults; nothing corrupted, nothing leaked, every request
+/// accounted for, and every failure attributed to a fault.
+#[test]
+fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
+    let json = tmp("soak.json");
+    let out = bench()
+        .args(["soak", "--requests", "300", "--seed", "11", "--json"])
+        .arg(&json)
+        .env("ASCEND_PD_LOG", "off")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).ok();
+    let n = |k: &str| doc[k].as_u64().unwrap_or_else(|| panic!("{k}: {doc}"));
+    assert!(n("requests") >= 300, "{stdout}");
+    assert_eq!(
+        (n("corrupted"), n("pages_leaked"), n("pages_quarantined")),
+        (0, 0, 0),
+        "{stdout}"
+    );
+    assert_eq!(n("unanswered_malformed_frames"), 0, "{stdout}");
+    assert_eq!(n("verified") + n("failed"), n("requests"), "{stdout}");
+    // Most requests run clean and must be verified.
+    assert!(n("verified") * 10 >= n("requests") * 7, "{stdout}");
+    let faults = doc["faults"].as_object().unwrap();
+    for kind in [
+        "malformed",
+        "oversized",
+        "drop_request",
+        "delay",
+        "kill_sender",
+    ] {
+        assert!(
+            faults.get(kind).and_then(Value::as_u64).unwrap_or(0) > 0,
+            "{kind}: {stdout}"
+        );
+    }
+    for why in doc["failed_by_reason"].as_object().unwrap().keys() {
+        assert!(why.starts_with('['), "a failure without a fault: {why}");
+        assert!(!why.starts_with("[none]"), "a clean request failed: {why}");
+    }
+    assert_eq!(doc["segments"].as_array().unwrap().len(), 6);
+}

@@ -13,6 +13,7 @@ mod report;
 mod roles;
 mod run;
 mod selftest;
+mod soak;
 
 use std::process::ExitCode;
 
@@ -48,6 +49,13 @@ commands:
                          two-process HCCL one-sided put/get above the per-call op
                          limit, tcp staging an NPU pool, a 1P1D hccl run); prints
                          pass/fail with the runtime's text and the likely fix
+  soak [--requests N] [--seed S] [--channels shm,tcp] [--modes push,pull-eager,pull-delay]
+       [--json FILE]
+                         requests across modes and channels with seeded random faults
+                         (malformed and oversized frames, lost and delayed side-channel
+                         frames, readers stalled past the lease, exhausted pools, sender
+                         processes killed and restarted); reports verified, failed (with
+                         the reason), corrupted (must be 0) and leaked pages (must be 0)
   check-config FILE...   validate configs, print the effective values (defaults filled in)
   help                   this text
 
@@ -90,6 +98,7 @@ fn main() -> ExitCode {
         "channel" => report(channel::bench_main(rest)),
         "channel-peer" => report(channel::peer_main(rest).map(|()| true)),
         "selftest" => report(selftest::selftest_main(rest)),
+        "soak" => report(soak::soak_main(rest)),
         "selftest-peer" => report(selftest::peer_main(rest).map(|()| true)),
         "check-config" => {
             if rest.is_empty() {
