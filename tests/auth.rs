@@ -332,3 +332,60 @@ fn workers_with_the_same_secret_file_push_and_a_stranger_is_refused() {
     assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tcp transfer server serves at most `max_server_connections` at once
+/// (a thread each): connections that hold a slot without a word cannot
+/// make it start more; the next client is refused with a message naming
+/// the cap, counted, and served once a slot is free.
+#[test]
+fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
+    use ascend_pd::channel::tcp::{TcpChannel, TcpOptions};
+    let buf = RegisteredBuffer::host(PAGES * PAGE, PAGE, false).unwrap();
+    let pool = PagePool::new(buf);
+    let owner = TcpChannel::bind(
+        "127.0.0.1",
+        "owner",
+        &[Arc::clone(&pool)],
+        TcpOptions {
+            max_server_connections: 3,
+            ..TcpOptions::default()
+        },
+    )
+    .unwrap();
+    let mut page = pool.allocate_batch(&[ChunkMeta::full(layout())]).unwrap();
+    pattern::fill(page[0].host_bytes_mut().unwrap(), 77);
+    let r0 = page[0].buffer_ref();
+    let a = side(ChannelKind::Tcp, "node-a", None);
+    let a_at_owner = owner
+        .attach("node-a", &a.channel.local_table(), &a.channel.endpoint())
+        .unwrap();
+    owner
+        .grant(a_at_owner, Access::Read, GrantTag::UNTAGGED, &[r0])
+        .unwrap();
+    // Three connections that never say a word take every slot.
+    let squatters: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(owner.local_addr()).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let peer = a
+        .channel
+        .attach("owner", &owner.local_table(), &owner.endpoint())
+        .unwrap();
+    let e = read_page(&a, peer, r0).unwrap_err().to_string();
+    assert!(
+        e.contains("maximum of connections") && e.contains("max_server_connections"),
+        "{e}"
+    );
+    assert!(owner.grant_stats().busy >= 1);
+    // Their slots come back when they go; the client is then served.
+    drop(squatters);
+    assert!(eventually(Duration::from_secs(10), || read_page(
+        &a, peer, r0
+    )
+    .is_ok_and(|got| pattern::first_mismatch(
+        got.host_bytes().unwrap(),
+        77
+    )
+    .is_none())));
+    drop(page);
+}

@@ -118,6 +118,9 @@ pub struct GrantStats {
     /// Transfer connections refused because the peer did not prove it
     /// holds the deployment secret (tcp only).
     pub unauthenticated: u64,
+    /// Transfer connections refused because the server already served
+    /// its maximum (tcp only; `TcpOptions::max_server_connections`).
+    pub busy: u64,
 }
 
 pub(crate) struct Entry<S> {
@@ -351,6 +354,7 @@ impl<S> GrantTable<S> {
             revoked,
             refused: self.refused.load(Ordering::Relaxed),
             unauthenticated: 0,
+            busy: 0,
         }
     }
 }

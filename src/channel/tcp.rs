@@ -18,7 +18,8 @@
 //!
 //! **Who may touch what.** Every connection opens with a hello naming the
 //! client's node (magic `APDH`, node length u16, the node id, a 16-byte
-//! nonce). The server answers `APDA` and a mode byte: 0 when it runs
+//! nonce). The server answers `APDA` and a mode byte: 2 when it already
+//! serves its maximum of connections (then it closes); 0 when it runs
 //! without a secret; 1 followed by its own nonce and its proof over both
 //! nonces and the node, when it runs with the deployment secret
 //! ([`crate::auth`]). The client then checks that proof and sends its own
@@ -67,6 +68,11 @@ const HELLO_MAGIC: &[u8; 4] = b"APDH";
 const ANSWER_MAGIC: &[u8; 4] = b"APDA";
 const MODE_OPEN: u8 = 0;
 const MODE_AUTH: u8 = 1;
+/// The answer of a server that serves its maximum of connections.
+const MODE_BUSY: u8 = 2;
+/// Default of [`TcpOptions::max_server_connections`]: room for 64 peers
+/// at 4 connections each.
+pub const DEFAULT_MAX_SERVER_CONNECTIONS: usize = 256;
 /// Longest node id a connection hello may carry.
 const MAX_NODE_LEN: usize = 1024;
 const OP_WRITE: u8 = 1;
@@ -90,6 +96,9 @@ pub struct TcpOptions {
     /// The deployment secret: peers prove they hold it on every
     /// connection, and we prove it to them. `None`: unauthenticated.
     pub auth: Option<Secret>,
+    /// Most connections the transfer server serves at once (one thread
+    /// each); the next is refused with a message saying so, and counted.
+    pub max_server_connections: usize,
 }
 
 impl Default for TcpOptions {
@@ -103,6 +112,7 @@ impl Default for TcpOptions {
             window: 16,
             io_timeout: Duration::from_secs(30),
             auth: None,
+            max_server_connections: DEFAULT_MAX_SERVER_CONNECTIONS,
         }
     }
 }
@@ -128,6 +138,9 @@ struct Served {
     /// Connections refused for a failed or missing proof.
     unauthenticated: AtomicU64,
     unauthenticated_logged: AtomicBool,
+    max_connections: usize,
+    /// Connections refused at the cap.
+    busy: AtomicU64,
 }
 
 /// The tcp channel of one worker: its transfer server and its peers.
@@ -253,6 +266,8 @@ impl TcpChannel {
             auth: opts.auth.clone(),
             unauthenticated: AtomicU64::new(0),
             unauthenticated_logged: AtomicBool::new(false),
+            max_connections: opts.max_server_connections.max(1),
+            busy: AtomicU64::new(0),
         });
         let served2 = Arc::clone(&served);
         let accept = std::thread::Builder::new()
@@ -308,6 +323,11 @@ fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
+        workers.retain(|h| !h.is_finished());
+        if workers.len() >= served.max_connections {
+            refuse_busy(stream, &served);
+            continue;
+        }
         if let Ok(c) = stream.try_clone() {
             conns
                 .lock()
@@ -335,6 +355,28 @@ fn accept_loop(
     for h in workers {
         let _ = h.join();
     }
+}
+
+/// Refuses a connection over the cap: the busy answer (which the client
+/// reports by name), then close. Counted; logged once.
+fn refuse_busy(mut stream: TcpStream, served: &Served) {
+    if served.busy.fetch_add(1, Ordering::Relaxed) == 0 {
+        log::warn!(
+            "tcp transfer server: refused a connection: it already serves its maximum of {} \
+             (later refusals are only counted)",
+            served.max_connections
+        );
+    }
+    let mut answer = [0u8; 5];
+    answer[..4].copy_from_slice(ANSWER_MAGIC);
+    answer[4] = MODE_BUSY;
+    // The client's hello is read first, so closing does not reset the
+    // connection before the answer arrives; a client that sends nothing
+    // waits at most this long (on the accept thread, only while at the cap).
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+    let _ = read_hello(&mut stream);
+    let _ = stream.write_all(&answer);
+    let _ = stream.shutdown(Shutdown::Write);
 }
 
 fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
@@ -473,6 +515,10 @@ fn authenticate_server(
                 .write_all(&mine)
                 .map_err(|e| format!("sending our proof: {e}"))
         }
+        (MODE_BUSY, _) => Err(format!(
+            "{server} refused the connection: its transfer server already serves its maximum of \
+             connections (TcpOptions::max_server_connections); retry later, or give it fewer peers"
+        )),
         (m, _) => Err(format!("{server} answered the hello with unknown mode {m}")),
     }
 }
@@ -815,6 +861,7 @@ impl TransferChannel for TcpChannel {
     fn grant_stats(&self) -> GrantStats {
         GrantStats {
             unauthenticated: self.served.unauthenticated.load(Ordering::Relaxed),
+            busy: self.served.busy.load(Ordering::Relaxed),
             ..self.served.grants.stats()
         }
     }

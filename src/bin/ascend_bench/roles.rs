@@ -334,6 +334,7 @@ fn publish_grants(reg: &Registry, g: &GrantStats) {
         "ascend_pd_unauthenticated_connections_total",
         g.unauthenticated as f64,
     );
+    reg.set("ascend_pd_busy_connections_total", g.busy as f64);
 }
 
 fn publish_messages(reg: &Registry, messages: &[(MessageKind, u64)]) {
@@ -685,6 +686,7 @@ mod tests {
                 revoked: 1,
                 refused: 7,
                 unauthenticated: 2,
+                busy: 3,
             },
         );
         let text = reg.render();
@@ -698,6 +700,7 @@ mod tests {
             "ascend_pd_grants_revoked 1",
             "ascend_pd_grant_refusals_total 7",
             "ascend_pd_unauthenticated_connections_total 2",
+            "ascend_pd_busy_connections_total 3",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
