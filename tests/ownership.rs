@@ -662,6 +662,8 @@ fn a_notification_that_waits_for_pages_past_its_lease_is_refused_not_read() {
 /// stalls until told to answer (with garbage).
 struct StallingSender {
     release: crossbeam_channel::Sender<()>,
+    /// Read requests taken so far (none answered before the release).
+    requests: Arc<std::sync::atomic::AtomicUsize>,
     served: std::thread::JoinHandle<usize>,
     keys: Vec<String>,
     _ctx: zmq::Context,
@@ -670,6 +672,16 @@ struct StallingSender {
 
 impl StallingSender {
     fn announce(rc: &PdConfig, keys: Vec<String>, lease: Duration) -> StallingSender {
+        Self::announce_as(rc, "stalling", keys, lease)
+    }
+
+    /// The same for the receiver's mode (`rc`), as the sender `node`.
+    fn announce_as(
+        rc: &PdConfig,
+        node: &str,
+        keys: Vec<String>,
+        lease: Duration,
+    ) -> StallingSender {
         use ascend_pd::channel::handshake::HANDSHAKE_VERSION;
         use ascend_pd::channel::{BufferDesc, Endpoint};
         use ascend_pd::memory::DeviceKind;
@@ -679,6 +691,8 @@ impl StallingSender {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (release, released) = crossbeam_channel::bounded::<()>(1);
+        let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&requests);
         // Every connection the receiver opens: take its hello and read
         // requests, answer none until released.
         let serve = move |mut conn: std::net::TcpStream| -> Vec<usize> {
@@ -695,6 +709,7 @@ impl StallingSender {
             conn.set_read_timeout(Some(Duration::from_millis(300)))
                 .unwrap();
             while conn.read_exact(&mut req).is_ok() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 lens.push(u64::from_le_bytes(req[32..40].try_into().unwrap()) as usize);
             }
             lens
@@ -707,6 +722,7 @@ impl StallingSender {
                     Ok((c, _)) => {
                         c.set_nonblocking(false).unwrap();
                         let reader = c.try_clone().unwrap();
+                        let serve = serve.clone();
                         conns.push((c, std::thread::spawn(move || serve(reader))));
                     }
                     Err(_) if released.try_recv().is_ok() => break,
@@ -727,12 +743,12 @@ impl StallingSender {
         // Our side of the handshake needs a channel to attach the receiver to.
         let pool =
             PagePool::new(RegisteredBuffer::host(page as usize, page as usize, false).unwrap());
-        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", "stalling", &[pool], None).unwrap();
+        let ch = chan::open(ChannelKind::Tcp, "127.0.0.1", node, &[pool], None).unwrap();
         let hello = Hello {
             version: HANDSHAKE_VERSION,
-            node: "stalling".into(),
+            node: node.into(),
             role: Role::Sender,
-            mode: TransferMode::PullDelay,
+            mode: rc.mode(),
             channel: ChannelKind::Tcp,
             lease,
             buffers: vec![BufferDesc {
@@ -754,13 +770,14 @@ impl StallingSender {
             pull_id.encode(),
             &keys,
             (uuid, (0..keys.len() as u64).collect()),
-            "stalling",
+            node,
             format!("127.0.0.1:{}", free_port()),
         );
         let ack = announce_pull(&ctx, rc, notif);
         assert!(!ack.alloc_failed, "{ack:?}");
         StallingSender {
             release,
+            requests,
             served,
             keys,
             _ctx: ctx,
@@ -846,4 +863,63 @@ fn an_abandoned_pipeline_read_never_corrupts_the_next_group() {
     check(&mut cache);
     assert_eq!(pool_stats(&r).quarantined, 0);
     assert!(s.drain(Duration::from_secs(10)));
+}
+
+/// Eager reads run on a fixed pool of readers, never a thread per pull:
+/// ten pulls whose senders stall every read have at most
+/// `EAGER_READERS` (8) reads in flight; the others wait their turn, and
+/// those whose window closed meanwhile fail without reading. Every page
+/// comes back.
+#[test]
+fn stalled_eager_pulls_occupy_a_bounded_pool_of_readers() {
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullEager, 16);
+    let r = Receiver::start(&rc, 0).unwrap();
+    let stalled: Vec<StallingSender> = (0..10)
+        .map(|i| {
+            StallingSender::announce_as(
+                &rc,
+                &format!("stalling-{i}"),
+                vec![format!("stalled-{i}")],
+                Duration::from_millis(1500),
+            )
+        })
+        .collect();
+    let in_flight = || {
+        stalled
+            .iter()
+            .map(|s| s.requests.load(std::sync::atomic::Ordering::SeqCst))
+            .sum::<usize>()
+    };
+    assert!(eventually(Duration::from_secs(5), || in_flight() == 8));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(in_flight(), 8, "more reads than readers");
+    let readers = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "pd-eager-read")
+        .count();
+    assert_eq!(readers, 8);
+    // The leases end: the stalled reads are given up (their pages stay
+    // with the transfers until those end), the queued ones never start.
+    std::thread::sleep(Duration::from_millis(1600));
+    assert!(eventually(Duration::from_secs(5), || r
+        .stats()
+        .store
+        .failed_reads
+        == 10));
+    for s in stalled {
+        s.release.send(()).unwrap();
+        s.served.join().unwrap();
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let p = pool_stats(&r);
+            (p.allocated, p.quarantined) == (0, 0)
+        }),
+        "{:?} {:?}",
+        pool_stats(&r),
+        r.stats().store
+    );
+    assert_eq!(r.stats().bytes_read, 0);
+    assert_eq!(r.stats().store.resident, 0);
 }

@@ -86,6 +86,8 @@ struct Shared {
     peers: Mutex<HashMap<String, PeerLink>>,
     dones: PushPool,
     counters: Arc<MessageCounters>,
+    /// The eager reader pool's queue.
+    eager: crossbeam_channel::Sender<crate::protocol::EagerRead>,
     /// What the request loop's wait queue holds, and refused (for stats).
     waiting: AtomicUsize,
     refused_waiting: AtomicU64,
@@ -196,6 +198,7 @@ impl Receiver {
             push_landing_timeout: config.push_landing_timeout,
             read_margin_pct: config.pull_read_margin_pct,
         });
+        let (eager_tx, eager_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             config: config.clone(),
             mode: config.mode(),
@@ -206,6 +209,7 @@ impl Receiver {
             peers: Mutex::new(HashMap::new()),
             dones,
             counters,
+            eager: eager_tx,
             waiting: AtomicUsize::new(0),
             refused_waiting: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -255,6 +259,16 @@ impl Receiver {
         })?);
         let s = Arc::clone(&shared);
         threads.push(spawn("pd-recv-sweep", move || upkeep::sweep_loop(&s))?);
+        // Eager reads run on a fixed pool, never a thread per pull; the
+        // queue holds at most one read per allocated page.
+        if shared.mode == TransferMode::PullEager {
+            for _ in 0..requests::EAGER_READERS {
+                let (s, rx) = (Arc::clone(&shared), eager_rx.clone());
+                threads.push(spawn("pd-eager-read", move || {
+                    requests::eager_reader(&s, rx)
+                })?);
+            }
+        }
         Ok(Receiver {
             shared,
             threads,

@@ -195,7 +195,7 @@ fn refuse_full(s: &Shared, route: &str) {
     }
 }
 
-fn send(s: &Arc<Shared>, sock: &zmq::Socket, route: &[u8], reply: Vec<u8>, after: AfterReply) {
+fn send(s: &Shared, sock: &zmq::Socket, route: &[u8], reply: Vec<u8>, after: AfterReply) {
     if let Err(e) = router_reply(sock, route, &reply) {
         log::warn!(
             "could not reply on the request socket to {:?}: {e}",
@@ -398,48 +398,74 @@ fn note_verdict(s: &Shared, v: &Verdict) {
     }
 }
 
-/// Reads an eager pull's chunks on its own thread, so a slow sender never
-/// holds up the request socket or other senders' reads. The read is
-/// waited for no longer than the pull's deadline; past it the sender may
-/// free, so an unfinished read has failed (its pages stay with the
-/// transfer until it ends).
-fn start_eager_read(s: &Arc<Shared>, read: EagerRead) {
-    let s2 = Arc::clone(s);
-    let spawned = std::thread::Builder::new()
-        .name("pd-eager-read".into())
-        .spawn(move || {
-            let EagerRead {
-                pull_id,
-                sender_id,
-                read_by,
-                deadline,
-                items,
-                pages,
-            } = read;
-            let bytes: u64 = items.iter().map(|i| i.bytes as u64).sum();
-            let ops: Vec<ReadOp> = items
-                .iter()
-                .zip(pages)
-                .map(|(i, page)| TransferOp {
-                    local: page,
-                    remote: i.remote,
-                    len: i.bytes,
-                })
-                .collect();
-            let read = read_pages(&s2, &pull_id, &sender_id, read_by, deadline, ops);
-            if read.is_some() {
-                s2.counters.add_bytes(bytes);
-            } else {
-                s2.counters.bump(MessageKind::TransferError);
-            }
-            let done = lock(&s2.core).on_read_complete(&pull_id, read);
-            s2.landed.notify_all();
-            if let Some(d) = done {
-                s2.send_done(d);
-            }
-        });
-    if let Err(e) = spawned {
-        log::warn!("cannot start an eager read thread: {e}");
+/// Hands an eager pull's read to the reader pool (after its ack went out).
+fn start_eager_read(s: &Shared, read: EagerRead) {
+    if let Err(e) = s.eager.send(read) {
+        // Only when the receiver is stopping: the read fails, its pages
+        // go back with the pull.
+        let read = e.into_inner();
+        log::warn!(
+            "eager read of pull {} not started: the receiver is stopping",
+            read.pull_id
+        );
+        finish_eager_read(s, &read.pull_id, None);
+    }
+}
+
+/// How many eager reads run at once (threads of the reader pool). A read
+/// waits no longer than its pull's deadline, so a slow sender holds one
+/// reader at most that long; a read whose window closed while it queued
+/// fails at once.
+pub(super) const EAGER_READERS: usize = 8;
+
+/// One reader of the pool: reads pulls until the receiver stops, then
+/// fails whatever is still queued.
+pub(super) fn eager_reader(s: &Arc<Shared>, rx: crossbeam_channel::Receiver<EagerRead>) {
+    while !s.stop.load(Ordering::Acquire) {
+        match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(read) => eager_read(s, read),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+    for read in rx.try_iter() {
+        finish_eager_read(s, &read.pull_id, None);
+    }
+}
+
+fn eager_read(s: &Shared, read: EagerRead) {
+    let EagerRead {
+        pull_id,
+        sender_id,
+        read_by,
+        deadline,
+        items,
+        pages,
+    } = read;
+    let bytes: u64 = items.iter().map(|i| i.bytes as u64).sum();
+    let ops: Vec<ReadOp> = items
+        .iter()
+        .zip(pages)
+        .map(|(i, page)| TransferOp {
+            local: page,
+            remote: i.remote,
+            len: i.bytes,
+        })
+        .collect();
+    let read = read_pages(s, &pull_id, &sender_id, read_by, deadline, ops);
+    if read.is_some() {
+        s.counters.add_bytes(bytes);
+    } else {
+        s.counters.bump(MessageKind::TransferError);
+    }
+    finish_eager_read(s, &pull_id, read);
+}
+
+fn finish_eager_read(s: &Shared, pull_id: &str, read: Option<Vec<MemObj>>) {
+    let done = lock(&s.core).on_read_complete(pull_id, read);
+    s.landed.notify_all();
+    if let Some(d) = done {
+        s.send_done(d);
     }
 }
 
@@ -467,7 +493,22 @@ fn read_pages(
             return None;
         }
     };
-    match c.wait_until(deadline) {
+    // Waited in steps, so a stopping receiver does not wait out a lease
+    // (a read given up keeps its pages quarantined until it ends).
+    let finished = loop {
+        let step = Instant::now() + std::time::Duration::from_millis(100);
+        if step >= deadline {
+            break c.wait_until(deadline);
+        }
+        if let Some(done) = c.wait_timeout(step.saturating_duration_since(Instant::now())) {
+            break Some(done);
+        }
+        if s.stop.load(Ordering::Acquire) {
+            log::warn!("eager read of pull {pull_id} given up: the receiver is stopping");
+            return None;
+        }
+    };
+    match finished {
         Some(done) => match done.result {
             Ok(()) => Some(done.pages),
             Err(e) => {
