@@ -2189,3 +2189,50 @@ fn shutting_down_frees_only_pages_no_writer_can_touch() {
     assert_eq!((s.allocated, s.quarantined), (1, 1));
     assert!(ks.is_empty());
 }
+
+/// A sender may hold no more proxies here than it has pages: a
+/// notification that would exceed the cap is refused by name and counted,
+/// the proxies already stored stay, and once they are consumed the same
+/// sender may announce again.
+#[test]
+fn a_sender_cannot_store_more_proxies_than_it_has_pages() {
+    let t0 = Instant::now();
+    let mut ks = receiver();
+    let capped = |ks: &mut ReceiverCore, n: &PullReadyNotif| match ks.plan_pull(
+        t0,
+        SENDER_ROUTE,
+        n,
+        Some(LEASE),
+    ) {
+        Err(reply) => *reply,
+        Ok(plan) => ks.commit_pull_delay_capped(plan, 3),
+    };
+    let first = capped(&mut ks, &remote_notif(&lease_id(t0 + LEASE), &["a", "b"]));
+    assert!(matches!(first.verdict, Verdict::Accepted { new: 2, .. }));
+    assert_eq!(ks.proxies_of(SENDER), 2);
+    let over = capped(&mut ks, &remote_notif(&lease_id(t0 + LEASE), &["c", "d"]));
+    match &over.verdict {
+        Verdict::Rejected(e) => {
+            let e = e.to_string();
+            assert!(e.contains("2 + 2 proxies") && e.contains("3 pages"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(over.ack.alloc_failed);
+    assert_eq!(ks.counters().rejected_pull_notifs, 1);
+    assert_eq!(ks.proxies_of(SENDER), 2);
+    assert!(ks.contains("a") && !ks.contains("c"));
+    // One more still fits.
+    let one = capped(&mut ks, &remote_notif(&lease_id(t0 + LEASE), &["c"]));
+    assert!(matches!(one.verdict, Verdict::Accepted { new: 1, .. }));
+    // Consumed proxies free their share of the cap.
+    for k in ["a", "b", "c"] {
+        ks.remove(k);
+    }
+    assert_eq!(ks.proxies_of(SENDER), 0);
+    let again = capped(
+        &mut ks,
+        &remote_notif(&lease_id(t0 + LEASE), &["d", "e", "f"]),
+    );
+    assert!(matches!(again.verdict, Verdict::Accepted { new: 3, .. }));
+}

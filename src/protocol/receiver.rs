@@ -1087,6 +1087,38 @@ impl ReceiverCore {
     /// Completes a pull-delay notification: a proxy (no pages) for every
     /// new key, all in one [`TransferContext`]. The Done comes when every
     /// proxy is consumed or discarded.
+    /// Like [`ReceiverCore::commit_pull_delay`], but refuses the
+    /// notification when its sender would then have more than `limit`
+    /// proxies outstanding here. A sender pins a page per proxy until its
+    /// Done, so `limit` is the number of pages in its buffer table: no
+    /// honest sender exceeds it, and nobody can make us store proxies
+    /// without bound.
+    pub fn commit_pull_delay_capped(&mut self, plan: PullPlan, limit: usize) -> PullReply {
+        let held = self.proxies_of(&plan.notif.sender_id);
+        let new = plan.part.new.len();
+        if held + new > limit {
+            self.counters.rejected_pull_notifs += 1;
+            let e = InvalidMessage::TooManyProxies {
+                msg: MessageType::PullReadyNotif,
+                sender: super::error::shorten(&plan.notif.sender_id),
+                held,
+                new,
+                limit,
+            };
+            return PullReply::refused(Verdict::Rejected(e), plan.done);
+        }
+        self.commit_pull_delay(plan)
+    }
+
+    /// Proxies of `sender_id` not yet consumed or discarded.
+    pub fn proxies_of(&self, sender_id: &str) -> usize {
+        self.contexts
+            .values()
+            .filter(|c| c.ctx.sender_id() == sender_id)
+            .map(|c| c.ctx.outstanding())
+            .sum()
+    }
+
     pub fn commit_pull_delay(&mut self, plan: PullPlan) -> PullReply {
         let PullPlan {
             notif,

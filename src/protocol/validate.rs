@@ -167,6 +167,20 @@ pub enum InvalidMessage {
         /// How late, in milliseconds.
         late_ms: u64,
     },
+    /// The sender would hold more proxies here than it has pages.
+    #[error("{msg}: sender {sender:?} would hold {held} + {new} proxies here, more than the {limit} pages it registered; refused until its earlier pulls are loaded or expire")]
+    TooManyProxies {
+        /// Message type.
+        msg: MessageType,
+        /// The sender (shortened).
+        sender: String,
+        /// Proxies it holds now.
+        held: usize,
+        /// Proxies this notification adds.
+        new: usize,
+        /// Pages in its buffer table.
+        limit: usize,
+    },
     /// `sender_done_url` is not `host:port`.
     #[error("{msg}.sender_done_url: {value:?} is not host:port")]
     BadDoneUrl {
@@ -197,6 +211,7 @@ impl InvalidMessage {
             | InvalidMessage::RouteGivenUp { msg, .. }
             | InvalidMessage::NoLease { msg, .. }
             | InvalidMessage::LeaseOver { msg, .. }
+            | InvalidMessage::TooManyProxies { msg, .. }
             | InvalidMessage::BadDoneUrl { msg, .. } => *msg,
         }
     }

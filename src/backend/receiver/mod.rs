@@ -72,6 +72,8 @@ pub struct FetchError {
 struct PeerLink {
     peer: PeerId,
     lease: Duration,
+    /// Pages in its buffer table (the most proxies it may hold here).
+    pages: usize,
 }
 
 struct Shared {
@@ -116,6 +118,12 @@ impl Shared {
             PeerLink {
                 peer: a.peer,
                 lease: a.lease,
+                pages: a
+                    .remote
+                    .buffers
+                    .iter()
+                    .map(|b| b.len.checked_div(b.page_size).unwrap_or(0) as usize)
+                    .fold(0usize, usize::saturating_add),
             },
         );
     }

@@ -360,8 +360,22 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
 }
 
 fn serve_pull(s: &Shared, route: &str, notif: &PullReadyNotif, may_wait: bool) -> Served {
-    let lease = s.attached(&notif.sender_id).map(|l| l.lease);
-    let planned = lock(&s.core).plan_pull(Instant::now(), route, notif, lease);
+    let link = s.attached(&notif.sender_id);
+    let lease = link.map(|l| l.lease);
+    let mut core = lock(&s.core);
+    let planned = core.plan_pull(Instant::now(), route, notif, lease);
+    if s.mode == TransferMode::PullDelay {
+        // Checked and stored under one lock: the cap holds however many
+        // notifications of one sender arrive.
+        let reply = match (planned, link) {
+            (Err(reply), _) => *reply,
+            (Ok(plan), Some(link)) => core.commit_pull_delay_capped(plan, link.pages),
+            (Ok(plan), None) => core.commit_pull_delay_capped(plan, 0),
+        };
+        drop(core);
+        return pull_reply(s, reply);
+    }
+    drop(core);
     let reply = match planned {
         Err(reply) => *reply,
         Ok(plan) if s.mode == TransferMode::PullEager => {
@@ -375,6 +389,10 @@ fn serve_pull(s: &Shared, route: &str, notif: &PullReadyNotif, may_wait: bool) -
         }
         Ok(plan) => lock(&s.core).commit_pull_delay(plan),
     };
+    pull_reply(s, reply)
+}
+
+fn pull_reply(s: &Shared, reply: crate::protocol::receiver::PullReply) -> Served {
     note_verdict(s, &reply.verdict);
     s.counters.bump(MessageKind::PullReadyDoneAck);
     let after = AfterReply {
