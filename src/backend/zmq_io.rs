@@ -210,33 +210,127 @@ impl Drop for PushPool {
     }
 }
 
-fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
-    let mut socks: HashMap<String, zmq::Socket> = HashMap::new();
-    for p in rx {
-        if !socks.contains_key(&p.url) {
-            let s = match ctx.socket(zmq::PUSH) {
-                Ok(s) => s,
-                Err(e) => {
-                    log::warn!("cannot create PUSH socket for {}: {e}", p.url);
-                    on_drop(&p.url);
-                    continue;
+/// Most PUSH sockets a pool keeps open; the least recently used is closed
+/// to open another (its destination gets a new one when it is sent to again).
+pub(crate) const MAX_PUSH_SOCKETS: usize = 256;
+
+/// Values by destination, at most `cap`, least recently used evicted first.
+pub(crate) struct Lru<S> {
+    cap: usize,
+    tick: u64,
+    map: HashMap<String, (u64, S)>,
+    evicted: u64,
+}
+
+impl<S> Lru<S> {
+    pub(crate) fn new(cap: usize) -> Lru<S> {
+        Lru {
+            cap: cap.max(1),
+            tick: 0,
+            map: HashMap::new(),
+            evicted: 0,
+        }
+    }
+
+    /// The value for `key`, made by `make` (after evicting the least
+    /// recently used one when full) if there is none; marks it used.
+    pub(crate) fn get_or_try_insert<E>(
+        &mut self,
+        key: &str,
+        make: impl FnOnce() -> Result<S, E>,
+    ) -> Result<&S, E> {
+        self.tick += 1;
+        let tick = self.tick;
+        if !self.map.contains_key(key) {
+            let made = make()?;
+            if self.map.len() >= self.cap {
+                let oldest = self
+                    .map
+                    .iter()
+                    .min_by_key(|(_, (used, _))| *used)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    self.map.remove(&k);
+                    self.evicted += 1;
                 }
-            };
-            // Queued signals get a moment to leave when the pool shuts down;
-            // a destination that is gone must not hold shutdown up for long.
+            }
+            self.map.insert(key.to_string(), (tick, made));
+        }
+        let entry = self.map.get_mut(key).expect("present");
+        entry.0 = tick;
+        Ok(&entry.1)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(crate) fn evicted(&self) -> u64 {
+        self.evicted
+    }
+}
+
+fn push_loop(ctx: zmq::Context, rx: Receiver<Push>, on_drop: impl Fn(&str)) {
+    let mut socks: Lru<zmq::Socket> = Lru::new(MAX_PUSH_SOCKETS);
+    for p in rx {
+        let made = socks.get_or_try_insert(&p.url, || {
+            let s = ctx.socket(zmq::PUSH).map_err(|e| {
+                log::warn!("cannot create PUSH socket for {}: {e}", p.url);
+            })?;
+            // Queued signals get a moment to leave when the pool shuts down
+            // (or the socket is evicted); a destination that is gone must
+            // not hold that up for long.
             s.set_linger(200).ok();
             s.set_sndhwm(10_000).ok();
-            if let Err(e) = s.connect(&format!("tcp://{}", p.url)) {
+            s.connect(&format!("tcp://{}", p.url)).map_err(|e| {
                 log::warn!("cannot connect PUSH socket to {}: {e}", p.url);
-                on_drop(&p.url);
-                continue;
-            }
-            socks.insert(p.url.clone(), s);
-        }
-        let s = &socks[&p.url];
+            })?;
+            Ok::<_, ()>(s)
+        });
+        let Ok(s) = made else {
+            on_drop(&p.url);
+            continue;
+        };
         if let Err(e) = s.send(p.frame, zmq::DONTWAIT) {
             log::warn!("dropping a signal to {}: {e}", p.url);
             on_drop(&p.url);
         }
+    }
+    if socks.evicted() > 0 {
+        log::debug!(
+            "PUSH pool closed {} idle socket(s) to stay within {MAX_PUSH_SOCKETS} ({} open at the end)",
+            socks.evicted(),
+            socks.len()
+        );
+    }
+}
+
+#[cfg(test)]
+mod lru_tests {
+    use super::*;
+
+    #[test]
+    fn the_least_recently_used_destination_is_closed_first_and_the_cap_holds() {
+        let mut lru: Lru<u32> = Lru::new(2);
+        let mut made = 0;
+        let mut get = |lru: &mut Lru<u32>, k: &str| {
+            *lru.get_or_try_insert(k, || {
+                made += 1;
+                Ok::<_, ()>(made)
+            })
+            .unwrap()
+        };
+        assert_eq!(get(&mut lru, "a"), 1);
+        assert_eq!(get(&mut lru, "b"), 2);
+        assert_eq!(get(&mut lru, "a"), 1); // a is now the most recent
+        assert_eq!(get(&mut lru, "c"), 3); // b, the least recent, goes
+        assert_eq!((lru.len(), lru.evicted()), (2, 1));
+        assert_eq!(get(&mut lru, "a"), 1);
+        assert_eq!(get(&mut lru, "b"), 4); // b comes back as a new one
+        assert_eq!((lru.len(), lru.evicted()), (2, 2));
+        // A failed make changes nothing.
+        let r = lru.get_or_try_insert("d", || Err::<u32, _>("no"));
+        assert_eq!(r.err(), Some("no"));
+        assert_eq!(lru.len(), 2);
     }
 }
