@@ -23,6 +23,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Longest frame the proxy and a receiver's notify port accept: a
+/// `ProxyNotif` carries one request id.
+const PROXY_NOTIF_MAX_BYTES: i64 = 64 * 1024;
+
 /// Set by SIGINT / SIGTERM.
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -385,6 +389,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
             let s = ctx.socket(zmq::PULL)?;
             s.set_rcvtimeo(100)?;
             s.set_linger(0)?;
+            // A ProxyNotif is a request id: nothing longer is buffered.
+            s.set_maxmsgsize(PROXY_NOTIF_MAX_BYTES)?;
             s.bind(&format!("tcp://{host}:{p}"))
                 .with_context(|| format!("binding the notify port {p}"))?;
             Some(s)
@@ -615,6 +621,7 @@ pub fn proxy_main(args: &[String]) -> Result<bool> {
     let pull = ctx.socket(zmq::PULL)?;
     pull.set_rcvtimeo(100)?;
     pull.set_linger(0)?;
+    pull.set_maxmsgsize(PROXY_NOTIF_MAX_BYTES)?;
     pull.bind(&format!("tcp://{host}:{port}"))
         .with_context(|| format!("binding the proxy port {port}"))?;
     let pushes = forwards
