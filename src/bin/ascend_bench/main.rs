@@ -50,12 +50,13 @@ commands:
                          limit, tcp staging an NPU pool, a 1P1D hccl run); prints
                          pass/fail with the runtime's text and the likely fix
   soak [--requests N] [--seed S] [--channels shm,tcp] [--modes push,pull-eager,pull-delay]
-       [--json FILE]
+       [--faults KIND,...] [--json FILE]
                          requests across modes and channels with seeded random faults
                          (malformed and oversized frames, lost and delayed side-channel
                          frames, readers stalled past the lease, exhausted pools, sender
-                         processes killed and restarted); reports verified, failed (with
-                         the reason), corrupted (must be 0) and leaked pages (must be 0)
+                         and receiver processes killed and restarted); reports verified,
+                         failed (with the reason), corrupted (must be 0) and leaked pages
+                         (must be 0)
   check-config FILE...   validate configs, print the effective values (defaults filled in)
   help                   this text
 

@@ -17,7 +17,10 @@
 //! - `exhaust_pool`: another request holds most of the receiver's pool,
 //!   so this one cannot get pages;
 //! - `kill_sender`: a sender process is killed mid-run and a new one
-//!   started; whatever of the killed one's requests landed is verified.
+//!   started; whatever of the killed one's requests landed is verified;
+//! - `kill_receiver`: a receiver process (which loads and verifies what it
+//!   is sent) is killed and started again on the same ports; the driver's
+//!   sender must be whole afterwards.
 
 use crate::args::Args;
 use crate::roles::{chunk_key, key_seed};
@@ -45,7 +48,7 @@ const MAX_CHUNKS: usize = 6;
 /// The pull lease of the soak (short, so stalls are quick to provoke).
 const LEASE: Duration = Duration::from_secs(2);
 
-const FAULTS: [&str; 9] = [
+const FAULTS: [&str; 10] = [
     "none",
     "malformed",
     "oversized",
@@ -55,6 +58,7 @@ const FAULTS: [&str; 9] = [
     "stall_reader",
     "exhaust_pool",
     "kill_sender",
+    "kill_receiver",
 ];
 
 /// What the soak found.
@@ -102,7 +106,25 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
         .get("modes", "push,pull-eager,pull-delay".to_string())
         .map_err(|e| anyhow!(e))?;
     let json_path: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
+    let faults: String = a
+        .get("faults", FAULTS[1..].join(","))
+        .map_err(|e| anyhow!(e))?;
     a.finish().map_err(|e| anyhow!(e))?;
+    let faults: Vec<&'static str> = faults
+        .split(',')
+        .map(|f| {
+            FAULTS[1..]
+                .iter()
+                .find(|k| **k == f.trim())
+                .copied()
+                .ok_or_else(|| {
+                    anyhow!(
+                        "--faults: unknown fault {f:?} (expected {})",
+                        FAULTS[1..].join(", ")
+                    )
+                })
+        })
+        .collect::<Result<_>>()?;
     let channels: Vec<ChannelKind> = channels
         .split(',')
         .map(|c| {
@@ -139,7 +161,7 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
         // Requests split evenly; the first segments take the remainder.
         let n = requests / segments.len() + usize::from(i < requests % segments.len());
         let before = (tally.verified, tally.failed_total(), tally.corrupted);
-        let left = soak_segment(channel, mode, n, &mut rng, &mut tally, &dir)
+        let left = soak_segment(channel, mode, n, &faults, &mut rng, &mut tally, &dir)
             .with_context(|| format!("soak segment {} {mode}", channel.name()))?;
         leftovers.receiver_allocated += left.receiver_allocated;
         leftovers.receiver_quarantined += left.receiver_quarantined;
@@ -263,6 +285,7 @@ fn soak_segment(
     channel: ChannelKind,
     mode: TransferMode,
     n: usize,
+    faults: &[&'static str],
     rng: &mut fastrand::Rng,
     tally: &mut Tally,
     dir: &Path,
@@ -297,8 +320,11 @@ fn soak_segment(
         serial: 0,
     };
     let mut i = 0;
+    // Pages the driver's second sender (talking to receiver processes)
+    // still held when it closed.
+    let mut leftover_sender = (0usize, 0usize);
     while i < n {
-        let mut fault = FAULTS[rng.usize(..FAULTS.len())];
+        let mut fault = faults[rng.usize(..faults.len())];
         // Two in three requests run clean.
         if rng.u8(..3) != 0 {
             fault = "none";
@@ -306,12 +332,16 @@ fn soak_segment(
         if fault == "stall_reader" && mode != TransferMode::PullDelay {
             fault = "delay";
         }
-        if fault == "kill_sender" {
-            if n - i < 4 {
+        if fault == "kill_sender" || fault == "kill_receiver" {
+            if n - i < 6 {
                 fault = "none";
             } else {
                 *tally.faults.entry(fault).or_default() += 1;
-                i += kill_sender(&mut seg, &sc, rng, tally, dir)?;
+                i += if fault == "kill_sender" {
+                    kill_sender(&mut seg, &sc, rng, tally, dir)?
+                } else {
+                    kill_receiver(channel, mode, &sc, rng, tally, dir, &mut leftover_sender)?
+                };
                 continue;
             }
         }
@@ -346,8 +376,8 @@ fn soak_segment(
     Ok(Leftover {
         receiver_allocated: rp.allocated.saturating_sub(r_start.allocated),
         receiver_quarantined: rp.quarantined,
-        sender_allocated: sp.allocated,
-        sender_pinned: sp.pinned,
+        sender_allocated: sp.allocated + leftover_sender.0,
+        sender_pinned: sp.pinned + leftover_sender.1,
     })
 }
 
@@ -707,6 +737,184 @@ fn kill_sender(
         }
     }
     Ok(counted)
+}
+
+/// A receiver process serves a sender of the driver; it is killed at a
+/// random moment and started again on the same ports. Its loads verify
+/// every byte (it reports each); requests to it while it is dead fail and
+/// are reported; after the restart the sender attaches again and its
+/// requests land. The sender's pool must be whole at the end. Returns the
+/// requests counted.
+fn kill_receiver(
+    channel: ChannelKind,
+    mode: TransferMode,
+    sc: &PdConfig,
+    rng: &mut fastrand::Rng,
+    tally: &mut Tally,
+    dir: &Path,
+    leftover: &mut (usize, usize),
+) -> Result<usize> {
+    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES);
+    rc.peer_init_port = Some(PortList::Single(free_port()?));
+    rc.peer_alloc_port = Some(PortList::Single(free_port()?));
+    rc.alloc_fail_backoff_ttl = Duration::from_millis(300);
+    let notify = free_port()?;
+    let path = dir.join(format!("receiver-{notify}.yaml"));
+    std::fs::write(&path, rc.to_effective_yaml())?;
+    let start = || -> Result<(Child, mpsc::Receiver<Value>)> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args([
+                "receiver".to_string(),
+                "--config".into(),
+                path.display().to_string(),
+                "--notify-port".into(),
+                notify.to_string(),
+                "--kv-tokens".into(),
+                (MAX_CHUNKS * CHUNK).to_string(),
+            ])
+            .env("ASCEND_PD_LOG", "off")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a receiver process")?;
+        let events = read_events(&mut child);
+        match events.recv_timeout(Duration::from_secs(20)) {
+            Ok(v) if v["event"] == "receiver_ready" => Ok((child, events)),
+            other => {
+                child.kill().ok();
+                let _ = child.wait();
+                bail!("the receiver process did not start: {other:?}")
+            }
+        }
+    };
+    let mut s2 = sc.clone();
+    // ProxyNotif goes straight to the receiver process, which then loads.
+    s2.proxy_port = Some(notify);
+    s2.pull_done_port = Some(PortList::Single(free_port()?));
+    let sender = Sender::start(
+        &s2,
+        0,
+        SenderTimeouts {
+            handshake: Duration::from_secs(2),
+            request: Duration::from_secs(1),
+            sweep_every: Duration::from_millis(100),
+        },
+    )?;
+    let spec = |req: &str| TransferSpec {
+        req_id: req.to_string(),
+        receiver_host: "127.0.0.1".into(),
+        receiver_init_port: rc.peer_init_port.clone().expect("set"),
+        receiver_alloc_port: rc.peer_alloc_port.clone().expect("set"),
+        is_last_prefill: true,
+    };
+    let mut counted = 0;
+    let (mut child, mut events) = start()?;
+    let kill_after = rng.usize(0..3);
+    for step in 0..5 {
+        if step == kill_after {
+            child.kill().ok();
+            let _ = child.wait();
+        }
+        // The request after the kill finds nobody; the ones after it find
+        // the restarted process.
+        if step == kill_after + 2 {
+            (child, events) = start()?;
+        }
+        let req = format!("soak-recv-{notify}-{step}");
+        let tokens = rng.usize(1..=MAX_CHUNKS * CHUNK);
+        let (keys, chunk_tokens) = request_shape(&req, tokens);
+        counted += 1;
+        tally.requests += 1;
+        let metas: Vec<ChunkMeta> = chunk_tokens
+            .iter()
+            .map(|&t| ChunkMeta::partial(sender.chunk_layout(), t))
+            .collect();
+        let mut pages = sender
+            .allocator()
+            .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(10))
+            .map_err(|e| anyhow!("sender pool: {e}"))?;
+        for (c, k) in pages.iter_mut().zip(&keys) {
+            pattern::fill(c.host_bytes_mut().expect("host pool"), key_seed(k));
+        }
+        let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+        let out = sender.put(&keys, &chunks, &spec(&req));
+        drop(chunks);
+        let dead = step > kill_after && step < kill_after + 2;
+        match out {
+            Ok(PutOutcome::Pushed { .. } | PutOutcome::Announced { .. }) => {
+                // The process loads on the ProxyNotif and reports.
+                let load = loop {
+                    match events.recv_timeout(Duration::from_secs(10)) {
+                        Ok(v) if v["event"] == "load" && v["req"] == req.as_str() => break Some(v),
+                        Ok(_) => continue,
+                        Err(_) => break None,
+                    }
+                };
+                match load {
+                    Some(v) if v["verified"] == true => tally.verified += 1,
+                    Some(v) if v.get("error").is_some() => tally.fail(format!(
+                        "[kill_receiver] load: {}",
+                        short_reason(v["error"].as_str().unwrap_or(""))
+                    )),
+                    Some(_) => {
+                        tally.corrupted += 1;
+                        tally.corrupted_keys.push(req.clone());
+                    }
+                    None => {
+                        tally.fail("[kill_receiver] the receiver process never reported the load")
+                    }
+                }
+            }
+            other => {
+                let why = match other {
+                    Ok(PutOutcome::SkippedBreakerOpen) => {
+                        "skipped, the receiver's breaker was open".to_string()
+                    }
+                    Ok(_) => "the receiver had no pages (or no reply)".to_string(),
+                    Err(e) => short_reason(&e.to_string()),
+                };
+                if dead || step == kill_after {
+                    tally.fail(format!(
+                        "[kill_receiver] put while the receiver process was dead: {why}"
+                    ))
+                } else if step == kill_after + 2 {
+                    // The sender still holds the dead process's attachment;
+                    // a refused request makes it attach afresh next time.
+                    tally.fail(format!(
+                        "[kill_receiver] first put after the restart: {why}"
+                    ))
+                } else {
+                    tally.fail(format!("[kill_receiver] put: {why}"))
+                }
+            }
+        }
+    }
+    child.kill().ok();
+    let _ = child.wait();
+    // Pins of pulls the dead process never finished are released at the
+    // lease's end; nothing else may be left.
+    sender.drain(Duration::from_secs(15));
+    let sp = sender_pool(&sender);
+    leftover.0 += sp.allocated;
+    leftover.1 += sp.pinned;
+    sender.close(Duration::from_secs(5));
+    Ok(counted)
+}
+
+/// A child's JSON events, as they come.
+fn read_events(child: &mut Child) -> mpsc::Receiver<Value> {
+    let out = child.stdout.take().expect("piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if tx.send(v).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    rx
 }
 
 /// For a request whose put never reported: every key that is resident
