@@ -567,6 +567,7 @@ fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
         "drop_request",
         "delay",
         "kill_sender",
+        "kill_receiver",
     ] {
         assert!(
             faults.get(kind).and_then(Value::as_u64).unwrap_or(0) > 0,
