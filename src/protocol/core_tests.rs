@@ -2236,3 +2236,27 @@ fn a_sender_cannot_store_more_proxies_than_it_has_pages() {
     );
     assert!(matches!(again.verdict, Verdict::Accepted { new: 3, .. }));
 }
+
+/// A proxy the sweep discarded at its lease's end is reported as expired,
+/// not as never stored, to a load that comes after the sweep (the load
+/// used to say "not stored" or "lease expired" depending on who came
+/// first); removing the key forgets it.
+#[test]
+fn a_proxy_swept_at_its_lease_end_still_looks_expired_to_a_late_load() {
+    let t0 = Instant::now();
+    let mut ks = receiver();
+    let n = remote_notif(&lease_id(t0 + LEASE), &["late"]);
+    assert!(matches!(
+        delay(&mut ks, &n, t0).verdict,
+        Verdict::Accepted { new: 1, .. }
+    ));
+    let after = t0 + LEASE + S;
+    assert!(matches!(ks.get("late", after), Lookup::Expired));
+    let swept = ks.sweep(after);
+    assert_eq!(swept.expired_proxies, ["late"]);
+    assert!(!ks.contains("late"));
+    assert!(matches!(ks.get("late", after), Lookup::Expired));
+    assert!(ks.remove("late").is_none());
+    assert!(matches!(ks.get("late", after), Lookup::Missing));
+    assert!(matches!(ks.get("never", after), Lookup::Missing));
+}

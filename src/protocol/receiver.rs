@@ -67,6 +67,9 @@ use crate::memory::{BufferRef, ChunkMeta, LentPage, MemObj, MemoryError, SealedM
 const ENDED_CAPACITY: usize = 4096;
 /// How long an ended allocation's answer is remembered.
 const ENDED_LIFETIME: Duration = Duration::from_secs(600);
+/// How long a key whose proxy expired is reported as expired (not as
+/// never stored) when it is looked up.
+const EXPIRED_KEY_LIFETIME: Duration = Duration::from_secs(60);
 
 /// Fixed parameters of a receiver's core.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -495,6 +498,9 @@ pub struct ReceiverCore {
     /// Routes whose writers said they gave them up (an `aborted` notice
     /// naming no pages): a request still in flight on one is refused.
     given_up: RecentIds<()>,
+    /// Keys whose proxy the sweep discarded at its lease's end: a load of
+    /// one says the lease expired rather than that it was never stored.
+    expired_keys: RecentIds<()>,
     contexts: HashMap<String, PullContext>,
     eager: HashMap<String, EagerPull>,
     counters: ReceiverCounters,
@@ -544,6 +550,7 @@ impl ReceiverCore {
             next_alloc: 0,
             ended: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
+            expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -594,6 +601,7 @@ impl ReceiverCore {
     /// What the load path may do with `key` at `now`. Never changes anything.
     pub fn get(&self, key: &str, now: Instant) -> Lookup<'_> {
         match self.entries.get(key) {
+            None if self.expired_keys.get(key, now).is_some() => Lookup::Expired,
             None => Lookup::Missing,
             Some(Entry::Resident(p)) => Lookup::Resident(p),
             Some(Entry::PendingPush { .. } | Entry::PendingRead { .. }) => Lookup::NotReady,
@@ -619,6 +627,7 @@ impl ReceiverCore {
     /// still landing or being read stays until its transfer ends (its page
     /// is not ours to give back yet): `None`.
     pub fn remove(&mut self, key: &str) -> Option<Removed> {
+        self.expired_keys.forget(key);
         match self.entries.get(key)? {
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
             Entry::Resident(_) | Entry::Proxy(_) => {}
@@ -1406,6 +1415,7 @@ impl ReceiverCore {
                 }
                 if self.is_proxy_of(key, &handle) {
                     self.entries.remove(key);
+                    self.expired_keys.insert(key, (), now);
                 }
                 self.counters.expired_proxies += 1;
                 report.expired_proxies.push(key.clone());

@@ -64,6 +64,13 @@ impl<V> RecentIds<V> {
         }
     }
 
+    /// Forgets `id`, whatever its age.
+    pub fn forget(&mut self, id: &str) {
+        if let Some((seq, _, _)) = self.by_id.remove(id) {
+            self.by_age.remove(&seq);
+        }
+    }
+
     /// Removes `id`, returning its value if it was remembered and not expired.
     pub fn take(&mut self, id: &str, now: Instant) -> Option<V> {
         let (seq, expires, v) = self.by_id.remove(id)?;
