@@ -465,21 +465,7 @@ fn one_request(
 /// Allocates, fills and puts one request; the outcome, or why it failed.
 fn put(seg: &mut Segment<'_>, req: &str, keys: &[String], tokens: &[usize]) -> Result<(), String> {
     seg.keys.extend(keys.iter().cloned());
-    let layout = seg.sender.chunk_layout();
-    let metas: Vec<ChunkMeta> = tokens
-        .iter()
-        .map(|&t| ChunkMeta::partial(layout, t))
-        .collect();
-    // Pull pins wait for the receiver's Done; a few seconds at most.
-    let mut pages = seg
-        .sender
-        .allocator()
-        .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(10))
-        .map_err(|e| format!("sender pool: {e}"))?;
-    for (c, k) in pages.iter_mut().zip(keys) {
-        pattern::fill(c.host_bytes_mut().expect("host pool"), key_seed(k));
-    }
-    let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+    let chunks = filled_chunks(seg.sender, keys, tokens)?;
     let spec = TransferSpec {
         req_id: req.to_string(),
         receiver_host: "127.0.0.1".into(),
@@ -495,6 +481,29 @@ fn put(seg: &mut Segment<'_>, req: &str, keys: &[String], tokens: &[usize]) -> R
         }
         Err(e) => Err(format!("put: {}", short_reason(&e.to_string()))),
     }
+}
+
+/// Chunks of `tokens` from the sender's pool, each filled with its key's
+/// pattern and sealed for sending. Pull pins wait for a receiver's Done,
+/// so the pages are waited for (a few seconds at most).
+fn filled_chunks(
+    sender: &Sender,
+    keys: &[String],
+    tokens: &[usize],
+) -> Result<Vec<SealedMemObj>, String> {
+    let layout = sender.chunk_layout();
+    let metas: Vec<ChunkMeta> = tokens
+        .iter()
+        .map(|&t| ChunkMeta::partial(layout, t))
+        .collect();
+    let mut pages = sender
+        .allocator()
+        .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(10))
+        .map_err(|e| format!("sender pool: {e}"))?;
+    for (c, k) in pages.iter_mut().zip(keys) {
+        pattern::fill(c.host_bytes_mut().expect("host pool"), key_seed(k));
+    }
+    Ok(pages.into_iter().map(MemObj::seal).collect())
 }
 
 /// An error's first clause, without the parts that differ per request
@@ -825,18 +834,7 @@ fn kill_receiver(
         let (keys, chunk_tokens) = request_shape(&req, tokens);
         counted += 1;
         tally.requests += 1;
-        let metas: Vec<ChunkMeta> = chunk_tokens
-            .iter()
-            .map(|&t| ChunkMeta::partial(sender.chunk_layout(), t))
-            .collect();
-        let mut pages = sender
-            .allocator()
-            .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(10))
-            .map_err(|e| anyhow!("sender pool: {e}"))?;
-        for (c, k) in pages.iter_mut().zip(&keys) {
-            pattern::fill(c.host_bytes_mut().expect("host pool"), key_seed(k));
-        }
-        let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+        let chunks = filled_chunks(&sender, &keys, &chunk_tokens).map_err(|e| anyhow!(e))?;
         let out = sender.put(&keys, &chunks, &spec(&req));
         drop(chunks);
         let dead = step > kill_after && step < kill_after + 2;
