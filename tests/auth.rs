@@ -389,3 +389,55 @@ fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
     .is_none())));
     drop(page);
 }
+
+/// A client that trickles its connection hello a byte at a time cannot
+/// hold a serving slot: the hello (and proof) must come whole within 5 s,
+/// however often bytes arrive, or the server answers with the reason and
+/// closes.
+#[test]
+fn a_tcp_client_trickling_its_hello_is_cut_off() {
+    use ascend_pd::channel::tcp::{TcpChannel, TcpOptions};
+    use std::io::{Read, Write};
+    let buf = RegisteredBuffer::host(PAGES * PAGE, PAGE, false).unwrap();
+    let owner = TcpChannel::bind(
+        "127.0.0.1",
+        "owner",
+        &[PagePool::new(buf)],
+        TcpOptions::default(),
+    )
+    .unwrap();
+    let mut c = std::net::TcpStream::connect(owner.local_addr()).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+    // A hello announcing a 1000-byte node id: 1022 bytes in all, one
+    // every 50 ms would take 51 s.
+    let mut hello = b"APDH".to_vec();
+    hello.extend_from_slice(&1000u16.to_le_bytes());
+    hello.extend(std::iter::repeat_n(b'n', 1000));
+    hello.extend_from_slice(&[0u8; 16]);
+    let start = std::time::Instant::now();
+    let mut answer = Vec::new();
+    for b in &hello {
+        if c.write_all(&[*b]).is_err() {
+            break;
+        }
+        let mut got = [0u8; 256];
+        match c.read(&mut got) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&got[..n]),
+            Err(_) => {}
+        }
+        if !answer.is_empty() && answer.len() >= 8 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "the server waited for the whole trickle"
+    );
+    c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = c.read_to_end(&mut answer);
+    assert_eq!(answer.first(), Some(&1), "an error reply: {answer:?}");
+    let text = String::from_utf8_lossy(&answer[8..]);
+    assert!(text.contains("too long"), "{text}");
+}

@@ -60,7 +60,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"APDT");
@@ -373,8 +373,10 @@ fn refuse_busy(mut stream: TcpStream, served: &Served) {
     // The client's hello is read first, so closing does not reset the
     // connection before the answer arrives; a client that sends nothing
     // waits at most this long (on the accept thread, only while at the cap).
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
-    let _ = read_hello(&mut stream);
+    let _ = read_hello(&mut Deadline {
+        stream: &mut stream,
+        deadline: Instant::now() + Duration::from_millis(100),
+    });
     let _ = stream.write_all(&answer);
     let _ = stream.shutdown(Shutdown::Write);
 }
@@ -386,6 +388,51 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
     h[4..8].copy_from_slice(&(m.len() as u32).to_le_bytes());
     stream.write_all(&h)?;
     stream.write_all(m)
+}
+
+/// How long a connection may take, in all, to send its hello and (with a
+/// secret) its proof: a client that trickles bytes cannot hold a serving
+/// slot longer.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A stream whose reads must all end by `deadline` (each read waits at
+/// most what is left), unlike a socket timeout, which counts per read.
+struct Deadline<'a> {
+    stream: &'a mut TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let too_long = || {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the peer took too long to say who it is (more than {} s)",
+                    HELLO_TIMEOUT.as_secs()
+                ),
+            )
+        };
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(too_long());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => too_long(),
+            _ => e,
+        })
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
 }
 
 /// A connection's hello: magic, node length, node id, nonce.
@@ -426,7 +473,7 @@ fn read_hello(stream: &mut impl Read) -> Result<(String, Nonce), String> {
 /// The server's side of a connection's authentication, after the hello:
 /// answers, and with a secret checks the client's proof.
 fn authenticate_client(
-    stream: &mut TcpStream,
+    stream: &mut (impl Read + Write),
     served: &Served,
     node: &str,
     client_nonce: &Nonce,
@@ -528,11 +575,16 @@ fn authenticate_server(
 /// payload length cannot be trusted to resynchronise).
 fn serve_connection(mut stream: TcpStream, served: &Served) {
     // A stalled client must not hold a grant's request open forever.
-    let _ = stream.set_read_timeout(Some(served.io_timeout));
     let _ = stream.set_write_timeout(Some(served.io_timeout));
-    let node = match read_hello(&mut stream).and_then(|(node, nonce)| {
-        authenticate_client(&mut stream, served, &node, &nonce).map(|()| node)
-    }) {
+    let mut timed = Deadline {
+        stream: &mut stream,
+        deadline: Instant::now() + HELLO_TIMEOUT.min(served.io_timeout),
+    };
+    let said = read_hello(&mut timed).and_then(|(node, nonce)| {
+        authenticate_client(&mut timed, served, &node, &nonce).map(|()| node)
+    });
+    let _ = stream.set_read_timeout(Some(served.io_timeout));
+    let node = match said {
         Ok(n) => n,
         Err(msg) => {
             if served.auth.is_some() {

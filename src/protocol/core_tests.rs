@@ -2260,3 +2260,23 @@ fn a_proxy_swept_at_its_lease_end_still_looks_expired_to_a_late_load() {
     assert!(matches!(ks.get("late", after), Lookup::Missing));
     assert!(matches!(ks.get("never", after), Lookup::Missing));
 }
+
+/// A notification that waited for pages keeps the lease cap of its
+/// arrival: a far-off deadline in the pull id cannot be stretched by the
+/// wait.
+#[test]
+fn a_pull_that_waited_for_pages_keeps_the_lease_cap_of_its_arrival() {
+    let t0 = Instant::now();
+    let mut ks = receiver();
+    let n = remote_notif(&lease_id(t0 + 10 * LEASE), &["k"]);
+    let plan = ks
+        .plan_pull_since(t0 + 5 * S, t0, SENDER_ROUTE, &n, Some(LEASE))
+        .unwrap();
+    assert_eq!(plan.deadline(), t0 + LEASE);
+    // Arriving now, it would get the full lease from now.
+    let n = remote_notif(&lease_id(t0 + 10 * LEASE), &["k2"]);
+    let plan = ks
+        .plan_pull(t0 + 5 * S, SENDER_ROUTE, &n, Some(LEASE))
+        .unwrap();
+    assert_eq!(plan.deadline(), t0 + 5 * S + LEASE);
+}

@@ -781,6 +781,7 @@ impl ReceiverCore {
         let refs: Vec<BufferRef> = pages.iter().map(|p| p.buffer_ref()).collect();
         let new_keys: Vec<String> = part.new.iter().map(|&i| keys[i].clone()).collect();
         for k in &new_keys {
+            self.expired_keys.forget(k);
             self.entries
                 .insert(k.clone(), Entry::PendingPush { alloc: id });
         }
@@ -1014,9 +1015,24 @@ impl ReceiverCore {
     /// `now + lease`. A notification that arrives after the window's start
     /// margin is refused (it waited too long; reading could outlive the
     /// sender's pins). `Err` is the reply to send at once.
+    #[cfg(test)]
     pub fn plan_pull(
         &mut self,
         now: Instant,
+        from: &str,
+        notif: &PullReadyNotif,
+        lease: Option<Duration>,
+    ) -> Result<PullPlan, Box<PullReply>> {
+        self.plan_pull_since(now, now, from, notif, lease)
+    }
+
+    /// `plan_pull` for a notification that arrived at
+    /// `arrived` and waited (for pages) until `now`: the lease cap counts
+    /// from its arrival, the read window is checked at `now`.
+    pub fn plan_pull_since(
+        &mut self,
+        now: Instant,
+        arrived: Instant,
         from: &str,
         notif: &PullReadyNotif,
         lease: Option<Duration>,
@@ -1056,7 +1072,7 @@ impl ReceiverCore {
                     msg,
                     pull_id: short(&notif.pull_id),
                 })?;
-                let deadline = from_wire_micros(id.deadline_us).min(now + lease);
+                let deadline = from_wire_micros(id.deadline_us).min(arrived.min(now) + lease);
                 let read_by = deadline
                     .checked_sub(read_margin(lease, self.config.read_margin_pct))
                     .unwrap_or(deadline);
@@ -1149,6 +1165,7 @@ impl ReceiverCore {
         for (slot, &i) in part.new.iter().enumerate() {
             let key = notif.keys[i].clone();
             keys.push(key.clone());
+            self.expired_keys.forget(&key);
             self.entries.insert(
                 key.clone(),
                 Entry::Proxy(ProxyEntry {
@@ -1211,6 +1228,7 @@ impl ReceiverCore {
             })
             .collect();
         for it in &items {
+            self.expired_keys.forget(&it.key);
             self.entries.insert(
                 it.key.clone(),
                 Entry::PendingRead {

@@ -88,8 +88,9 @@ struct Shared {
     peers: Mutex<HashMap<String, PeerLink>>,
     dones: PushPool,
     counters: Arc<MessageCounters>,
-    /// The eager reader pool's queue.
-    eager: crossbeam_channel::Sender<crate::protocol::EagerRead>,
+    /// The eager reader's queue; taken (closed) at shutdown once the
+    /// request loop, which feeds it, has stopped.
+    eager: Mutex<Option<crossbeam_channel::Sender<crate::protocol::EagerRead>>>,
     /// What the request loop's wait queue holds, and refused (for stats).
     waiting: AtomicUsize,
     refused_waiting: AtomicU64,
@@ -171,6 +172,8 @@ impl LoadEnv for Shared {
 pub struct Receiver {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// The eager reader (pull-eager), stopped after the request loop.
+    reader: Option<JoinHandle<()>>,
     handshake: Option<HandshakeServer>,
 }
 
@@ -217,7 +220,7 @@ impl Receiver {
             peers: Mutex::new(HashMap::new()),
             dones,
             counters,
-            eager: eager_tx,
+            eager: Mutex::new(Some(eager_tx)),
             waiting: AtomicUsize::new(0),
             refused_waiting: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -256,32 +259,34 @@ impl Receiver {
         router.bind(&url).map_err(BackendError::zmq(format!(
             "binding the request socket {url} (pd_peer_alloc_port in use?)"
         )))?;
-        let mut threads = Vec::new();
-        let s = Arc::clone(&shared);
-        threads.push(spawn("pd-recv-peers", move || {
+        // Built first, so a thread that cannot start drops it, and the drop
+        // stops and joins the threads already started.
+        let mut r = Receiver {
+            shared,
+            threads: Vec::new(),
+            reader: None,
+            handshake: Some(handshake),
+        };
+        let s = Arc::clone(&r.shared);
+        r.threads.push(spawn("pd-recv-peers", move || {
             upkeep::peer_events(&s, ev_rx)
         })?);
-        let s = Arc::clone(&shared);
-        threads.push(spawn("pd-recv-requests", move || {
+        let s = Arc::clone(&r.shared);
+        r.threads.push(spawn("pd-recv-requests", move || {
             requests::request_loop(&s, router)
         })?);
-        let s = Arc::clone(&shared);
-        threads.push(spawn("pd-recv-sweep", move || upkeep::sweep_loop(&s))?);
-        // Eager reads run on a fixed pool, never a thread per pull; the
-        // queue holds at most one read per allocated page.
-        if shared.mode == TransferMode::PullEager {
-            for _ in 0..requests::EAGER_READERS {
-                let (s, rx) = (Arc::clone(&shared), eager_rx.clone());
-                threads.push(spawn("pd-eager-read", move || {
-                    requests::eager_reader(&s, rx)
-                })?);
-            }
+        let s = Arc::clone(&r.shared);
+        r.threads
+            .push(spawn("pd-recv-sweep", move || upkeep::sweep_loop(&s))?);
+        // One thread starts and watches every eager read (never a thread
+        // per pull); the queue holds at most one read per allocated page.
+        if r.shared.mode == TransferMode::PullEager {
+            let s = Arc::clone(&r.shared);
+            r.reader = Some(spawn("pd-eager-read", move || {
+                requests::eager_reader(&s, eager_rx)
+            })?);
         }
-        Ok(Receiver {
-            shared,
-            threads,
-            handshake: Some(handshake),
-        })
+        Ok(r)
     }
 
     /// The transfer mode.
@@ -438,6 +443,12 @@ impl Receiver {
         self.handshake = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        // Nothing feeds the reader any more: closing its queue lets it
+        // fail what is queued and give up what is in flight, then end.
+        lock(&s.eager).take();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
         }
         // Grants first, then pages: a page returns only if its writer can
         // no longer touch it; the others stay quarantined with their pool.

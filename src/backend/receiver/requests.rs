@@ -44,13 +44,13 @@ struct AfterReply {
 /// A request in the wait queue.
 enum Parked {
     /// A frame of a route that already had a request waiting, not read
-    /// yet (frames of one route are answered in order).
-    Frame(Vec<u8>),
+    /// yet (frames of one route are answered in order), and when it came.
+    Frame(Vec<u8>, Instant),
     /// An `AllocRequest` waiting for pages (planned afresh on each retry,
     /// so whatever changed meanwhile is seen).
     Alloc(AllocRequest),
-    /// A pull-eager `PullReadyNotif` waiting for pages.
-    Pull(PullReadyNotif),
+    /// A pull-eager `PullReadyNotif` waiting for pages, and when it came.
+    Pull(PullReadyNotif, Instant),
 }
 
 /// What serving a request gave.
@@ -92,7 +92,8 @@ pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
                 Ok(Received::Nothing) => break,
                 Err(e) => {
                     log::warn!("request socket failed: {e}");
-                    return;
+                    s.stop.store(true, Ordering::Release);
+                    break;
                 }
             }
         }
@@ -101,11 +102,24 @@ pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
     // Shutting down: whoever still waits hears that it failed now rather
     // than at its own timeout.
     for w in waiting.drain() {
-        let reply = match w.item {
-            Parked::Pull(_) => failed_ack(),
-            Parked::Alloc(_) | Parked::Frame(_) => failed_reply(),
+        let reply = match &w.item {
+            Parked::Pull(..) => failed_ack(),
+            Parked::Alloc(_) => failed_reply(),
+            Parked::Frame(frame, _) => failure_for(frame, "the receiver is stopping"),
         };
         router_reply(&sock, &w.route, &reply).ok();
+    }
+}
+
+/// The failure reply of the frame's own kind: a push notice's refusal,
+/// a failed ack for a pull notification, a failed allocation otherwise.
+fn failure_for(frame: &[u8], why: &str) -> Vec<u8> {
+    if PushNotice::decode(frame).is_some() {
+        return encode_reply(&Err(why.to_string()));
+    }
+    match Message::decode(frame) {
+        Ok(Message::PullReadyNotif(_)) => failed_ack(),
+        _ => failed_reply(),
     }
 }
 
@@ -120,20 +134,19 @@ fn on_frame(
     let deadline = Instant::now() + s.config.alloc_fail_backoff_ttl;
     let name = String::from_utf8_lossy(&route).into_owned();
     if waiting.holds(&route) {
-        if let Err(Parked::Frame(frame)) =
-            waiting.park(route.clone(), Parked::Frame(frame), deadline)
-        {
+        if let Err(Parked::Frame(frame, _)) = waiting.park(
+            route.clone(),
+            Parked::Frame(frame, Instant::now()),
+            deadline,
+        ) {
             // The queue is full; the frame's type decides the reply's.
-            let reply = match Message::decode(&frame) {
-                Ok(Message::PullReadyNotif(_)) => failed_ack(),
-                _ => failed_reply(),
-            };
+            let reply = failure_for(&frame, "too many requests wait for pages; try again");
             refuse_full(s, &name);
             send(s, sock, &route, reply, AfterReply::default());
         }
         return;
     }
-    let parked = match read_frame(s, &name, &frame) {
+    let parked = match read_frame(s, &name, &frame, Instant::now()) {
         Ok(p) => p,
         Err(reply) => return send(s, sock, &route, reply, AfterReply::default()),
     };
@@ -144,7 +157,7 @@ fn on_frame(
             if let Err(parked) = waiting.park(route.clone(), parked, deadline) {
                 refuse_full(s, &name);
                 let reply = match parked {
-                    Parked::Pull(_) => failed_ack(),
+                    Parked::Pull(..) => failed_ack(),
                     _ => failed_reply(),
                 };
                 send(s, sock, &route, reply, AfterReply::default());
@@ -157,8 +170,8 @@ fn on_frame(
 fn retry_waiting(s: &Arc<Shared>, sock: &zmq::Socket, waiting: &mut WaitQueue<Parked>) {
     waiting.retry(Instant::now(), |w, last| {
         let name = String::from_utf8_lossy(&w.route).into_owned();
-        if let Parked::Frame(frame) = &w.item {
-            match read_frame(s, &name, frame) {
+        if let Parked::Frame(frame, arrived) = &w.item {
+            match read_frame(s, &name, frame, *arrived) {
                 Ok(p) => w.item = p,
                 Err(reply) => {
                     send(s, sock, &w.route, reply, AfterReply::default());
@@ -236,7 +249,7 @@ fn failed_ack() -> Vec<u8> {
 /// Decodes and counts a frame. Push notices and frames that cannot be
 /// served are answered at once (`Err`: the reply); requests that may need
 /// pages come back to be served.
-fn read_frame(s: &Shared, route: &str, frame: &[u8]) -> Result<Parked, Vec<u8>> {
+fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result<Parked, Vec<u8>> {
     if let Some(notice) = PushNotice::decode(frame) {
         s.counters.bump(MessageKind::PushNotice);
         let result = notice.and_then(|n| {
@@ -272,7 +285,7 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8]) -> Result<Parked, Vec<u8>> 
         }
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
-            Ok(Parked::Pull(notif))
+            Ok(Parked::Pull(notif, arrived))
         }
         other => {
             if s.counters.bump(MessageKind::Malformed) == 0 {
@@ -297,8 +310,8 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8]) -> Result<Parked, Vec<u8>> 
 fn serve(s: &Shared, route: &str, p: &Parked, may_wait: bool) -> Served {
     match p {
         Parked::Alloc(req) => serve_alloc(s, route, req, may_wait),
-        Parked::Pull(notif) => serve_pull(s, route, notif, may_wait),
-        Parked::Frame(_) => unreachable!("frames are read before they are served"),
+        Parked::Pull(notif, arrived) => serve_pull(s, route, notif, *arrived, may_wait),
+        Parked::Frame(..) => unreachable!("frames are read before they are served"),
     }
 }
 
@@ -359,11 +372,19 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
     Served::Reply(Message::AscendAllocResponse(reply.response).encode(), after)
 }
 
-fn serve_pull(s: &Shared, route: &str, notif: &PullReadyNotif, may_wait: bool) -> Served {
+fn serve_pull(
+    s: &Shared,
+    route: &str,
+    notif: &PullReadyNotif,
+    arrived: Instant,
+    may_wait: bool,
+) -> Served {
     let link = s.attached(&notif.sender_id);
     let lease = link.map(|l| l.lease);
     let mut core = lock(&s.core);
-    let planned = core.plan_pull(Instant::now(), route, notif, lease);
+    // The lease is counted from the notification's arrival, however long
+    // it then waited for pages.
+    let planned = core.plan_pull_since(Instant::now(), arrived, route, notif, lease);
     if s.mode == TransferMode::PullDelay {
         // Checked and stored under one lock: the cap holds however many
         // notifications of one sender arrive.
@@ -416,12 +437,15 @@ fn note_verdict(s: &Shared, v: &Verdict) {
     }
 }
 
-/// Hands an eager pull's read to the reader pool (after its ack went out).
+/// Hands an eager pull's read to the reader (after its ack went out).
 fn start_eager_read(s: &Shared, read: EagerRead) {
-    if let Err(e) = s.eager.send(read) {
+    let refused = match &*lock(&s.eager) {
+        Some(tx) => tx.send(read).err().map(|e| e.into_inner()),
+        None => Some(read),
+    };
+    if let Some(read) = refused {
         // Only when the receiver is stopping: the read fails, its pages
-        // go back with the pull.
-        let read = e.into_inner();
+        // go back with the pull, and its Done goes out.
         log::warn!(
             "eager read of pull {} not started: the receiver is stopping",
             read.pull_id
@@ -430,28 +454,90 @@ fn start_eager_read(s: &Shared, read: EagerRead) {
     }
 }
 
-/// How many eager reads run at once (threads of the reader pool). A read
-/// waits no longer than its pull's deadline, so a slow sender holds one
-/// reader at most that long; a read whose window closed while it queued
-/// fails at once.
-pub(super) const EAGER_READERS: usize = 8;
+/// How often the reader looks at the reads in flight.
+const READ_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
-/// One reader of the pool: reads pulls until the receiver stops, then
-/// fails whatever is still queued.
+/// One eager read in flight.
+struct InFlight {
+    pull_id: String,
+    bytes: u64,
+    deadline: Instant,
+    completion: crate::channel::Completion<MemObj>,
+}
+
+/// The eager reader: one thread starts every pull-eager read as it comes
+/// and watches all of them, so a sender that stalls its reads holds only
+/// its own (each until its pull's deadline), never a thread or another
+/// sender's read. Reads in flight are bounded by the pages they own. Ends
+/// when the request loop has dropped the queue: reads still in flight are
+/// then given up (their pages stay quarantined until the transfers end).
 pub(super) fn eager_reader(s: &Arc<Shared>, rx: crossbeam_channel::Receiver<EagerRead>) {
-    while !s.stop.load(Ordering::Acquire) {
-        match rx.recv_timeout(std::time::Duration::from_millis(100)) {
-            Ok(read) => eager_read(s, read),
+    let mut flying: Vec<InFlight> = Vec::new();
+    loop {
+        let wait = if flying.is_empty() {
+            std::time::Duration::from_millis(100)
+        } else {
+            READ_POLL
+        };
+        match rx.recv_timeout(wait) {
+            Ok(read) => {
+                // Start whatever else is queued too before polling.
+                for read in std::iter::once(read).chain(rx.try_iter()) {
+                    if s.stop.load(Ordering::Acquire) {
+                        // Stopping: fail it without starting it.
+                        end_read(s, &read.pull_id.clone(), 0, None);
+                        continue;
+                    }
+                    if let Some(f) = start_read(s, read) {
+                        flying.push(f);
+                    }
+                }
+            }
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
         }
+        let now = Instant::now();
+        flying.retain_mut(|f| match f.completion.poll() {
+            Some(done) => {
+                let pages = match done.result {
+                    Ok(()) if Instant::now() < f.deadline => Some(done.pages),
+                    Ok(()) => {
+                        log::warn!(
+                            "eager read of pull {} finished only at its lease's end",
+                            f.pull_id
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        log::warn!("eager read of pull {} failed: {e}", f.pull_id);
+                        None
+                    }
+                };
+                end_read(s, &f.pull_id, f.bytes, pages);
+                false
+            }
+            None if now >= f.deadline => {
+                log::warn!(
+                    "eager read of pull {} did not finish within its lease",
+                    f.pull_id
+                );
+                end_read(s, &f.pull_id, f.bytes, None);
+                false
+            }
+            None => true,
+        });
     }
-    for read in rx.try_iter() {
-        finish_eager_read(s, &read.pull_id, None);
+    for f in flying {
+        log::warn!(
+            "eager read of pull {} given up: the receiver is stopping",
+            f.pull_id
+        );
+        end_read(s, &f.pull_id, f.bytes, None);
     }
 }
 
-fn eager_read(s: &Shared, read: EagerRead) {
+/// Starts one read; `None` when it could not start (already ended).
+fn start_read(s: &Shared, read: EagerRead) -> Option<InFlight> {
     let EagerRead {
         pull_id,
         sender_id,
@@ -470,13 +556,35 @@ fn eager_read(s: &Shared, read: EagerRead) {
             len: i.bytes,
         })
         .collect();
-    let read = read_pages(s, &pull_id, &sender_id, read_by, deadline, ops);
-    if read.is_some() {
+    let fail = |why: String| {
+        log::warn!("eager read of pull {pull_id}: {why}");
+        end_read(s, &pull_id, bytes, None);
+        None
+    };
+    if Instant::now() >= read_by {
+        return fail("could not start before its read window closed".into());
+    }
+    let Some(peer) = s.attached(&sender_id).map(|l| l.peer) else {
+        return fail(format!("sender {sender_id} is not attached"));
+    };
+    match s.channel.submit_read(peer, ops) {
+        Ok(completion) => Some(InFlight {
+            pull_id,
+            bytes,
+            deadline,
+            completion,
+        }),
+        Err(e) => fail(format!("could not start: {e}")),
+    }
+}
+
+fn end_read(s: &Shared, pull_id: &str, bytes: u64, pages: Option<Vec<MemObj>>) {
+    if pages.is_some() {
         s.counters.add_bytes(bytes);
     } else {
         s.counters.bump(MessageKind::TransferError);
     }
-    finish_eager_read(s, &pull_id, read);
+    finish_eager_read(s, pull_id, pages);
 }
 
 fn finish_eager_read(s: &Shared, pull_id: &str, read: Option<Vec<MemObj>>) {
@@ -484,59 +592,5 @@ fn finish_eager_read(s: &Shared, pull_id: &str, read: Option<Vec<MemObj>>) {
     s.landed.notify_all();
     if let Some(d) = done {
         s.send_done(d);
-    }
-}
-
-/// The pages of a successful read, in op order; `None` when it failed.
-fn read_pages(
-    s: &Shared,
-    pull_id: &str,
-    sender_id: &str,
-    read_by: Instant,
-    deadline: Instant,
-    ops: Vec<ReadOp>,
-) -> Option<Vec<MemObj>> {
-    if Instant::now() >= read_by {
-        log::warn!("eager read of pull {pull_id} could not start before its read window closed");
-        return None;
-    }
-    let Some(peer) = s.attached(sender_id).map(|l| l.peer) else {
-        log::warn!("eager read of pull {pull_id}: sender {sender_id} is not attached");
-        return None;
-    };
-    let mut c = match s.channel.submit_read(peer, ops) {
-        Ok(c) => c,
-        Err(e) => {
-            log::warn!("eager read of pull {pull_id} could not start: {e}");
-            return None;
-        }
-    };
-    // Waited in steps, so a stopping receiver does not wait out a lease
-    // (a read given up keeps its pages quarantined until it ends).
-    let finished = loop {
-        let step = Instant::now() + std::time::Duration::from_millis(100);
-        if step >= deadline {
-            break c.wait_until(deadline);
-        }
-        if let Some(done) = c.wait_timeout(step.saturating_duration_since(Instant::now())) {
-            break Some(done);
-        }
-        if s.stop.load(Ordering::Acquire) {
-            log::warn!("eager read of pull {pull_id} given up: the receiver is stopping");
-            return None;
-        }
-    };
-    match finished {
-        Some(done) => match done.result {
-            Ok(()) => Some(done.pages),
-            Err(e) => {
-                log::warn!("eager read of pull {pull_id} failed: {e}");
-                None
-            }
-        },
-        None => {
-            log::warn!("eager read of pull {pull_id} did not finish within its lease");
-            None
-        }
     }
 }
