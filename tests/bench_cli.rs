@@ -533,24 +533,23 @@ fn an_hccl_batch_above_the_op_limit_moves_every_byte_through_the_channel() {
     }
 }
 
-/// The short soak CI runs: 300 requests over shm and tcp in every mode
-/// with seeded faults; nothing corrupted, nothing leaked, every request
-/// accounted for, and every failure attributed to a fault.
-#[test]
-fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
-    let json = tmp("soak.json");
+/// Runs `ascend-bench <args> --json F` and checks what every soak must
+/// show: success, nothing corrupted, leaked or left quarantined, no frame
+/// unanswered, every request counted. The report and the table.
+fn soak(args: &[&str], name: &str) -> (Value, String) {
+    let json = tmp(name);
     let out = bench()
-        .args(["soak", "--requests", "300", "--seed", "11", "--json"])
+        .args(args)
+        .arg("--json")
         .arg(&json)
         .env("ASCEND_PD_LOG", "off")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{stdout}");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     std::fs::remove_file(&json).ok();
     let n = |k: &str| doc[k].as_u64().unwrap_or_else(|| panic!("{k}: {doc}"));
-    assert!(n("requests") >= 300, "{stdout}");
     assert_eq!(
         (n("corrupted"), n("pages_leaked"), n("pages_quarantined")),
         (0, 0, 0),
@@ -558,6 +557,17 @@ fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
     );
     assert_eq!(n("unanswered_malformed_frames"), 0, "{stdout}");
     assert_eq!(n("verified") + n("failed"), n("requests"), "{stdout}");
+    (doc, stdout)
+}
+
+/// The short soak CI runs: 300 requests over shm and tcp in every mode
+/// with seeded faults; nothing corrupted, nothing leaked, every request
+/// accounted for, and every failure attributed to a fault.
+#[test]
+fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
+    let (doc, stdout) = soak(&["soak", "--requests", "300", "--seed", "11"], "soak.json");
+    let n = |k: &str| doc[k].as_u64().unwrap();
+    assert!(n("requests") >= 300, "{stdout}");
     // Most requests run clean and must be verified.
     assert!(n("verified") * 10 >= n("requests") * 7, "{stdout}");
     let faults = doc["faults"].as_object().unwrap();
@@ -585,33 +595,21 @@ fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
 /// verified, nothing corrupted or leaked.
 #[test]
 fn a_short_hccl_soak_on_the_emulator_corrupts_nothing_and_leaks_nothing() {
-    let json = tmp("soak-hccl.json");
-    let out = bench()
-        .args([
+    let (doc, stdout) = soak(
+        &[
             "--emulator",
             "soak",
             "--channels",
             "hccl",
             "--requests",
             "90",
-        ])
-        .args(["--seed", "3", "--json"])
-        .arg(&json)
-        .env("ASCEND_PD_LOG", "off")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    std::fs::remove_file(&json).ok();
-    let n = |k: &str| doc[k].as_u64().unwrap_or_else(|| panic!("{k}: {doc}"));
-    assert!(n("requests") >= 90 && n("verified") > 0, "{stdout}");
-    assert_eq!(
-        (n("corrupted"), n("pages_leaked"), n("pages_quarantined")),
-        (0, 0, 0),
-        "{stdout}"
+            "--seed",
+            "3",
+        ],
+        "soak-hccl.json",
     );
-    assert_eq!(n("verified") + n("failed"), n("requests"), "{stdout}");
+    let n = |k: &str| doc[k].as_u64().unwrap();
+    assert!(n("requests") >= 90 && n("verified") > 0, "{stdout}");
     let segments = doc["segments"].as_array().unwrap();
     assert!(segments.iter().all(|s| s["channel"] == "hccl"), "{stdout}");
 }

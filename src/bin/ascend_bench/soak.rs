@@ -144,8 +144,8 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
             )),
         })
         .collect::<Result<_>>()?;
-    if requests == 0 || channels.is_empty() || modes.is_empty() {
-        bail!("--requests, --channels and --modes must not be empty");
+    if requests == 0 {
+        bail!("--requests must be at least 1");
     }
     let segments: Vec<(ChannelKind, TransferMode)> = channels
         .iter()
@@ -270,6 +270,29 @@ fn config(role: Role, channel: ChannelKind, mode: TransferMode, pages: u64) -> P
     c
 }
 
+/// A receiver's config on fresh ports.
+fn receiver_config(channel: ChannelKind, mode: TransferMode) -> Result<PdConfig> {
+    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES);
+    rc.peer_init_port = Some(PortList::Single(free_port()?));
+    rc.peer_alloc_port = Some(PortList::Single(free_port()?));
+    // How long a request waits for pages on the receiver.
+    rc.alloc_fail_backoff_ttl = Duration::from_millis(300);
+    Ok(rc)
+}
+
+/// Starts `ascend-bench <args>` quietly, with its JSON events as they come.
+fn spawn_bench(args: Vec<String>, what: &str) -> Result<(Child, mpsc::Receiver<Value>)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .env("ASCEND_PD_LOG", "off")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting a {what} process"))?;
+    let events = read_events(&mut child);
+    Ok((child, events))
+}
+
 struct Segment<'a> {
     mode: TransferMode,
     receiver: &'a Receiver,
@@ -290,11 +313,7 @@ fn soak_segment(
     tally: &mut Tally,
     dir: &Path,
 ) -> Result<Leftover> {
-    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES);
-    rc.peer_init_port = Some(PortList::Single(free_port()?));
-    rc.peer_alloc_port = Some(PortList::Single(free_port()?));
-    // How long a request waits for pages on the receiver.
-    rc.alloc_fail_backoff_ttl = Duration::from_millis(300);
+    let rc = receiver_config(channel, mode)?;
     let receiver = Receiver::start(&rc, 0)?;
     let r_start = receiver_pool(&receiver);
     let relay = Relay::start(rc.alloc_port(0).expect("set"))?;
@@ -660,8 +679,8 @@ fn kill_sender(
         std::fs::write(&path, c.to_effective_yaml())?;
         let requests = 3;
         let tokens = rng.usize(1..=MAX_CHUNKS * CHUNK);
-        let mut child = Command::new(std::env::current_exe()?)
-            .args([
+        let (mut child, puts) = spawn_bench(
+            vec![
                 "sender".to_string(),
                 "--config".into(),
                 path.display().to_string(),
@@ -677,13 +696,9 @@ fn kill_sender(
                 tokens.to_string(),
                 "--prefix".into(),
                 prefix.clone(),
-            ])
-            .env("ASCEND_PD_LOG", "off")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting a sender process")?;
-        let puts = read_puts(&mut child);
+            ],
+            "sender",
+        )?;
         let kill_at = Instant::now() + Duration::from_millis(rng.u64(0..400));
         let mut killed = !kill;
         let mut reported: HashMap<String, bool> = HashMap::new();
@@ -696,7 +711,12 @@ fn kill_sender(
                 kill_at.saturating_duration_since(Instant::now())
             };
             match puts.recv_timeout(wait) {
-                Ok((req, landed)) => {
+                Ok(v) => {
+                    let Some(req) = v["req"].as_str().filter(|_| v["event"] == "put") else {
+                        continue;
+                    };
+                    let req = req.to_string();
+                    let landed = matches!(v["outcome"].as_str(), Some("pushed" | "announced"));
                     tally.requests += 1;
                     counted += 1;
                     let (keys, _) = request_shape(&req, tokens);
@@ -763,16 +783,13 @@ fn kill_receiver(
     dir: &Path,
     leftover: &mut (usize, usize),
 ) -> Result<usize> {
-    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES);
-    rc.peer_init_port = Some(PortList::Single(free_port()?));
-    rc.peer_alloc_port = Some(PortList::Single(free_port()?));
-    rc.alloc_fail_backoff_ttl = Duration::from_millis(300);
+    let rc = receiver_config(channel, mode)?;
     let notify = free_port()?;
     let path = dir.join(format!("receiver-{notify}.yaml"));
     std::fs::write(&path, rc.to_effective_yaml())?;
     let start = || -> Result<(Child, mpsc::Receiver<Value>)> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args([
+        let (mut child, events) = spawn_bench(
+            vec![
                 "receiver".to_string(),
                 "--config".into(),
                 path.display().to_string(),
@@ -780,13 +797,9 @@ fn kill_receiver(
                 notify.to_string(),
                 "--kv-tokens".into(),
                 (MAX_CHUNKS * CHUNK).to_string(),
-            ])
-            .env("ASCEND_PD_LOG", "off")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting a receiver process")?;
-        let events = read_events(&mut child);
+            ],
+            "receiver",
+        )?;
         match events.recv_timeout(Duration::from_secs(20)) {
             Ok(v) if v["event"] == "receiver_ready" => Ok((child, events)),
             other => {
@@ -935,30 +948,6 @@ fn present_and_verified(r: &Receiver, mode: TransferMode, keys: &[String]) -> Re
         r.remove(k);
     }
     bad.map_or(Ok(()), Err)
-}
-
-/// Forwards a sender process's `put` events as they come: request id and
-/// whether it landed (pushed or announced). The channel closes with the
-/// process's stdout.
-fn read_puts(child: &mut Child) -> mpsc::Receiver<(String, bool)> {
-    let out = child.stdout.take().expect("piped");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                continue;
-            };
-            if v["event"] == "put" {
-                let landed = matches!(v["outcome"].as_str(), Some("pushed" | "announced"));
-                if let Some(req) = v["req"].as_str() {
-                    if tx.send((req.to_string(), landed)).is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    });
-    rx
 }
 
 /// A relay between senders and a receiver's request socket that keeps
