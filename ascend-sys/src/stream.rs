@@ -22,6 +22,9 @@ pub struct Stream {
 struct StreamInner {
     device: Device,
     raw: sys::aclrtStream,
+    /// Whether dropping the last clone destroys the stream (false for a
+    /// stream borrowed from its owner, e.g. an inference engine).
+    owned: bool,
 }
 
 // SAFETY: an aclrtStream handle may be used from any thread once the
@@ -49,6 +52,30 @@ impl Device {
             inner: Arc::new(StreamInner {
                 device: self.clone(),
                 raw,
+                owned: true,
+            }),
+        })
+    }
+
+    /// Wraps a stream someone else created on this device (an inference
+    /// engine's compute stream), so work queued through it is ordered with
+    /// theirs. Dropping the wrapper waits for queued work but never
+    /// destroys the stream.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of this device, and stay live until the
+    /// last clone of the returned [`Stream`] is dropped.
+    pub unsafe fn borrow_stream(&self, raw: sys::aclrtStream) -> Result<Stream> {
+        if raw.is_null() {
+            return Err(Error::InvalidArgument(
+                "the stream handle is null; pass the engine's aclrtStream, or no stream".into(),
+            ));
+        }
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                device: self.clone(),
+                raw,
+                owned: false,
             }),
         })
     }
@@ -247,7 +274,9 @@ impl Drop for StreamInner {
             // SAFETY: raw is live; queued work finishes before the stream goes.
             unsafe {
                 let _ = acl_call!(libs, aclrtSynchronizeStream(self.raw));
-                let _ = acl_call!(libs, aclrtDestroyStream(self.raw));
+                if self.owned {
+                    let _ = acl_call!(libs, aclrtDestroyStream(self.raw));
+                }
             }
         }
     }

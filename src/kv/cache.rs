@@ -7,33 +7,26 @@ use crate::memory::{DeviceKind, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
-/// A host cache's memory: a private, 2 MiB-aligned, prefaulted region
-/// (allocated once and warm, like a serving engine's cache).
-struct HostKv(crate::memory::HostRegion);
-
-impl std::ops::Deref for HostKv {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: the region is private anonymous memory owned by this cache;
-        // nothing else maps or writes it.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr(), self.0.len()) }
-    }
-}
-
-impl std::ops::DerefMut for HostKv {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_ptr(), self.0.len()) }
-    }
-}
-
 enum Memory {
-    Host(HostKv),
+    /// Host memory: the cache's own region (`None`: the engine's memory).
+    Host(Option<crate::memory::HostRegion>),
+    /// NPU memory: the cache's own buffer (`None`: the engine's tensors)
+    /// and the stream its copies are queued on.
     Npu {
-        buf: DeviceBuffer,
+        buf: Option<DeviceBuffer>,
         stream: Stream,
         device: Device,
     },
+}
+
+/// One engine-owned tensor a [`KvCache`] wraps: its base address (a host
+/// pointer, or a device address for an NPU cache) and its size in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvTensor {
+    /// Base address (`tensor.data_ptr()`).
+    pub addr: u64,
+    /// Bytes from `addr` that belong to the tensor.
+    pub bytes: usize,
 }
 
 /// A paged KV cache (see the [module docs](super)).
@@ -44,6 +37,9 @@ enum Memory {
 pub struct KvCache {
     spec: KvCacheSpec,
     mem: Memory,
+    /// Address of each `(layer, plane)` region, index `layer * planes +
+    /// plane`; each region is `spec.plane_bytes()` long.
+    planes: Vec<usize>,
     /// Source pages of copies queued since the last fence.
     pending: Vec<SealedMemObj>,
 }
@@ -134,8 +130,104 @@ fn device_err(context: impl Into<String>) -> impl FnOnce(ascend_sys::Error) -> K
     move |source| KvError::Device { context, source }
 }
 
+/// The address of every `(layer, plane)` region of a cache laid out in one
+/// allocation at `base`.
+fn contiguous_planes(spec: &KvCacheSpec, base: usize) -> Vec<usize> {
+    (0..spec.layers * spec.planes())
+        .map(|i| base + i * spec.plane_bytes())
+        .collect()
+}
+
+/// Checks engine tensors against `spec` and returns the plane addresses:
+/// one tensor holding the whole cache (`[layers][planes][slots][hidden]`),
+/// or one per `(layer, plane)` in the order `layer0.K, layer0.V, layer1.K,
+/// …` (vLLM-Ascend's per-layer K and V tensors; MLA: one latent per layer),
+/// each `[num_blocks, block_size, hidden]`. Every tensor must be non-null,
+/// aligned to the element size, at least as large as its geometry needs,
+/// and no two may overlap.
+fn check_tensors(spec: &KvCacheSpec, tensors: &[KvTensor]) -> Result<Vec<usize>, KvError> {
+    spec.validate()?;
+    let per_plane = spec.layers * spec.planes();
+    let need = if tensors.len() == 1 {
+        spec.bytes()
+    } else if tensors.len() == per_plane {
+        spec.plane_bytes()
+    } else {
+        return Err(KvError::InvalidSpec(format!(
+            "{} tensor(s) given: pass 1 (the whole cache, [layers][{}][slots][hidden]) or {} \
+             (one [num_blocks, block_size, hidden] tensor per layer{})",
+            tensors.len(),
+            spec.planes(),
+            per_plane,
+            if spec.planes() == 2 {
+                " and K/V, in the order layer0.K, layer0.V, layer1.K, ..."
+            } else {
+                ", the MLA latent"
+            }
+        )));
+    };
+    let mut spans = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if t.addr == 0 {
+            return Err(KvError::InvalidSpec(format!(
+                "tensor {i} has a null address"
+            )));
+        }
+        if t.addr % spec.dtype.size() as u64 != 0 {
+            return Err(KvError::InvalidSpec(format!(
+                "tensor {i} at {:#x} is not aligned to its {}-byte {} elements",
+                t.addr,
+                spec.dtype.size(),
+                spec.dtype
+            )));
+        }
+        if t.bytes < need {
+            return Err(KvError::InvalidSpec(format!(
+                "tensor {i} has {} bytes but the geometry needs {need} ({} blocks × {} tokens × \
+                 {} elements × {} bytes{}); check num_blocks, block_size and the head sizes",
+                t.bytes,
+                spec.num_blocks,
+                spec.block_size,
+                spec.hidden,
+                spec.dtype.size(),
+                if tensors.len() == 1 {
+                    format!(" × {} layers × {} planes", spec.layers, spec.planes())
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        let end = t
+            .addr
+            .checked_add(need as u64)
+            .filter(|e| *e <= usize::MAX as u64);
+        let Some(end) = end else {
+            return Err(KvError::InvalidSpec(format!(
+                "tensor {i} at {:#x} + {need} bytes overflows the address space",
+                t.addr
+            )));
+        };
+        spans.push((t.addr, end, i));
+    }
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(KvError::InvalidSpec(format!(
+                "tensors {} and {} overlap: loading into one would overwrite the other",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    Ok(if tensors.len() == 1 {
+        contiguous_planes(spec, tensors[0].addr as usize)
+    } else {
+        tensors.iter().map(|t| t.addr as usize).collect()
+    })
+}
+
 impl KvCache {
-    /// A zeroed cache in host memory (the `cpu` device).
+    /// A zeroed cache in host memory (the `cpu` device), allocated by the
+    /// library: a private, 2 MiB-aligned, prefaulted region.
     pub fn host(spec: KvCacheSpec) -> Result<KvCache, KvError> {
         spec.validate()?;
         let bytes = spec.bytes();
@@ -144,7 +236,8 @@ impl KvCache {
         region.prefault();
         Ok(KvCache {
             spec,
-            mem: Memory::Host(HostKv(region)),
+            planes: contiguous_planes(&spec, region.as_ptr() as usize),
+            mem: Memory::Host(Some(region)),
             pending: Vec::new(),
         })
     }
@@ -163,8 +256,72 @@ impl KvCache {
             .map_err(device_err("creating the load stream"))?;
         Ok(KvCache {
             spec,
+            planes: contiguous_planes(&spec, buf.addr() as usize),
             mem: Memory::Npu {
-                buf,
+                buf: Some(buf),
+                stream,
+                device: device.clone(),
+            },
+            pending: Vec::new(),
+        })
+    }
+
+    /// Wraps a KV cache the engine allocated in host memory (see
+    /// [`KvTensor`] for the tensor layouts accepted). Every tensor is
+    /// checked against `spec` before the cache is returned; every copy is
+    /// planned inside the tensors.
+    ///
+    /// # Safety
+    /// Each tensor must be host memory readable and writable for the bytes
+    /// its geometry needs, and stay allocated until the cache is dropped.
+    /// While a save or load runs, the engine must not write the slots it
+    /// reads or read the slots it writes (the engine's usual rule for
+    /// blocks of a request in flight).
+    pub unsafe fn wrap_host(spec: KvCacheSpec, tensors: &[KvTensor]) -> Result<KvCache, KvError> {
+        let planes = check_tensors(&spec, tensors)?;
+        Ok(KvCache {
+            spec,
+            planes,
+            mem: Memory::Host(None),
+            pending: Vec::new(),
+        })
+    }
+
+    /// Wraps a KV cache the engine allocated on NPU `device` (see
+    /// [`KvCache::wrap_host`]). With `stream` (the engine's, e.g. from
+    /// [`Device::borrow_stream`]) copies are queued behind the engine's
+    /// kernels; without one the cache makes its own stream.
+    ///
+    /// # Safety
+    /// Each tensor must be device memory of `device` for the bytes its
+    /// geometry needs, and stay allocated until the cache is dropped; the
+    /// rule on slots in flight of [`KvCache::wrap_host`] applies.
+    pub unsafe fn wrap_npu(
+        device: &Device,
+        spec: KvCacheSpec,
+        tensors: &[KvTensor],
+        stream: Option<Stream>,
+    ) -> Result<KvCache, KvError> {
+        let planes = check_tensors(&spec, tensors)?;
+        let stream = match stream {
+            Some(s) if s.device().id() != device.id() => {
+                return Err(KvError::InvalidSpec(format!(
+                    "the stream is on NPU {} but the cache on NPU {}: pass a stream of the \
+                     cache's device",
+                    s.device().id(),
+                    device.id()
+                )))
+            }
+            Some(s) => s,
+            None => device
+                .create_stream()
+                .map_err(device_err("creating the load stream"))?,
+        };
+        Ok(KvCache {
+            spec,
+            planes,
+            mem: Memory::Npu {
+                buf: None,
                 stream,
                 device: device.clone(),
             },
@@ -185,9 +342,39 @@ impl KvCache {
         }
     }
 
+    /// Whether the engine owns the memory (a wrapped cache).
+    pub fn is_wrapped(&self) -> bool {
+        matches!(self.mem, Memory::Host(None) | Memory::Npu { buf: None, .. })
+    }
+
     /// Whether scatters complete asynchronously (NPU) and need a [`KvFence`].
     pub fn is_async(&self) -> bool {
         matches!(self.mem, Memory::Npu { .. })
+    }
+
+    /// The address of `len` bytes at `offset` of the logical
+    /// `[layers][planes][slots][hidden]` cache; the range must lie inside
+    /// one `(layer, plane)` region (every planned copy does).
+    fn addr_of(&self, offset: usize, len: usize) -> usize {
+        let pb = self.spec.plane_bytes();
+        let (plane, within) = (offset / pb, offset % pb);
+        debug_assert!(within + len <= pb, "a copy crosses a plane");
+        self.planes[plane] + within
+    }
+
+    /// Splits `[offset, offset + len)` of the logical cache at plane
+    /// boundaries: `(address, position in the range, length)`.
+    fn spans(&self, offset: usize, len: usize) -> Vec<(usize, usize, usize)> {
+        let pb = self.spec.plane_bytes();
+        let mut out = Vec::new();
+        let mut done = 0;
+        while done < len {
+            let at = offset + done;
+            let n = (pb - at % pb).min(len - done);
+            out.push((self.addr_of(at, n), done, n));
+            done += n;
+        }
+        out
     }
 
     fn check_page(&self, page: &Page, tokens: usize) -> Result<(), KvError> {
@@ -225,26 +412,31 @@ impl KvCache {
     ) -> Result<ScatterStats, KvError> {
         self.check_page(page, tokens)?;
         let copies = chunk_copies(&self.spec, tokens, slots)?;
-        match &mut self.mem {
-            Memory::Host(cache) => match page.host_bytes() {
+        match &self.mem {
+            Memory::Host(_) => match page.host_bytes() {
                 Some(src) => {
                     for c in &copies {
-                        cache[c.cache_offset..c.cache_offset + c.len]
-                            .copy_from_slice(&src[c.chunk_offset..c.chunk_offset + c.len]);
+                        let dst = self.addr_of(c.cache_offset, c.len) as *mut u8;
+                        let src = &src[c.chunk_offset..c.chunk_offset + c.len];
+                        // SAFETY: the plan keeps the run inside one (layer,
+                        // plane) region of the cache, which is ours or the
+                        // engine's (checked at wrap; the engine keeps these
+                        // slots to us while the load runs); the page is
+                        // another allocation, so the ranges do not overlap.
+                        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, c.len) };
                     }
                 }
                 // An NPU page into a host cache: device-to-host copies.
                 None => {
                     for c in &copies {
-                        read_page(
-                            page,
-                            c.chunk_offset,
-                            &mut cache[c.cache_offset..c.cache_offset + c.len],
-                        )?;
+                        let dst = self.addr_of(c.cache_offset, c.len) as *mut u8;
+                        // SAFETY: as above; the slice lives only for the copy.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(dst, c.len) };
+                        read_page(page, c.chunk_offset, dst)?;
                     }
                 }
             },
-            Memory::Npu { buf, stream, .. } => {
+            Memory::Npu { stream, .. } => {
                 let kind = match page.device() {
                     DeviceKind::Npu(_) => MemcpyKind::DeviceToDevice,
                     DeviceKind::Cpu => MemcpyKind::HostToDevice,
@@ -255,16 +447,17 @@ impl KvCache {
                 // fence after them completes.
                 self.pending.push(page.clone());
                 for c in &copies {
-                    // SAFETY: the plan keeps [cache_offset, +len) inside the
-                    // cache (slots < num_slots) and [chunk_offset, +len) inside
-                    // the chunk's bytes, which fit the page (check_page); the
-                    // page's pool stays alive in `pending` until a fence
-                    // completes, and the cache's buffer until its stream is
-                    // synchronised in Drop.
+                    let dst = self.addr_of(c.cache_offset, c.len);
+                    // SAFETY: the plan keeps the run inside one (layer,
+                    // plane) region of the cache and [chunk_offset, +len)
+                    // inside the chunk's bytes, which fit the page
+                    // (check_page); the page's pool stays alive in `pending`
+                    // until a fence completes, and the cache's memory until
+                    // its stream is synchronised in Drop.
                     unsafe {
                         stream.memcpy_async(
-                            buf.as_ptr().cast::<u8>().add(c.cache_offset).cast(),
-                            buf.len() - c.cache_offset,
+                            dst as *mut c_void,
+                            c.len,
                             (src as usize + c.chunk_offset) as *const c_void,
                             c.len,
                             kind,
@@ -318,17 +511,18 @@ impl KvCache {
         let tokens = page.tokens();
         self.check_page(page, tokens)?;
         let copies = chunk_copies(&self.spec, tokens, slots)?;
-        match &mut self.mem {
-            Memory::Host(cache) => {
+        match &self.mem {
+            Memory::Host(_) => {
                 for c in &copies {
-                    write_page(
-                        &mut *page,
-                        c.chunk_offset,
-                        &cache[c.cache_offset..c.cache_offset + c.len],
-                    )?;
+                    let src = self.addr_of(c.cache_offset, c.len) as *const u8;
+                    // SAFETY: the run lies inside one region of the cache
+                    // (plan + wrap checks); the engine does not write slots
+                    // being saved, and the slice lives only for the copy.
+                    let src = unsafe { std::slice::from_raw_parts(src, c.len) };
+                    write_page(&mut *page, c.chunk_offset, src)?;
                 }
             }
-            Memory::Npu { buf, stream, .. } => {
+            Memory::Npu { stream, .. } => {
                 let kind = match page.device() {
                     DeviceKind::Npu(_) => MemcpyKind::DeviceToDevice,
                     DeviceKind::Cpu => MemcpyKind::DeviceToHost,
@@ -336,14 +530,16 @@ impl KvCache {
                 let dst = page.addr() as usize;
                 let page_size = page.pool().buffer().page_size();
                 for c in &copies {
-                    // SAFETY: both ranges are in bounds (plan + check_page);
-                    // `page` is borrowed until the stream is synchronised
-                    // below, and the caller owns its bytes meanwhile.
+                    let src = self.addr_of(c.cache_offset, c.len);
+                    // SAFETY: both ranges are in bounds (plan, wrap checks,
+                    // check_page); `page` is borrowed until the stream is
+                    // synchronised below, and the caller owns its bytes
+                    // meanwhile.
                     let queued = unsafe {
                         stream.memcpy_async(
                             (dst + c.chunk_offset) as *mut c_void,
                             page_size - c.chunk_offset,
-                            buf.as_ptr().cast::<u8>().add(c.cache_offset).cast(),
+                            src as *const c_void,
                             c.len,
                             kind,
                         )
@@ -373,35 +569,64 @@ impl KvCache {
         }
     }
 
-    /// Copies cache bytes at `offset` into `dst` (after queued copies finish).
+    /// Copies cache bytes at `offset` of the logical
+    /// `[layers][planes][slots][hidden]` layout into `dst` (after queued
+    /// copies finish).
     pub fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<(), KvError> {
         self.check_range(offset, dst.len())?;
         self.synchronize()?;
-        match &self.mem {
-            Memory::Host(cache) => {
-                dst.copy_from_slice(&cache[offset..offset + dst.len()]);
-                Ok(())
+        for (addr, at, n) in self.spans(offset, dst.len()) {
+            match &self.mem {
+                // SAFETY: the span lies inside one region of the cache.
+                Memory::Host(_) => unsafe {
+                    std::ptr::copy_nonoverlapping(addr as *const u8, dst[at..].as_mut_ptr(), n)
+                },
+                Memory::Npu { stream, .. } => {
+                    // SAFETY: the span is device memory of the cache, `dst`
+                    // host memory we borrow until the stream is synchronised.
+                    unsafe {
+                        stream.memcpy_async(
+                            dst[at..].as_mut_ptr().cast(),
+                            n,
+                            addr as *const c_void,
+                            n,
+                            MemcpyKind::DeviceToHost,
+                        )
+                    }
+                    .map_err(device_err("reading the cache"))?;
+                }
             }
-            Memory::Npu { buf, .. } => buf
-                .copy_to_host(offset, dst)
-                .map_err(device_err("reading the cache")),
         }
+        self.synchronize()
     }
 
-    /// Copies `src` into the cache at `offset` (after queued copies finish),
-    /// e.g. to stand in for a prefill.
+    /// Copies `src` into the cache at `offset` of the logical layout (after
+    /// queued copies finish), e.g. to stand in for a prefill.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), KvError> {
         self.check_range(offset, src.len())?;
         self.synchronize()?;
-        match &mut self.mem {
-            Memory::Host(cache) => {
-                cache[offset..offset + src.len()].copy_from_slice(src);
-                Ok(())
+        for (addr, at, n) in self.spans(offset, src.len()) {
+            match &self.mem {
+                // SAFETY: the span lies inside one region of the cache.
+                Memory::Host(_) => unsafe {
+                    std::ptr::copy_nonoverlapping(src[at..].as_ptr(), addr as *mut u8, n)
+                },
+                Memory::Npu { stream, .. } => {
+                    // SAFETY: as in `read`, the other way round.
+                    unsafe {
+                        stream.memcpy_async(
+                            addr as *mut c_void,
+                            n,
+                            src[at..].as_ptr().cast(),
+                            n,
+                            MemcpyKind::HostToDevice,
+                        )
+                    }
+                    .map_err(device_err("writing the cache"))?;
+                }
             }
-            Memory::Npu { buf, .. } => buf
-                .copy_from_host(offset, src)
-                .map_err(device_err("writing the cache")),
         }
+        self.synchronize()
     }
 
     /// The bytes of `slot` in `(layer, plane)`.

@@ -23,7 +23,7 @@
 mod cache;
 pub mod plan;
 
-pub use cache::{KvCache, KvFence, ScatterStats};
+pub use cache::{KvCache, KvFence, KvTensor, ScatterStats};
 
 use crate::memory::{ChunkLayout, DeviceKind, Dtype, MemFormat};
 
