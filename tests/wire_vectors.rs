@@ -11,8 +11,8 @@
 use std::path::PathBuf;
 
 use ascend_pd::protocol::{
-    AllocRequest, AscendAllocResponse, DecodeError, Message, ProxyNotif, PullDoneSignal,
-    PullReadyDoneAck, PullReadyNotif,
+    AllocRequest, AscendAllocResponse, CancelNotif, DecodeError, Message, ProxyNotif,
+    PullDoneSignal, PullReadyDoneAck, PullReadyNotif,
 };
 
 fn data_dir() -> PathBuf {
@@ -181,6 +181,10 @@ fn typed_decoders_accept_their_vectors_and_reject_others() {
                 ProxyNotif::TYPE,
                 ProxyNotif::decode(&bytes).map(Message::from),
             ),
+            (
+                CancelNotif::TYPE,
+                CancelNotif::decode(&bytes).map(Message::from),
+            ),
         ];
         for (decoder, result) in results {
             if decoder == t {
@@ -196,6 +200,41 @@ fn typed_decoders_accept_their_vectors_and_reject_others() {
                 );
             }
         }
+    }
+}
+
+/// Upstream LMCache's newer messages this backend speaks (from
+/// `upstream/`): encoded byte for byte, decoded back, and checked against
+/// `upstream/index.json`.
+fn upstream_expected() -> Vec<(&'static str, Message)> {
+    vec![(
+        "cancel_notif",
+        CancelNotif {
+            req_id: "cmpl-3f2a9c1d-0".to_owned(),
+            keys: strings(&[KEY1, KEY2]),
+        }
+        .into(),
+    )]
+}
+
+#[test]
+fn upstream_cancel_notif_encodes_and_decodes_byte_for_byte() {
+    let text = String::from_utf8(read("upstream/index.json")).expect("UTF-8");
+    let Json::Obj(entries) = Json::parse(&text).expect("upstream/index.json parses") else {
+        panic!("upstream/index.json: top level is not an object");
+    };
+    for (name, msg) in upstream_expected() {
+        let want = read(&format!("upstream/{name}.msgpack"));
+        let got = msg.encode();
+        assert!(got == want, "{name}: {}", diff(&got, &want));
+        assert_eq!(Message::decode(&want), Ok(msg.clone()), "{name}");
+        let entry = &entries.iter().find(|(n, _)| n == name).expect("listed").1;
+        assert_eq!(entry.get("fields"), Some(&to_json(&msg)), "{name}: fields");
+        assert_eq!(
+            entry.get("bytes"),
+            Some(&Json::Int(want.len() as i64)),
+            "{name}: byte count"
+        );
     }
 }
 
@@ -296,6 +335,10 @@ fn to_json(m: &Message) -> Json {
         }
         Message::PullDoneSignal(m) => f.push(("pull_id", Json::Str(m.pull_id.clone()))),
         Message::ProxyNotif(m) => f.push(("req_id", Json::Str(m.req_id.clone()))),
+        Message::CancelNotif(m) => {
+            f.push(("req_id", Json::Str(m.req_id.clone())));
+            f.push(("keys", strs(&m.keys)));
+        }
     }
     Json::Obj(f.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
 }

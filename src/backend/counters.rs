@@ -29,9 +29,11 @@ pub enum MessageKind {
     TransferError,
     /// Puts skipped because the receiver's breaker was open.
     BreakerSkip,
+    /// `CancelNotif` sent or received.
+    CancelNotif,
 }
 
-const KINDS: usize = 12;
+const KINDS: usize = 13;
 
 impl MessageKind {
     /// Every kind, in counter order.
@@ -48,6 +50,7 @@ impl MessageKind {
         MessageKind::Timeout,
         MessageKind::TransferError,
         MessageKind::BreakerSkip,
+        MessageKind::CancelNotif,
     ];
 
     /// A snake_case name for metrics.
@@ -65,6 +68,7 @@ impl MessageKind {
             MessageKind::Timeout => "timeout",
             MessageKind::TransferError => "transfer_error",
             MessageKind::BreakerSkip => "breaker_skip",
+            MessageKind::CancelNotif => "cancel_notif",
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::config::{PdConfig, PortList, Role, TransferMode};
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, SealedMemObj};
 use crate::protocol::{
-    Attached, BreakerCounters, BreakerState, ClockMap, Delivery, DoneOutcome, Message,
+    Attached, BreakerCounters, BreakerState, CancelNotif, ClockMap, Delivery, DoneOutcome, Message,
     PullCounters, PutAction, PutFailure, PutOutcome, PutRejected, PutSpec, RequestKind,
     SenderConfig, SenderCore, WriteEnd,
 };
@@ -429,6 +429,75 @@ impl Sender {
                     s.counters.bump(MessageKind::Malformed);
                 }
                 Err(r.into())
+            }
+        }
+    }
+
+    /// Tells the receiver of `spec` that request `req_id` is cancelled
+    /// (upstream LMCache's `CancelNotif`): it drops what it holds of `keys`
+    /// — stored chunks go back to its pool, pull-delay proxies are
+    /// discarded so their PullDoneSignal releases our pins, and keys still
+    /// landing are dropped when they land. Returns the keys it dropped. A
+    /// receiver this sender never attached holds nothing of ours: no
+    /// message is sent and nothing is returned.
+    pub fn cancel(
+        &self,
+        req_id: &str,
+        keys: &[String],
+        spec: &TransferSpec,
+    ) -> Result<Vec<String>, BackendError> {
+        let s = &self.shared;
+        let rank = self.shared_rank();
+        let (Some(init), Some(alloc)) = (
+            spec.receiver_init_port.for_rank(rank),
+            spec.receiver_alloc_port.for_rank(rank),
+        ) else {
+            return Err(BackendError::InvalidInput(format!(
+                "the transfer spec has no receiver port for TP rank {rank}"
+            )));
+        };
+        let host = &spec.receiver_host;
+        let peer_key = format!("{host}:{alloc}");
+        if lock(&s.core).attached(&peer_key).is_none() {
+            return Ok(Vec::new());
+        }
+        let link = self.link(
+            &peer_key,
+            &format!("tcp://{host}:{init}"),
+            &format!("tcp://{host}:{alloc}"),
+        );
+        let mut link = lock(&link);
+        let route = lock(&s.core).route(&peer_key);
+        let frame = Message::CancelNotif(CancelNotif {
+            req_id: req_id.to_string(),
+            keys: keys.to_vec(),
+        })
+        .encode();
+        s.counters.bump(MessageKind::CancelNotif);
+        let reply = link
+            .req
+            .request(&route, &frame, "CancelNotif")
+            .map_err(|f| {
+                s.counters.bump(MessageKind::Timeout);
+                f.into_error()
+            })?;
+        match Message::decode(&reply) {
+            Ok(Message::CancelNotif(c)) => Ok(c.keys),
+            Ok(other) => Err(BackendError::BadReply {
+                peer: peer_key,
+                detail: format!(
+                    "it answered a CancelNotif with {}: it does not understand cancellation \
+                     (an older ascend-pd or LMCache-Ascend peer), so what it holds stays until \
+                     the decode side loads or removes it",
+                    other.message_type()
+                ),
+            }),
+            Err(e) => {
+                s.counters.bump(MessageKind::Malformed);
+                Err(BackendError::BadReply {
+                    peer: peer_key,
+                    detail: format!("a malformed answer to a CancelNotif: {e}"),
+                })
             }
         }
     }

@@ -28,17 +28,21 @@ pub enum MessageType {
     PullDoneSignal,
     /// [`ProxyNotif`]: last prefill chunk sent (sender → proxy).
     ProxyNotif,
+    /// [`CancelNotif`]: upstream LMCache's "drop what this request holds"
+    /// (sender → receiver, on the allocation socket).
+    CancelNotif,
 }
 
 impl MessageType {
     /// Every message type, in the order of the protocol table.
-    pub const ALL: [MessageType; 6] = [
+    pub const ALL: [MessageType; 7] = [
         MessageType::AllocRequest,
         MessageType::AscendAllocResponse,
         MessageType::PullReadyNotif,
         MessageType::PullReadyDoneAck,
         MessageType::PullDoneSignal,
         MessageType::ProxyNotif,
+        MessageType::CancelNotif,
     ];
 
     /// The wire name (value of the `"type"` key), e.g. `"AllocRequest"`.
@@ -50,6 +54,7 @@ impl MessageType {
             MessageType::PullReadyDoneAck => "PullReadyDoneAck",
             MessageType::PullDoneSignal => "PullDoneSignal",
             MessageType::ProxyNotif => "ProxyNotif",
+            MessageType::CancelNotif => "CancelNotif",
         }
     }
 
@@ -154,6 +159,20 @@ pub struct ProxyNotif {
     pub req_id: String,
 }
 
+/// A request was cancelled: the receiver drops what it holds for `keys`
+/// (stored chunks return to the pool; pull-delay proxies are discarded, so
+/// their pull's PullDoneSignal releases the sender's pins). Upstream
+/// LMCache's message; sent on the sender's REQ socket to the receiver's
+/// allocation socket, which answers with a `CancelNotif` naming the keys it
+/// dropped (a REQ peer needs a reply to stay in step).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CancelNotif {
+    /// The request id.
+    pub req_id: String,
+    /// Cache keys of the request's chunks.
+    pub keys: Vec<String>,
+}
+
 /// Any side-channel message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
@@ -169,6 +188,8 @@ pub enum Message {
     PullDoneSignal(PullDoneSignal),
     /// See [`ProxyNotif`].
     ProxyNotif(ProxyNotif),
+    /// See [`CancelNotif`].
+    CancelNotif(CancelNotif),
 }
 
 impl Message {
@@ -181,6 +202,7 @@ impl Message {
             Message::PullReadyDoneAck(_) => MessageType::PullReadyDoneAck,
             Message::PullDoneSignal(_) => MessageType::PullDoneSignal,
             Message::ProxyNotif(_) => MessageType::ProxyNotif,
+            Message::CancelNotif(_) => MessageType::CancelNotif,
         }
     }
 
@@ -195,6 +217,7 @@ impl Message {
             Message::PullReadyDoneAck(m) => m.try_encode(),
             Message::PullDoneSignal(m) => m.try_encode(),
             Message::ProxyNotif(m) => m.try_encode(),
+            Message::CancelNotif(m) => m.try_encode(),
         }
     }
 
@@ -252,6 +275,10 @@ impl Message {
             }),
             MessageType::ProxyNotif => Message::ProxyNotif(ProxyNotif {
                 req_id: fields.required("req_id")?,
+            }),
+            MessageType::CancelNotif => Message::CancelNotif(CancelNotif {
+                req_id: fields.required("req_id")?,
+                keys: fields.required("keys")?,
             }),
         })
     }
@@ -662,6 +689,16 @@ impl ProxyNotif {
     }
 }
 
+impl CancelNotif {
+    fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
+        let size = hint(&[&self.keys], &[&self.req_id], 0);
+        let mut e = Enc::new(MessageType::CancelNotif, 2, size)?;
+        e.str("req_id", &self.req_id)?;
+        e.str_list("keys", &self.keys)?;
+        Ok(e.finish())
+    }
+}
+
 /// Per-message API: type constant, encoding, typed decoding and
 /// conversions to and from [`Message`].
 macro_rules! wire_message {
@@ -727,3 +764,4 @@ wire_message!(PullReadyNotif);
 wire_message!(PullReadyDoneAck);
 wire_message!(PullDoneSignal);
 wire_message!(ProxyNotif);
+wire_message!(CancelNotif);

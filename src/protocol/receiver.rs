@@ -418,6 +418,8 @@ pub struct ReceiverCounters {
     pub rejected_alloc_requests: u64,
     /// Rejected (invalid, unknown sender, late) `PullReadyNotif`s.
     pub rejected_pull_notifs: u64,
+    /// Keys a `CancelNotif` dropped (now, or when their transfer ended).
+    pub cancelled_keys: u64,
 }
 
 #[derive(Debug)]
@@ -503,7 +505,28 @@ pub struct ReceiverCore {
     expired_keys: RecentIds<()>,
     contexts: HashMap<String, PullContext>,
     eager: HashMap<String, EagerPull>,
+    /// Keys a `CancelNotif` named while their data was still landing: the
+    /// transfer they wait for (its allocation or pull) is dropped, not
+    /// stored, when it ends. Only keys still pending under that transfer
+    /// are kept.
+    cancelled: HashMap<String, Pending>,
     counters: ReceiverCounters,
+}
+
+/// The transfer a pending key waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Pending {
+    Push(AllocId),
+    Read(String),
+}
+
+/// What [`ReceiverCore::cancel`] did.
+#[derive(Debug, Default)]
+pub struct Cancelled {
+    /// Keys dropped now, with what each held (drop the pages; send the Dones).
+    pub removed: Vec<(String, Removed)>,
+    /// Keys still landing: they are dropped when their transfer ends.
+    pub deferred: Vec<String>,
 }
 
 fn failed_push_response() -> AscendAllocResponse {
@@ -551,6 +574,7 @@ impl ReceiverCore {
             ended: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
+            cancelled: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -647,6 +671,47 @@ impl ReceiverCore {
             },
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => unreachable!("checked above"),
         })
+    }
+
+    /// A request was cancelled (`CancelNotif`): drops every key of `keys`
+    /// this store holds. Resident chunks and proxies go now (a proxy counts
+    /// as discarded, which may complete its pull's Done); a key still
+    /// landing is dropped when its transfer ends instead of becoming
+    /// resident. Unknown keys are ignored.
+    pub fn cancel(&mut self, keys: &[String]) -> Cancelled {
+        let mut out = Cancelled::default();
+        for key in keys {
+            let pending = match self.entries.get(key) {
+                Some(Entry::PendingPush { alloc }) => Some(Pending::Push(*alloc)),
+                Some(Entry::PendingRead { pull_id }) => Some(Pending::Read(pull_id.clone())),
+                _ => None,
+            };
+            match pending {
+                Some(p) => {
+                    self.cancelled.insert(key.clone(), p);
+                    out.deferred.push(key.clone());
+                }
+                None => {
+                    if let Some(r) = self.remove(key) {
+                        out.removed.push((key.clone(), r));
+                    }
+                }
+            }
+        }
+        self.counters.cancelled_keys += (out.removed.len() + out.deferred.len()) as u64;
+        out
+    }
+
+    /// Whether `key`, ending its wait for `transfer`, was cancelled meanwhile
+    /// (and forgets the mark either way).
+    fn take_cancelled(&mut self, key: &str, transfer: &Pending) -> bool {
+        match self.cancelled.get(key) {
+            Some(p) if p == transfer => {
+                self.cancelled.remove(key);
+                true
+            }
+            _ => false,
+        }
     }
 
     // ------------------------------------------------------------- push
@@ -941,7 +1006,12 @@ impl ReceiverCore {
         let mut landed = 0;
         for (key, page) in a.keys.into_iter().zip(a.pages) {
             let ours = matches!(self.entries.get(&key), Some(Entry::PendingPush { alloc }) if *alloc == id);
+            let cancelled = ours && self.take_cancelled(&key, &Pending::Push(id));
             match (outcome, ours) {
+                (PushOutcome::Landed, true) if cancelled => {
+                    self.entries.remove(&key);
+                    page.release_quiescent();
+                }
                 (PushOutcome::Landed, true) => {
                     self.entries
                         .insert(key, Entry::Resident(page.landed().seal()));
@@ -1285,6 +1355,12 @@ impl ReceiverCore {
                 Some(Entry::PendingRead { pull_id: p }) if p == pull_id
             );
             if !ours {
+                continue;
+            }
+            if self.take_cancelled(k, &Pending::Read(pull_id.to_owned())) {
+                // Dropping the page returns it: the read is over.
+                self.entries.remove(k);
+                drop(page);
                 continue;
             }
             match page {

@@ -98,6 +98,26 @@ struct Shared {
 }
 
 impl Shared {
+    /// Drops what request `req_id` holds of `keys` (see
+    /// [`ReceiverCore::cancel`]) and returns the keys dropped or marked.
+    fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
+        let c = lock(&self.core).cancel(keys);
+        let mut dropped = Vec::with_capacity(c.removed.len() + c.deferred.len());
+        for (key, r) in c.removed {
+            if let Some(d) = r.done {
+                self.send_done(d);
+            }
+            dropped.push(key);
+        }
+        dropped.extend(c.deferred);
+        log::debug!(
+            "request {req_id:?} cancelled: dropped {} of its {} key(s)",
+            dropped.len(),
+            keys.len()
+        );
+        dropped
+    }
+
     fn send_done(&self, d: SendPullDone) {
         self.counters.bump(MessageKind::PullDoneSignal);
         self.dones
@@ -294,6 +314,11 @@ impl Receiver {
         self.shared.mode
     }
 
+    /// The geometry of a full chunk (`chunk_size` tokens).
+    pub fn chunk_layout(&self) -> ChunkLayout {
+        self.shared.config.chunk_layout()
+    }
+
     /// The allocator.
     pub fn allocator(&self) -> &DualAllocator {
         &self.shared.alloc
@@ -365,6 +390,15 @@ impl Receiver {
             }
             None => false,
         }
+    }
+
+    /// Cancels request `req_id` here: drops what this receiver holds of
+    /// `keys`, as a `CancelNotif` from its sender would. Stored chunks go
+    /// back to the pool, proxies are discarded (their pull's PullDoneSignal
+    /// then releases the sender's pins), and keys still landing are
+    /// dropped when their transfer ends. Returns the keys dropped or marked.
+    pub fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
+        self.shared.cancel(req_id, keys)
     }
 
     /// Reads the pull-delay proxies of `keys` now into fresh pages and

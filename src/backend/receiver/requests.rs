@@ -20,8 +20,8 @@ use crate::config::TransferMode;
 use crate::memory::MemObj;
 use crate::protocol::notice::{encode_reply, route_node};
 use crate::protocol::{
-    AllocRequest, AscendAllocResponse, EagerRead, Message, PullReadyDoneAck, PullReadyNotif,
-    PushNotice, Retry, SendPullDone, Verdict, WaitQueue, MAX_WAITING,
+    AllocRequest, AscendAllocResponse, CancelNotif, EagerRead, Message, PullReadyDoneAck,
+    PullReadyNotif, PushNotice, Retry, SendPullDone, Verdict, WaitQueue, MAX_WAITING,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -119,6 +119,12 @@ fn failure_for(frame: &[u8], why: &str) -> Vec<u8> {
     }
     match Message::decode(frame) {
         Ok(Message::PullReadyNotif(_)) => failed_ack(),
+        // Nothing was dropped.
+        Ok(Message::CancelNotif(c)) => Message::CancelNotif(CancelNotif {
+            req_id: c.req_id,
+            keys: Vec::new(),
+        })
+        .encode(),
         _ => failed_reply(),
     }
 }
@@ -286,6 +292,27 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
             Ok(Parked::Pull(notif, arrived))
+        }
+        Message::CancelNotif(c) => {
+            s.counters.bump(MessageKind::CancelNotif);
+            // Only a sender with a handshake may drop keys: anyone else who
+            // reaches the socket could otherwise delete other requests' KV.
+            let keys = if s.attached(route_node(route)).is_some() {
+                s.cancel(&c.req_id, &c.keys)
+            } else {
+                if s.counters.bump(MessageKind::Rejected) == 0 {
+                    log::warn!(
+                        "ignored a CancelNotif from route {route:?}, which has no handshake \
+                         (logged once)"
+                    );
+                }
+                Vec::new()
+            };
+            Err(Message::CancelNotif(CancelNotif {
+                req_id: c.req_id,
+                keys,
+            })
+            .encode())
         }
         other => {
             if s.counters.bump(MessageKind::Malformed) == 0 {
