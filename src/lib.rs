@@ -23,11 +23,13 @@ pub mod auth;
 pub mod backend;
 pub mod channel;
 pub mod config;
+pub mod ffi;
 pub mod kv;
 pub mod layout;
 pub mod memory;
 pub mod pipeline;
 pub mod protocol;
+pub mod requests;
 pub(crate) mod wire;
 
 pub use backend::{
@@ -36,6 +38,6 @@ pub use backend::{
 };
 pub use channel::ChannelError;
 pub use config::{ConfigError, PdConfig};
-pub use kv::{KvCache, KvCacheSpec, KvError};
+pub use kv::{KvCache, KvCacheSpec, KvError, KvTensor};
 pub use memory::{MemObj, MemoryError, SealedMemObj};
 pub use pipeline::{KeyFailure, LoadError, LoadOptions, LoadReport};

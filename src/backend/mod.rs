@@ -74,7 +74,7 @@ pub enum BackendError {
         detail: String,
     },
     /// The caller's input is unusable (named, nothing was sent).
-    #[error("invalid put: {0}")]
+    #[error("invalid input: {0}")]
     InvalidInput(String),
     /// Pull backpressure did not clear in time, or the batch can never fit.
     #[error("backpressure: {0}")]

@@ -168,3 +168,29 @@ pub fn announce_pull(
     .unwrap();
     ascend_pd::protocol::PullReadyDoneAck::decode(&req.recv_bytes(0).unwrap()).unwrap()
 }
+
+/// `libascend_pd.so` of this build profile, built on first use (`cargo
+/// test` builds the rlib only) — for the C and Python tests.
+pub fn cdylib() -> std::path::PathBuf {
+    static LIB: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "--lib", "--message-format=json-render-diagnostics"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stderr(std::process::Stdio::inherit());
+        if !cfg!(debug_assertions) {
+            cmd.arg("--release");
+        }
+        let out = cmd.output().expect("running cargo build --lib");
+        assert!(out.status.success(), "cargo build --lib failed");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .filter(|l| l.contains("\"compiler-artifact\"") && l.contains("\"cdylib\""))
+            .flat_map(|l| l.split('"'))
+            .find(|s| s.ends_with("libascend_pd.so"))
+            .map(std::path::PathBuf::from)
+            .expect("cargo build --lib reports libascend_pd.so")
+    })
+    .clone()
+}

@@ -1,0 +1,1068 @@
+//! The C ABI (`include/ascend_pd.h`, generated from this module by
+//! cbindgen and checked in CI).
+//!
+//! Conventions, for every function:
+//! - it returns a status (`APD_OK` or an `APD_ERR_*` code); on failure
+//!   [`apd_last_error`] gives the library's message, which names the
+//!   argument or the problem and the fix;
+//! - no panic crosses the boundary (a panic is `APD_ERR_INTERNAL`);
+//! - every pointer and length is checked before use: a null pointer with a
+//!   non-zero length, a non-UTF-8 string, a length beyond the data are
+//!   `APD_ERR_INVALID_ARGUMENT`;
+//! - objects are handles (an id in a typed struct): a handle that was
+//!   closed, never opened, or is of another kind gives `APD_ERR_CLOSED`,
+//!   never undefined behaviour.
+//!
+//! Threading: every function may be called from any thread, concurrently,
+//! on the same or different handles; the log callback is called from the
+//! library's threads, possibly concurrently.
+
+mod handles;
+mod log_bridge;
+
+use crate::backend::{lock, BackendError, SenderTimeouts, TransferSpec};
+use crate::config::{PdConfig, PortList, Role};
+use crate::kv::{KvCache, KvCacheSpec, KvTensor};
+use crate::layout::{Dtype, MemFormat};
+use crate::memory::DualStats;
+use crate::requests::{
+    Availability, CancelState, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
+};
+use crate::{Receiver, Sender};
+use handles::{Object, ReceiverObj, SenderObj};
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Receives one log record: its level (1 error … 5 trace), its module and
+/// its message (NUL-terminated, valid during the call), and the
+/// `user_data` given to `apd_set_log_callback`. NULL means none.
+pub type ApdLogCallback = Option<
+    unsafe extern "C" fn(
+        level: i32,
+        target: *const c_char,
+        message: *const c_char,
+        user_data: *mut c_void,
+    ),
+>;
+
+/// The version of this ABI; bumped on any incompatible change.
+pub const APD_ABI_VERSION: u32 = 1;
+
+/// Success.
+pub const APD_OK: i32 = 0;
+/// A pointer, length, string or value passed in is unusable (the message names it).
+pub const APD_ERR_INVALID_ARGUMENT: i32 = 1;
+/// The configuration is invalid (the message lists every problem).
+pub const APD_ERR_CONFIG: i32 = 2;
+/// The handle is closed, was never opened, or is of another kind.
+pub const APD_ERR_CLOSED: i32 = 3;
+/// A transfer, socket or peer failed.
+pub const APD_ERR_BACKEND: i32 = 4;
+/// A KV cache operation failed (geometry, device).
+pub const APD_ERR_KV_CACHE: i32 = 5;
+/// The queue is full; poll finished requests and retry.
+pub const APD_ERR_BUSY: i32 = 6;
+/// A bug in the library (a panic was caught); the message says where.
+pub const APD_ERR_INTERNAL: i32 = 7;
+
+/// Chunk memory format `KV_2LTD` (K and V planes), as on the wire.
+pub const APD_FMT_KV_2LTD: i32 = 1;
+/// Chunk memory format MLA (one latent plane per layer), as on the wire.
+pub const APD_FMT_MLA: i32 = 6;
+
+/// `bfloat16`.
+pub const APD_DTYPE_BFLOAT16: i32 = 0;
+/// `float16`.
+pub const APD_DTYPE_FLOAT16: i32 = 1;
+/// `float32`.
+pub const APD_DTYPE_FLOAT32: i32 = 2;
+/// `int8`.
+pub const APD_DTYPE_INT8: i32 = 3;
+/// `uint8`.
+pub const APD_DTYPE_UINT8: i32 = 4;
+
+/// `ApdKvCacheDesc::device` of a host (CPU) cache.
+pub const APD_DEVICE_CPU: i32 = -1;
+
+/// The request's save or load completed.
+pub const APD_REQ_DONE: i32 = 0;
+/// It failed; `ApdCompletion::message` says why.
+pub const APD_REQ_FAILED: i32 = 1;
+/// It was cancelled.
+pub const APD_REQ_CANCELLED: i32 = 2;
+
+/// The request had not started; it will be reported as cancelled.
+pub const APD_CANCEL_NOT_STARTED: i32 = 0;
+/// The request is running; it will be reported as cancelled when it ends.
+pub const APD_CANCEL_CANCELLING: i32 = 1;
+/// The request had already ended; what it left behind is being released.
+pub const APD_CANCEL_ALREADY_ENDED: i32 = 2;
+/// No request with this id is known.
+pub const APD_CANCEL_UNKNOWN: i32 = 3;
+
+/// Bytes of `ApdCompletion::req_id`, NUL included: request ids must be shorter.
+pub const APD_REQ_ID_MAX: usize = 256;
+/// Bytes of `ApdCompletion::message`, NUL included (longer messages are cut).
+pub const APD_MESSAGE_MAX: usize = 1024;
+
+/// A parsed configuration.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdConfig {
+    /// Handle id (0 is never a valid handle).
+    pub id: u64,
+}
+
+/// A KV cache (the engine's memory, wrapped).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdKvCache {
+    /// Handle id.
+    pub id: u64,
+}
+
+/// A prefill worker's sender and its save queue.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdSender {
+    /// Handle id.
+    pub id: u64,
+}
+
+/// A decode worker's receiver and its load queue.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdReceiver {
+    /// Handle id.
+    pub id: u64,
+}
+
+/// One engine tensor of a KV cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdKvTensor {
+    /// Base address (`tensor.data_ptr()`): host memory, or device memory
+    /// for an NPU cache.
+    pub addr: u64,
+    /// Bytes of the tensor.
+    pub bytes: u64,
+}
+
+/// The geometry and memory of an engine's KV cache.
+///
+/// `tensors`: 1 tensor holding the whole cache as
+/// `[layers][planes][num_blocks * block_size][hidden]`, or one tensor per
+/// layer and plane, `[num_blocks, block_size, hidden]` each, in the order
+/// layer0.K, layer0.V, layer1.K, ... (vLLM-Ascend's per-layer K and V
+/// tensors; MLA: one latent tensor per layer).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdKvCacheDesc {
+    /// `APD_FMT_KV_2LTD` or `APD_FMT_MLA`.
+    pub fmt: i32,
+    /// `APD_DTYPE_*`.
+    pub dtype: i32,
+    /// Transformer layers.
+    pub layers: u64,
+    /// Blocks per tensor.
+    pub num_blocks: u64,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// Elements per token (num_kv_heads × head_size, or the MLA latent size).
+    pub hidden: u64,
+    /// `APD_DEVICE_CPU`, or the NPU id of device memory.
+    pub device: i32,
+    /// The tensors (see above).
+    pub tensors: *const ApdKvTensor,
+    /// How many tensors.
+    pub num_tensors: u64,
+    /// Optional `aclrtStream` of the engine (NPU caches only): copies are
+    /// queued on it, ordered with the engine's kernels. NULL: the cache
+    /// uses a stream of its own.
+    pub stream: *mut c_void,
+}
+
+/// Where a request's KV goes: the decode worker's side-channel ports.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdPeer {
+    /// The receiver's host (NUL-terminated).
+    pub host: *const c_char,
+    /// The receiver's `pd_peer_init_port` for this rank.
+    pub init_port: u16,
+    /// The receiver's `pd_peer_alloc_port` for this rank.
+    pub alloc_port: u16,
+}
+
+/// One finished request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdCompletion {
+    /// The request id (NUL-terminated).
+    pub req_id: [c_char; APD_REQ_ID_MAX],
+    /// `APD_REQ_DONE`, `APD_REQ_FAILED` or `APD_REQ_CANCELLED`.
+    pub status: i32,
+    /// Why it failed (NUL-terminated; empty otherwise; cut at `APD_MESSAGE_MAX - 1` bytes).
+    pub message: [c_char; APD_MESSAGE_MAX],
+}
+
+/// Page counters of a worker's pools (CPU and NPU summed).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApdPoolStats {
+    /// Pages in the pools.
+    pub total: u64,
+    /// Pages free.
+    pub free: u64,
+    /// Pages handed out (pinned and quarantined included).
+    pub allocated: u64,
+    /// Pages pinned for a pull.
+    pub pinned: u64,
+    /// Pages waiting until no peer can touch them.
+    pub quarantined: u64,
+}
+
+/// A failed call: its status and message.
+pub(crate) struct Failure {
+    status: i32,
+    message: String,
+}
+
+impl Failure {
+    fn new(status: i32, message: impl Into<String>) -> Failure {
+        Failure {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn arg(name: &str, what: impl std::fmt::Display) -> Failure {
+        Failure::new(
+            APD_ERR_INVALID_ARGUMENT,
+            format!("argument `{name}` {what}"),
+        )
+    }
+}
+
+impl From<BackendError> for Failure {
+    fn from(e: BackendError) -> Failure {
+        let status = match &e {
+            BackendError::InvalidInput(_) => APD_ERR_INVALID_ARGUMENT,
+            BackendError::Config(_) => APD_ERR_CONFIG,
+            BackendError::Backpressure(_) => APD_ERR_BUSY,
+            _ => APD_ERR_BACKEND,
+        };
+        Failure::new(status, e.to_string())
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: &str) {
+    // A NUL inside a message would cut it short: show it instead.
+    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Runs one ABI call: its status, the thread's last error, no unwinding out.
+fn call(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => {
+            set_last_error("");
+            APD_OK
+        }
+        Ok(Err(e)) => {
+            set_last_error(&format!("{name}: {}", e.message));
+            e.status
+        }
+        Err(p) => {
+            let msg = format!(
+                "{name}: internal error (a bug in ascend-pd; please report it): {}",
+                panic_text(&*p)
+            );
+            log::error!("{msg}");
+            set_last_error(&msg);
+            APD_ERR_INTERNAL
+        }
+    }
+}
+
+/// A NUL-terminated UTF-8 string argument.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string.
+unsafe fn arg_str<'a>(name: &str, p: *const c_char) -> Result<&'a str, Failure> {
+    if p.is_null() {
+        return Err(Failure::arg(name, "is null"));
+    }
+    // SAFETY: non-null and NUL-terminated by the caller's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|e| Failure::arg(name, format!("is not UTF-8: {e}")))
+}
+
+/// An array argument of `n` elements (`p` may be null only when `n` is 0).
+///
+/// # Safety
+/// `p` is null or points to `n` readable elements.
+unsafe fn arg_slice<'a, T>(name: &str, p: *const T, n: u64) -> Result<&'a [T], Failure> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Failure::arg(name, format!("is null but its length is {n}")));
+    }
+    let n = usize::try_from(n)
+        .ok()
+        .filter(|n| {
+            n.checked_mul(std::mem::size_of::<T>())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| Failure::arg(name, format!("has an impossible length {n}")))?;
+    if (p as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Failure::arg(name, "is not aligned for its element type"));
+    }
+    // SAFETY: non-null, aligned, length bounded; readable per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// An array of `n` strings.
+///
+/// # Safety
+/// As [`arg_slice`], and each element as [`arg_str`].
+unsafe fn arg_strs(name: &str, p: *const *const c_char, n: u64) -> Result<Vec<String>, Failure> {
+    // SAFETY: forwarded.
+    let ptrs = unsafe { arg_slice(name, p, n) }?;
+    ptrs.iter()
+        .enumerate()
+        // SAFETY: forwarded.
+        .map(|(i, &s)| unsafe { arg_str(&format!("{name}[{i}]"), s) }.map(str::to_string))
+        .collect()
+}
+
+/// An out-parameter.
+///
+/// # Safety
+/// `p` is null or points to writable memory for a `T`.
+unsafe fn out<'a, T>(name: &str, p: *mut T) -> Result<&'a mut T, Failure> {
+    if p.is_null() {
+        return Err(Failure::arg(
+            name,
+            "is null: pass where to store the result",
+        ));
+    }
+    if (p as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Failure::arg(name, "is not aligned for its type"));
+    }
+    // SAFETY: non-null, aligned, writable per the contract.
+    Ok(unsafe { &mut *p })
+}
+
+fn req_id_arg(name: &str, id: &str) -> Result<(), Failure> {
+    if id.is_empty() {
+        return Err(Failure::arg(name, "is empty: pass the engine's request id"));
+    }
+    if id.len() >= APD_REQ_ID_MAX {
+        return Err(Failure::arg(
+            name,
+            format!(
+                "is {} bytes long; request ids must be shorter than APD_REQ_ID_MAX ({APD_REQ_ID_MAX})",
+                id.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn pool_stats(s: &DualStats) -> ApdPoolStats {
+    let mut out = ApdPoolStats::default();
+    for p in [&s.cpu, &s.npu].into_iter().flatten() {
+        out.total += p.total as u64;
+        out.free += p.free as u64;
+        out.allocated += p.allocated as u64;
+        out.pinned += p.pinned as u64;
+        out.quarantined += p.quarantined as u64;
+    }
+    out
+}
+
+fn cancel_code(s: CancelState) -> i32 {
+    match s {
+        CancelState::NotStarted => APD_CANCEL_NOT_STARTED,
+        CancelState::Cancelling => APD_CANCEL_CANCELLING,
+        CancelState::AlreadyEnded => APD_CANCEL_ALREADY_ENDED,
+        CancelState::Unknown => APD_CANCEL_UNKNOWN,
+    }
+}
+
+/// Copies `s` into `dst` as a NUL-terminated string, cut at a character
+/// boundary if it does not fit.
+fn fill(dst: &mut [c_char], s: &str) {
+    let mut n = s.len().min(dst.len() - 1);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    for (d, b) in dst.iter_mut().zip(s.as_bytes()[..n].iter()) {
+        *d = *b as c_char;
+    }
+    dst[n] = 0;
+}
+
+/// Writes up to `capacity` completions of `backlog` (plus newly finished
+/// ones) to `out`; the rest wait for the next poll.
+///
+/// # Safety
+/// `out` is null or points to `capacity` writable completions.
+unsafe fn poll_into(
+    backlog: &Mutex<std::collections::VecDeque<Completion>>,
+    fresh: Vec<Completion>,
+    out_ptr: *mut ApdCompletion,
+    capacity: u64,
+    count: *mut u64,
+) -> Result<(), Failure> {
+    // SAFETY: forwarded.
+    let count = unsafe { out("count", count) }?;
+    if capacity > 0 && out_ptr.is_null() {
+        return Err(Failure::arg(
+            "out",
+            format!("is null but capacity is {capacity}"),
+        ));
+    }
+    let cap = usize::try_from(capacity).unwrap_or(usize::MAX);
+    let mut backlog = lock(backlog);
+    backlog.extend(fresh);
+    let n = backlog.len().min(cap);
+    for i in 0..n {
+        let c = backlog.pop_front().expect("n <= len");
+        let (status, message) = match &c.outcome {
+            Outcome::Done => (APD_REQ_DONE, ""),
+            Outcome::Failed(m) => (APD_REQ_FAILED, m.as_str()),
+            Outcome::Cancelled => (APD_REQ_CANCELLED, ""),
+        };
+        let mut rec = ApdCompletion {
+            req_id: [0; APD_REQ_ID_MAX],
+            status,
+            message: [0; APD_MESSAGE_MAX],
+        };
+        fill(&mut rec.req_id, &c.req_id);
+        fill(&mut rec.message, message);
+        // SAFETY: i < capacity; `out_ptr` points to `capacity` records.
+        unsafe { out_ptr.add(i).write(rec) };
+    }
+    *count = n as u64;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ misc
+
+/// The ABI version of the loaded library (`APD_ABI_VERSION` of its header).
+#[no_mangle]
+pub extern "C" fn apd_abi_version() -> u32 {
+    APD_ABI_VERSION
+}
+
+/// The message of the last failed call on this thread ("" after a call
+/// that succeeded). Valid until the next `apd_*` call on this thread;
+/// never NULL.
+#[no_mangle]
+pub extern "C" fn apd_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Routes the library's log records to `callback` (NULL: stop logging),
+/// up to `max_level` (1 error, 2 warn, 3 info, 4 debug, 5 trace). The
+/// callback gets the level, the module and the message (NUL-terminated,
+/// valid during the call) and `user_data`; it may be called from any of
+/// the library's threads, concurrently. Fails if the process already has
+/// a Rust logger (a Rust host configures logging through `log` instead).
+#[no_mangle]
+pub extern "C" fn apd_set_log_callback(
+    callback: ApdLogCallback,
+    user_data: *mut c_void,
+    max_level: i32,
+) -> i32 {
+    call("apd_set_log_callback", || {
+        log_bridge::set(callback, user_data, max_level)
+    })
+}
+
+// ---------------------------------------------------------------- config
+
+fn store_config(
+    loaded: Result<crate::config::LoadedConfig, crate::ConfigError>,
+) -> Result<u64, Failure> {
+    let loaded = loaded.map_err(|e| Failure::new(APD_ERR_CONFIG, e.to_string()))?;
+    for w in &loaded.warnings {
+        log::warn!("config: {w}");
+    }
+    Ok(handles::insert(Object::Config(Arc::new(loaded.config))))
+}
+
+/// Parses and validates a YAML configuration (LMCache-style keys, see the
+/// README) into `*out`.
+///
+/// # Safety
+/// `yaml` is a NUL-terminated string; `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_config_from_yaml(
+    yaml: *const c_char,
+    out_config: *mut ApdConfig,
+) -> i32 {
+    call("apd_config_from_yaml", || {
+        // SAFETY: forwarded to the caller's contract.
+        let (text, o) = unsafe { (arg_str("yaml", yaml)?, out("out_config", out_config)?) };
+        o.id = store_config(PdConfig::from_yaml_str(text, "<yaml from the C ABI>"))?;
+        Ok(())
+    })
+}
+
+/// Reads, parses and validates a YAML configuration file into `*out`.
+///
+/// # Safety
+/// `path` is a NUL-terminated string; `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_config_from_file(
+    path: *const c_char,
+    out_config: *mut ApdConfig,
+) -> i32 {
+    call("apd_config_from_file", || {
+        // SAFETY: forwarded to the caller's contract.
+        let (p, o) = unsafe { (arg_str("path", path)?, out("out_config", out_config)?) };
+        o.id = store_config(PdConfig::load(p))?;
+        Ok(())
+    })
+}
+
+/// Tokens per chunk of the configuration (`chunk_size`): a request of N
+/// tokens has ceil(N / chunk_size) keys.
+///
+/// # Safety
+/// `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_config_chunk_size(config: ApdConfig, out_tokens: *mut u64) -> i32 {
+    call("apd_config_chunk_size", || {
+        let c = handles::config(config.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        *unsafe { out("out_tokens", out_tokens) }? = c.chunk_size as u64;
+        Ok(())
+    })
+}
+
+/// Frees a configuration (senders and receivers started from it keep
+/// their copy).
+#[no_mangle]
+pub extern "C" fn apd_config_free(config: ApdConfig) -> i32 {
+    call("apd_config_free", || {
+        handles::remove_config(config.id).map(drop)
+    })
+}
+
+// -------------------------------------------------------------- kv cache
+
+fn dtype_of(code: i32) -> Result<Dtype, Failure> {
+    Ok(match code {
+        APD_DTYPE_BFLOAT16 => Dtype::BFloat16,
+        APD_DTYPE_FLOAT16 => Dtype::Float16,
+        APD_DTYPE_FLOAT32 => Dtype::Float32,
+        APD_DTYPE_INT8 => Dtype::Int8,
+        APD_DTYPE_UINT8 => Dtype::UInt8,
+        other => {
+            return Err(Failure::arg(
+                "desc.dtype",
+                format!("is {other}, not an APD_DTYPE_* value (0 to 4)"),
+            ))
+        }
+    })
+}
+
+fn dim(name: &str, v: u64) -> Result<usize, Failure> {
+    match usize::try_from(v) {
+        Ok(0) | Err(_) => Err(Failure::arg(name, format!("is {v}; it must be at least 1"))),
+        Ok(n) => Ok(n),
+    }
+}
+
+/// Wraps the engine's KV cache described by `desc` (see
+/// `ApdKvCacheDesc`) into `*out`. Every tensor is checked against the
+/// geometry first (non-null, aligned, large enough, no overlap); every
+/// later copy stays inside them. An NPU cache needs the CANN runtime
+/// (`ASCEND_PD_CANN_LIB_DIR`).
+///
+/// # Safety
+/// `desc` points to a valid description whose tensors stay allocated
+/// until `apd_kv_cache_free`; `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_kv_cache_wrap(
+    desc: *const ApdKvCacheDesc,
+    out_cache: *mut ApdKvCache,
+) -> i32 {
+    call("apd_kv_cache_wrap", || {
+        if desc.is_null() {
+            return Err(Failure::arg("desc", "is null"));
+        }
+        // SAFETY: non-null; valid per the caller's contract.
+        let d = unsafe { &*desc };
+        // SAFETY: forwarded.
+        let o = unsafe { out("out_cache", out_cache) }?;
+        let fmt = match MemFormat::from_code(d.fmt as i64) {
+            Some(f) => f,
+            None => {
+                return Err(Failure::arg(
+                    "desc.fmt",
+                    format!("is {}, not APD_FMT_KV_2LTD (1) or APD_FMT_MLA (6)", d.fmt),
+                ))
+            }
+        };
+        let spec = KvCacheSpec {
+            fmt,
+            layers: dim("desc.layers", d.layers)?,
+            num_blocks: dim("desc.num_blocks", d.num_blocks)?,
+            block_size: dim("desc.block_size", d.block_size)?,
+            hidden: dim("desc.hidden", d.hidden)?,
+            dtype: dtype_of(d.dtype)?,
+        };
+        // SAFETY: forwarded.
+        let tensors = unsafe { arg_slice("desc.tensors", d.tensors, d.num_tensors) }?;
+        if tensors.is_empty() {
+            return Err(Failure::arg(
+                "desc.tensors",
+                "is empty: pass the cache's tensors",
+            ));
+        }
+        let tensors: Vec<KvTensor> = tensors
+            .iter()
+            .map(|t| KvTensor {
+                addr: t.addr,
+                bytes: usize::try_from(t.bytes).unwrap_or(usize::MAX),
+            })
+            .collect();
+        let kv = |e: crate::KvError| Failure::new(APD_ERR_KV_CACHE, format!("desc: {e}"));
+        let cache = match d.device {
+            APD_DEVICE_CPU => {
+                if !d.stream.is_null() {
+                    return Err(Failure::arg(
+                        "desc.stream",
+                        "is set for a host cache: streams belong to NPU caches; pass NULL",
+                    ));
+                }
+                // SAFETY: the tensors are the engine's host memory, alive
+                // until the cache is freed (the caller's contract).
+                unsafe { KvCache::wrap_host(spec, &tensors) }.map_err(kv)?
+            }
+            id if id >= 0 => {
+                let device = crate::memory::npu::AclRuntime::load()
+                    .and_then(|rt| rt.device(id as u32))
+                    .map_err(|e| Failure::new(APD_ERR_KV_CACHE, e.to_string()))?;
+                let stream = if d.stream.is_null() {
+                    None
+                } else {
+                    // SAFETY: the engine's live stream on this device, per
+                    // the caller's contract; we never destroy it.
+                    Some(
+                        unsafe { device.borrow_stream(d.stream.cast()) }
+                            .map_err(|e| Failure::arg("desc.stream", e))?,
+                    )
+                };
+                // SAFETY: device memory of `device`, alive until the cache
+                // is freed (the caller's contract).
+                unsafe { KvCache::wrap_npu(&device, spec, &tensors, stream) }.map_err(kv)?
+            }
+            other => {
+                return Err(Failure::arg(
+                    "desc.device",
+                    format!("is {other}: pass APD_DEVICE_CPU (-1) or an NPU id (0 or more)"),
+                ))
+            }
+        };
+        o.id = handles::insert(Object::Cache(Arc::new(Mutex::new(cache))));
+        Ok(())
+    })
+}
+
+/// Frees a KV cache handle (never the engine's memory). A save or load
+/// still running keeps using the cache until it ends: free the cache only
+/// after its requests finished (or after closing the sender/receiver).
+#[no_mangle]
+pub extern "C" fn apd_kv_cache_free(cache: ApdKvCache) -> i32 {
+    call("apd_kv_cache_free", || {
+        handles::remove_cache(cache.id).map(drop)
+    })
+}
+
+// ---------------------------------------------------------------- sender
+
+fn role_of(c: &PdConfig, want: Role) -> Result<(), Failure> {
+    if c.role == want {
+        return Ok(());
+    }
+    Err(Failure::new(
+        APD_ERR_CONFIG,
+        format!(
+            "argument `config` is a {} config (pd_role: {}): start a {} from a config with \
+             pd_role: {}",
+            c.role.name(),
+            c.role.name(),
+            want.name(),
+            want.name()
+        ),
+    ))
+}
+
+/// Starts a sender for TP rank `rank` from `config` (`pd_role: sender`)
+/// with its save queue.
+///
+/// # Safety
+/// `out_sender` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_start(
+    config: ApdConfig,
+    rank: u32,
+    out_sender: *mut ApdSender,
+) -> i32 {
+    call("apd_sender_start", || {
+        // SAFETY: forwarded to the caller's contract.
+        let o = unsafe { out("out_sender", out_sender) }?;
+        let c = handles::config(config.id)?;
+        role_of(&c, Role::Sender)?;
+        let sender = Sender::start(&c, rank as usize, SenderTimeouts::default())?;
+        let queue = SaveQueue::new(Arc::new(sender))?;
+        o.id = handles::insert(Object::Sender(Arc::new(SenderObj::new(queue))));
+        Ok(())
+    })
+}
+
+/// Queues the save of request `req_id`: its chunks are gathered from
+/// `cache` at `slot_mapping` (one slot per token, vLLM's), then sent to
+/// `peer` as `keys` (one per chunk of chunk_size tokens). Returns at once;
+/// `apd_sender_poll` reports the end. `is_last_prefill` != 0 sends the
+/// proxy its `ProxyNotif` after the save.
+///
+/// # Safety
+/// Strings are NUL-terminated; arrays hold their given lengths; `peer`
+/// points to a valid `ApdPeer`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn apd_sender_submit_save(
+    sender: ApdSender,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+    peer: *const ApdPeer,
+    is_last_prefill: i32,
+) -> i32 {
+    call("apd_sender_submit_save", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, keys, slots) = unsafe {
+            (
+                arg_str("req_id", req_id)?,
+                arg_strs("keys", keys, num_keys)?,
+                arg_slice("slot_mapping", slot_mapping, num_slots)?,
+            )
+        };
+        req_id_arg("req_id", id)?;
+        if peer.is_null() {
+            return Err(Failure::arg(
+                "peer",
+                "is null: pass the receiver's host and ports",
+            ));
+        }
+        // SAFETY: non-null and valid per the contract.
+        let p = unsafe { &*peer };
+        // SAFETY: forwarded.
+        let host = unsafe { arg_str("peer.host", p.host) }?;
+        if p.init_port == 0 || p.alloc_port == 0 {
+            return Err(Failure::arg(
+                "peer",
+                "has a zero port: pass the receiver's pd_peer_init_port and pd_peer_alloc_port",
+            ));
+        }
+        let cache = handles::cache(cache.id)?;
+        s.queue.submit(
+            SaveRequest {
+                keys,
+                slot_mapping: slots.to_vec(),
+                spec: TransferSpec {
+                    req_id: id.to_string(),
+                    receiver_host: host.to_string(),
+                    receiver_init_port: PortList::Single(p.init_port),
+                    receiver_alloc_port: PortList::Single(p.alloc_port),
+                    is_last_prefill: is_last_prefill != 0,
+                },
+            },
+            &cache,
+        )?;
+        Ok(())
+    })
+}
+
+/// Writes up to `capacity` finished saves to `out` and their number to
+/// `*count`; the others wait for the next poll. A done save's KV blocks
+/// may be freed by the engine.
+///
+/// # Safety
+/// `out` points to `capacity` writable records (may be NULL if 0);
+/// `count` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_poll(
+    sender: ApdSender,
+    out_completions: *mut ApdCompletion,
+    capacity: u64,
+    count: *mut u64,
+) -> i32 {
+    call("apd_sender_poll", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { poll_into(&s.backlog, s.queue.poll(), out_completions, capacity, count) }
+    })
+}
+
+/// Cancels request `req_id`; `*state` tells what was found
+/// (`APD_CANCEL_*`). The receiver is told to drop what it holds of the
+/// request (in the background).
+///
+/// # Safety
+/// `req_id` is NUL-terminated; `state` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_cancel(
+    sender: ApdSender,
+    req_id: *const c_char,
+    state: *mut i32,
+) -> i32 {
+    call("apd_sender_cancel", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, st) = unsafe { (arg_str("req_id", req_id)?, out("state", state)?) };
+        *st = cancel_code(s.queue.cancel(id));
+        Ok(())
+    })
+}
+
+/// Page counters of the sender's pools.
+///
+/// # Safety
+/// `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_pool_stats(
+    sender: ApdSender,
+    out_stats: *mut ApdPoolStats,
+) -> i32 {
+    call("apd_sender_pool_stats", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        *unsafe { out("out_stats", out_stats) }? =
+            pool_stats(&s.queue.sender().allocator().stats());
+        Ok(())
+    })
+}
+
+/// Waits up to `timeout_ms` until no pull is pending (pull modes: every
+/// receiver's PullDoneSignal arrived, so every pinned page is free);
+/// `*drained` is 1 if none is left. Call before close for a clean stop.
+///
+/// # Safety
+/// `drained` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_drain(
+    sender: ApdSender,
+    timeout_ms: u64,
+    drained: *mut i32,
+) -> i32 {
+    call("apd_sender_drain", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let d = unsafe { out("drained", drained) }?;
+        *d = i32::from(s.queue.sender().drain(Duration::from_millis(timeout_ms)));
+        Ok(())
+    })
+}
+
+/// Closes the sender: saves running now finish, saves not started fail,
+/// sockets close. The handle is invalid afterwards.
+#[no_mangle]
+pub extern "C" fn apd_sender_close(sender: ApdSender) -> i32 {
+    call("apd_sender_close", || {
+        handles::remove_sender(sender.id).map(drop)
+    })
+}
+
+// -------------------------------------------------------------- receiver
+
+/// Starts a receiver for TP rank `rank` from `config` (`pd_role:
+/// receiver`) with its load queue.
+///
+/// # Safety
+/// `out_receiver` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_start(
+    config: ApdConfig,
+    rank: u32,
+    out_receiver: *mut ApdReceiver,
+) -> i32 {
+    call("apd_receiver_start", || {
+        // SAFETY: forwarded to the caller's contract.
+        let o = unsafe { out("out_receiver", out_receiver) }?;
+        let c = handles::config(config.id)?;
+        role_of(&c, Role::Receiver)?;
+        let receiver = Receiver::start(&c, rank as usize)?;
+        let queue = LoadQueue::new(Arc::new(receiver))?;
+        o.id = handles::insert(Object::Receiver(Arc::new(ReceiverObj::new(queue))));
+        Ok(())
+    })
+}
+
+/// `*ready` = 1 if every key is stored here (landed, or a pull-delay
+/// proxy) and the request can be loaded, 0 otherwise.
+///
+/// # Safety
+/// Strings are NUL-terminated; `keys` holds `num_keys` of them; `ready`
+/// points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_available(
+    receiver: ApdReceiver,
+    keys: *const *const c_char,
+    num_keys: u64,
+    ready: *mut i32,
+) -> i32 {
+    call("apd_receiver_available", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (keys, o) = unsafe { (arg_strs("keys", keys, num_keys)?, out("ready", ready)?) };
+        if keys.is_empty() {
+            return Err(Failure::arg("keys", "is empty: pass the request's keys"));
+        }
+        *o = i32::from(r.queue.available(&keys) == Availability::Ready);
+        Ok(())
+    })
+}
+
+/// Queues the load of request `req_id` (`keys`, one per chunk) into
+/// `cache` at `slot_mapping`. Returns at once; `apd_receiver_poll` reports
+/// the end. After a done load the request's pages here are free.
+///
+/// # Safety
+/// As `apd_sender_submit_save`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_submit_load(
+    receiver: ApdReceiver,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+) -> i32 {
+    call("apd_receiver_submit_load", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, keys, slots) = unsafe {
+            (
+                arg_str("req_id", req_id)?,
+                arg_strs("keys", keys, num_keys)?,
+                arg_slice("slot_mapping", slot_mapping, num_slots)?,
+            )
+        };
+        req_id_arg("req_id", id)?;
+        let cache = handles::cache(cache.id)?;
+        r.queue.submit(
+            LoadRequest {
+                req_id: id.to_string(),
+                keys,
+                slot_mapping: slots.to_vec(),
+            },
+            &cache,
+        )?;
+        Ok(())
+    })
+}
+
+/// As `apd_sender_poll`, for loads.
+///
+/// # Safety
+/// As `apd_sender_poll`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_poll(
+    receiver: ApdReceiver,
+    out_completions: *mut ApdCompletion,
+    capacity: u64,
+    count: *mut u64,
+) -> i32 {
+    call("apd_receiver_poll", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { poll_into(&r.backlog, r.queue.poll(), out_completions, capacity, count) }
+    })
+}
+
+/// Cancels request `req_id` whose chunks are `keys`: its load is dropped
+/// or reported as cancelled, and what this receiver holds of `keys` is
+/// freed (pull-delay proxies are discarded, so senders release their
+/// pins). `*state` tells what was found (`APD_CANCEL_*`).
+///
+/// # Safety
+/// As `apd_receiver_available`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_cancel(
+    receiver: ApdReceiver,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    state: *mut i32,
+) -> i32 {
+    call("apd_receiver_cancel", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, keys, st) = unsafe {
+            (
+                arg_str("req_id", req_id)?,
+                arg_strs("keys", keys, num_keys)?,
+                out("state", state)?,
+            )
+        };
+        *st = cancel_code(r.queue.cancel(id, &keys));
+        Ok(())
+    })
+}
+
+/// Page counters of the receiver's pools.
+///
+/// # Safety
+/// `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_pool_stats(
+    receiver: ApdReceiver,
+    out_stats: *mut ApdPoolStats,
+) -> i32 {
+    call("apd_receiver_pool_stats", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        *unsafe { out("out_stats", out_stats) }? =
+            pool_stats(&r.queue.receiver().allocator().stats());
+        Ok(())
+    })
+}
+
+/// Closes the receiver: loads running now finish, loads not started fail
+/// and their keys are dropped, sockets close. The handle is invalid
+/// afterwards.
+#[no_mangle]
+pub extern "C" fn apd_receiver_close(receiver: ApdReceiver) -> i32 {
+    call("apd_receiver_close", || {
+        handles::remove_receiver(receiver.id).map(drop)
+    })
+}

@@ -1,0 +1,542 @@
+//! The non-blocking request API an engine step loop uses (vLLM's
+//! KV-connector model): nothing here waits on the network.
+//!
+//! - Prefill: [`SaveQueue::submit`] a request's save (the queue gathers
+//!   its chunks from the engine's [`KvCache`] by slot mapping, then puts
+//!   them), later [`SaveQueue::poll`] which saves finished — the engine
+//!   may then free those KV blocks.
+//! - Decode: [`LoadQueue::available`] says whether a request's KV has
+//!   arrived, [`LoadQueue::submit`] its load into the engine's cache at its
+//!   slots, [`LoadQueue::poll`] which loads finished or failed and why.
+//! - Either side [cancels](SaveQueue::cancel) a request, freeing what it
+//!   holds on both sides (the prefill side tells the receiver with
+//!   upstream LMCache's `CancelNotif`).
+//!
+//! Calls take a lock for a moment and return; the transfers run on the
+//! queue's worker threads. Every call may come from any thread. The
+//! bookkeeping is plain logic in `book`, unit-tested without threads.
+
+mod book;
+
+pub use book::{Completion, Outcome};
+
+use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
+use crate::kv::KvCache;
+use crate::protocol::KeyState;
+use book::{Book, Cancel, Refused};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// A KV cache shared by the engine and the queues' workers. A worker holds
+/// the lock only while it copies (gather) or loads (scatter) into it.
+pub type SharedKvCache = Arc<Mutex<KvCache>>;
+
+/// Requests a queue holds before it refuses more.
+pub const MAX_QUEUED: usize = 1024;
+
+/// Worker threads per queue: transfers to or from different peers overlap.
+pub const WORKERS: usize = 2;
+
+/// What a cancel found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelState {
+    /// The request had not started; it is reported as cancelled.
+    NotStarted,
+    /// The request is running; it is reported as cancelled when it ends
+    /// and what it produced is released then.
+    Cancelling,
+    /// The request already ended; what it left behind is released.
+    AlreadyEnded,
+    /// No request with this id is known here.
+    Unknown,
+}
+
+/// One prefill request's save.
+#[derive(Clone, Debug)]
+pub struct SaveRequest {
+    /// Cache keys, one per chunk of `chunk_size` tokens (the last may be partial).
+    pub keys: Vec<String>,
+    /// vLLM slot mapping: the slot of each token of the request in the
+    /// prefill KV cache (`block * block_size + offset`).
+    pub slot_mapping: Vec<i64>,
+    /// Where the KV goes (its `req_id` is the request's id).
+    pub spec: TransferSpec,
+}
+
+/// One decode request's load.
+#[derive(Clone, Debug)]
+pub struct LoadRequest {
+    /// The request id.
+    pub req_id: String,
+    /// Cache keys, one per chunk.
+    pub keys: Vec<String>,
+    /// The slot of each token in the decode KV cache.
+    pub slot_mapping: Vec<i64>,
+}
+
+struct State<J> {
+    book: Mutex<Book<J>>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+impl<J> State<J> {
+    fn new() -> Arc<State<J>> {
+        Arc::new(State {
+            book: Mutex::new(Book::new(MAX_QUEUED)),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    /// The next job, or `None` once stopping.
+    fn next(&self) -> Option<(String, J)> {
+        let mut book = lock(&self.book);
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(j) = book.start_next() {
+                return Some(j);
+            }
+            book = self
+                .wake
+                .wait_timeout(book, Duration::from_millis(200))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn submit(&self, id: &str, job: J) -> Result<(), BackendError> {
+        lock(&self.book).submit(id, job).map_err(|r| match r {
+            Refused::Duplicate => BackendError::InvalidInput(format!(
+                "request {id:?} is already queued or running: wait for it to finish (poll) or \
+                 cancel it before submitting it again"
+            )),
+            Refused::Full(n) => BackendError::Backpressure(format!(
+                "{n} requests are already queued: poll finished ones and submit later"
+            )),
+        })?;
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    fn poll(&self) -> Vec<Completion> {
+        lock(&self.book).take_finished()
+    }
+
+    /// Stops the workers; jobs not started are failed (and returned to be
+    /// released).
+    fn shut_down(&self, workers: &mut Vec<JoinHandle<()>>) -> Vec<(String, J)> {
+        self.stop.store(true, Ordering::Release);
+        self.wake.notify_all();
+        for w in workers.drain(..) {
+            let _ = w.join();
+        }
+        lock(&self.book).drain("the queue was closed before the request started")
+    }
+}
+
+fn err_text(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Token counts of the chunks of a request of `tokens` tokens.
+fn chunk_tokens(tokens: usize, chunk: usize) -> Vec<usize> {
+    (0..tokens.div_ceil(chunk))
+        .map(|i| chunk.min(tokens - i * chunk))
+        .collect()
+}
+
+struct SaveJob {
+    req: SaveRequest,
+    cache: SharedKvCache,
+}
+
+/// A save that finished, remembered so a late cancel can still reach the
+/// receiver.
+type Saved = (Vec<String>, TransferSpec);
+
+/// The prefill side's request queue (see the [module docs](self)).
+pub struct SaveQueue {
+    sender: Arc<Sender>,
+    state: Arc<State<SaveJob>>,
+    saved: Arc<Mutex<VecDeque<(String, Saved)>>>,
+    cancels: Option<crossbeam_channel::Sender<(String, Saved)>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// Saves remembered for late cancels.
+const SAVED_MEMORY: usize = 1024;
+
+impl SaveQueue {
+    /// A queue whose workers save through `sender`.
+    pub fn new(sender: Arc<Sender>) -> Result<SaveQueue, BackendError> {
+        let state = State::new();
+        let saved = Arc::new(Mutex::new(VecDeque::new()));
+        let (cancels, cancel_rx) = crossbeam_channel::unbounded::<(String, Saved)>();
+        let mut q = SaveQueue {
+            sender,
+            state,
+            saved,
+            cancels: Some(cancels),
+            workers: Vec::new(),
+        };
+        for i in 0..WORKERS {
+            let (sender, state, saved) = (
+                Arc::clone(&q.sender),
+                Arc::clone(&q.state),
+                Arc::clone(&q.saved),
+            );
+            let cancels = q.cancels.clone().expect("set above");
+            q.workers.push(crate::backend::spawn(
+                &format!("apd-save-{i}"),
+                move || {
+                    while let Some((id, job)) = state.next() {
+                        let r = run_save(&sender, &job);
+                        if let Err(e) = &r {
+                            log::warn!("save of request {id:?} failed: {e}");
+                        }
+                        let ok = r.is_ok();
+                        let cancelled = lock(&state.book).finish(&id, r);
+                        let what = (job.req.keys, job.req.spec);
+                        if cancelled && ok {
+                            let _ = cancels.send((id, what));
+                        } else if ok {
+                            let mut s = lock(&saved);
+                            s.push_back((id, what));
+                            if s.len() > SAVED_MEMORY {
+                                s.pop_front();
+                            }
+                        }
+                    }
+                },
+            )?);
+        }
+        let sender = Arc::clone(&q.sender);
+        q.workers
+            .push(crate::backend::spawn("apd-save-cancel", move || {
+                for (id, (keys, spec)) in cancel_rx {
+                    match sender.cancel(&id, &keys, &spec) {
+                        Ok(dropped) => log::debug!(
+                            "request {id:?}: the receiver dropped {} of {} key(s)",
+                            dropped.len(),
+                            keys.len()
+                        ),
+                        Err(e) => log::warn!("cancelling request {id:?} at its receiver: {e}"),
+                    }
+                }
+            })?);
+        Ok(q)
+    }
+
+    /// The sender the queue saves through.
+    pub fn sender(&self) -> &Arc<Sender> {
+        &self.sender
+    }
+
+    /// Queues the save of one request from `cache`. Checked now: the key
+    /// count against the chunks of the slot mapping, and every slot
+    /// against the cache; nothing is copied yet.
+    pub fn submit(&self, req: SaveRequest, cache: &SharedKvCache) -> Result<(), BackendError> {
+        let chunk = self.sender.chunk_layout().tokens;
+        check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
+        let id = req.spec.req_id.clone();
+        self.state.submit(
+            &id,
+            SaveJob {
+                req,
+                cache: Arc::clone(cache),
+            },
+        )
+    }
+
+    /// Saves finished since the last poll (done, failed with the reason, or
+    /// cancelled). A done save's KV blocks may be freed by the engine.
+    pub fn poll(&self) -> Vec<Completion> {
+        self.state.poll()
+    }
+
+    /// Cancels request `req_id`. A save not started is dropped; a running
+    /// one is reported as cancelled when it ends; in both of the latter
+    /// cases, and for a save already done, the receiver is told (in the
+    /// background) to drop what it holds of the request.
+    pub fn cancel(&self, req_id: &str) -> CancelState {
+        let verdict = lock(&self.state.book).cancel(req_id);
+        match verdict {
+            Cancel::Dequeued(_) => CancelState::NotStarted,
+            Cancel::WhenDone => CancelState::Cancelling,
+            Cancel::AlreadyEnded | Cancel::Unknown => {
+                let found = {
+                    let mut saved = lock(&self.saved);
+                    saved
+                        .iter()
+                        .position(|(id, _)| id == req_id)
+                        .and_then(|i| saved.remove(i))
+                };
+                match (found, &self.cancels) {
+                    (Some(s), Some(tx)) => {
+                        let _ = tx.send(s);
+                        CancelState::AlreadyEnded
+                    }
+                    _ if matches!(verdict, Cancel::AlreadyEnded) => CancelState::AlreadyEnded,
+                    _ => CancelState::Unknown,
+                }
+            }
+        }
+    }
+
+    /// Requests queued and running.
+    pub fn in_flight(&self) -> (usize, usize) {
+        lock(&self.state.book).in_flight()
+    }
+
+    /// Stops the workers after the saves running now; saves not started
+    /// are reported as failed. Pending cancels are still sent.
+    pub fn close(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let cancel_thread = self.workers.pop();
+        let _ = self.state.shut_down(&mut self.workers);
+        self.cancels = None;
+        if let Some(t) = cancel_thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for SaveQueue {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn check_request(
+    req_id: &str,
+    keys: &[String],
+    slots: &[i64],
+    chunk: usize,
+    cache: &SharedKvCache,
+) -> Result<(), BackendError> {
+    if req_id.is_empty() {
+        return Err(BackendError::InvalidInput(
+            "the request id is empty: pass the engine's request id".into(),
+        ));
+    }
+    let chunks = slots.len().div_ceil(chunk);
+    if slots.is_empty() || keys.len() != chunks {
+        return Err(BackendError::InvalidInput(format!(
+            "request {req_id:?}: `keys` has {} key(s) but `slot_mapping` has {} token(s), which \
+             make {chunks} chunk(s) of up to {chunk} tokens (chunk_size): pass one key per chunk",
+            keys.len(),
+            slots.len()
+        )));
+    }
+    let slots_in_cache = lock(cache).spec().slots();
+    if let Some((t, s)) = slots
+        .iter()
+        .enumerate()
+        .find(|(_, &s)| s >= slots_in_cache as i64)
+    {
+        return Err(BackendError::InvalidInput(format!(
+            "request {req_id:?}: `slot_mapping` maps token {t} to slot {s}, but the KV cache \
+             has {slots_in_cache} slots (num_blocks × block_size): check the block table"
+        )));
+    }
+    Ok(())
+}
+
+fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
+    let req = &job.req;
+    let chunk = sender.chunk_layout().tokens;
+    let tokens = chunk_tokens(req.slot_mapping.len(), chunk);
+    let mut pages = sender.allocate(&tokens).map_err(err_text)?;
+    {
+        let mut cache = lock(&job.cache);
+        for (i, page) in pages.iter_mut().enumerate() {
+            let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
+            cache.gather(slots, page).map_err(err_text)?;
+        }
+    }
+    let sealed: Vec<_> = pages.into_iter().map(|p| p.seal()).collect();
+    match sender
+        .put(&req.keys, &sealed, &req.spec)
+        .map_err(err_text)?
+    {
+        crate::PutOutcome::SkippedBreakerOpen => Err(format!(
+            "the receiver at {} failed repeatedly and its breaker is open: nothing was sent",
+            req.spec.receiver_host
+        )),
+        _ => Ok(()),
+    }
+}
+
+struct LoadJob {
+    req: LoadRequest,
+    cache: SharedKvCache,
+}
+
+/// The decode side's request queue (see the [module docs](self)).
+pub struct LoadQueue {
+    receiver: Arc<Receiver>,
+    state: Arc<State<LoadJob>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// Whether a request's KV can be loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Availability {
+    /// Every key is stored (landed, or a pull-delay proxy): load it.
+    Ready,
+    /// Some keys are still landing or have not arrived.
+    NotYet {
+        /// Keys stored and landed.
+        ready: usize,
+        /// Keys of the request.
+        of: usize,
+    },
+}
+
+impl LoadQueue {
+    /// A queue whose workers load through `receiver`.
+    pub fn new(receiver: Arc<Receiver>) -> Result<LoadQueue, BackendError> {
+        let state = State::new();
+        let mut q = LoadQueue {
+            receiver,
+            state,
+            workers: Vec::new(),
+        };
+        for i in 0..WORKERS {
+            let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
+            q.workers.push(crate::backend::spawn(
+                &format!("apd-load-{i}"),
+                move || {
+                    while let Some((id, job)) = state.next() {
+                        let r = {
+                            let mut cache = lock(&job.cache);
+                            receiver
+                                .load(&job.req.keys, &job.req.slot_mapping, &mut cache)
+                                .map(|_| ())
+                                .map_err(err_text)
+                        };
+                        if let Err(e) = &r {
+                            log::warn!("load of request {id:?} failed: {e}");
+                        }
+                        // The data is in the engine's cache (or the load
+                        // failed): the pages go back to the pool either way.
+                        receiver.cancel(&id, &job.req.keys);
+                        lock(&state.book).finish(&id, r);
+                    }
+                },
+            )?);
+        }
+        Ok(q)
+    }
+
+    /// The receiver the queue loads through.
+    pub fn receiver(&self) -> &Arc<Receiver> {
+        &self.receiver
+    }
+
+    /// Whether every key of a request is stored here and may be loaded.
+    pub fn available(&self, keys: &[String]) -> Availability {
+        let ready = keys
+            .iter()
+            .filter(|k| {
+                matches!(
+                    self.receiver.state(k),
+                    Some(KeyState::Resident | KeyState::Proxy)
+                )
+            })
+            .count();
+        if ready == keys.len() {
+            Availability::Ready
+        } else {
+            Availability::NotYet {
+                ready,
+                of: keys.len(),
+            }
+        }
+    }
+
+    /// Queues the load of one request into `cache` at its slots. Checked
+    /// now: key count against the chunks of the slot mapping, every slot
+    /// against the cache.
+    pub fn submit(&self, req: LoadRequest, cache: &SharedKvCache) -> Result<(), BackendError> {
+        let chunk = self.receiver.chunk_layout().tokens;
+        check_request(&req.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
+        let id = req.req_id.clone();
+        self.state.submit(
+            &id,
+            LoadJob {
+                req,
+                cache: Arc::clone(cache),
+            },
+        )
+    }
+
+    /// Loads finished since the last poll (done, failed with the reason,
+    /// or cancelled). After a done load the request's KV is in the cache
+    /// and its pages here are back in the pool.
+    pub fn poll(&self) -> Vec<Completion> {
+        self.state.poll()
+    }
+
+    /// Cancels request `req_id` whose chunks are `keys`: a load not started
+    /// is dropped, a running one is reported as cancelled when it ends, and
+    /// whatever this receiver holds of `keys` is dropped now (or when it
+    /// lands) — pull-delay proxies are discarded, so their senders release
+    /// their pins. Cancel the prefill side too if its save has not ended:
+    /// keys that arrive later are kept.
+    pub fn cancel(&self, req_id: &str, keys: &[String]) -> CancelState {
+        let verdict = lock(&self.state.book).cancel(req_id);
+        self.receiver.cancel(req_id, keys);
+        match verdict {
+            Cancel::Dequeued(_) => CancelState::NotStarted,
+            Cancel::WhenDone => CancelState::Cancelling,
+            Cancel::AlreadyEnded => CancelState::AlreadyEnded,
+            Cancel::Unknown => CancelState::Unknown,
+        }
+    }
+
+    /// Requests queued and running.
+    pub fn in_flight(&self) -> (usize, usize) {
+        lock(&self.state.book).in_flight()
+    }
+
+    /// Stops the workers after the loads running now; loads not started
+    /// are reported as failed and their keys dropped.
+    pub fn close(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        for (id, job) in self.state.shut_down(&mut self.workers) {
+            self.receiver.cancel(&id, &job.req.keys);
+        }
+    }
+}
+
+impl Drop for LoadQueue {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_tokens;
+
+    #[test]
+    fn a_request_splits_into_full_chunks_and_a_partial_last() {
+        assert_eq!(chunk_tokens(600, 256), vec![256, 256, 88]);
+        assert_eq!(chunk_tokens(512, 256), vec![256, 256]);
+        assert_eq!(chunk_tokens(1, 256), vec![1]);
+        assert!(chunk_tokens(0, 256).is_empty());
+    }
+}

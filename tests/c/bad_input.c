@@ -1,0 +1,241 @@
+/* Bad input through the C ABI: every call must fail with a status and a
+ * message naming the argument, never crash. Run by tests/c_abi.rs as
+ *   bad_input <init_port> <alloc_port>
+ * (two free loopback ports for a real receiver). Exit 0 when every check
+ * passed; each failed check prints one line to stderr. */
+#include "ascend_pd.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+static int log_calls = 0;
+static int log_warnings = 0;
+
+/* The call must return `want` and the last error must contain `needle`. */
+static void expect(const char *what, int32_t got, int32_t want, const char *needle) {
+    const char *msg = apd_last_error();
+    if (got != want) {
+        fprintf(stderr, "FAIL %s: status %d, want %d (message: %s)\n", what, got, want, msg);
+        failures++;
+        return;
+    }
+    if (needle && !strstr(msg, needle)) {
+        fprintf(stderr, "FAIL %s: message \"%s\" does not name \"%s\"\n", what, msg, needle);
+        failures++;
+        return;
+    }
+    printf("ok   %s: %s\n", what, msg[0] ? msg : "(no message)");
+}
+
+static void on_log(int32_t level, const char *target, const char *message, void *user) {
+    (void)target;
+    (void)message;
+    int *seen = (int *)user;
+    ++*seen;
+    log_calls++;
+    if (level == 2) {
+        log_warnings++;
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: bad_input <init_port> <alloc_port>\n");
+        return 2;
+    }
+    int init_port = atoi(argv[1]);
+    int alloc_port = atoi(argv[2]);
+
+    if (apd_abi_version() != APD_ABI_VERSION) {
+        fprintf(stderr, "FAIL abi version %u, header says %d\n", apd_abi_version(), APD_ABI_VERSION);
+        failures++;
+    }
+
+    int seen = 0;
+    expect("log level out of range", apd_set_log_callback(on_log, &seen, 9), APD_ERR_INVALID_ARGUMENT,
+           "max_level");
+    expect("log callback", apd_set_log_callback(on_log, &seen, 2), APD_OK, NULL);
+
+    /* ---- configs */
+    ApdConfig cfg = {0};
+    expect("null yaml", apd_config_from_yaml(NULL, &cfg), APD_ERR_INVALID_ARGUMENT, "`yaml`");
+    expect("null out_config", apd_config_from_yaml("pd_role: receiver", NULL), APD_ERR_INVALID_ARGUMENT,
+           "`out_config`");
+    expect("invalid config", apd_config_from_yaml("enable_pd: True\npd_role: bogus\n", &cfg), APD_ERR_CONFIG,
+           "pd_role");
+    expect("missing file", apd_config_from_file("/nonexistent/apd.yaml", &cfg), APD_ERR_CONFIG,
+           "/nonexistent/apd.yaml");
+
+    char yaml[1024];
+    snprintf(yaml, sizeof yaml,
+             "enable_pd: True\nlocal_cpu: False\ntransfer_channel: \"tcp\"\npd_role: \"receiver\"\n"
+             "pd_peer_host: \"127.0.0.1\"\npd_peer_init_port: %d\npd_peer_alloc_port: %d\n"
+             "pd_buffer_size: 1048576\npd_buffer_device: \"cpu\"\nchunk_size: 16\n"
+             "kv_num_layers: 2\nkv_num_heads: 2\nkv_head_size: 16\nkv_dtype: \"float16\"\n"
+             "a_key_nobody_knows: 1\n",
+             init_port, alloc_port);
+    int before = seen;
+    expect("receiver config", apd_config_from_yaml(yaml, &cfg), APD_OK, NULL);
+    if (seen == before || log_warnings == 0) {
+        fprintf(stderr, "FAIL the unknown-key warning did not reach the log callback\n");
+        failures++;
+    } else {
+        printf("ok   the unknown-key warning reached the log callback\n");
+    }
+    uint64_t chunk = 0;
+    expect("chunk size", apd_config_chunk_size(cfg, &chunk), APD_OK, NULL);
+    expect("chunk size null out", apd_config_chunk_size(cfg, NULL), APD_ERR_INVALID_ARGUMENT, "`out_tokens`");
+
+    /* ---- KV caches: 2 layers x K/V, 8 blocks of 4 tokens, 32 float16 */
+    enum { LAYERS = 2, BLOCKS = 8, BLOCK = 4, HIDDEN = 32 };
+    size_t plane = (size_t)BLOCKS * BLOCK * HIDDEN * 2;
+    unsigned char *mem = calloc(LAYERS * 2, plane);
+    ApdKvTensor t[LAYERS * 2];
+    for (int i = 0; i < LAYERS * 2; i++) {
+        t[i].addr = (uint64_t)(uintptr_t)(mem + i * plane);
+        t[i].bytes = plane;
+    }
+    ApdKvCacheDesc d = {APD_FMT_KV_2LTD, APD_DTYPE_FLOAT16, LAYERS, BLOCKS, BLOCK, HIDDEN,
+                        APD_DEVICE_CPU, t, LAYERS * 2, NULL};
+    ApdKvCache cache = {0};
+    expect("null desc", apd_kv_cache_wrap(NULL, &cache), APD_ERR_INVALID_ARGUMENT, "`desc`");
+    ApdKvCacheDesc bad = d;
+    bad.tensors = NULL;
+    expect("null tensors", apd_kv_cache_wrap(&bad, &cache), APD_ERR_INVALID_ARGUMENT, "`desc.tensors`");
+    bad = d;
+    bad.dtype = 42;
+    expect("bad dtype", apd_kv_cache_wrap(&bad, &cache), APD_ERR_INVALID_ARGUMENT, "`desc.dtype`");
+    bad = d;
+    bad.fmt = 3;
+    expect("bad fmt", apd_kv_cache_wrap(&bad, &cache), APD_ERR_INVALID_ARGUMENT, "`desc.fmt`");
+    bad = d;
+    bad.num_blocks = 0;
+    expect("zero blocks", apd_kv_cache_wrap(&bad, &cache), APD_ERR_INVALID_ARGUMENT, "`desc.num_blocks`");
+    bad = d;
+    bad.device = -7;
+    expect("bad device", apd_kv_cache_wrap(&bad, &cache), APD_ERR_INVALID_ARGUMENT, "`desc.device`");
+    bad = d;
+    bad.num_tensors = 3;
+    expect("wrong tensor count", apd_kv_cache_wrap(&bad, &cache), APD_ERR_KV_CACHE, "3 tensor(s)");
+    ApdKvTensor small[LAYERS * 2];
+    memcpy(small, t, sizeof t);
+    small[1].bytes = plane - 2;
+    bad = d;
+    bad.tensors = small;
+    expect("tensor too small", apd_kv_cache_wrap(&bad, &cache), APD_ERR_KV_CACHE, "tensor 1 has");
+    ApdKvTensor overlap[LAYERS * 2];
+    memcpy(overlap, t, sizeof t);
+    overlap[2].addr = t[1].addr + 64;
+    bad = d;
+    bad.tensors = overlap;
+    expect("overlapping tensors", apd_kv_cache_wrap(&bad, &cache), APD_ERR_KV_CACHE, "overlap");
+    ApdKvTensor nul[LAYERS * 2];
+    memcpy(nul, t, sizeof t);
+    nul[3].addr = 0;
+    bad = d;
+    bad.tensors = nul;
+    expect("null tensor", apd_kv_cache_wrap(&bad, &cache), APD_ERR_KV_CACHE, "tensor 3 has a null address");
+    expect("good cache", apd_kv_cache_wrap(&d, &cache), APD_OK, NULL);
+
+    /* ---- handles */
+    ApdSender not_a_sender = {cfg.id};
+    int32_t state = -1;
+    expect("config used as a sender", apd_sender_cancel(not_a_sender, "r", &state), APD_ERR_CLOSED,
+           "is an ApdConfig, not an ApdSender");
+    ApdSender null_sender = {0};
+    expect("null handle", apd_sender_cancel(null_sender, "r", &state), APD_ERR_CLOSED, "null handle");
+    ApdSender s = {0};
+    expect("sender from a receiver config", apd_sender_start(cfg, 0, &s), APD_ERR_CONFIG, "`config` is a receiver config");
+
+    ApdReceiver r = {0};
+    expect("receiver start", apd_receiver_start(cfg, 0, &r), APD_OK, NULL);
+    ApdPoolStats start;
+    expect("pool stats", apd_receiver_pool_stats(r, &start), APD_OK, NULL);
+
+    /* ---- a load with bad arguments: 20 tokens = 2 chunks of 16 */
+    const char *keys[2] = {"req-a@0", "req-a@1"};
+    int64_t slots[20];
+    for (int i = 0; i < 20; i++) {
+        slots[i] = i;
+    }
+    expect("null req_id", apd_receiver_submit_load(r, NULL, keys, 2, cache, slots, 20), APD_ERR_INVALID_ARGUMENT,
+           "`req_id`");
+    expect("empty req_id", apd_receiver_submit_load(r, "", keys, 2, cache, slots, 20), APD_ERR_INVALID_ARGUMENT,
+           "`req_id`");
+    char long_id[APD_REQ_ID_MAX + 8];
+    memset(long_id, 'x', sizeof long_id - 1);
+    long_id[sizeof long_id - 1] = 0;
+    expect("req_id too long", apd_receiver_submit_load(r, long_id, keys, 2, cache, slots, 20),
+           APD_ERR_INVALID_ARGUMENT, "APD_REQ_ID_MAX");
+    expect("null keys", apd_receiver_submit_load(r, "req-a", NULL, 2, cache, slots, 20), APD_ERR_INVALID_ARGUMENT,
+           "`keys`");
+    const char *holey[2] = {"req-a@0", NULL};
+    expect("null key", apd_receiver_submit_load(r, "req-a", holey, 2, cache, slots, 20), APD_ERR_INVALID_ARGUMENT,
+           "`keys[1]`");
+    const char *latin1[2] = {"req-a@0", "\xff\xfe"};
+    expect("non-UTF-8 key", apd_receiver_submit_load(r, "req-a", latin1, 2, cache, slots, 20),
+           APD_ERR_INVALID_ARGUMENT, "not UTF-8");
+    expect("wrong key count", apd_receiver_submit_load(r, "req-a", keys, 1, cache, slots, 20),
+           APD_ERR_INVALID_ARGUMENT, "`keys`");
+    expect("null slot_mapping", apd_receiver_submit_load(r, "req-a", keys, 2, cache, NULL, 20),
+           APD_ERR_INVALID_ARGUMENT, "`slot_mapping`");
+    slots[17] = BLOCKS * BLOCK; /* one past the last slot */
+    expect("slot beyond the cache", apd_receiver_submit_load(r, "req-a", keys, 2, cache, slots, 20),
+           APD_ERR_INVALID_ARGUMENT, "slot_mapping");
+    slots[17] = 17;
+    ApdKvCache no_cache = {999999};
+    expect("closed cache", apd_receiver_submit_load(r, "req-a", keys, 2, no_cache, slots, 20), APD_ERR_CLOSED,
+           "ApdKvCache handle 999999");
+    int32_t ready = -1;
+    expect("available null ready", apd_receiver_available(r, keys, 2, NULL), APD_ERR_INVALID_ARGUMENT, "`ready`");
+    expect("available", apd_receiver_available(r, keys, 2, &ready), APD_OK, NULL);
+    if (ready != 0) {
+        fprintf(stderr, "FAIL keys nobody sent are available\n");
+        failures++;
+    }
+    uint64_t n = 99;
+    ApdCompletion done[4];
+    expect("poll null count", apd_receiver_poll(r, done, 4, NULL), APD_ERR_INVALID_ARGUMENT, "`count`");
+    expect("poll null out", apd_receiver_poll(r, NULL, 4, &n), APD_ERR_INVALID_ARGUMENT, "`out`");
+    expect("poll", apd_receiver_poll(r, done, 4, &n), APD_OK, NULL);
+    if (n != 0) {
+        fprintf(stderr, "FAIL %llu completions from nothing submitted\n", (unsigned long long)n);
+        failures++;
+    }
+    expect("cancel unknown", apd_receiver_cancel(r, "req-z", keys, 2, &state), APD_OK, NULL);
+    if (state != APD_CANCEL_UNKNOWN) {
+        fprintf(stderr, "FAIL cancel of an unknown request gave state %d\n", state);
+        failures++;
+    }
+    ApdPoolStats end;
+    expect("pool stats again", apd_receiver_pool_stats(r, &end), APD_OK, NULL);
+    if (memcmp(&start, &end, sizeof start) != 0 || end.free != end.total) {
+        fprintf(stderr, "FAIL bad input changed the pool: %llu of %llu pages free\n",
+                (unsigned long long)end.free, (unsigned long long)end.total);
+        failures++;
+    }
+
+    /* ---- closed handles */
+    expect("receiver close", apd_receiver_close(r), APD_OK, NULL);
+    expect("closed receiver", apd_receiver_available(r, keys, 2, &ready), APD_ERR_CLOSED, "closed");
+    expect("closed twice", apd_receiver_close(r), APD_ERR_CLOSED, "ApdReceiver handle");
+    expect("cache free", apd_kv_cache_free(cache), APD_OK, NULL);
+    expect("cache freed twice", apd_kv_cache_free(cache), APD_ERR_CLOSED, "ApdKvCache handle");
+    expect("config free", apd_config_free(cfg), APD_OK, NULL);
+    expect("closed config", apd_receiver_start(cfg, 0, &r), APD_ERR_CLOSED, "ApdConfig handle");
+    expect("log callback off", apd_set_log_callback(NULL, NULL, 0), APD_OK, NULL);
+    free(mem);
+
+    if (log_calls == 0) {
+        fprintf(stderr, "FAIL the log callback was never called\n");
+        failures++;
+    }
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("all bad-input checks passed\n");
+    return 0;
+}
