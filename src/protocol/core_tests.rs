@@ -2280,3 +2280,112 @@ fn a_pull_that_waited_for_pages_keeps_the_lease_cap_of_its_arrival() {
         .unwrap();
     assert_eq!(plan.deadline(), t0 + 5 * S + LEASE);
 }
+
+// ============================================================ CancelNotif
+
+/// A cancel drops resident keys now and marks keys still being pushed: when
+/// their writer's landed notice comes, they are dropped instead of stored,
+/// and every page is back. Keys of another request are untouched, and the
+/// same keys may be pushed afresh afterwards.
+#[test]
+fn cancel_drops_resident_keys_now_and_pushed_keys_when_they_land() {
+    let t0 = Instant::now();
+    let pool = pool(8);
+    let mut ks = receiver();
+    let r1 = push(&mut ks, &alloc_request(&["a", "b"], 4), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r1.response),
+        t0,
+    );
+    let r2 = push(&mut ks, &alloc_request(&["c", "other"], 4), t0, &pool);
+    assert_eq!(ks.state("c"), Some(KeyState::PendingPush));
+
+    let c = ks.cancel(&keys(&["a", "b", "c", "never-stored"]));
+    assert_eq!(
+        c.removed
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect::<Vec<_>>(),
+        vec!["a", "b"]
+    );
+    assert_eq!(c.deferred, vec!["c".to_string()]);
+    drop(c);
+    assert_eq!(
+        stats(&pool),
+        (2, 0),
+        "a and b are back; c and other still lent"
+    );
+    // The writer finishes: "c" is dropped, "other" (not cancelled) lands.
+    let landed = notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r2.response),
+        t0,
+    );
+    assert_eq!(landed.result, Ok(()));
+    assert_eq!(ks.state("c"), None);
+    assert_eq!(ks.state("other"), Some(KeyState::Resident));
+    assert_eq!(ks.counters().cancelled_keys, 3);
+    assert_eq!(stats(&pool), (1, 0));
+    // A new request may push "c" again: the mark was used up.
+    let r3 = push(&mut ks, &alloc_request(&["c"], 4), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r3.response),
+        t0,
+    );
+    assert_eq!(ks.state("c"), Some(KeyState::Resident));
+    ks.remove("c");
+    ks.remove("other");
+    assert_idle(&pool);
+}
+
+/// A cancel while a pull-eager read runs drops the keys when the read
+/// ends, and the pull's Done still goes out exactly once.
+#[test]
+fn cancel_during_an_eager_read_drops_its_pages_and_still_sends_done() {
+    let t0 = Instant::now();
+    let sender_pool = pool(4);
+    let recv_pool = pool(4);
+    let mut ks = receiver();
+    let sp = alloc(&sender_pool, 2);
+    let id = lease_id(t0 + LEASE);
+    let reply = eager(&mut ks, &notif(&id, &["a", "b"], &sp), t0, &recv_pool);
+    let read = reply.read.unwrap();
+    let c = ks.cancel(&keys(&["a", "b"]));
+    assert!(c.removed.is_empty());
+    assert_eq!(c.deferred.len(), 2);
+    let done = ks.on_read_complete(&id, Some(read.pages)).unwrap();
+    assert_eq!(done.signal.pull_id, id);
+    assert_eq!((ks.state("a"), ks.state("b")), (None, None));
+    drop(sp);
+    assert_idle(&recv_pool);
+    assert_idle(&sender_pool);
+}
+
+/// Cancelling a pull-delay request discards its proxies: once the last of a
+/// pull's proxies is gone its Done is returned, so the sender unpins.
+#[test]
+fn cancel_discards_proxies_and_returns_the_pulls_done() {
+    let t0 = Instant::now();
+    let sender_pool = pool(4);
+    let mut ks = receiver();
+    let sp = alloc(&sender_pool, 2);
+    let id = lease_id(t0 + LEASE);
+    delay(&mut ks, &notif(&id, &["a", "b"], &sp), t0);
+    let first = ks.cancel(&keys(&["a"]));
+    assert!(first.removed[0].1.done.is_none(), "b still needs the pull");
+    let second = ks.cancel(&keys(&["b"]));
+    let done = second.removed[0].1.done.as_ref().expect("the pull's Done");
+    assert_eq!(done.signal.pull_id, id);
+    assert_eq!(ks.counters().proxies, 0);
+}
