@@ -679,6 +679,14 @@ impl ReceiverCore {
     /// landing is dropped when its transfer ends instead of becoming
     /// resident. Unknown keys are ignored.
     pub fn cancel(&mut self, keys: &[String]) -> Cancelled {
+        // Marks whose transfer ended some other way (a sweep, a revoke)
+        // are stale: keep only those still waiting, so the map stays small.
+        let entries = &self.entries;
+        self.cancelled.retain(|k, p| match (entries.get(k), p) {
+            (Some(Entry::PendingPush { alloc }), Pending::Push(a)) => alloc == a,
+            (Some(Entry::PendingRead { pull_id }), Pending::Read(id)) => pull_id == id,
+            _ => false,
+        });
         let mut out = Cancelled::default();
         for key in keys {
             let pending = match self.entries.get(key) {

@@ -427,10 +427,20 @@ impl LoadQueue {
                         if let Err(e) = &r {
                             log::warn!("load of request {id:?} failed: {e}");
                         }
-                        // The data is in the engine's cache (or the load
-                        // failed): the pages go back to the pool either way.
-                        receiver.cancel(&id, &job.req.keys);
-                        lock(&state.book).finish(&id, r);
+                        if r.is_ok() {
+                            // The data is in the engine's cache: its pages
+                            // go back to the pool.
+                            for k in &job.req.keys {
+                                receiver.remove(k);
+                            }
+                        } else {
+                            // Nothing of a failed load stays, not even keys
+                            // that land later.
+                            receiver.cancel(&id, &job.req.keys);
+                        }
+                        if lock(&state.book).finish(&id, r) {
+                            receiver.cancel(&id, &job.req.keys);
+                        }
                     }
                 },
             )?);
