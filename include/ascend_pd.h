@@ -399,6 +399,9 @@ int32_t apd_kv_cache_free(ApdKvCache cache);
 /*
  Starts a sender for TP rank `rank` from `config` (`pd_role: sender`)
  with its save queue.
+
+ # Safety
+ `out_sender` points to writable memory.
  */
 int32_t apd_sender_start(ApdConfig config, uint32_t rank, ApdSender *out_sender);
 
@@ -474,6 +477,9 @@ int32_t apd_sender_close(ApdSender sender);
 /*
  Starts a receiver for TP rank `rank` from `config` (`pd_role:
  receiver`) with its load queue.
+
+ # Safety
+ `out_receiver` points to writable memory.
  */
 int32_t apd_receiver_start(ApdConfig config, uint32_t rank, ApdReceiver *out_receiver);
 

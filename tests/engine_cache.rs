@@ -19,7 +19,7 @@ use ascend_pd::requests::{
 use ascend_pd::{Receiver, Sender};
 use ascend_sys::{Device, DeviceBuffer, Stream};
 use common::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn device() -> Device {
@@ -34,7 +34,7 @@ fn device() -> Device {
 /// wrapped (with the engine's stream, if given).
 struct EngineCache {
     tensors: Vec<DeviceBuffer>,
-    cache: SharedKvCache,
+    cache: Arc<SharedKvCache>,
 }
 
 fn engine_cache(dev: &Device, spec: KvCacheSpec, stream: Option<Stream>) -> EngineCache {
@@ -58,7 +58,7 @@ fn engine_cache(dev: &Device, spec: KvCacheSpec, stream: Option<Stream>) -> Engi
     assert!(cache.is_wrapped());
     EngineCache {
         tensors,
-        cache: Arc::new(Mutex::new(cache)),
+        cache: SharedKvCache::new(cache),
     }
 }
 

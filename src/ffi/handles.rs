@@ -41,7 +41,7 @@ impl ReceiverObj {
 
 pub(crate) enum Object {
     Config(Arc<PdConfig>),
-    Cache(SharedKvCache),
+    Cache(Arc<SharedKvCache>),
     Sender(Arc<SenderObj>),
     Receiver(Arc<ReceiverObj>),
 }
@@ -116,7 +116,7 @@ macro_rules! accessors {
 }
 
 accessors!(config, remove_config, Config, Arc<PdConfig>, "ApdConfig");
-accessors!(cache, remove_cache, Cache, SharedKvCache, "ApdKvCache");
+accessors!(cache, remove_cache, Cache, Arc<SharedKvCache>, "ApdKvCache");
 accessors!(sender, remove_sender, Sender, Arc<SenderObj>, "ApdSender");
 accessors!(
     receiver,

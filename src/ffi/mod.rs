@@ -27,6 +27,7 @@ use crate::layout::{Dtype, MemFormat};
 use crate::memory::DualStats;
 use crate::requests::{
     Availability, CancelState, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
+    SharedKvCache,
 };
 use crate::{Receiver, Sender};
 use handles::{Object, ReceiverObj, SenderObj};
@@ -686,7 +687,7 @@ pub unsafe extern "C" fn apd_kv_cache_wrap(
                 ))
             }
         };
-        o.id = handles::insert(Object::Cache(Arc::new(Mutex::new(cache))));
+        o.id = handles::insert(Object::Cache(SharedKvCache::new(cache)));
         Ok(())
     })
 }

@@ -31,8 +31,40 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// A KV cache shared by the engine and the queues' workers. A worker holds
-/// the lock only while it copies (gather) or loads (scatter) into it.
-pub type SharedKvCache = Arc<Mutex<KvCache>>;
+/// its lock only while it gathers from it or loads into it; its shape is
+/// readable without the lock, so a submit never waits for a running load.
+pub struct SharedKvCache {
+    spec: crate::kv::KvCacheSpec,
+    cache: Mutex<KvCache>,
+}
+
+impl SharedKvCache {
+    /// Shares `cache`.
+    pub fn new(cache: KvCache) -> Arc<SharedKvCache> {
+        Arc::new(SharedKvCache {
+            spec: *cache.spec(),
+            cache: Mutex::new(cache),
+        })
+    }
+
+    /// The cache's shape.
+    pub fn spec(&self) -> &crate::kv::KvCacheSpec {
+        &self.spec
+    }
+
+    /// The cache, once no worker copies into or out of it.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, KvCache> {
+        lock(&self.cache)
+    }
+}
+
+impl std::fmt::Debug for SharedKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedKvCache")
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
 
 /// Requests a queue holds before it refuses more.
 pub const MAX_QUEUED: usize = 1024;
@@ -153,7 +185,7 @@ fn chunk_tokens(tokens: usize, chunk: usize) -> Vec<usize> {
 
 struct SaveJob {
     req: SaveRequest,
-    cache: SharedKvCache,
+    cache: Arc<SharedKvCache>,
 }
 
 /// A save that finished, remembered so a late cancel can still reach the
@@ -241,7 +273,7 @@ impl SaveQueue {
     /// Queues the save of one request from `cache`. Checked now: the key
     /// count against the chunks of the slot mapping, and every slot
     /// against the cache; nothing is copied yet.
-    pub fn submit(&self, req: SaveRequest, cache: &SharedKvCache) -> Result<(), BackendError> {
+    pub fn submit(&self, req: SaveRequest, cache: &Arc<SharedKvCache>) -> Result<(), BackendError> {
         let chunk = self.sender.chunk_layout().tokens;
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         let id = req.spec.req_id.clone();
@@ -321,7 +353,7 @@ fn check_request(
     keys: &[String],
     slots: &[i64],
     chunk: usize,
-    cache: &SharedKvCache,
+    cache: &Arc<SharedKvCache>,
 ) -> Result<(), BackendError> {
     if req_id.is_empty() {
         return Err(BackendError::InvalidInput(
@@ -337,7 +369,7 @@ fn check_request(
             slots.len()
         )));
     }
-    let slots_in_cache = lock(cache).spec().slots();
+    let slots_in_cache = cache.spec().slots();
     if let Some((t, s)) = slots
         .iter()
         .enumerate()
@@ -357,7 +389,7 @@ fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
     let tokens = chunk_tokens(req.slot_mapping.len(), chunk);
     let mut pages = sender.allocate(&tokens).map_err(err_text)?;
     {
-        let mut cache = lock(&job.cache);
+        let mut cache = job.cache.lock();
         for (i, page) in pages.iter_mut().enumerate() {
             let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
             cache.gather(slots, page).map_err(err_text)?;
@@ -378,7 +410,7 @@ fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
 
 struct LoadJob {
     req: LoadRequest,
-    cache: SharedKvCache,
+    cache: Arc<SharedKvCache>,
 }
 
 /// The decode side's request queue (see the [module docs](self)).
@@ -418,7 +450,7 @@ impl LoadQueue {
                 move || {
                     while let Some((id, job)) = state.next() {
                         let r = {
-                            let mut cache = lock(&job.cache);
+                            let mut cache = job.cache.lock();
                             receiver
                                 .load(&job.req.keys, &job.req.slot_mapping, &mut cache)
                                 .map(|_| ())
@@ -477,7 +509,7 @@ impl LoadQueue {
     /// Queues the load of one request into `cache` at its slots. Checked
     /// now: key count against the chunks of the slot mapping, every slot
     /// against the cache.
-    pub fn submit(&self, req: LoadRequest, cache: &SharedKvCache) -> Result<(), BackendError> {
+    pub fn submit(&self, req: LoadRequest, cache: &Arc<SharedKvCache>) -> Result<(), BackendError> {
         let chunk = self.receiver.chunk_layout().tokens;
         check_request(&req.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         let id = req.req_id.clone();
