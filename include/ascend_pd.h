@@ -339,8 +339,12 @@ const char *apd_last_error(void);
  up to `max_level` (1 error, 2 warn, 3 info, 4 debug, 5 trace). The
  callback gets the level, the module and the message (NUL-terminated,
  valid during the call) and `user_data`; it may be called from any of
- the library's threads, concurrently. Fails if the process already has
- a Rust logger (a Rust host configures logging through `log` instead).
+ the library's threads, concurrently. A record being delivered when the
+ callback is replaced may still reach the old one: keep it (and
+ `user_data`) valid for the life of the process. Install it before
+ parsing a config to see the config's warnings (without a callback
+ nothing is logged). Fails if the process already has a Rust logger (a
+ Rust host configures logging through `log` instead).
  */
 int32_t apd_set_log_callback(ApdLogCallback callback, void *user_data, int32_t max_level);
 

@@ -1,0 +1,73 @@
+"""Python bindings (ctypes) for ascend-pd: KV-cache transfer between
+prefill and decode workers.
+
+The library is ``libascend_pd`` (``cargo build --lib``), found through the
+environment variable ``ASCEND_PD_LIB`` (its full path), else in
+``target/release`` or ``target/debug`` of the repository this package sits
+in, else by ``ctypes.util.find_library("ascend_pd")``. It is loaded on
+first use.
+
+A prefill worker::
+
+    with ascend_pd.Config.from_file("sender.yaml") as cfg, ascend_pd.Sender(cfg) as tx:
+        cache = ascend_pd.KVCache.from_vllm(kv_caches)
+        tx.submit_save("req-0", keys, cache, slot_mapping, host, init_port, alloc_port)
+        done = []
+        while not done:
+            done = tx.poll()  # [Completion(req_id, status, message)]
+            time.sleep(0.005)
+
+A decode worker uses :class:`Receiver` (``available``, ``submit_load``,
+``poll``). Failures raise :class:`AscendPdError` subclasses carrying the
+library's status and message.
+"""
+
+from __future__ import annotations
+
+from ._config import Config
+from ._errors import (
+    AscendPdError,
+    BackendError,
+    Busy,
+    ClosedHandle,
+    ConfigError,
+    InternalError,
+    InvalidArgument,
+    KVCacheError,
+)
+from ._kv import KVCache
+from ._lib import ABI_VERSION, LibraryLoadError, library_path
+from ._log import clear_log_callback, set_log_callback
+from ._workers import Completion, PoolStats, Receiver, Sender
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION",
+    "AscendPdError",
+    "BackendError",
+    "Busy",
+    "ClosedHandle",
+    "Completion",
+    "Config",
+    "ConfigError",
+    "InternalError",
+    "InvalidArgument",
+    "KVCache",
+    "KVCacheError",
+    "LibraryLoadError",
+    "PoolStats",
+    "Receiver",
+    "Sender",
+    "abi_version",
+    "clear_log_callback",
+    "library_path",
+    "set_log_callback",
+]
+
+
+def abi_version() -> int:
+    """The ABI version of the loaded library (loading it if needed)."""
+    from . import _lib
+
+    return int(_lib.lib().apd_abi_version())

@@ -1,0 +1,442 @@
+"""The prefill side (:class:`Sender`) and the decode side (:class:`Receiver`)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+from . import _lib
+from ._config import Config
+from ._errors import InvalidArgument, check
+from ._kv import KVCache
+
+#: Completion statuses, by ``APD_REQ_*`` code.
+_STATUS = {_lib.REQ_DONE: "done", _lib.REQ_FAILED: "failed", _lib.REQ_CANCELLED: "cancelled"}
+#: Cancel results, by ``APD_CANCEL_*`` code.
+_CANCEL = {
+    _lib.CANCEL_NOT_STARTED: "not_started",
+    _lib.CANCEL_CANCELLING: "cancelling",
+    _lib.CANCEL_ALREADY_ENDED: "already_ended",
+    _lib.CANCEL_UNKNOWN: "unknown",
+}
+# Completions fetched per apd_*_poll call (more are fetched while it fills up).
+_POLL_BATCH = 32
+
+
+class Completion(NamedTuple):
+    """One finished request.
+
+    Attributes:
+        req_id: the request id.
+        status: ``"done"``, ``"failed"`` or ``"cancelled"``.
+        message: why it failed (empty otherwise).
+    """
+
+    req_id: str
+    status: str
+    message: str
+
+
+class PoolStats(NamedTuple):
+    """Page counters of a worker's pools (CPU and NPU summed).
+
+    Attributes:
+        total: pages in the pools.
+        free: pages free.
+        allocated: pages handed out (pinned and quarantined included).
+        pinned: pages pinned for a pull.
+        quarantined: pages waiting until no peer can touch them.
+    """
+
+    total: int
+    free: int
+    allocated: int
+    pinned: int
+    quarantined: int
+
+
+def _bad(message: str) -> InvalidArgument:
+    return InvalidArgument(_lib.ERR_INVALID_ARGUMENT, message)
+
+
+def _encode(name: str, s: Any) -> bytes:
+    if isinstance(s, bytes):
+        return s
+    if isinstance(s, str):
+        return s.encode("utf-8")
+    raise TypeError(f"{name} must be str, not {type(s).__name__}")
+
+
+def _keys(keys: Iterable[Any]) -> Tuple[Any, int]:
+    """A ``const char *const *`` array of ``keys`` and its length."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a list of str (one per chunk), not a single string")
+    encoded = [_encode(f"keys[{i}]", k) for i, k in enumerate(keys)]
+    return (ctypes.c_char_p * len(encoded))(*encoded), len(encoded)
+
+
+def _slots(slot_mapping: Any) -> Tuple[Any, int, Any]:
+    """An ``int64_t`` pointer to ``slot_mapping``, its length, and what keeps it alive."""
+    if hasattr(slot_mapping, "__array_interface__"):
+        import numpy  # only reached with an array, so numpy is there
+
+        arr = numpy.ascontiguousarray(slot_mapping, dtype=numpy.int64).reshape(-1)
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)) if arr.size else None
+        return ptr, int(arr.size), arr
+    tolist: Optional[Callable[[], Any]] = getattr(slot_mapping, "tolist", None)
+    values: Sequence[Any] = tolist() if callable(tolist) else list(slot_mapping)
+    try:
+        buf = (ctypes.c_int64 * len(values))(*(int(v) for v in values))
+    except (TypeError, OverflowError) as e:
+        raise _bad(f"slot_mapping must hold int64 slot numbers: {e}") from None
+    return buf, len(values), buf
+
+
+def _completions(poll_fn: Callable[..., int], handle: Any) -> List[Completion]:
+    """Every completion ``poll_fn`` has now (several calls if needed)."""
+    done: List[Completion] = []
+    while True:
+        buf = (_lib.ApdCompletion * _POLL_BATCH)()
+        count = ctypes.c_uint64()
+        check(poll_fn(handle, buf, _POLL_BATCH, ctypes.byref(count)))
+        for rec in buf[: count.value]:
+            done.append(
+                Completion(
+                    rec.req_id.decode("utf-8", "replace"),
+                    _STATUS.get(rec.status, f"unknown({rec.status})"),
+                    rec.message.decode("utf-8", "replace"),
+                )
+            )
+        if count.value < _POLL_BATCH:
+            return done
+
+
+def _pool_stats(fn: Callable[..., int], handle: Any) -> PoolStats:
+    out = _lib.ApdPoolStats()
+    check(fn(handle, ctypes.byref(out)))
+    return PoolStats(out.total, out.free, out.allocated, out.pinned, out.quarantined)
+
+
+class _InFlight:
+    """The caches of submitted requests, kept alive until they complete.
+
+    The lock guards only this bookkeeping, never a call into the library.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: Dict[str, List[KVCache]] = {}
+
+    def add(self, req_id: str, cache: KVCache) -> None:
+        with self._lock:
+            self._by_id.setdefault(req_id, []).append(cache)
+
+    def remove(self, req_id: str) -> None:
+        with self._lock:
+            caches = self._by_id.get(req_id)
+            if caches:
+                caches.pop(0)
+                if not caches:
+                    del self._by_id[req_id]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_id.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(c) for c in self._by_id.values())
+
+
+def _config_handle(config: Config) -> _lib.ApdConfig:
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"config must be an ascend_pd.Config (Config.from_file / Config.from_yaml), "
+            f"not {type(config).__name__}"
+        )
+    return config.handle
+
+
+def _cache_handle(cache: KVCache) -> _lib.ApdKvCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an ascend_pd.KVCache, not {type(cache).__name__}")
+    return cache.handle
+
+
+class Sender:
+    """A prefill worker's sender (TP rank ``rank``) and its save queue.
+
+    Started from a configuration with ``pd_role: sender``. Saves are
+    queued with :meth:`submit_save` and reported by :meth:`poll`. Usable as
+    a context manager (closes on exit). Every method may be called from
+    any thread.
+    """
+
+    def __init__(self, config: Config, rank: int = 0) -> None:
+        """Starts the sender; raises :class:`ConfigError` for a receiver config."""
+        self._handle = _lib.ApdSender(0)
+        self._closed = True  # until started
+        self._inflight = _InFlight()
+        out = _lib.ApdSender()
+        check(_lib.lib().apd_sender_start(_config_handle(config), int(rank), ctypes.byref(out)))
+        self._handle = out
+        self._closed = False
+        self.rank: int = int(rank)
+
+    @property
+    def handle(self) -> _lib.ApdSender:
+        """The underlying ``ApdSender`` handle (its id stays the same once closed)."""
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def submit_save(
+        self,
+        req_id: str,
+        keys: Sequence[str],
+        cache: KVCache,
+        slot_mapping: Any,
+        host: str,
+        init_port: int,
+        alloc_port: int,
+        is_last_prefill: bool = True,
+    ) -> None:
+        """Queues the save of request ``req_id`` and returns at once.
+
+        Its chunks are gathered from ``cache`` at ``slot_mapping`` (one slot
+        per token: a list of ints or an int64 array) and sent to the
+        receiver at ``host`` (its ``pd_peer_init_port`` ``init_port`` and
+        ``pd_peer_alloc_port`` ``alloc_port``) as ``keys``, one per chunk of
+        ``chunk_size`` tokens. ``is_last_prefill`` sends the proxy its
+        notification after the save. :meth:`poll` reports the end; the
+        cache is kept alive until then. Raises :class:`Busy` when the queue
+        is full (poll, then retry).
+        """
+        key_array, num_keys = _keys(keys)
+        # `_keep` holds the slot array alive until the call returned (the library copies it).
+        slots, num_slots, _keep = _slots(slot_mapping)
+        peer = _lib.ApdPeer(_encode("host", host), int(init_port), int(alloc_port))
+        rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
+        self._inflight.add(rid, cache)
+        try:
+            check(
+                _lib.lib().apd_sender_submit_save(
+                    self._handle,
+                    _encode("req_id", req_id),
+                    key_array,
+                    num_keys,
+                    _cache_handle(cache),
+                    slots,
+                    num_slots,
+                    ctypes.byref(peer),
+                    1 if is_last_prefill else 0,
+                )
+            )
+        except BaseException:
+            self._inflight.remove(rid)
+            raise
+
+    def poll(self) -> List[Completion]:
+        """The saves finished since the last poll (possibly none).
+
+        A done save's KV blocks may be reused by the engine.
+        """
+        done = _completions(_lib.lib().apd_sender_poll, self._handle)
+        for c in done:
+            self._inflight.remove(c.req_id)
+        return done
+
+    def cancel(self, req_id: str) -> str:
+        """Cancels request ``req_id``; the receiver is told to drop what it holds.
+
+        Returns what was found: ``"not_started"`` (it will be reported as
+        cancelled), ``"cancelling"`` (running; reported as cancelled when it
+        ends), ``"already_ended"`` (what it left behind is being released)
+        or ``"unknown"``.
+        """
+        state = ctypes.c_int32()
+        check(_lib.lib().apd_sender_cancel(self._handle, _encode("req_id", req_id), ctypes.byref(state)))
+        return _CANCEL.get(state.value, f"unknown({state.value})")
+
+    def pool_stats(self) -> PoolStats:
+        """Page counters of the sender's pools."""
+        return _pool_stats(_lib.lib().apd_sender_pool_stats, self._handle)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` seconds until no pull is pending.
+
+        In pull modes, every receiver's PullDoneSignal has then arrived, so
+        every pinned page is free. Returns True if none is left. Call it
+        before :meth:`close` for a clean stop.
+        """
+        if timeout_s < 0:
+            raise _bad(f"timeout_s is {timeout_s}: pass 0 or more seconds")
+        drained = ctypes.c_int32()
+        check(
+            _lib.lib().apd_sender_drain(self._handle, int(round(timeout_s * 1000)), ctypes.byref(drained))
+        )
+        return drained.value != 0
+
+    def close(self) -> None:
+        """Closes the sender (a no-op if already closed).
+
+        Saves running now finish, saves not started fail, sockets close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        handle = self._handle
+        try:
+            check(_lib.lib().apd_sender_close(handle))
+        finally:
+            self._inflight.clear()
+
+    def __enter__(self) -> "Sender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        handle: Optional[_lib.ApdSender] = getattr(self, "_handle", None)
+        if handle is not None and not getattr(self, "_closed", True) and _lib is not None:
+            try:
+                _lib.lib().apd_sender_close(handle)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<ascend_pd.Sender id={self._handle.id}{' closed' if self.closed else ''}>"
+
+
+class Receiver:
+    """A decode worker's receiver (TP rank ``rank``) and its load queue.
+
+    Started from a configuration with ``pd_role: receiver``. Loads are
+    queued with :meth:`submit_load` once :meth:`available` says the keys
+    are here, and reported by :meth:`poll`. Usable as a context manager
+    (closes on exit). Every method may be called from any thread.
+    """
+
+    def __init__(self, config: Config, rank: int = 0) -> None:
+        """Starts the receiver; raises :class:`ConfigError` for a sender config."""
+        self._handle = _lib.ApdReceiver(0)
+        self._closed = True  # until started
+        self._inflight = _InFlight()
+        out = _lib.ApdReceiver()
+        check(_lib.lib().apd_receiver_start(_config_handle(config), int(rank), ctypes.byref(out)))
+        self._handle = out
+        self._closed = False
+        self.rank: int = int(rank)
+
+    @property
+    def handle(self) -> _lib.ApdReceiver:
+        """The underlying ``ApdReceiver`` handle (its id stays the same once closed)."""
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def available(self, keys: Sequence[str]) -> bool:
+        """Whether every key is stored here (landed, or a pull-delay proxy),
+        so the request can be loaded."""
+        key_array, num_keys = _keys(keys)
+        ready = ctypes.c_int32()
+        check(_lib.lib().apd_receiver_available(self._handle, key_array, num_keys, ctypes.byref(ready)))
+        return ready.value != 0
+
+    def submit_load(self, req_id: str, keys: Sequence[str], cache: KVCache, slot_mapping: Any) -> None:
+        """Queues the load of request ``req_id`` (``keys``, one per chunk) into
+        ``cache`` at ``slot_mapping`` (one slot per token) and returns at once.
+
+        :meth:`poll` reports the end; the cache is kept alive until then.
+        After a done load the request's pages here are free. Raises
+        :class:`Busy` when the queue is full (poll, then retry).
+        """
+        key_array, num_keys = _keys(keys)
+        # `_keep` holds the slot array alive until the call returned (the library copies it).
+        slots, num_slots, _keep = _slots(slot_mapping)
+        rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
+        self._inflight.add(rid, cache)
+        try:
+            check(
+                _lib.lib().apd_receiver_submit_load(
+                    self._handle,
+                    _encode("req_id", req_id),
+                    key_array,
+                    num_keys,
+                    _cache_handle(cache),
+                    slots,
+                    num_slots,
+                )
+            )
+        except BaseException:
+            self._inflight.remove(rid)
+            raise
+
+    def poll(self) -> List[Completion]:
+        """The loads finished since the last poll (possibly none)."""
+        done = _completions(_lib.lib().apd_receiver_poll, self._handle)
+        for c in done:
+            self._inflight.remove(c.req_id)
+        return done
+
+    def cancel(self, req_id: str, keys: Sequence[str]) -> str:
+        """Cancels request ``req_id`` whose chunks are ``keys``.
+
+        Its load is dropped or reported as cancelled, and what this
+        receiver holds of ``keys`` is freed (pull-delay proxies are
+        discarded, so senders release their pins). Returns what was found:
+        ``"not_started"``, ``"cancelling"``, ``"already_ended"`` or
+        ``"unknown"`` (never submitted here).
+        """
+        key_array, num_keys = _keys(keys)
+        state = ctypes.c_int32()
+        check(
+            _lib.lib().apd_receiver_cancel(
+                self._handle, _encode("req_id", req_id), key_array, num_keys, ctypes.byref(state)
+            )
+        )
+        return _CANCEL.get(state.value, f"unknown({state.value})")
+
+    def pool_stats(self) -> PoolStats:
+        """Page counters of the receiver's pools."""
+        return _pool_stats(_lib.lib().apd_receiver_pool_stats, self._handle)
+
+    def close(self) -> None:
+        """Closes the receiver (a no-op if already closed).
+
+        Loads running now finish, loads not started fail and their keys are
+        dropped, sockets close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        handle = self._handle
+        try:
+            check(_lib.lib().apd_receiver_close(handle))
+        finally:
+            self._inflight.clear()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        handle: Optional[_lib.ApdReceiver] = getattr(self, "_handle", None)
+        if handle is not None and not getattr(self, "_closed", True) and _lib is not None:
+            try:
+                _lib.lib().apd_receiver_close(handle)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<ascend_pd.Receiver id={self._handle.id}{' closed' if self.closed else ''}>"

@@ -1,0 +1,299 @@
+//! The proof that a worker can embed ascend-pd: the C pair (examples/c/)
+//! and the Python pair (examples/python/) each run as two processes plus
+//! `ascend-bench proxy`, move five requests in push, pull-eager and
+//! pull-delay, cancel one on each side, verify every byte of the decode
+//! KV cache and see every pool back at its start (the examples check
+//! this themselves and exit non-zero otherwise; see
+//! examples/README.md for the plan both pairs follow).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+const MODES: [(&str, bool, bool); 3] = [
+    ("push", false, false),
+    ("pull-eager", true, false),
+    ("pull-delay", true, true),
+];
+
+struct Ports {
+    init: u16,
+    alloc: u16,
+    proxy: u16,
+    done: u16,
+}
+
+const GEOMETRY: &str = "enable_pd: True\nlocal_cpu: False\ntransfer_channel: \"shm\"\n\
+pd_peer_host: \"127.0.0.1\"\npd_buffer_size: 4194304\npd_buffer_device: \"cpu\"\n\
+chunk_size: 16\nkv_num_layers: 2\nkv_num_heads: 2\nkv_head_size: 16\nkv_dtype: \"float16\"\n";
+
+/// Writes the receiver's and the sender's YAML for `mode` into `dir`.
+fn configs(dir: &Path, pull: bool, delay: bool, p: &Ports) -> (PathBuf, PathBuf) {
+    let flags = format!(
+        "pd_pull_mode: {}\npd_delay_pull: {}\n",
+        if pull { "True" } else { "False" },
+        if delay { "True" } else { "False" }
+    );
+    let recv = dir.join("receiver.yaml");
+    std::fs::write(
+        &recv,
+        format!(
+            "{GEOMETRY}{flags}pd_role: \"receiver\"\npd_peer_init_port: {}\npd_peer_alloc_port: {}\n",
+            p.init, p.alloc
+        ),
+    )
+    .unwrap();
+    let send = dir.join("sender.yaml");
+    let mut text = format!(
+        "{GEOMETRY}{flags}pd_role: \"sender\"\npd_proxy_host: \"127.0.0.1\"\npd_proxy_port: {}\n",
+        p.proxy
+    );
+    if pull {
+        text += &format!("pd_pull_done_port: {}\n", p.done);
+    }
+    std::fs::write(&send, text).unwrap();
+    (recv, send)
+}
+
+/// Collects a child's stdout on a thread; lines also go to a channel.
+fn collect(out: ChildStdout) -> (mpsc::Receiver<String>, std::thread::JoinHandle<String>) {
+    let (tx, rx) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            all += &line;
+            all.push('\n');
+            let _ = tx.send(line);
+        }
+        all
+    });
+    (rx, t)
+}
+
+fn stderr_of(c: &mut Child) -> String {
+    let mut s = String::new();
+    if let Some(mut e) = c.stderr.take() {
+        let _ = e.read_to_string(&mut s);
+    }
+    s
+}
+
+/// Waits for `c` to exit within `limit`; kills it otherwise.
+fn wait(c: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return Some(st);
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            let _ = c.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs one pair in one mode: proxy, decode (until "decode: ready"), then
+/// prefill; closes decode's stdin once prefill exited.
+fn run_pair(
+    label: &str,
+    mode: (&str, bool, bool),
+    prefill: impl Fn(&Path, &Ports) -> Command,
+    decode: impl Fn(&Path) -> Command,
+) {
+    let (name, pull, delay) = mode;
+    let dir = std::env::temp_dir().join(format!(
+        "apd-examples-{label}-{name}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = Ports {
+        init: common::free_port(),
+        alloc: common::free_port(),
+        proxy: common::free_port(),
+        done: common::free_port(),
+    };
+    let (recv_yaml, send_yaml) = configs(&dir, pull, delay, &p);
+
+    let mut proxy = Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+        .args(["proxy", "--port", &p.proxy.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting ascend-bench proxy");
+    let (proxy_lines, proxy_out) = collect(proxy.stdout.take().unwrap());
+
+    let mut dec = decode(&recv_yaml)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{label} decode: {e}"));
+    let (dec_lines, dec_out) = collect(dec.stdout.take().unwrap());
+    let ready = Instant::now() + Duration::from_secs(30);
+    loop {
+        match dec_lines.recv_timeout(Duration::from_millis(100)) {
+            Ok(l) if l.starts_with("decode: ready") => break,
+            Ok(_) => {}
+            Err(_) if Instant::now() > ready || dec.try_wait().unwrap().is_some() => {
+                let _ = dec.kill();
+                panic!(
+                    "{label} {name}: decode never got ready: {}{}",
+                    dec_out.join().unwrap(),
+                    stderr_of(&mut dec)
+                );
+            }
+            Err(_) => {}
+        }
+    }
+    // The proxy must be listening before the first ProxyNotif.
+    let _ = proxy_lines.recv_timeout(Duration::from_secs(10));
+
+    let mut pre = prefill(&send_yaml, &p)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{label} prefill: {e}"));
+    let (_, pre_out) = collect(pre.stdout.take().unwrap());
+    let pre_status = wait(&mut pre, Duration::from_secs(180));
+    let pre_err = stderr_of(&mut pre);
+    let pre_text = pre_out.join().unwrap();
+    // The prefill is done: let the decode side finish.
+    drop(dec.stdin.take());
+    let dec_status = wait(&mut dec, Duration::from_secs(60));
+    let dec_err = stderr_of(&mut dec);
+    let dec_text = dec_out.join().unwrap();
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    let proxy_text = proxy_out.join().unwrap();
+
+    let report = format!(
+        "--- prefill ({pre_status:?})\n{pre_text}{pre_err}\n--- decode ({dec_status:?})\n{dec_text}{dec_err}"
+    );
+    assert!(
+        pre_status.is_some_and(|s| s.success()) && dec_status.is_some_and(|s| s.success()),
+        "{label} {name} failed:\n{report}"
+    );
+    assert!(pre_text.contains("prefill: OK 5 saves"), "{report}");
+    assert!(dec_text.contains("decode: OK 3 loads verified"), "{report}");
+    // Every save carried the request's last chunk: the proxy heard of all five.
+    let notifs = proxy_text.matches("\"proxy_notif\"").count();
+    assert_eq!(
+        notifs, 5,
+        "{label} {name}: proxy saw {notifs} ProxyNotif\n{proxy_text}"
+    );
+    println!("=== {label} {name}\n{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn build_c(name: &str, out_dir: &Path) -> PathBuf {
+    let lib = common::cdylib();
+    let libdir = lib.parent().unwrap();
+    let exe = out_dir.join(name);
+    let status = Command::new("cc")
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+        ])
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(root().join(format!("examples/c/{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(libdir)
+        .arg("-lascend_pd")
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "building examples/c/{name}.c");
+    exe
+}
+
+#[test]
+fn the_c_worker_pair_moves_cancels_and_verifies_in_every_mode() {
+    let dir = std::env::temp_dir().join(format!("apd-examples-c-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefill = build_c("prefill", &dir);
+    let decode = build_c("decode", &dir);
+    for mode in MODES {
+        run_pair(
+            "c",
+            mode,
+            |yaml, p| {
+                let mut c = Command::new(&prefill);
+                c.arg(yaml)
+                    .arg("127.0.0.1")
+                    .arg(p.init.to_string())
+                    .arg(p.alloc.to_string());
+                c
+            },
+            |yaml| {
+                let mut c = Command::new(&decode);
+                c.arg(yaml);
+                c
+            },
+        );
+    }
+}
+
+/// The Python the examples run with (numpy installed: `.ci/run` installs it).
+fn python() -> String {
+    std::env::var("ASCEND_PD_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+#[test]
+fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
+    let py = python();
+    let probe = Command::new(&py)
+        .args(["-c", "import numpy"])
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success())
+        && common::missing_tool(
+            &format!("{py} with numpy"),
+            "install python3 and `pip install numpy`, or set ASCEND_PD_PYTHON",
+        )
+    {
+        return;
+    }
+    let lib = common::cdylib();
+    for mode in MODES {
+        run_pair(
+            "python",
+            mode,
+            |yaml, p| {
+                let mut c = Command::new(python());
+                c.arg(root().join("examples/python/prefill.py"))
+                    .arg(yaml)
+                    .arg("127.0.0.1")
+                    .arg(p.init.to_string())
+                    .arg(p.alloc.to_string())
+                    .env("ASCEND_PD_LIB", &lib);
+                c
+            },
+            |yaml| {
+                let mut c = Command::new(python());
+                c.arg(root().join("examples/python/decode.py"))
+                    .arg(yaml)
+                    .env("ASCEND_PD_LIB", &lib)
+                    .env("PYTHONUNBUFFERED", "1");
+                c
+            },
+        );
+    }
+}
