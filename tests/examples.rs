@@ -297,3 +297,41 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
         );
     }
 }
+
+#[test]
+fn bad_input_through_python_raises_the_librarys_message() {
+    let py = python();
+    let probe = Command::new(&py)
+        .args(["-c", "import numpy"])
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success())
+        && common::missing_tool(
+            &format!("{py} with numpy"),
+            "install python3 and `pip install numpy`, or set ASCEND_PD_PYTHON",
+        )
+    {
+        return;
+    }
+    let out = Command::new(&py)
+        .arg(root().join("tests/python/errors.py"))
+        .arg(common::free_port().to_string())
+        .arg(common::free_port().to_string())
+        .env("ASCEND_PD_LIB", common::cdylib())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("all python bad-input checks passed"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().filter(|l| l.starts_with("ok ")).count() >= 8,
+        "{stdout}"
+    );
+}

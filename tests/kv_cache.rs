@@ -2,7 +2,7 @@
 //! "prefilled" cache into chunks (CPU offload = device-to-host), scatter
 //! back to other slots, byte for byte, and the errors a caller sees.
 
-use ascend_pd::kv::{KvCache, KvCacheSpec};
+use ascend_pd::kv::{KvCache, KvCacheSpec, KvTensor};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{
     pattern, ChunkLayout, ChunkMeta, Dtype, MemFormat, MemObj, PagePool, RegisteredBuffer,
@@ -146,4 +146,73 @@ fn mismatched_chunks_and_bad_slots_are_named() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("zero dimension"), "{e}");
+}
+
+/// Engine-owned host tensors, one per (layer, plane) with a guard after
+/// each, or one contiguous tensor: a round trip through them matches the
+/// library's own cache, each token sits in its plane's tensor at
+/// `slot * token_bytes` (vLLM's `[blocks, block_size, heads, head_size]`),
+/// and no byte past a tensor's geometry is ever written.
+#[test]
+fn wrapped_engine_tensors_hold_each_token_at_its_slot_and_nothing_past_them() {
+    const GUARD: usize = 64;
+    for fmt in [MemFormat::Kv2Ltd, MemFormat::Mla] {
+        for per_plane in [true, false] {
+            let l = layout(fmt);
+            let spec = KvCacheSpec::for_layout(&l, 8, 8);
+            let n = if per_plane {
+                spec.layers * spec.planes()
+            } else {
+                1
+            };
+            let len = if per_plane {
+                spec.plane_bytes()
+            } else {
+                spec.bytes()
+            };
+            let mut tensors: Vec<Vec<u8>> = (0..n).map(|_| vec![0xAB; len + GUARD]).collect();
+            for t in &mut tensors {
+                t[..len].fill(0);
+            }
+            let refs: Vec<KvTensor> = tensors
+                .iter_mut()
+                .map(|t| KvTensor {
+                    addr: t.as_mut_ptr() as u64,
+                    bytes: t.len(),
+                })
+                .collect();
+            let mut src = KvCache::host(spec).unwrap();
+            prefill(&mut src);
+            {
+                // SAFETY: the tensors outlive the cache (dropped at the end
+                // of this block) and nothing else touches them meanwhile.
+                let mut dst = unsafe { KvCache::wrap_host(spec, &refs) }.unwrap();
+                assert!(dst.is_wrapped());
+                round_trip(&mut src, &mut dst, &host_pool(&l, 3), &l);
+                // And back: the wrapped cache is a gather source too.
+                let mut back = KvCache::host(spec).unwrap();
+                round_trip(&mut dst, &mut back, &host_pool(&l, 3), &l);
+            }
+            let tb = spec.token_bytes();
+            for (i, t) in tensors.iter().enumerate() {
+                assert!(
+                    t[len..].iter().all(|&b| b == 0xAB),
+                    "{fmt:?} per_plane={per_plane}: a write past tensor {i}"
+                );
+            }
+            // Token 0 of the round trip came from slot 63 and went to slot 0.
+            for layer in 0..spec.layers {
+                for p in 0..spec.planes() {
+                    let want = src.token(layer, p, 63).unwrap();
+                    let got = if per_plane {
+                        &tensors[layer * spec.planes() + p][..tb]
+                    } else {
+                        let at = spec.offset(layer, p, 0);
+                        &tensors[0][at..at + tb]
+                    };
+                    assert_eq!(got, &want[..], "{fmt:?} per_plane={per_plane}");
+                }
+            }
+        }
+    }
 }

@@ -1071,3 +1071,56 @@ pub extern "C" fn apd_receiver_close(receiver: ApdReceiver) -> i32 {
         handles::remove_receiver(receiver.id).map(drop)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: apd_last_error never returns NULL; the string lives until
+        // the next call on this thread.
+        unsafe { CStr::from_ptr(apd_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_is_caught_at_the_boundary_and_reported() {
+        let st = call("apd_test", || panic!("boom at the edge"));
+        assert_eq!(st, APD_ERR_INTERNAL);
+        let e = last_error();
+        assert!(
+            e.contains("apd_test") && e.contains("internal error"),
+            "{e}"
+        );
+        assert!(e.contains("boom at the edge"), "{e}");
+        // The next call that succeeds clears it.
+        assert_eq!(call("apd_test", || Ok(())), APD_OK);
+        assert_eq!(last_error(), "");
+    }
+
+    #[test]
+    fn messages_are_cut_at_a_character_boundary_and_terminated() {
+        let mut buf = [1 as c_char; 6];
+        fill(&mut buf, "abcdé"); // é is 2 bytes: "abcd" + NUL fits, "abcdé" does not
+                                 // SAFETY: `fill` always writes a NUL inside the buffer.
+        let s = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        assert_eq!(s.to_str().unwrap(), "abcd");
+        let mut buf = [1 as c_char; 4];
+        fill(&mut buf, "");
+        assert_eq!(buf[0], 0);
+    }
+
+    #[test]
+    fn a_nul_inside_a_message_does_not_cut_it_short() {
+        assert_eq!(
+            call("apd_test", || Err(Failure::arg("x", "has a \0 inside"))),
+            APD_ERR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().ends_with("has a \\0 inside"),
+            "{}",
+            last_error()
+        );
+    }
+}

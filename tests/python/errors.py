@@ -1,0 +1,94 @@
+"""Bad input through the Python package: each failure raises the
+AscendPdError subclass of its status with the library's message, which
+names the argument. Run by tests/examples.rs as
+    python3 tests/python/errors.py INIT_PORT ALLOC_PORT
+(ASCEND_PD_LIB set); prints one line per check and exits non-zero on any
+failure."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+
+import numpy as np  # noqa: E402
+
+import ascend_pd as apd  # noqa: E402
+
+failures = 0
+
+
+def expect(what, exc_type, needle, fn):
+    global failures
+    try:
+        fn()
+    except exc_type as e:
+        if needle in e.message:
+            print(f"ok   {what}: {type(e).__name__}: {e.message}")
+        else:
+            print(f"FAIL {what}: {e.message!r} does not name {needle!r}", file=sys.stderr)
+            failures += 1
+        return
+    except Exception as e:  # noqa: BLE001 - report the wrong kind
+        print(f"FAIL {what}: {type(e).__name__}: {e}", file=sys.stderr)
+        failures += 1
+        return
+    print(f"FAIL {what}: no exception", file=sys.stderr)
+    failures += 1
+
+
+def main():
+    init_port, alloc_port = int(sys.argv[1]), int(sys.argv[2])
+    expect("invalid config", apd.ConfigError, "pd_role", lambda: apd.Config.from_yaml("enable_pd: True\npd_role: bogus\n"))
+    yaml = (
+        "enable_pd: True\nlocal_cpu: False\ntransfer_channel: \"tcp\"\npd_role: \"receiver\"\n"
+        f"pd_peer_host: \"127.0.0.1\"\npd_peer_init_port: {init_port}\npd_peer_alloc_port: {alloc_port}\n"
+        "pd_buffer_size: 1048576\npd_buffer_device: \"cpu\"\nchunk_size: 16\n"
+        "kv_num_layers: 2\nkv_num_heads: 2\nkv_head_size: 16\nkv_dtype: \"float16\"\n"
+    )
+    cfg = apd.Config.from_yaml(yaml)
+    expect("sender from a receiver config", apd.ConfigError, "`config` is a receiver config", lambda: apd.Sender(cfg))
+    tensors = [np.zeros((8, 4, 2, 16), np.float16) for _ in range(4)]
+    geometry = dict(layers=2, num_blocks=8, block_size=4, hidden=32)
+    expect(
+        "tensor too small",
+        apd.KVCacheError,
+        "tensor 1 has",
+        lambda: apd.KVCache([tensors[0], tensors[1][:4], tensors[2], tensors[3]], **geometry),
+    )
+    expect("wrong tensor count", apd.KVCacheError, "3 tensor(s)", lambda: apd.KVCache(tensors[:3], **geometry))
+    cache = apd.KVCache(tensors, **geometry)
+    receiver = apd.Receiver(cfg)
+    start = receiver.pool_stats()
+    keys = ["py-a@0", "py-a@1"]
+    slots = list(range(20))
+    expect("wrong key count", apd.InvalidArgument, "`keys`", lambda: receiver.submit_load("py-a", keys[:1], cache, slots))
+    expect(
+        "slot beyond the cache",
+        apd.InvalidArgument,
+        "slot_mapping",
+        lambda: receiver.submit_load("py-a", keys, cache, slots[:17] + [32] + slots[18:]),
+    )
+    expect("empty req_id", apd.InvalidArgument, "`req_id`", lambda: receiver.submit_load("", keys, cache, slots))
+    if receiver.available(keys):
+        print("FAIL keys nobody sent are available", file=sys.stderr)
+        failures_add()
+    if receiver.pool_stats() != start:
+        print("FAIL bad input changed the pool", file=sys.stderr)
+        failures_add()
+    receiver.close()
+    expect("closed receiver", apd.ClosedHandle, "closed", lambda: receiver.available(keys))
+    cache.close()
+    cfg.close()
+    if failures:
+        print(f"{failures} check(s) failed", file=sys.stderr)
+        sys.exit(1)
+    print("all python bad-input checks passed")
+
+
+def failures_add():
+    global failures
+    failures += 1
+
+
+if __name__ == "__main__":
+    main()
