@@ -219,7 +219,8 @@ typedef struct {
    */
   uint64_t num_tensors;
   /*
-   Optional `aclrtStream` of the engine (NPU caches only): copies are
+   Optional `aclrtStream` of the engine (NPU caches only), which must
+   belong to `device` (the library cannot check that): copies are
    queued on it, ordered with the engine's kernels. NULL: the cache
    uses a stream of its own.
    */

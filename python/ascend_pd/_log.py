@@ -88,7 +88,9 @@ def set_log_callback(fn: Optional[LogFunction] = None, level: int = logging.WARN
 
 
 def clear_log_callback() -> None:
-    """Stops the library's logging (no callback is called afterwards)."""
+    """Stops the library's logging. A record already being delivered may
+    still reach the previous callback, which is why every callback ever
+    installed stays referenced."""
     global _active
     check(_lib.lib().apd_set_log_callback(_lib.LOG_CALLBACK(), None, 0))
     _active = False

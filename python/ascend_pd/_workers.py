@@ -133,10 +133,25 @@ class _InFlight:
             self._by_id.setdefault(req_id, []).append(cache)
 
     def remove(self, req_id: str) -> None:
+        """Forgets the oldest cache of ``req_id`` (its request completed)."""
         with self._lock:
             caches = self._by_id.get(req_id)
             if caches:
                 caches.pop(0)
+                if not caches:
+                    del self._by_id[req_id]
+
+    def discard(self, req_id: str, cache: KVCache) -> None:
+        """Forgets exactly ``cache`` as added last for ``req_id`` (its submit
+        failed), leaving the cache of a request still running under the
+        same id alone."""
+        with self._lock:
+            caches = self._by_id.get(req_id)
+            if caches:
+                for i in range(len(caches) - 1, -1, -1):
+                    if caches[i] is cache:
+                        del caches[i]
+                        break
                 if not caches:
                     del self._by_id[req_id]
 
@@ -237,7 +252,7 @@ class Sender:
                 )
             )
         except BaseException:
-            self._inflight.remove(rid)
+            self._inflight.discard(rid, cache)
             raise
 
     def poll(self) -> List[Completion]:
@@ -285,6 +300,8 @@ class Sender:
         """Closes the sender (a no-op if already closed).
 
         Saves running now finish, saves not started fail, sockets close.
+        When it returns no save reads any cache any more, so the caches of
+        unfinished requests are released.
         """
         if self._closed:
             return
@@ -377,7 +394,7 @@ class Receiver:
                 )
             )
         except BaseException:
-            self._inflight.remove(rid)
+            self._inflight.discard(rid, cache)
             raise
 
     def poll(self) -> List[Completion]:

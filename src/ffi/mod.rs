@@ -180,7 +180,8 @@ pub struct ApdKvCacheDesc {
     pub tensors: *const ApdKvTensor,
     /// How many tensors.
     pub num_tensors: u64,
-    /// Optional `aclrtStream` of the engine (NPU caches only): copies are
+    /// Optional `aclrtStream` of the engine (NPU caches only), which must
+    /// belong to `device` (the library cannot check that): copies are
     /// queued on it, ordered with the engine's kernels. NULL: the cache
     /// uses a stream of its own.
     pub stream: *mut c_void,
@@ -353,6 +354,21 @@ unsafe fn arg_strs(name: &str, p: *const *const c_char, n: u64) -> Result<Vec<St
         .collect()
 }
 
+/// A struct argument passed by pointer.
+///
+/// # Safety
+/// `p` is null or points to a valid `T`.
+unsafe fn arg_ref<'a, T>(name: &str, p: *const T) -> Result<&'a T, Failure> {
+    if p.is_null() {
+        return Err(Failure::arg(name, "is null"));
+    }
+    if (p as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Failure::arg(name, "is not aligned for its type"));
+    }
+    // SAFETY: non-null, aligned, valid per the contract.
+    Ok(unsafe { &*p })
+}
+
 /// An out-parameter.
 ///
 /// # Safety
@@ -428,11 +444,13 @@ fn fill(dst: &mut [c_char], s: &str) {
 /// `out` is null or points to `capacity` writable completions.
 unsafe fn poll_into(
     backlog: &Mutex<std::collections::VecDeque<Completion>>,
-    fresh: Vec<Completion>,
+    fresh: impl FnOnce() -> Vec<Completion>,
     out_ptr: *mut ApdCompletion,
     capacity: u64,
     count: *mut u64,
 ) -> Result<(), Failure> {
+    // Every argument is checked before anything is taken from the queue,
+    // so a bad call loses no completion.
     // SAFETY: forwarded.
     let count = unsafe { out("count", count) }?;
     if capacity > 0 && out_ptr.is_null() {
@@ -441,9 +459,12 @@ unsafe fn poll_into(
             format!("is null but capacity is {capacity}"),
         ));
     }
+    if (out_ptr as usize) % std::mem::align_of::<ApdCompletion>() != 0 {
+        return Err(Failure::arg("out", "is not aligned for ApdCompletion"));
+    }
     let cap = usize::try_from(capacity).unwrap_or(usize::MAX);
     let mut backlog = lock(backlog);
-    backlog.extend(fresh);
+    backlog.extend(fresh());
     let n = backlog.len().min(cap);
     for i in 0..n {
         let c = backlog.pop_front().expect("n <= len");
@@ -614,11 +635,8 @@ pub unsafe extern "C" fn apd_kv_cache_wrap(
     out_cache: *mut ApdKvCache,
 ) -> i32 {
     call("apd_kv_cache_wrap", || {
-        if desc.is_null() {
-            return Err(Failure::arg("desc", "is null"));
-        }
-        // SAFETY: non-null; valid per the caller's contract.
-        let d = unsafe { &*desc };
+        // SAFETY: forwarded to the caller's contract.
+        let d = unsafe { arg_ref("desc", desc) }?;
         // SAFETY: forwarded.
         let o = unsafe { out("out_cache", out_cache) }?;
         let fmt = match MemFormat::from_code(d.fmt as i64) {
@@ -787,8 +805,8 @@ pub unsafe extern "C" fn apd_sender_submit_save(
                 "is null: pass the receiver's host and ports",
             ));
         }
-        // SAFETY: non-null and valid per the contract.
-        let p = unsafe { &*peer };
+        // SAFETY: forwarded to the caller's contract.
+        let p = unsafe { arg_ref("peer", peer) }?;
         // SAFETY: forwarded.
         let host = unsafe { arg_str("peer.host", p.host) }?;
         if p.init_port == 0 || p.alloc_port == 0 {
@@ -833,7 +851,15 @@ pub unsafe extern "C" fn apd_sender_poll(
     call("apd_sender_poll", || {
         let s = handles::sender(sender.id)?;
         // SAFETY: forwarded to the caller's contract.
-        unsafe { poll_into(&s.backlog, s.queue.poll(), out_completions, capacity, count) }
+        unsafe {
+            poll_into(
+                &s.backlog,
+                || s.queue.poll(),
+                out_completions,
+                capacity,
+                count,
+            )
+        }
     })
 }
 
@@ -902,7 +928,9 @@ pub unsafe extern "C" fn apd_sender_drain(
 #[no_mangle]
 pub extern "C" fn apd_sender_close(sender: ApdSender) -> i32 {
     call("apd_sender_close", || {
-        handles::remove_sender(sender.id).map(drop)
+        // Joined here, even if another thread still holds the sender for
+        // a moment: once this returns no save reads the engine's cache.
+        handles::remove_sender(sender.id).map(|o| o.queue.shutdown())
     })
 }
 
@@ -1010,7 +1038,15 @@ pub unsafe extern "C" fn apd_receiver_poll(
     call("apd_receiver_poll", || {
         let r = handles::receiver(receiver.id)?;
         // SAFETY: forwarded to the caller's contract.
-        unsafe { poll_into(&r.backlog, r.queue.poll(), out_completions, capacity, count) }
+        unsafe {
+            poll_into(
+                &r.backlog,
+                || r.queue.poll(),
+                out_completions,
+                capacity,
+                count,
+            )
+        }
     })
 }
 
@@ -1068,7 +1104,9 @@ pub unsafe extern "C" fn apd_receiver_pool_stats(
 #[no_mangle]
 pub extern "C" fn apd_receiver_close(receiver: ApdReceiver) -> i32 {
     call("apd_receiver_close", || {
-        handles::remove_receiver(receiver.id).map(drop)
+        // Joined here, even if another thread still holds the receiver
+        // for a moment: once this returns no load writes the engine's cache.
+        handles::remove_receiver(receiver.id).map(|o| o.queue.shutdown())
     })
 }
 

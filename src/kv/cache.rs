@@ -584,7 +584,7 @@ impl KvCache {
                 Memory::Npu { stream, .. } => {
                     // SAFETY: the span is device memory of the cache, `dst`
                     // host memory we borrow until the stream is synchronised.
-                    unsafe {
+                    let queued = unsafe {
                         stream.memcpy_async(
                             dst[at..].as_mut_ptr().cast(),
                             n,
@@ -592,8 +592,13 @@ impl KvCache {
                             n,
                             MemcpyKind::DeviceToHost,
                         )
+                    };
+                    if let Err(e) = queued {
+                        // Copies already queued still write `dst`: let them
+                        // finish before the caller gets it back.
+                        let _ = stream.synchronize();
+                        return Err(device_err("reading the cache")(e));
                     }
-                    .map_err(device_err("reading the cache"))?;
                 }
             }
         }
@@ -613,7 +618,7 @@ impl KvCache {
                 },
                 Memory::Npu { stream, .. } => {
                     // SAFETY: as in `read`, the other way round.
-                    unsafe {
+                    let queued = unsafe {
                         stream.memcpy_async(
                             addr as *mut c_void,
                             n,
@@ -621,8 +626,12 @@ impl KvCache {
                             n,
                             MemcpyKind::HostToDevice,
                         )
+                    };
+                    if let Err(e) = queued {
+                        // Copies already queued still read `src`.
+                        let _ = stream.synchronize();
+                        return Err(device_err("writing the cache")(e));
                     }
-                    .map_err(device_err("writing the cache"))?;
                 }
             }
         }

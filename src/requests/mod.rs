@@ -69,7 +69,8 @@ impl std::fmt::Debug for SharedKvCache {
 /// Requests a queue holds before it refuses more.
 pub const MAX_QUEUED: usize = 1024;
 
-/// Worker threads per queue: transfers to or from different peers overlap.
+/// Worker threads per queue: saves to different receivers overlap; loads
+/// into one cache take turns (a load holds the cache for its whole run).
 pub const WORKERS: usize = 2;
 
 /// What a cancel found.
@@ -143,7 +144,11 @@ impl<J> State<J> {
     }
 
     fn submit(&self, id: &str, job: J) -> Result<(), BackendError> {
-        lock(&self.book).submit(id, job).map_err(|r| match r {
+        let mut book = lock(&self.book);
+        if self.stop.load(Ordering::Acquire) {
+            return Err(BackendError::Closed);
+        }
+        book.submit(id, job).map_err(|r| match r {
             Refused::Duplicate => BackendError::InvalidInput(format!(
                 "request {id:?} is already queued or running: wait for it to finish (poll) or \
                  cancel it before submitting it again"
@@ -152,6 +157,7 @@ impl<J> State<J> {
                 "{n} requests are already queued: poll finished ones and submit later"
             )),
         })?;
+        drop(book);
         self.wake.notify_one();
         Ok(())
     }
@@ -162,10 +168,16 @@ impl<J> State<J> {
 
     /// Stops the workers; jobs not started are failed (and returned to be
     /// released).
-    fn shut_down(&self, workers: &mut Vec<JoinHandle<()>>) -> Vec<(String, J)> {
-        self.stop.store(true, Ordering::Release);
+    fn shut_down(&self, workers: &Mutex<Vec<JoinHandle<()>>>) -> Vec<(String, J)> {
+        // Set under the book's lock: a submit either got in before (and is
+        // drained below) or sees the flag.
+        {
+            let _book = lock(&self.book);
+            self.stop.store(true, Ordering::Release);
+        }
         self.wake.notify_all();
-        for w in workers.drain(..) {
+        let workers: Vec<_> = lock(workers).drain(..).collect();
+        for w in workers {
             let _ = w.join();
         }
         lock(&self.book).drain("the queue was closed before the request started")
@@ -197,8 +209,9 @@ pub struct SaveQueue {
     sender: Arc<Sender>,
     state: Arc<State<SaveJob>>,
     saved: Arc<Mutex<VecDeque<(String, Saved)>>>,
-    cancels: Option<crossbeam_channel::Sender<(String, Saved)>>,
-    workers: Vec<JoinHandle<()>>,
+    cancels: Mutex<Option<crossbeam_channel::Sender<(String, Saved)>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    cancel_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// Saves remembered for late cancels.
@@ -207,61 +220,71 @@ const SAVED_MEMORY: usize = 1024;
 impl SaveQueue {
     /// A queue whose workers save through `sender`.
     pub fn new(sender: Arc<Sender>) -> Result<SaveQueue, BackendError> {
-        let state = State::new();
-        let saved = Arc::new(Mutex::new(VecDeque::new()));
         let (cancels, cancel_rx) = crossbeam_channel::unbounded::<(String, Saved)>();
-        let mut q = SaveQueue {
+        let q = SaveQueue {
             sender,
-            state,
-            saved,
-            cancels: Some(cancels),
-            workers: Vec::new(),
+            state: State::new(),
+            saved: Arc::new(Mutex::new(VecDeque::new())),
+            cancels: Mutex::new(Some(cancels)),
+            workers: Mutex::new(Vec::new()),
+            cancel_thread: Mutex::new(None),
         };
+        let sender = Arc::clone(&q.sender);
+        *lock(&q.cancel_thread) = Some(crate::backend::spawn("apd-save-cancel", move || {
+            for (id, (keys, spec)) in cancel_rx {
+                match sender.cancel(&id, &keys, &spec) {
+                    Ok(dropped) => log::debug!(
+                        "request {id:?}: the receiver dropped {} of {} key(s)",
+                        dropped.len(),
+                        keys.len()
+                    ),
+                    Err(e) => log::warn!("cancelling request {id:?} at its receiver: {e}"),
+                }
+            }
+        })?);
         for i in 0..WORKERS {
             let (sender, state, saved) = (
                 Arc::clone(&q.sender),
                 Arc::clone(&q.state),
                 Arc::clone(&q.saved),
             );
-            let cancels = q.cancels.clone().expect("set above");
-            q.workers.push(crate::backend::spawn(
-                &format!("apd-save-{i}"),
-                move || {
-                    while let Some((id, job)) = state.next() {
-                        let r = run_save(&sender, &job);
-                        if let Err(e) = &r {
-                            log::warn!("save of request {id:?} failed: {e}");
-                        }
-                        let ok = r.is_ok();
-                        let cancelled = lock(&state.book).finish(&id, r);
-                        let what = (job.req.keys, job.req.spec);
-                        if cancelled && ok {
-                            let _ = cancels.send((id, what));
-                        } else if ok {
-                            let mut s = lock(&saved);
-                            s.push_back((id, what));
-                            if s.len() > SAVED_MEMORY {
-                                s.pop_front();
-                            }
+            let cancels = lock(&q.cancels).clone().expect("set above");
+            let worker = crate::backend::spawn(&format!("apd-save-{i}"), move || {
+                while let Some((id, job)) = state.next() {
+                    let r = run_save(&sender, &job);
+                    if let Err(e) = &r {
+                        log::warn!("save of request {id:?} failed: {e}");
+                    }
+                    let what = (job.req.keys, job.req.spec);
+                    // Remembered before the end is published, so a cancel
+                    // that follows the poll always finds it.
+                    if r.is_ok() {
+                        let mut s = lock(&saved);
+                        s.push_back((id.clone(), what.clone()));
+                        if s.len() > SAVED_MEMORY {
+                            s.pop_front();
                         }
                     }
-                },
-            )?);
-        }
-        let sender = Arc::clone(&q.sender);
-        q.workers
-            .push(crate::backend::spawn("apd-save-cancel", move || {
-                for (id, (keys, spec)) in cancel_rx {
-                    match sender.cancel(&id, &keys, &spec) {
-                        Ok(dropped) => log::debug!(
-                            "request {id:?}: the receiver dropped {} of {} key(s)",
-                            dropped.len(),
-                            keys.len()
-                        ),
-                        Err(e) => log::warn!("cancelling request {id:?} at its receiver: {e}"),
+                    if lock(&state.book).finish(&id, r) {
+                        // Cancelled while it ran: whatever reached the
+                        // receiver is dropped there.
+                        let mut s = lock(&saved);
+                        if let Some(i) = s.iter().position(|(k, _)| *k == id) {
+                            s.remove(i);
+                        }
+                        drop(s);
+                        let _ = cancels.send((id, what));
                     }
                 }
-            })?);
+            });
+            match worker {
+                Ok(w) => lock(&q.workers).push(w),
+                Err(e) => {
+                    q.shutdown();
+                    return Err(e);
+                }
+            }
+        }
         Ok(q)
     }
 
@@ -309,7 +332,8 @@ impl SaveQueue {
                         .position(|(id, _)| id == req_id)
                         .and_then(|i| saved.remove(i))
                 };
-                match (found, &self.cancels) {
+                let tx = lock(&self.cancels).clone();
+                match (found, tx) {
                     (Some(s), Some(tx)) => {
                         let _ = tx.send(s);
                         CancelState::AlreadyEnded
@@ -326,25 +350,29 @@ impl SaveQueue {
         lock(&self.state.book).in_flight()
     }
 
-    /// Stops the workers after the saves running now; saves not started
-    /// are reported as failed. Pending cancels are still sent.
-    pub fn close(mut self) {
-        self.stop();
-    }
-
-    fn stop(&mut self) {
-        let cancel_thread = self.workers.pop();
-        let _ = self.state.shut_down(&mut self.workers);
-        self.cancels = None;
-        if let Some(t) = cancel_thread {
+    /// Stops the workers after the saves running now (when it returns, no
+    /// worker reads the engine's cache any more); saves not started are
+    /// reported as failed, later submits fail, pending cancels are sent.
+    /// Safe to call more than once and from any thread.
+    pub fn shutdown(&self) {
+        let _ = self.state.shut_down(&self.workers);
+        // The workers' senders are gone with them; this was the last.
+        lock(&self.cancels).take();
+        let t = lock(&self.cancel_thread).take();
+        if let Some(t) = t {
             let _ = t.join();
         }
+    }
+
+    /// [`SaveQueue::shutdown`], consuming the queue.
+    pub fn close(self) {
+        self.shutdown();
     }
 }
 
 impl Drop for SaveQueue {
     fn drop(&mut self) {
-        self.stop();
+        self.shutdown();
     }
 }
 
@@ -417,7 +445,7 @@ struct LoadJob {
 pub struct LoadQueue {
     receiver: Arc<Receiver>,
     state: Arc<State<LoadJob>>,
-    workers: Vec<JoinHandle<()>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// Whether a request's KV can be loaded.
@@ -437,45 +465,47 @@ pub enum Availability {
 impl LoadQueue {
     /// A queue whose workers load through `receiver`.
     pub fn new(receiver: Arc<Receiver>) -> Result<LoadQueue, BackendError> {
-        let state = State::new();
-        let mut q = LoadQueue {
+        let q = LoadQueue {
             receiver,
-            state,
-            workers: Vec::new(),
+            state: State::new(),
+            workers: Mutex::new(Vec::new()),
         };
         for i in 0..WORKERS {
             let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
-            q.workers.push(crate::backend::spawn(
-                &format!("apd-load-{i}"),
-                move || {
-                    while let Some((id, job)) = state.next() {
-                        let r = {
-                            let mut cache = job.cache.lock();
-                            receiver
-                                .load(&job.req.keys, &job.req.slot_mapping, &mut cache)
-                                .map(|_| ())
-                                .map_err(err_text)
-                        };
-                        if let Err(e) = &r {
-                            log::warn!("load of request {id:?} failed: {e}");
-                        }
-                        if r.is_ok() {
-                            // The data is in the engine's cache: its pages
-                            // go back to the pool.
-                            for k in &job.req.keys {
-                                receiver.remove(k);
-                            }
-                        } else {
-                            // Nothing of a failed load stays, not even keys
-                            // that land later.
-                            receiver.cancel(&id, &job.req.keys);
-                        }
-                        if lock(&state.book).finish(&id, r) {
-                            receiver.cancel(&id, &job.req.keys);
-                        }
+            let worker = crate::backend::spawn(&format!("apd-load-{i}"), move || {
+                while let Some((id, job)) = state.next() {
+                    let r = {
+                        let mut cache = job.cache.lock();
+                        receiver
+                            .load(&job.req.keys, &job.req.slot_mapping, &mut cache)
+                            .map(|_| ())
+                            .map_err(err_text)
+                    };
+                    if let Err(e) = &r {
+                        log::warn!("load of request {id:?} failed: {e}");
                     }
-                },
-            )?);
+                    if r.is_ok() {
+                        // The data is in the engine's cache: its pages go
+                        // back to the pool (a cancel meanwhile changes
+                        // nothing more).
+                        for k in &job.req.keys {
+                            receiver.remove(k);
+                        }
+                    } else {
+                        // A failed load is final for its keys: those stored
+                        // are dropped, those still landing when they land.
+                        receiver.cancel(&id, &job.req.keys);
+                    }
+                    lock(&state.book).finish(&id, r);
+                }
+            });
+            match worker {
+                Ok(w) => lock(&q.workers).push(w),
+                Err(e) => {
+                    q.shutdown();
+                    return Err(e);
+                }
+            }
         }
         Ok(q)
     }
@@ -529,20 +559,27 @@ impl LoadQueue {
         self.state.poll()
     }
 
-    /// Cancels request `req_id` whose chunks are `keys`: a load not started
-    /// is dropped, a running one is reported as cancelled when it ends, and
-    /// whatever this receiver holds of `keys` is dropped now (or when it
-    /// lands) — pull-delay proxies are discarded, so their senders release
-    /// their pins. Cancel the prefill side too if its save has not ended:
-    /// keys that arrive later are kept.
+    /// Cancels request `req_id` whose chunks are `keys`. A load not
+    /// started is dropped, and what this receiver holds of `keys` is
+    /// dropped now (or when it lands) — pull-delay proxies are discarded,
+    /// so their senders release their pins. A running load is reported as
+    /// cancelled when it ends (its pages come back as after any load). A
+    /// load that already ended left nothing here: nothing is dropped, so
+    /// keys another request brought since stay. Cancel the prefill side too
+    /// if its save has not ended: keys that arrive later are kept.
     pub fn cancel(&self, req_id: &str, keys: &[String]) -> CancelState {
         let verdict = lock(&self.state.book).cancel(req_id);
-        self.receiver.cancel(req_id, keys);
         match verdict {
-            Cancel::Dequeued(_) => CancelState::NotStarted,
+            Cancel::Dequeued(job) => {
+                self.receiver.cancel(req_id, &job.req.keys);
+                CancelState::NotStarted
+            }
             Cancel::WhenDone => CancelState::Cancelling,
             Cancel::AlreadyEnded => CancelState::AlreadyEnded,
-            Cancel::Unknown => CancelState::Unknown,
+            Cancel::Unknown => {
+                self.receiver.cancel(req_id, keys);
+                CancelState::Unknown
+            }
         }
     }
 
@@ -551,22 +588,25 @@ impl LoadQueue {
         lock(&self.state.book).in_flight()
     }
 
-    /// Stops the workers after the loads running now; loads not started
-    /// are reported as failed and their keys dropped.
-    pub fn close(mut self) {
-        self.stop();
-    }
-
-    fn stop(&mut self) {
-        for (id, job) in self.state.shut_down(&mut self.workers) {
+    /// Stops the workers after the loads running now (when it returns, no
+    /// worker writes the engine's cache any more); loads not started are
+    /// reported as failed and their keys dropped, later submits fail. Safe
+    /// to call more than once and from any thread.
+    pub fn shutdown(&self) {
+        for (id, job) in self.state.shut_down(&self.workers) {
             self.receiver.cancel(&id, &job.req.keys);
         }
+    }
+
+    /// [`LoadQueue::shutdown`], consuming the queue.
+    pub fn close(self) {
+        self.shutdown();
     }
 }
 
 impl Drop for LoadQueue {
     fn drop(&mut self) {
-        self.stop();
+        self.shutdown();
     }
 }
 
