@@ -208,6 +208,7 @@ fn message() -> impl Strategy<Value = Message> {
                     shape,
                     dtype,
                     last_chunk_toks,
+                    ..Default::default()
                 })
             }),
         (

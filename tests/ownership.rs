@@ -113,6 +113,7 @@ impl LateWriter {
             shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
             dtype: layout.dtype.name().into(),
             last_chunk_toks: layout.tokens as u64,
+            ..Default::default()
         };
         self.req
             .send(Message::AllocRequest(req).encode(), 0)

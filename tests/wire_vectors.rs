@@ -11,8 +11,8 @@
 use std::path::PathBuf;
 
 use ascend_pd::protocol::{
-    AllocRequest, AscendAllocResponse, CancelNotif, DecodeError, Message, ProxyNotif,
-    PullDoneSignal, PullReadyDoneAck, PullReadyNotif,
+    AllocRequest, AscendAllocResponse, CacheQueryRequest, CacheQueryResponse, CancelNotif,
+    DecodeError, Message, ProxyNotif, PullDoneSignal, PullReadyDoneAck, PullReadyNotif,
 };
 
 fn data_dir() -> PathBuf {
@@ -46,6 +46,7 @@ fn expected() -> Vec<(&'static str, Message)> {
                 shape: vec![2, 36, 256, 1024],
                 dtype: "bfloat16".to_owned(),
                 last_chunk_toks: 77,
+                ..Default::default()
             }
             .into(),
         ),
@@ -185,6 +186,14 @@ fn typed_decoders_accept_their_vectors_and_reject_others() {
                 CancelNotif::TYPE,
                 CancelNotif::decode(&bytes).map(Message::from),
             ),
+            (
+                CacheQueryRequest::TYPE,
+                CacheQueryRequest::decode(&bytes).map(Message::from),
+            ),
+            (
+                CacheQueryResponse::TYPE,
+                CacheQueryResponse::decode(&bytes).map(Message::from),
+            ),
         ];
         for (decoder, result) in results {
             if decoder == t {
@@ -203,26 +212,62 @@ fn typed_decoders_accept_their_vectors_and_reject_others() {
     }
 }
 
-/// Upstream LMCache's newer messages this backend speaks (from
-/// `upstream/`): encoded byte for byte, decoded back, and checked against
-/// `upstream/index.json`.
+/// Upstream LMCache's newer messages (from `upstream/`): encoded byte for
+/// byte, decoded back, and checked against `upstream/index.json`; every
+/// entry of that index has a test.
 fn upstream_expected() -> Vec<(&'static str, Message)> {
-    vec![(
-        "cancel_notif",
-        CancelNotif {
-            req_id: "cmpl-3f2a9c1d-0".to_owned(),
-            keys: strings(&[KEY1, KEY2]),
-        }
-        .into(),
-    )]
+    vec![
+        (
+            "alloc_request_async",
+            AllocRequest {
+                keys: strings(&[KEY1, KEY2]),
+                fmt: 1,
+                shape: vec![2, 36, 256, 1024],
+                dtype: "bfloat16".to_owned(),
+                last_chunk_toks: 256,
+                req_id: Some("cmpl-3f2a9c1d-0".to_owned()),
+                is_last_batch: Some(true),
+                total_chunks: Some(2),
+            }
+            .into(),
+        ),
+        (
+            "cache_query_request",
+            CacheQueryRequest {
+                keys: strings(&[KEY1, KEY2, KEY3]),
+            }
+            .into(),
+        ),
+        (
+            "cache_query_response",
+            CacheQueryResponse {
+                cached_keys: strings(&[KEY1, KEY3]),
+                cached_indexes: vec![0, 2],
+            }
+            .into(),
+        ),
+        (
+            "cancel_notif",
+            CancelNotif {
+                req_id: "cmpl-3f2a9c1d-0".to_owned(),
+                keys: strings(&[KEY1, KEY2]),
+            }
+            .into(),
+        ),
+    ]
 }
 
 #[test]
-fn upstream_cancel_notif_encodes_and_decodes_byte_for_byte() {
+fn upstream_messages_encode_and_decode_byte_for_byte() {
     let text = String::from_utf8(read("upstream/index.json")).expect("UTF-8");
     let Json::Obj(entries) = Json::parse(&text).expect("upstream/index.json parses") else {
         panic!("upstream/index.json: top level is not an object");
     };
+    let mut listed: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+    let mut tested: Vec<&str> = upstream_expected().iter().map(|(n, _)| *n).collect();
+    listed.sort_unstable();
+    tested.sort_unstable();
+    assert_eq!(listed, tested, "every upstream vector has a test");
     for (name, msg) in upstream_expected() {
         let want = read(&format!("upstream/{name}.msgpack"));
         let got = msg.encode();
@@ -310,6 +355,15 @@ fn to_json(m: &Message) -> Json {
             f.push(("shape", ints(&m.shape)));
             f.push(("dtype", Json::Str(m.dtype.clone())));
             f.push(("last_chunk_toks", uint(m.last_chunk_toks)));
+            if let Some(r) = &m.req_id {
+                f.push(("req_id", Json::Str(r.clone())));
+            }
+            if let Some(b) = m.is_last_batch {
+                f.push(("is_last_batch", Json::Bool(b)));
+            }
+            if let Some(n) = m.total_chunks {
+                f.push(("total_chunks", uint(n)));
+            }
         }
         Message::AscendAllocResponse(m) => {
             f.push(("already_sent_indexes", ints(&m.already_sent_indexes)));
@@ -338,6 +392,11 @@ fn to_json(m: &Message) -> Json {
         Message::CancelNotif(m) => {
             f.push(("req_id", Json::Str(m.req_id.clone())));
             f.push(("keys", strs(&m.keys)));
+        }
+        Message::CacheQueryRequest(m) => f.push(("keys", strs(&m.keys))),
+        Message::CacheQueryResponse(m) => {
+            f.push(("cached_keys", strs(&m.cached_keys)));
+            f.push(("cached_indexes", ints(&m.cached_indexes)));
         }
     }
     Json::Obj(f.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())

@@ -31,9 +31,11 @@ pub enum MessageKind {
     BreakerSkip,
     /// `CancelNotif` sent or received.
     CancelNotif,
+    /// `CacheQueryRequest` received.
+    CacheQuery,
 }
 
-const KINDS: usize = 13;
+const KINDS: usize = 14;
 
 impl MessageKind {
     /// Every kind, in counter order.
@@ -51,6 +53,7 @@ impl MessageKind {
         MessageKind::TransferError,
         MessageKind::BreakerSkip,
         MessageKind::CancelNotif,
+        MessageKind::CacheQuery,
     ];
 
     /// A snake_case name for metrics.
@@ -69,6 +72,7 @@ impl MessageKind {
             MessageKind::TransferError => "transfer_error",
             MessageKind::BreakerSkip => "breaker_skip",
             MessageKind::CancelNotif => "cancel_notif",
+            MessageKind::CacheQuery => "cache_query",
         }
     }
 }

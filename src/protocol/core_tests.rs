@@ -103,6 +103,7 @@ fn alloc_request(k: &[&str], last: u64) -> AllocRequest {
         shape: vec![2, 1, 4, 2],
         dtype: "int8".into(),
         last_chunk_toks: last,
+        ..Default::default()
     }
 }
 
@@ -2388,4 +2389,30 @@ fn cancel_discards_proxies_and_returns_the_pulls_done() {
     let done = second.removed[0].1.done.as_ref().expect("the pull's Done");
     assert_eq!(done.signal.pull_id, id);
     assert_eq!(ks.counters().proxies, 0);
+}
+
+/// The decoder cache probe names the keys held in any state, with their
+/// positions in the query.
+#[test]
+fn a_cache_query_names_held_keys_by_position() {
+    let t0 = Instant::now();
+    let sender_pool = pool(2);
+    let pool = pool(8);
+    let mut ks = receiver();
+    let r = push(&mut ks, &alloc_request(&["landed"], 4), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r.response),
+        t0,
+    );
+    push(&mut ks, &alloc_request(&["landing"], 4), t0, &pool);
+    let sp = alloc(&sender_pool, 1);
+    delay(&mut ks, &notif(&lease_id(t0 + LEASE), &["proxy"], &sp), t0);
+    let q = ks.query(&keys(&["nope", "landed", "landing", "x", "proxy"]));
+    assert_eq!(q.cached_keys, keys(&["landed", "landing", "proxy"]));
+    assert_eq!(q.cached_indexes, vec![1, 2, 4]);
+    assert!(ks.query(&[]).cached_keys.is_empty());
 }

@@ -31,11 +31,15 @@ pub enum MessageType {
     /// [`CancelNotif`]: upstream LMCache's "drop what this request holds"
     /// (sender → receiver, on the allocation socket).
     CancelNotif,
+    /// [`CacheQueryRequest`]: upstream LMCache's decoder cache probe.
+    CacheQueryRequest,
+    /// [`CacheQueryResponse`]: the reply to a [`CacheQueryRequest`].
+    CacheQueryResponse,
 }
 
 impl MessageType {
     /// Every message type, in the order of the protocol table.
-    pub const ALL: [MessageType; 7] = [
+    pub const ALL: [MessageType; 9] = [
         MessageType::AllocRequest,
         MessageType::AscendAllocResponse,
         MessageType::PullReadyNotif,
@@ -43,6 +47,8 @@ impl MessageType {
         MessageType::PullDoneSignal,
         MessageType::ProxyNotif,
         MessageType::CancelNotif,
+        MessageType::CacheQueryRequest,
+        MessageType::CacheQueryResponse,
     ];
 
     /// The wire name (value of the `"type"` key), e.g. `"AllocRequest"`.
@@ -55,6 +61,8 @@ impl MessageType {
             MessageType::PullDoneSignal => "PullDoneSignal",
             MessageType::ProxyNotif => "ProxyNotif",
             MessageType::CancelNotif => "CancelNotif",
+            MessageType::CacheQueryRequest => "CacheQueryRequest",
+            MessageType::CacheQueryResponse => "CacheQueryResponse",
         }
     }
 
@@ -87,6 +95,13 @@ pub struct AllocRequest {
     pub dtype: String,
     /// Number of tokens in the last key's chunk (only it may be partial).
     pub last_chunk_toks: u64,
+    /// Upstream LMCache's async backend: the request these keys belong to
+    /// (absent in LMCache-Ascend's five-field form, which we send).
+    pub req_id: Option<String>,
+    /// Upstream async backend: whether this is the request's last batch.
+    pub is_last_batch: Option<bool>,
+    /// Upstream async backend: chunks of the whole request.
+    pub total_chunks: Option<u64>,
 }
 
 /// Push mode: the receiver's reply to an [`AllocRequest`].
@@ -173,6 +188,24 @@ pub struct CancelNotif {
     pub keys: Vec<String>,
 }
 
+/// Upstream LMCache's decoder cache probe: which of `keys` does the
+/// receiver already hold? Answered on the allocation socket (and on
+/// `pd_peer_query_port` when configured) by a [`CacheQueryResponse`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CacheQueryRequest {
+    /// Cache keys to look up.
+    pub keys: Vec<String>,
+}
+
+/// The answer to a [`CacheQueryRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CacheQueryResponse {
+    /// The keys held, in query order.
+    pub cached_keys: Vec<String>,
+    /// Their positions in the query's `keys`.
+    pub cached_indexes: Vec<u64>,
+}
+
 /// Any side-channel message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
@@ -190,6 +223,10 @@ pub enum Message {
     ProxyNotif(ProxyNotif),
     /// See [`CancelNotif`].
     CancelNotif(CancelNotif),
+    /// See [`CacheQueryRequest`].
+    CacheQueryRequest(CacheQueryRequest),
+    /// See [`CacheQueryResponse`].
+    CacheQueryResponse(CacheQueryResponse),
 }
 
 impl Message {
@@ -203,6 +240,8 @@ impl Message {
             Message::PullDoneSignal(_) => MessageType::PullDoneSignal,
             Message::ProxyNotif(_) => MessageType::ProxyNotif,
             Message::CancelNotif(_) => MessageType::CancelNotif,
+            Message::CacheQueryRequest(_) => MessageType::CacheQueryRequest,
+            Message::CacheQueryResponse(_) => MessageType::CacheQueryResponse,
         }
     }
 
@@ -218,6 +257,8 @@ impl Message {
             Message::PullDoneSignal(m) => m.try_encode(),
             Message::ProxyNotif(m) => m.try_encode(),
             Message::CancelNotif(m) => m.try_encode(),
+            Message::CacheQueryRequest(m) => m.try_encode(),
+            Message::CacheQueryResponse(m) => m.try_encode(),
         }
     }
 
@@ -247,6 +288,9 @@ impl Message {
                 shape: fields.required("shape")?,
                 dtype: fields.required("dtype")?,
                 last_chunk_toks: fields.required("last_chunk_toks")?,
+                req_id: fields.get("req_id")?,
+                is_last_batch: fields.get("is_last_batch")?,
+                total_chunks: fields.get("total_chunks")?,
             }),
             MessageType::AscendAllocResponse => Message::AscendAllocResponse(AscendAllocResponse {
                 already_sent_indexes: fields.required("already_sent_indexes")?,
@@ -280,6 +324,13 @@ impl Message {
                 req_id: fields.required("req_id")?,
                 keys: fields.required("keys")?,
             }),
+            MessageType::CacheQueryRequest => Message::CacheQueryRequest(CacheQueryRequest {
+                keys: fields.required("keys")?,
+            }),
+            MessageType::CacheQueryResponse => Message::CacheQueryResponse(CacheQueryResponse {
+                cached_keys: fields.required("cached_keys")?,
+                cached_indexes: fields.required("cached_indexes")?,
+            }),
         })
     }
 }
@@ -293,7 +344,7 @@ fn unwrap_encoded(r: Result<Vec<u8>, EncodeError>) -> Vec<u8> {
 
 /// Every field name of every message; only entries with these keys are
 /// kept after the first pass, so unknown keys cost no memory.
-const KNOWN_FIELDS: [&str; 15] = [
+const KNOWN_FIELDS: [&str; 19] = [
     "keys",
     "fmt",
     "shape",
@@ -309,6 +360,10 @@ const KNOWN_FIELDS: [&str; 15] = [
     "sender_id",
     "sender_done_url",
     "req_id",
+    "is_last_batch",
+    "total_chunks",
+    "cached_keys",
+    "cached_indexes",
 ];
 
 /// One map entry whose key is a known field name, with its raw value bytes.
@@ -605,13 +660,28 @@ fn hint(strings: &[&[String]], single: &[&str], ints: usize) -> usize {
 
 impl AllocRequest {
     fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
-        let size = hint(&[&self.keys], &[&self.dtype], self.shape.len() + 2);
-        let mut e = Enc::new(MessageType::AllocRequest, 5, size)?;
+        let rid = self.req_id.as_deref().unwrap_or("");
+        let size = hint(&[&self.keys], &[&self.dtype, rid], self.shape.len() + 4);
+        // The five-field form unless the upstream async fields are set;
+        // those that are follow in upstream's order.
+        let extra = usize::from(self.req_id.is_some())
+            + usize::from(self.is_last_batch.is_some())
+            + usize::from(self.total_chunks.is_some());
+        let mut e = Enc::new(MessageType::AllocRequest, 5 + extra, size)?;
         e.str_list("keys", &self.keys)?;
         e.int("fmt", self.fmt)?;
         e.uint_list("shape", &self.shape)?;
         e.str("dtype", &self.dtype)?;
         e.uint("last_chunk_toks", self.last_chunk_toks)?;
+        if let Some(r) = &self.req_id {
+            e.str("req_id", r)?;
+        }
+        if let Some(b) = self.is_last_batch {
+            e.bool("is_last_batch", b)?;
+        }
+        if let Some(n) = self.total_chunks {
+            e.uint("total_chunks", n)?;
+        }
         Ok(e.finish())
     }
 }
@@ -699,6 +769,28 @@ impl CancelNotif {
     }
 }
 
+impl CacheQueryRequest {
+    fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut e = Enc::new(
+            MessageType::CacheQueryRequest,
+            1,
+            hint(&[&self.keys], &[], 0),
+        )?;
+        e.str_list("keys", &self.keys)?;
+        Ok(e.finish())
+    }
+}
+
+impl CacheQueryResponse {
+    fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
+        let size = hint(&[&self.cached_keys], &[], self.cached_indexes.len());
+        let mut e = Enc::new(MessageType::CacheQueryResponse, 2, size)?;
+        e.str_list("cached_keys", &self.cached_keys)?;
+        e.uint_list("cached_indexes", &self.cached_indexes)?;
+        Ok(e.finish())
+    }
+}
+
 /// Per-message API: type constant, encoding, typed decoding and
 /// conversions to and from [`Message`].
 macro_rules! wire_message {
@@ -765,3 +857,5 @@ wire_message!(PullReadyDoneAck);
 wire_message!(PullDoneSignal);
 wire_message!(ProxyNotif);
 wire_message!(CancelNotif);
+wire_message!(CacheQueryRequest);
+wire_message!(CacheQueryResponse);

@@ -65,8 +65,9 @@ pub use context::{ReadOutcome, SendPullDone, SlotState, TransferContext};
 pub use error::{DecodeError, EncodeError};
 pub use lease::{ClockMap, PullId};
 pub use messages::{
-    AllocRequest, AscendAllocResponse, CancelNotif, Message, MessageType, ProxyNotif,
-    PullDoneSignal, PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
+    AllocRequest, AscendAllocResponse, CacheQueryRequest, CacheQueryResponse, CancelNotif, Message,
+    MessageType, ProxyNotif, PullDoneSignal, PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD,
+    FMT_MLA, TYPE_KEY,
 };
 pub use notice::{PushNotice, PushOutcome};
 pub use pending::PullCounters;

@@ -605,6 +605,21 @@ impl ReceiverCore {
         self.entries.contains_key(key)
     }
 
+    /// Upstream LMCache's decoder cache probe: the keys of `keys` this
+    /// store holds in any state (landed, landing, or a pull-delay proxy —
+    /// the states an `AllocRequest` would count as already sent), with
+    /// their positions in `keys`.
+    pub fn query(&self, keys: &[String]) -> super::CacheQueryResponse {
+        let mut r = super::CacheQueryResponse::default();
+        for (i, k) in keys.iter().enumerate() {
+            if self.entries.contains_key(k) {
+                r.cached_keys.push(k.clone());
+                r.cached_indexes.push(i as u64);
+            }
+        }
+        r
+    }
+
     /// The state of `key`, if present.
     pub fn state(&self, key: &str) -> Option<KeyState> {
         self.entries.get(key).map(Entry::state)

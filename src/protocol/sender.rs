@@ -789,6 +789,8 @@ impl SenderCore {
                 shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
                 dtype: layout.dtype.name().to_string(),
                 last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
+                // LMCache-Ascend's five-field form: its peers know no more.
+                ..AllocRequest::default()
             };
             let route = self.route(&put.spec.peer_key);
             put.state = State::Allocating {

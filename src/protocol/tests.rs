@@ -18,6 +18,7 @@ fn alloc_request() -> AllocRequest {
         shape: vec![2, 36, 256, 1024],
         dtype: "bfloat16".to_owned(),
         last_chunk_toks: 77,
+        ..Default::default()
     }
 }
 

@@ -413,6 +413,7 @@ mod tests {
             shape: vec![2, 2, 4, 8],
             dtype: "bfloat16".into(),
             last_chunk_toks: 3,
+            ..Default::default()
         }
     }
 

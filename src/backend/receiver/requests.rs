@@ -20,8 +20,9 @@ use crate::config::TransferMode;
 use crate::memory::MemObj;
 use crate::protocol::notice::{encode_reply, route_node};
 use crate::protocol::{
-    AllocRequest, AscendAllocResponse, CancelNotif, EagerRead, Message, PullReadyDoneAck,
-    PullReadyNotif, PushNotice, Retry, SendPullDone, Verdict, WaitQueue, MAX_WAITING,
+    AllocRequest, AscendAllocResponse, CacheQueryResponse, CancelNotif, EagerRead, Message,
+    PullReadyDoneAck, PullReadyNotif, PushNotice, Retry, SendPullDone, Verdict, WaitQueue,
+    MAX_WAITING,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -119,6 +120,9 @@ fn failure_for(frame: &[u8], why: &str) -> Vec<u8> {
     }
     match Message::decode(frame) {
         Ok(Message::PullReadyNotif(_)) => failed_ack(),
+        Ok(Message::CacheQueryRequest(_)) => {
+            Message::CacheQueryResponse(CacheQueryResponse::default()).encode()
+        }
         // Nothing was dropped.
         Ok(Message::CancelNotif(c)) => Message::CancelNotif(CancelNotif {
             req_id: c.req_id,
@@ -292,6 +296,10 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
             Ok(Parked::Pull(notif, arrived))
+        }
+        Message::CacheQueryRequest(q) => {
+            s.counters.bump(MessageKind::CacheQuery);
+            Err(Message::CacheQueryResponse(lock(&s.core).query(&q.keys)).encode())
         }
         Message::CancelNotif(c) => {
             s.counters.bump(MessageKind::CancelNotif);
