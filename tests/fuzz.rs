@@ -331,6 +331,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                 buffers,
                 endpoint,
                 clock_us,
+                incarnation: clock_us.rotate_left(7),
             },
         )
 }

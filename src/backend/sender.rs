@@ -57,6 +57,8 @@ pub struct SenderStats {
     pub grants: GrantStats,
     /// Push notices receivers refused.
     pub notices_refused: u64,
+    /// Receivers found restarted on a put (which then went to the new process).
+    pub receiver_restarts: u64,
 }
 
 /// Side-channel timing of a sender (defaults suit loopback and LAN peers).
@@ -542,6 +544,7 @@ impl Sender {
             .exchange
             .expect("the connecting side records its exchange");
         Ok(Attached {
+            incarnation: a.remote.incarnation,
             peer: a.peer,
             lease: a.lease,
             clock: ClockMap::measure(sent, received, a.remote.clock_us),
@@ -565,6 +568,7 @@ impl Sender {
             bytes_written: s.counters.bytes(),
             grants: s.channel.grant_stats(),
             notices_refused: c.notices_refused,
+            receiver_restarts: c.receiver_restarts,
         }
     }
 

@@ -61,6 +61,20 @@ pub struct Hello {
     pub endpoint: Endpoint,
     /// The sender's monotonic clock when the hello left (µs, its own epoch).
     pub clock_us: u64,
+    /// Which start of the peer this is: it changes when the process (or
+    /// the sender/receiver in it) restarts, and only then. Derived from
+    /// the buffer table, whose uuids are new at every start; 0 from a peer
+    /// that does not send it.
+    pub incarnation: u64,
+}
+
+/// The incarnation of a side whose buffers are `buffers` (see
+/// [`Hello::incarnation`]): their uuids folded together.
+pub fn incarnation_of(buffers: &[BufferDesc]) -> u64 {
+    buffers.iter().fold(0x9e37_79b9_7f4a_7c15, |acc, b| {
+        let (hi, lo) = b.uuid.as_u64_pair();
+        (acc ^ hi).rotate_left(17) ^ lo
+    })
 }
 
 /// What both sides agreed on.
@@ -86,6 +100,7 @@ impl Hello {
         lease: Duration,
         channel: &dyn TransferChannel,
     ) -> Hello {
+        let buffers = channel.local_table();
         Hello {
             version: HANDSHAKE_VERSION,
             node: node.to_string(),
@@ -93,7 +108,8 @@ impl Hello {
             mode,
             channel: channel.kind(),
             lease,
-            buffers: channel.local_table(),
+            incarnation: incarnation_of(&buffers),
+            buffers,
             endpoint: channel.endpoint(),
             clock_us: 0,
         }
@@ -142,9 +158,9 @@ impl Hello {
     /// before it (see [`crate::auth`]).
     fn encode_sealed(&self, error: Option<&str>, seal: Option<&Seal<'_>>) -> Vec<u8> {
         let mut w = Writer::with_capacity(256);
-        // Nine fields and `error` (nil when accepting), then the seal's.
+        // Ten fields and `error` (nil when accepting), then the seal's.
         let sealed = seal.map_or(0, |s| 1 + usize::from(s.send_nonce.is_some()));
-        w.map_len(10 + sealed).expect("small map");
+        w.map_len(11 + sealed).expect("small map");
         let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
         s(&mut w, "v");
         w.uint(self.version);
@@ -160,6 +176,8 @@ impl Hello {
         w.uint(self.lease.as_millis().min(u128::from(u64::MAX)) as u64);
         s(&mut w, "clock_us");
         w.uint(self.clock_us);
+        s(&mut w, "incarnation");
+        w.uint(self.incarnation);
         s(&mut w, "buffers");
         w.array_len(self.buffers.len()).expect("few buffers");
         for b in &self.buffers {
@@ -440,6 +458,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
     let (mut version, mut node, mut role, mut mode, mut channel, mut lease) =
         (None, None, None, None, None, None);
     let mut clock_us = None;
+    let mut incarnation = None;
     let mut buffers = None;
     let mut endpoint = None;
     let mut error = None;
@@ -475,6 +494,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
             }
             "lease_ms" => lease = Some(Duration::from_millis(r.uint().map_err(|e| raw(e, key))?)),
             "clock_us" => clock_us = Some(r.uint().map_err(|e| raw(e, key))?),
+            "incarnation" => incarnation = Some(r.uint().map_err(|e| raw(e, key))?),
             "buffers" => {
                 let count = r.array_len().map_err(|e| raw(e, key))?;
                 if count > MAX_BUFFERS {
@@ -528,6 +548,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
         buffers: buffers.ok_or_else(|| missing("buffers"))?,
         endpoint: endpoint.ok_or_else(|| missing("endpoint"))?,
         clock_us: clock_us.ok_or_else(|| missing("clock_us"))?,
+        incarnation: incarnation.unwrap_or(0),
     };
     Ok(Decoded {
         hello,
@@ -1147,6 +1168,7 @@ mod tests {
             buffers: vec![],
             endpoint,
             clock_us: 7,
+            incarnation: 11,
         }
     }
 

@@ -1653,6 +1653,7 @@ fn attached(t: Instant) -> Attached {
         peer: crate::channel::PeerId(7),
         lease: LEASE,
         clock: ClockMap::measure(t, t, lease::wire_micros(t)),
+        incarnation: 1,
     }
 }
 
@@ -1974,7 +1975,9 @@ fn bad_puts_an_open_breaker_and_a_failed_handshake_end_the_put() {
     let PutAction::Request { .. } = sc.on_granted(&mut put, t0, Some(GrantId(3))) else {
         panic!()
     };
-    let end = finish(sc.on_reply(&mut put, t0, Ok(ack(&[], true).encode())));
+    let a = sc.on_reply(&mut put, t0, Ok(ack(&[], true).encode()));
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    let end = finish(sc.on_connected(&mut put, t0, Some(attached(t0))));
     assert_eq!(end.result, Ok(PutOutcome::ReceiverAllocFailed));
     assert_eq!(sc.take_grant_releases(), vec![GrantId(3)]);
     let (_, a) = sc.begin_put(t0 + S, spec("r"), keys(&["b"]), alloc(&spool, 1));
@@ -2121,11 +2124,15 @@ fn a_failed_write_or_refused_allocation_makes_the_next_put_attach_again() {
     let (mut put, a) = sc.begin_put(t0, spec("r"), keys(&["b"]), alloc(&spool, 1));
     assert!(matches!(a, PutAction::Connect), "{a:?}");
     sc.on_connected(&mut put, t0, Some(attached(t0)));
-    let end = finish(sc.on_reply(
+    // A refusal first attaches again, to tell a restart from a full pool.
+    let a = sc.on_reply(
         &mut put,
         t0,
         Ok(Message::AscendAllocResponse(resp(true)).encode()),
-    ));
+    );
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    // The same incarnation answers: the refusal stands.
+    let end = finish(sc.on_connected(&mut put, t0, Some(attached(t0))));
     assert_eq!(end.result, Ok(PutOutcome::ReceiverAllocFailed));
     assert!(sc.attached("r").is_none());
     // After the backoff the put attaches first.
@@ -2415,4 +2422,57 @@ fn a_cache_query_names_held_keys_by_position() {
     assert_eq!(q.cached_keys, keys(&["landed", "landing", "proxy"]));
     assert_eq!(q.cached_indexes, vec![1, 2, 4]);
     assert!(ks.query(&[]).cached_keys.is_empty());
+}
+
+// ============================================================ peer restarts
+
+/// A receiver that restarted refuses us (it does not know our attachment)
+/// exactly as a full one does. The refusal makes the sender attach again;
+/// a new incarnation answering means a restart: the pulls announced to the
+/// old process are released (grants revoked, pages held until quiescent)
+/// and the same put goes to the new process. No breaker opens.
+#[test]
+fn a_restarted_receiver_gets_the_put_and_its_old_pulls_are_released() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    let mut sc = sender_core(TransferMode::PullEager, &spool);
+    let restarted = |t| Attached {
+        incarnation: 2,
+        ..attached(t)
+    };
+    // A pull announced to the first process, whose Done will never come.
+    let (mut p1, _) = sc.begin_put(t0, spec("r"), keys(&["a"]), alloc(&spool, 1));
+    sc.on_connected(&mut p1, t0, Some(attached(t0)));
+    sc.on_granted(&mut p1, t0, Some(GrantId(3)));
+    let end = finish(sc.on_reply(&mut p1, t0, Ok(ack(&[], false).encode())));
+    assert!(matches!(end.result, Ok(PutOutcome::Announced { .. })));
+    assert_eq!(sc.pulls_pending(), 1);
+
+    // The receiver restarts; the next put is refused by the new process.
+    let (mut p2, a) = sc.begin_put(t0, spec("r"), keys(&["b"]), alloc(&spool, 1));
+    assert!(matches!(a, PutAction::Grant { .. }), "{a:?}");
+    sc.on_granted(&mut p2, t0, Some(GrantId(4)));
+    let a = sc.on_reply(&mut p2, t0, Ok(ack(&[], true).encode()));
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    assert_eq!(sc.take_grant_releases(), vec![GrantId(4)]);
+    let a = sc.on_connected(&mut p2, t0, Some(restarted(t0)));
+    // The old process's pull is released: its grant revoked, its page
+    // kept until the channel says nobody reads it.
+    assert_eq!(sc.pulls_pending(), 0);
+    assert_eq!(sc.take_grant_revokes(), vec![GrantId(3)]);
+    assert_eq!(sc.awaiting_quiescence(), vec![GrantId(3)]);
+    assert_eq!(spool.stats().quarantined, 1);
+    // ... and the put goes on to the new process.
+    assert!(matches!(a, PutAction::Grant { .. }), "{a:?}");
+    sc.on_granted(&mut p2, t0, Some(GrantId(5)));
+    let end = finish(sc.on_reply(&mut p2, t0, Ok(ack(&[], false).encode())));
+    assert!(
+        matches!(end.result, Ok(PutOutcome::Announced { .. })),
+        "{end:?}"
+    );
+    assert_eq!(sc.counters().receiver_restarts, 1);
+    assert!(matches!(sc.breaker_state("r", t0), BreakerState::Closed));
+    sc.on_quiescent(GrantId(3));
+    drop((p1, p2));
 }

@@ -85,6 +85,8 @@ pub enum ReleaseReason {
     Expired,
     /// The id was in the early-done set when it was inserted.
     EarlyDone,
+    /// The receiver restarted: the process that could read the pull is gone.
+    PeerRestarted,
 }
 
 /// A pull whose pages were just released. The pages are already unpinned;
@@ -499,6 +501,34 @@ impl PullPending {
             .map(|id| {
                 self.counters.expired += 1;
                 let r = self.release(&id, ReleaseReason::Expired, now);
+                ExpiredPull {
+                    pull_id: r.pull_id,
+                    peer: r.peer,
+                    req_id: r.req_id,
+                    pages: r.pages.len(),
+                    acked: r.acked,
+                    grant: r.grant,
+                    held: r.pages,
+                }
+            })
+            .collect()
+    }
+
+    /// Releases every pull announced to `peer`, whose process is known to
+    /// be gone (it restarted: a new incarnation answers on its port). The
+    /// pages are unpinned and handed back as with the sweep; the caller
+    /// revokes the grants and keeps the pages until the channel is
+    /// quiescent.
+    pub fn release_peer(&mut self, peer: &str, now: Instant) -> Vec<ExpiredPull> {
+        let gone: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.peer == peer)
+            .map(|(id, _)| id.clone())
+            .collect();
+        gone.into_iter()
+            .map(|id| {
+                let r = self.release(&id, ReleaseReason::PeerRestarted, now);
                 ExpiredPull {
                     pull_id: r.pull_id,
                     peer: r.peer,

@@ -103,6 +103,8 @@ pub struct Attached {
     pub lease: Duration,
     /// The receiver's clock, as far as the handshake could tell.
     pub clock: ClockMap,
+    /// Which start of the receiver this is (its hello's `incarnation`).
+    pub incarnation: u64,
 }
 
 /// What a put did.
@@ -302,6 +304,10 @@ pub struct Put {
     keys: Vec<String>,
     chunks: Vec<SealedMemObj>,
     state: State,
+    /// The receiver's refusal made us attach again to see whether it
+    /// restarted: the incarnation that refused. Asked at most once a put.
+    suspect: Option<u64>,
+    restart_checked: bool,
 }
 
 #[derive(Debug, Default)]
@@ -323,6 +329,9 @@ pub struct SenderCounters {
     pub reserved_pages: usize,
     /// Push notices the receivers refused.
     pub notices_refused: u64,
+    /// Receivers found restarted: a refusal came from a new incarnation,
+    /// which got the put instead.
+    pub receiver_restarts: u64,
 }
 
 /// A sender's shared protocol state and the put sequence.
@@ -339,6 +348,8 @@ pub struct SenderCore {
     /// grant is quiescent (no request of the receiver is still served).
     expired: Vec<(GrantId, Vec<SealedMemObj>)>,
     notices_refused: u64,
+    /// Receivers found restarted (a new incarnation answered a refusal).
+    restarts: u64,
     /// The last route number handed out, to any link.
     routes: u64,
 }
@@ -362,6 +373,7 @@ impl SenderCore {
             revokes: Vec::new(),
             expired: Vec::new(),
             notices_refused: 0,
+            restarts: 0,
             routes: 0,
         }
     }
@@ -406,6 +418,8 @@ impl SenderCore {
             keys,
             chunks,
             state: State::Finished,
+            suspect: None,
+            restart_checked: false,
         };
         if let Err(e) = self.check_put(&put) {
             let end = self.finish(&mut put, Err(PutFailure::Rejected(e)));
@@ -424,17 +438,78 @@ impl SenderCore {
         debug_assert!(matches!(put.state, State::Connecting));
         // A new attachment gets a fresh request socket: the receiver may be
         // a new process, and the old socket's late messages must not count.
-        let link = self.new_route(&put.spec.peer_key);
-        match r {
-            Some(a) => {
-                link.attached = Some(a);
+        let peer = put.spec.peer_key.clone();
+        let link = self.new_route(&peer);
+        let Some(a) = r else {
+            link.attached = None;
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        let incarnation = a.incarnation;
+        link.attached = Some(a);
+        match put.suspect.take() {
+            // The receiver that refused us is still the one answering: the
+            // refusal stands (it is full, or refuses us for its reasons).
+            Some(old) if old == incarnation => {
+                self.open_breaker(&peer, now);
+                self.finish(put, Ok(PutOutcome::ReceiverAllocFailed))
+            }
+            Some(_) => {
+                // It restarted: nothing announced to the old process can be
+                // read any more, and the put goes to the new one.
+                self.on_peer_restarted(&peer, now);
                 self.after_connect(put, now)
             }
-            None => {
-                link.attached = None;
-                self.finish(put, Err(PutFailure::Io))
+            None => self.after_connect(put, now),
+        }
+    }
+
+    /// The receiver at `peer` restarted (a new incarnation answers): its
+    /// pulls are released now — their grants revoked, their pages kept
+    /// until the channel is quiescent — instead of at their TTL.
+    fn on_peer_restarted(&mut self, peer: &str, now: Instant) {
+        self.restarts += 1;
+        let gone = self.pending.release_peer(peer, now);
+        log::info!(
+            "receiver {peer} restarted: attached again; {} pull(s) announced to its old process \
+             are released",
+            gone.len()
+        );
+        let mut gone = gone;
+        self.hold_until_quiescent(&mut gone);
+    }
+
+    /// Pulls released while a reader may still be inside their pages:
+    /// quarantined, their grants revoked, kept until quiescent.
+    fn hold_until_quiescent(&mut self, pulls: &mut [ExpiredPull]) {
+        for e in pulls {
+            if let Some(g) = e.grant {
+                let held = std::mem::take(&mut e.held);
+                for p in &held {
+                    p.quarantine();
+                }
+                self.revokes.push(g);
+                self.expired.push((g, held));
             }
         }
+    }
+
+    /// The receiver refused to allocate. Once a put, it is attached again
+    /// first: a receiver that restarted refuses us (it does not know us)
+    /// exactly as a full one does, and its new incarnation tells them
+    /// apart. A restarted receiver gets the put; a full one opens the
+    /// breaker.
+    fn refused(&mut self, put: &mut Put, now: Instant) -> PutAction {
+        let peer = put.spec.peer_key.clone();
+        if !put.restart_checked {
+            if let Some(a) = self.attached(&peer) {
+                put.restart_checked = true;
+                put.suspect = Some(a.incarnation);
+                put.state = State::Connecting;
+                return PutAction::Connect;
+            }
+        }
+        self.open_breaker(&peer, now);
+        self.finish(put, Ok(PutOutcome::ReceiverAllocFailed))
     }
 
     /// The clock probe ended: `Some` with the new measurement.
@@ -719,16 +794,7 @@ impl SenderCore {
     /// ([`SenderCore::on_quiescent`]).
     pub fn sweep(&mut self, now: Instant) -> Vec<ExpiredPull> {
         let mut expired = self.pending.sweep(now, self.cfg.pull_pending_ttl);
-        for e in &mut expired {
-            if let Some(g) = e.grant {
-                let held = std::mem::take(&mut e.held);
-                for p in &held {
-                    p.quarantine();
-                }
-                self.revokes.push(g);
-                self.expired.push((g, held));
-            }
-        }
+        self.hold_until_quiescent(&mut expired);
         self.breaker.prune(now);
         expired
     }
@@ -771,6 +837,7 @@ impl SenderCore {
             breaker: self.breaker.counters(),
             reserved_pages: self.reserved,
             notices_refused: self.notices_refused,
+            receiver_restarts: self.restarts,
         }
     }
 
@@ -874,8 +941,7 @@ impl SenderCore {
             }
         };
         if resp.alloc_failed {
-            self.open_breaker(&peer, now);
-            return self.finish(put, Ok(PutOutcome::ReceiverAllocFailed));
+            return self.refused(put, now);
         }
         let ops = match push_ops(&put.chunks, &resp) {
             Ok(ops) => ops,
@@ -936,8 +1002,7 @@ impl SenderCore {
             _ => {}
         }
         if outcome.opens_breaker() {
-            self.open_breaker(&put.spec.peer_key, now);
-            return self.finish(put, Ok(PutOutcome::ReceiverAllocFailed));
+            return self.refused(put, now);
         }
         let already_present = ack.already_sent_indexes.len();
         self.finish(

@@ -333,6 +333,7 @@ impl Sim {
                     peer: PeerId(1),
                     lease: self.lease,
                     clock,
+                    incarnation: 1,
                 };
                 let now = self.s_now();
                 let sd = &mut self.senders[of];
