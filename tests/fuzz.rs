@@ -243,6 +243,7 @@ fn message() -> impl Strategy<Value = Message> {
                         shape,
                         dtype,
                         last_chunk_toks: last,
+                        ..Default::default()
                     })
                 }
             ),

@@ -824,7 +824,10 @@ fn an_abandoned_pipeline_read_never_corrupts_the_next_group() {
             &all,
             &slots,
             &mut cache,
-            &ascend_pd::pipeline::LoadOptions { max_depth: 2 },
+            &ascend_pd::pipeline::LoadOptions {
+                max_depth: 2,
+                ..Default::default()
+            },
         )
         .unwrap_err();
     let text = e.to_string();

@@ -162,7 +162,10 @@ fn every_byte_lands_at_its_slot_for_random_slot_mappings() {
         let blocks = 24;
         let slots = slot_mapping(9 * CHUNK + 7, blocks, how, 42);
         let mut cache = cache_for(&rc, blocks);
-        let opts = LoadOptions { max_depth: 3 };
+        let opts = LoadOptions {
+            max_depth: 3,
+            ..Default::default()
+        };
         let report = r.load_with(&ks, &slots, &mut cache, &opts).unwrap();
         assert_eq!(report.loaded, ks, "{ch:?}");
         assert_eq!((report.proxies, report.resident), (10, 0));
@@ -227,7 +230,15 @@ fn depth_one_and_depth_beyond_the_request_both_load_everything() {
         let slots = slot_mapping(n * CHUNK, blocks, Mapping::Blocks, max_depth as u64);
         let mut cache = cache_for(&rc, blocks);
         let report = r
-            .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth })
+            .load_with(
+                &ks,
+                &slots,
+                &mut cache,
+                &LoadOptions {
+                    max_depth,
+                    ..Default::default()
+                },
+            )
             .unwrap();
         assert_eq!(
             (report.depth, report.pools, report.micro_batches),
@@ -256,7 +267,15 @@ fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
     let slots = slot_mapping(6 * CHUNK + 5, 16, Mapping::Blocks, 3);
     let mut cache = cache_for(&rc, 16);
     let report = r
-        .load_with(&req, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .load_with(
+            &req,
+            &slots,
+            &mut cache,
+            &LoadOptions {
+                max_depth: 2,
+                ..Default::default()
+            },
+        )
         .unwrap();
     assert_eq!(report.senders, 2);
     assert_eq!(report.loaded, req, "request order");
@@ -451,7 +470,15 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
     let slots = slot_mapping(8 * CHUNK, 16, Mapping::Blocks, 5);
     let mut cache = cache_for(&rc, 16);
     let e = r
-        .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .load_with(
+            &ks,
+            &slots,
+            &mut cache,
+            &LoadOptions {
+                max_depth: 2,
+                ..Default::default()
+            },
+        )
         .unwrap_err();
     let text = e.to_string();
     let LoadError::Incomplete { failed, report } = e else {
@@ -547,7 +574,15 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 20, BLOCK);
     let mut cache = KvCache::npu(&rt.device(0).unwrap(), spec).unwrap();
     let report = r
-        .load_with(&ks, &slots, &mut cache, &LoadOptions { max_depth: 2 })
+        .load_with(
+            &ks,
+            &slots,
+            &mut cache,
+            &LoadOptions {
+                max_depth: 2,
+                ..Default::default()
+            },
+        )
         .unwrap();
     assert_eq!((report.depth, report.micro_batches), (2, 5));
     assert_cache_holds(

@@ -90,6 +90,7 @@ fn expected() -> Vec<(&'static str, Message)> {
                 shape: vec![2, 36, 256, 1024],
                 dtype: "bfloat16".to_owned(),
                 last_chunk_toks: 256,
+                ..Default::default()
             }
             .into(),
         ),

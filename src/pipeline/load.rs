@@ -77,13 +77,14 @@ fn key_failure(key: &str, proxy: Option<&ProxyEntry>, reason: impl Into<String>)
 
 /// Discards the proxy of `key` if it is still stored (its pull's Done may
 /// follow); returns whether a Done was sent.
-fn discard_proxy(env: &impl LoadEnv, key: &str) -> bool {
+fn discard_proxy(env: &impl LoadEnv, key: &str, req: Option<&str>) -> bool {
     let removed = {
         let mut core = env.core();
-        if core.state(key) == Some(KeyState::Proxy) {
-            core.remove(key)
-        } else {
-            None
+        match (core.state(key) == Some(KeyState::Proxy), req) {
+            // Another request may still hold it: only this one lets go.
+            (true, Some(r)) => core.release(r, key),
+            (true, None) => core.remove(key),
+            (false, _) => None,
         }
     };
     match removed.and_then(|r| r.done) {
@@ -184,7 +185,7 @@ pub(crate) fn load_keys(
         }
     }
     for k in &expired {
-        tally.dones += usize::from(discard_proxy(env, k));
+        tally.dones += usize::from(discard_proxy(env, k, None));
     }
 
     std::thread::scope(|scope| {
@@ -290,7 +291,7 @@ fn load_group(
         Err(e) => {
             let reason = format!("no pages to read into: {e}");
             for (item, proxy) in &g.items {
-                tally.dones += usize::from(discard_proxy(env, &item.key));
+                tally.dones += usize::from(discard_proxy(env, &item.key, opts.req_id.as_deref()));
                 tally
                     .failed
                     .push(key_failure(&item.key, Some(proxy), reason.clone()));
@@ -304,6 +305,7 @@ fn load_group(
     tally.peak_buffer_bytes = tally.peak_buffer_bytes.max(pipe.buffer_bytes());
     let mut io = ProxyIo {
         env,
+        req: opts.req_id.as_deref(),
         peer,
         items: &g.items,
         began: vec![None; g.items.len()],
@@ -339,7 +341,7 @@ fn load_group(
         let done = match began[j].take() {
             Some(p) => env.core().end_proxy_read(&p.handle, ReadOutcome::Failed),
             None => {
-                tally.dones += usize::from(discard_proxy(env, &item.key));
+                tally.dones += usize::from(discard_proxy(env, &item.key, opts.req_id.as_deref()));
                 None
             }
         };
@@ -360,6 +362,8 @@ fn load_group(
 /// through the lane, and consumption once scattered.
 struct ProxyIo<'l, 'a, E: LoadEnv> {
     env: &'l E,
+    /// The request being loaded (see [`LoadOptions::req_id`]).
+    req: Option<&'l str>,
     peer: Result<PeerId, String>,
     items: &'l [(LoadItem, ProxyEntry)],
     /// The proxy as pinned by `begin_proxy_read`, until its read is ended.
@@ -493,10 +497,10 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
             };
             self.tally.loaded.push(self.items[j].0.index);
             self.tally.proxies += 1;
-            let done = self
-                .env
-                .core()
-                .end_proxy_read(&p.handle, ReadOutcome::Consumed);
+            let done =
+                self.env
+                    .core()
+                    .end_proxy_read_for(&p.handle, ReadOutcome::Consumed, self.req);
             if let Some(d) = done {
                 self.env.send_done(d);
                 self.tally.dones += 1;

@@ -41,12 +41,17 @@ pub struct LoadOptions {
     /// Upper bound on the pages per pool; the depth used is also bounded by
     /// the pages free when the load starts and by the request (at least 1).
     pub max_depth: usize,
+    /// The request being loaded, if known (the request API sets it): a
+    /// proxy it reads that another request still holds (a shared prefix)
+    /// is kept for that one, instead of consumed.
+    pub req_id: Option<String>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             max_depth: DEFAULT_MAX_DEPTH,
+            req_id: None,
         }
     }
 }

@@ -34,6 +34,9 @@ pub enum ReadOutcome {
     Consumed,
     /// The read failed: the proxy is discarded.
     Failed,
+    /// Data read and scattered, but another request still holds the key
+    /// (a shared prefix): the proxy stays for it.
+    Kept,
 }
 
 /// Why a proxy may not be read.
@@ -222,9 +225,15 @@ impl TransferContext {
         match outcome {
             ReadOutcome::Consumed => *consumed = true,
             ReadOutcome::Failed => *discard_pending = true,
+            ReadOutcome::Kept => {}
         }
         // Another read still uses the sender's pages: resolve when it ends.
         if *readers > 0 {
+            return None;
+        }
+        // Kept, and nobody consumed or discarded it meanwhile: it stays
+        // outstanding for the request that still holds it.
+        if !*consumed && !*discard_pending {
             return None;
         }
         let to = if *consumed {

@@ -198,6 +198,7 @@ fn notif(pull_id: &str, k: &[&str], pages: &[SealedMemObj]) -> PullReadyNotif {
         shape: vec![2, 1, 4, 2],
         dtype: "int8".into(),
         last_chunk_toks: 4,
+        ..Default::default()
     }
 }
 
@@ -215,6 +216,7 @@ fn remote_notif(pull_id: &str, k: &[&str]) -> PullReadyNotif {
         shape: vec![2, 1, 4, 2],
         dtype: "int8".into(),
         last_chunk_toks: 4,
+        ..Default::default()
     }
 }
 
@@ -2312,7 +2314,7 @@ fn cancel_drops_resident_keys_now_and_pushed_keys_when_they_land() {
     let r2 = push(&mut ks, &alloc_request(&["c", "other"], 4), t0, &pool);
     assert_eq!(ks.state("c"), Some(KeyState::PendingPush));
 
-    let c = ks.cancel(&keys(&["a", "b", "c", "never-stored"]));
+    let c = ks.cancel("r", &keys(&["a", "b", "c", "never-stored"]));
     assert_eq!(
         c.removed
             .iter()
@@ -2369,7 +2371,7 @@ fn cancel_during_an_eager_read_drops_its_pages_and_still_sends_done() {
     let id = lease_id(t0 + LEASE);
     let reply = eager(&mut ks, &notif(&id, &["a", "b"], &sp), t0, &recv_pool);
     let read = reply.read.unwrap();
-    let c = ks.cancel(&keys(&["a", "b"]));
+    let c = ks.cancel("r", &keys(&["a", "b"]));
     assert!(c.removed.is_empty());
     assert_eq!(c.deferred.len(), 2);
     let done = ks.on_read_complete(&id, Some(read.pages)).unwrap();
@@ -2390,9 +2392,9 @@ fn cancel_discards_proxies_and_returns_the_pulls_done() {
     let sp = alloc(&sender_pool, 2);
     let id = lease_id(t0 + LEASE);
     delay(&mut ks, &notif(&id, &["a", "b"], &sp), t0);
-    let first = ks.cancel(&keys(&["a"]));
+    let first = ks.cancel("r", &keys(&["a"]));
     assert!(first.removed[0].1.done.is_none(), "b still needs the pull");
-    let second = ks.cancel(&keys(&["b"]));
+    let second = ks.cancel("r", &keys(&["b"]));
     let done = second.removed[0].1.done.as_ref().expect("the pull's Done");
     assert_eq!(done.signal.pull_id, id);
     assert_eq!(ks.counters().proxies, 0);
@@ -2475,4 +2477,138 @@ fn a_restarted_receiver_gets_the_put_and_its_old_pulls_are_released() {
     assert!(matches!(sc.breaker_state("r", t0), BreakerState::Closed));
     sc.on_quiescent(GrantId(3));
     drop((p1, p2));
+}
+
+// ============================================================ shared prefixes
+
+fn alloc_for(req: &str, k: &[&str]) -> AllocRequest {
+    AllocRequest {
+        req_id: Some(req.into()),
+        ..alloc_request(k, 4)
+    }
+}
+
+/// Two requests share key "k" (a deduplicated prefix): the second's
+/// AllocRequest finds it present. It stays until both released it — by a
+/// finished load or a cancel, in either order — and only then does its page
+/// return. The same request announcing it again counts once.
+#[test]
+fn a_pushed_key_shared_by_two_requests_stays_until_both_are_done() {
+    for (first, by_cancel) in [("r1", false), ("r2", false), ("r1", true), ("r2", true)] {
+        let t0 = Instant::now();
+        let pool = pool(8);
+        let mut ks = receiver();
+        let r1 = push(&mut ks, &alloc_for("r1", &["k", "a"]), t0, &pool);
+        notice(
+            &mut ks,
+            ROUTE,
+            ROUTE,
+            PushOutcome::Landed,
+            &refs_of(&r1.response),
+            t0,
+        );
+        let r2 = push(&mut ks, &alloc_for("r2", &["k", "b"]), t0, &pool);
+        assert_eq!(r2.response.already_sent_indexes, vec![0]);
+        notice(
+            &mut ks,
+            ROUTE,
+            ROUTE,
+            PushOutcome::Landed,
+            &refs_of(&r2.response),
+            t0,
+        );
+        // r2 announced again (a retry): still two holders.
+        push(&mut ks, &alloc_for("r2", &["k", "b"]), t0, &pool);
+        assert_eq!(ks.holders("k"), 2);
+        let (own1, own2, second) = if first == "r1" {
+            ("a", "b", "r2")
+        } else {
+            ("b", "a", "r1")
+        };
+        if by_cancel {
+            let c = ks.cancel(first, &keys(&["k", own1]));
+            assert_eq!(c.removed.len(), 1, "only its own key went: {c:?}");
+        } else {
+            assert!(ks.release(first, "k").unwrap().page.is_none());
+            assert!(ks.release(first, own1).unwrap().page.is_some());
+        }
+        assert!(
+            matches!(ks.get("k", t0), Lookup::Resident(_)),
+            "{first} {by_cancel}"
+        );
+        assert_eq!(ks.holders("k"), 1);
+        assert_eq!(
+            stats(&pool),
+            (2, 0),
+            "{first} {by_cancel}: k and the other's key"
+        );
+        ks.release(second, "k").unwrap();
+        ks.release(second, own2).unwrap();
+        assert_eq!(ks.holders("k"), 0);
+        assert!(ks.is_empty());
+        assert_idle(&pool);
+    }
+}
+
+/// A pull-delay proxy shared by two requests (LMCache-Ascend issue 250): the
+/// first load that reads it does not consume it, so the sender's pages stay
+/// pinned until the other request read it too (or was cancelled); the
+/// pull's Done waits for that. In either order.
+#[test]
+fn a_shared_proxy_is_read_by_both_requests_and_its_done_waits_for_the_last() {
+    for (first, second_cancels) in [("r1", false), ("r2", false), ("r1", true), ("r2", true)] {
+        let t0 = Instant::now();
+        let sender_pool = pool(4);
+        let mut ks = receiver();
+        let sp = alloc(&sender_pool, 2);
+        let p1 = lease_id(t0 + LEASE);
+        let n1 = PullReadyNotif {
+            req_id: Some("r1".into()),
+            ..notif(&p1, &["k", "a"], &sp)
+        };
+        delay(&mut ks, &n1, t0);
+        let sp2 = alloc(&sender_pool, 2);
+        let p2 = lease_id(t0 + LEASE + Duration::from_millis(1));
+        let n2 = PullReadyNotif {
+            req_id: Some("r2".into()),
+            ..notif(&p2, &["k", "b"], &sp2)
+        };
+        let reply = delay(&mut ks, &n2, t0);
+        assert_eq!(reply.ack.already_sent_indexes, vec![0]);
+        assert_eq!(ks.holders("k"), 2);
+        let read = |ks: &mut ReceiverCore, req: &str, key: &str| {
+            let p = ks.begin_proxy_read(key, t0).unwrap();
+            ks.end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some(req))
+                .map(|d| d.signal.pull_id)
+        };
+        let (own1, own2, second) = if first == "r1" {
+            ("a", "b", "r2")
+        } else {
+            ("b", "a", "r1")
+        };
+        let mut dones: Vec<String> = Vec::new();
+        dones.extend(read(&mut ks, first, "k"));
+        dones.extend(read(&mut ks, first, own1));
+        assert_eq!(ks.state("k"), Some(KeyState::Proxy), "{first}: k stays");
+        assert!(!dones.contains(&p1), "{first}: p1 carries k, still needed");
+        if second_cancels {
+            let c = ks.cancel(second, &keys(&["k", own2]));
+            dones.extend(
+                c.removed
+                    .iter()
+                    .filter_map(|(_, r)| r.done.as_ref())
+                    .map(|d| d.signal.pull_id.clone()),
+            );
+        } else {
+            dones.extend(read(&mut ks, second, "k"));
+            dones.extend(read(&mut ks, second, own2));
+        }
+        assert_eq!(ks.state("k"), None, "{first} {second_cancels}");
+        assert_eq!(ks.counters().proxies, 0);
+        dones.sort();
+        let mut want = vec![p1.clone(), p2.clone()];
+        want.sort();
+        assert_eq!(dones, want, "{first} {second_cancels}: each Done once");
+        drop((sp, sp2));
+    }
 }

@@ -145,6 +145,11 @@ pub struct PullReadyNotif {
     pub dtype: String,
     /// Number of tokens in the last key's chunk (only it may be partial).
     pub last_chunk_toks: u64,
+    /// The request these keys belong to: ascend-pd's own addition (like
+    /// upstream's async `AllocRequest`), encoded only when set, so the
+    /// LMCache-Ascend form is unchanged; msgspec peers ignore it. A
+    /// receiver keeps a key shared by several requests until each is done.
+    pub req_id: Option<String>,
 }
 
 /// Pull mode: the receiver's reply to a [`PullReadyNotif`].
@@ -309,6 +314,7 @@ impl Message {
                 shape: fields.required("shape")?,
                 dtype: fields.required("dtype")?,
                 last_chunk_toks: fields.required("last_chunk_toks")?,
+                req_id: fields.get("req_id")?,
             }),
             MessageType::PullReadyDoneAck => Message::PullReadyDoneAck(PullReadyDoneAck {
                 already_sent_indexes: fields.required("already_sent_indexes")?,
@@ -714,7 +720,11 @@ impl PullReadyNotif {
             ],
             self.sender_mem_indexes.len() + self.shape.len() + 2,
         );
-        let mut e = Enc::new(MessageType::PullReadyNotif, 10, size)?;
+        let mut e = Enc::new(
+            MessageType::PullReadyNotif,
+            10 + usize::from(self.req_id.is_some()),
+            size + self.req_id.as_ref().map_or(0, |r| r.len() + 16),
+        )?;
         e.str("pull_id", &self.pull_id)?;
         e.str_list("keys", &self.keys)?;
         e.str_list("sender_buffer_uuids", &self.sender_buffer_uuids)?;
@@ -725,6 +735,9 @@ impl PullReadyNotif {
         e.uint_list("shape", &self.shape)?;
         e.str("dtype", &self.dtype)?;
         e.uint("last_chunk_toks", self.last_chunk_toks)?;
+        if let Some(r) = &self.req_id {
+            e.str("req_id", r)?;
+        }
         Ok(e.finish())
     }
 }

@@ -48,7 +48,7 @@
 //! `done` — which the shell sends after the reply. So "ack before Done"
 //! is the natural order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
@@ -188,6 +188,8 @@ pub struct AllocId(pub u64);
 pub struct PushPlan {
     route: String,
     keys: Vec<String>,
+    /// The request the keys belong to, if the `AllocRequest` said.
+    req_id: Option<String>,
     part: Partition,
     metas: Vec<ChunkMeta>,
     done: Vec<SendPullDone>,
@@ -510,8 +512,18 @@ pub struct ReceiverCore {
     /// stored, when it ends. Only keys still pending under that transfer
     /// are kept.
     cancelled: HashMap<String, Pending>,
+    /// The requests holding each stored key, by the `req_id` their
+    /// `AllocRequest` / `PullReadyNotif` carried ("" when it carried none,
+    /// as from LMCache-Ascend peers). A key several requests share (a
+    /// deduplicated prefix) stays until each named request released it;
+    /// the same request announcing it again counts once.
+    holders: HashMap<String, HashSet<String>>,
     counters: ReceiverCounters,
 }
+
+/// Requests remembered per key; beyond this the key is simply kept until
+/// the others release it or it is removed.
+const MAX_HOLDERS: usize = 4096;
 
 /// The transfer a pending key waits for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -575,6 +587,7 @@ impl ReceiverCore {
             given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
+            holders: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -671,7 +684,7 @@ impl ReceiverCore {
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
             Entry::Resident(_) | Entry::Proxy(_) => {}
         }
-        let entry = self.entries.remove(key)?;
+        let entry = self.unstore(key)?;
         let state = entry.state();
         Some(match entry {
             Entry::Resident(page) => Removed {
@@ -688,12 +701,72 @@ impl ReceiverCore {
         })
     }
 
+    /// Takes `key` out of the store, with its holders.
+    fn unstore(&mut self, key: &str) -> Option<Entry> {
+        self.holders.remove(key);
+        self.entries.remove(key)
+    }
+
+    /// An accepted announcement by request `req` ("" for none) of `new`
+    /// keys (just stored) and `present` ones (stored before, in any state).
+    fn hold(&mut self, req: &str, new: &[&String], present: &[&String]) {
+        for k in new {
+            self.holders
+                .insert((*k).clone(), HashSet::from([req.to_string()]));
+        }
+        for k in present {
+            if self.entries.contains_key(k.as_str()) {
+                let h = self.holders.entry((*k).clone()).or_default();
+                if h.len() < MAX_HOLDERS {
+                    h.insert(req.to_string());
+                }
+            }
+        }
+    }
+
+    /// Whether a named request other than `req` still holds `key`.
+    fn others_hold(&self, key: &str, req: &str) -> bool {
+        self.holders
+            .get(key)
+            .is_some_and(|h| h.iter().any(|r| r != req && !r.is_empty()))
+    }
+
+    /// The named requests holding `key`.
+    pub fn holders(&self, key: &str) -> usize {
+        self.holders
+            .get(key)
+            .map_or(0, |h| h.iter().filter(|r| !r.is_empty()).count())
+    }
+
+    /// Request `req` is done with `key` (its load finished). If another
+    /// request still holds it, only `req`'s hold goes (`page: None`);
+    /// otherwise the key is removed as by [`ReceiverCore::remove`]. A key
+    /// still landing is left alone (`None`).
+    pub fn release(&mut self, req: &str, key: &str) -> Option<Removed> {
+        let state = match self.entries.get(key)? {
+            Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
+            e => e.state(),
+        };
+        if self.others_hold(key, req) {
+            if let Some(h) = self.holders.get_mut(key) {
+                h.remove(req);
+                h.remove("");
+            }
+            return Some(Removed {
+                state,
+                page: None,
+                done: None,
+            });
+        }
+        self.remove(key)
+    }
+
     /// A request was cancelled (`CancelNotif`): drops every key of `keys`
     /// this store holds. Resident chunks and proxies go now (a proxy counts
     /// as discarded, which may complete its pull's Done); a key still
     /// landing is dropped when its transfer ends instead of becoming
     /// resident. Unknown keys are ignored.
-    pub fn cancel(&mut self, keys: &[String]) -> Cancelled {
+    pub fn cancel(&mut self, req: &str, keys: &[String]) -> Cancelled {
         // Marks whose transfer ended some other way (a sweep, a revoke)
         // are stale: keep only those still waiting, so the map stays small.
         let entries = &self.entries;
@@ -704,6 +777,14 @@ impl ReceiverCore {
         });
         let mut out = Cancelled::default();
         for key in keys {
+            // Another request shares the key: only this one lets go.
+            if self.others_hold(key, req) {
+                if let Some(h) = self.holders.get_mut(key) {
+                    h.remove(req);
+                    h.remove("");
+                }
+                continue;
+            }
             let pending = match self.entries.get(key) {
                 Some(Entry::PendingPush { alloc }) => Some(Pending::Push(*alloc)),
                 Some(Entry::PendingRead { pull_id }) => Some(Pending::Read(pull_id.clone())),
@@ -774,6 +855,7 @@ impl ReceiverCore {
         let plan = PushPlan {
             route: route.to_string(),
             keys: req.keys.clone(),
+            req_id: req.req_id.clone(),
             part,
             metas,
             done,
@@ -822,6 +904,7 @@ impl ReceiverCore {
         let PushPlan {
             route,
             keys,
+            req_id,
             part,
             metas,
             done,
@@ -849,7 +932,10 @@ impl ReceiverCore {
             new: part.new.len(),
             present: part.present.len(),
         };
+        let req = req_id.as_deref().unwrap_or("");
         if pages.is_empty() {
+            let present: Vec<&String> = part.present.iter().map(|&i| &keys[i]).collect();
+            self.hold(req, &[], &present);
             return PushReply {
                 response: response_for(&[]),
                 verdict,
@@ -872,6 +958,11 @@ impl ReceiverCore {
             self.expired_keys.forget(k);
             self.entries
                 .insert(k.clone(), Entry::PendingPush { alloc: id });
+        }
+        {
+            let new: Vec<&String> = new_keys.iter().collect();
+            let present: Vec<&String> = part.present.iter().map(|&i| &keys[i]).collect();
+            self.hold(req, &new, &present);
         }
         // A route has one pending allocation: its writer notices before it
         // asks again. One left pending (the writer skipped its notice) waits
@@ -1032,7 +1123,7 @@ impl ReceiverCore {
             let cancelled = ours && self.take_cancelled(&key, &Pending::Push(id));
             match (outcome, ours) {
                 (PushOutcome::Landed, true) if cancelled => {
-                    self.entries.remove(&key);
+                    self.unstore(&key);
                     page.release_quiescent();
                 }
                 (PushOutcome::Landed, true) => {
@@ -1041,7 +1132,7 @@ impl ReceiverCore {
                     landed += 1;
                 }
                 (PushOutcome::Aborted, true) => {
-                    self.entries.remove(&key);
+                    self.unstore(&key);
                     page.release_quiescent();
                 }
                 // Only pending keys point at their allocation.
@@ -1057,7 +1148,7 @@ impl ReceiverCore {
         let mut dropped = Vec::new();
         for k in keys {
             if matches!(self.entries.get(k), Some(Entry::PendingPush { alloc }) if *alloc == id) {
-                self.entries.remove(k);
+                self.unstore(k);
                 dropped.push(k.clone());
             }
         }
@@ -1276,6 +1367,12 @@ impl ReceiverCore {
             );
         }
         self.counters.dedup_hits += part.present.len() as u64;
+        {
+            let req = notif.req_id.as_deref().unwrap_or("");
+            let new: Vec<&String> = part.new.iter().map(|&i| &notif.keys[i]).collect();
+            let present: Vec<&String> = part.present.iter().map(|&i| &notif.keys[i]).collect();
+            self.hold(req, &new, &present);
+        }
         if let Some(d) = ctx.done_if_empty() {
             self.counters.dones_emitted += 1;
             done.push(d);
@@ -1330,6 +1427,12 @@ impl ReceiverCore {
             );
         }
         self.counters.dedup_hits += part.present.len() as u64;
+        {
+            let req = notif.req_id.as_deref().unwrap_or("");
+            let new: Vec<&String> = part.new.iter().map(|&i| &notif.keys[i]).collect();
+            let present: Vec<&String> = part.present.iter().map(|&i| &notif.keys[i]).collect();
+            self.hold(req, &new, &present);
+        }
         let read = if items.is_empty() {
             // Nothing to read: the sender may release at once (after the ack).
             self.counters.dones_emitted += 1;
@@ -1382,7 +1485,7 @@ impl ReceiverCore {
             }
             if self.take_cancelled(k, &Pending::Read(pull_id.to_owned())) {
                 // Dropping the page returns it: the read is over.
-                self.entries.remove(k);
+                self.unstore(k);
                 drop(page);
                 continue;
             }
@@ -1391,7 +1494,7 @@ impl ReceiverCore {
                     self.entries.insert(k.clone(), Entry::Resident(p.seal()));
                 }
                 None => {
-                    self.entries.remove(k);
+                    self.unstore(k);
                     self.counters.failed_reads += 1;
                 }
             }
@@ -1443,7 +1546,36 @@ impl ReceiverCore {
         handle: &ProxyHandle,
         outcome: ReadOutcome,
     ) -> Option<SendPullDone> {
+        self.end_proxy_read_for(handle, outcome, None)
+    }
+
+    /// [`ReceiverCore::end_proxy_read`] for a load of request `req`: a
+    /// proxy it consumed that another request still holds is kept for
+    /// that one (its pull's Done, and the sender's pins, wait for the last
+    /// holder); only `req`'s hold goes.
+    pub fn end_proxy_read_for(
+        &mut self,
+        handle: &ProxyHandle,
+        outcome: ReadOutcome,
+        req: Option<&str>,
+    ) -> Option<SendPullDone> {
+        let outcome = match (outcome, req, self.key_of(handle)) {
+            (ReadOutcome::Consumed, Some(r), Some(k)) if self.others_hold(&k, r) => {
+                if let Some(h) = self.holders.get_mut(&k) {
+                    h.remove(r);
+                    h.remove("");
+                }
+                ReadOutcome::Kept
+            }
+            (o, _, _) => o,
+        };
         self.resolve_slot(handle, |c, slot| c.end_read(slot, outcome))
+    }
+
+    /// The key of proxy `handle`, while it is the stored proxy of that key.
+    fn key_of(&self, handle: &ProxyHandle) -> Option<String> {
+        let k = self.contexts.get(&handle.pull_id)?.keys.get(handle.slot)?;
+        self.is_proxy_of(k, handle).then(|| k.clone())
     }
 
     // ------------------------------------------------------------- time
@@ -1531,7 +1663,7 @@ impl ReceiverCore {
                     continue;
                 }
                 if self.is_proxy_of(key, &handle) {
-                    self.entries.remove(key);
+                    self.unstore(key);
                     self.expired_keys.insert(key, (), now);
                 }
                 self.counters.expired_proxies += 1;
@@ -1590,6 +1722,8 @@ impl ReceiverCore {
         self.route_alloc.clear();
         self.entries
             .retain(|_, e| !matches!(e, Entry::PendingPush { .. }));
+        let entries = &self.entries;
+        self.holders.retain(|k, _| entries.contains_key(k));
         kept
     }
 
@@ -1617,7 +1751,7 @@ impl ReceiverCore {
         if resolved {
             if let Some(k) = key {
                 if self.is_proxy_of(&k, handle) {
-                    self.entries.remove(&k);
+                    self.unstore(&k);
                 }
             }
         }
@@ -1639,7 +1773,7 @@ impl ReceiverCore {
                 Some(Entry::Proxy(p)) if now >= p.read_by => p.handle.clone(),
                 _ => continue,
             };
-            self.entries.remove(k);
+            self.unstore(k);
             self.counters.expired_proxies += 1;
             if let Some(d) = self.resolve_slot(&handle, |c, s| c.discard(s)) {
                 done.push(d);

@@ -576,6 +576,9 @@ impl SenderCore {
             shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
             dtype: layout.dtype.name().to_string(),
             last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
+            // Our receivers (only they pass our handshake) keep a key
+            // shared by several requests until each is done with it.
+            req_id: Some(put.spec.req_id.clone()),
         };
         let inserted = self.pending.insert(
             &pull_id,
@@ -856,7 +859,10 @@ impl SenderCore {
                 shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
                 dtype: layout.dtype.name().to_string(),
                 last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
-                // LMCache-Ascend's five-field form: its peers know no more.
+                // Upstream's optional request id (only our receivers pass
+                // our handshake, and they keep a key shared by several
+                // requests until each is done with it).
+                req_id: Some(put.spec.req_id.clone()),
                 ..AllocRequest::default()
             };
             let route = self.route(&put.spec.peer_key);

@@ -34,6 +34,7 @@ fn pull_ready_notif() -> PullReadyNotif {
         shape: vec![1, 61, 256, 576],
         dtype: "bfloat16".to_owned(),
         last_chunk_toks: 256,
+        ..Default::default()
     }
 }
 

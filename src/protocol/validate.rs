@@ -429,6 +429,7 @@ mod tests {
             shape: vec![2, 2, 4, 8],
             dtype: "bfloat16".into(),
             last_chunk_toks: 4,
+            ..Default::default()
         }
     }
 

@@ -22,6 +22,7 @@ pub use book::{Completion, Outcome};
 
 use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
 use crate::kv::KvCache;
+use crate::pipeline::LoadOptions;
 use crate::protocol::KeyState;
 use book::{Book, Cancel, Refused};
 use std::collections::VecDeque;
@@ -474,10 +475,14 @@ impl LoadQueue {
             let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
             let worker = crate::backend::spawn(&format!("apd-load-{i}"), move || {
                 while let Some((id, job)) = state.next() {
+                    let opts = LoadOptions {
+                        req_id: Some(id.clone()),
+                        ..LoadOptions::default()
+                    };
                     let r = {
                         let mut cache = job.cache.lock();
                         receiver
-                            .load(&job.req.keys, &job.req.slot_mapping, &mut cache)
+                            .load_with(&job.req.keys, &job.req.slot_mapping, &mut cache, &opts)
                             .map(|_| ())
                             .map_err(err_text)
                     };
@@ -486,11 +491,10 @@ impl LoadQueue {
                     }
                     if r.is_ok() {
                         // The data is in the engine's cache: its pages go
-                        // back to the pool (a cancel meanwhile changes
-                        // nothing more).
-                        for k in &job.req.keys {
-                            receiver.remove(k);
-                        }
+                        // back to the pool, except keys another request
+                        // still holds (a shared prefix). A cancel meanwhile
+                        // changes nothing more.
+                        receiver.release(&id, &job.req.keys);
                     } else {
                         // A failed load is final for its keys: those stored
                         // are dropped, those still landing when they land.

@@ -144,6 +144,7 @@ pub fn pull_notif(
         shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
         dtype: layout.dtype.name().into(),
         last_chunk_toks: layout.tokens as u64,
+        ..Default::default()
     }
 }
 

@@ -101,7 +101,7 @@ impl Shared {
     /// Drops what request `req_id` holds of `keys` (see
     /// [`ReceiverCore::cancel`]) and returns the keys dropped or marked.
     fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
-        let c = lock(&self.core).cancel(keys);
+        let c = lock(&self.core).cancel(req_id, keys);
         let mut dropped = Vec::with_capacity(c.removed.len() + c.deferred.len());
         for (key, r) in c.removed {
             if let Some(d) = r.done {
@@ -392,11 +392,31 @@ impl Receiver {
         }
     }
 
+    /// Request `req_id` is done with `keys` (its load finished): each key
+    /// that no other request holds is removed (its page returns, a proxy
+    /// counts as discarded); a key another request still holds (a shared
+    /// prefix) stays for it. Keys still landing are left alone.
+    pub fn release(&self, req_id: &str, keys: &[String]) {
+        for k in keys {
+            let r = lock(&self.shared.core).release(req_id, k);
+            if let Some(d) = r.and_then(|r| r.done) {
+                self.shared.send_done(d);
+            }
+        }
+    }
+
+    /// Requests holding `key`, by the request ids their senders gave
+    /// (0 when it is not stored or no sender named a request).
+    pub fn holders(&self, key: &str) -> usize {
+        lock(&self.shared.core).holders(key)
+    }
+
     /// Cancels request `req_id` here: drops what this receiver holds of
     /// `keys`, as a `CancelNotif` from its sender would. Stored chunks go
     /// back to the pool, proxies are discarded (their pull's PullDoneSignal
     /// then releases the sender's pins), and keys still landing are
-    /// dropped when their transfer ends. Returns the keys dropped or marked.
+    /// dropped when their transfer ends. A key another request still holds
+    /// (a shared prefix) stays for it. Returns the keys this request let go of.
     pub fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
         self.shared.cancel(req_id, keys)
     }

@@ -499,6 +499,7 @@ impl DecodeSide {
             rng: 0x9e37_79b9_7f4a_7c15,
             opts: LoadOptions {
                 max_depth: depth.max(1),
+                ..LoadOptions::default()
             },
         })
     }
