@@ -66,6 +66,8 @@ fn a_msgspec_peer_gets_cache_query_and_async_alloc_replies_from_a_receiver_proce
         .arg(&script)
         .arg(alloc.to_string())
         .arg(metrics.to_string())
+        // The put above sent one AllocRequest.
+        .arg("1")
         .args(&k)
         .output()
         .unwrap();

@@ -43,6 +43,10 @@ pub enum MemoryError {
         /// Pages in the pool.
         total: usize,
     },
+    /// Admission refused the request at once instead of admitting it in
+    /// part (its whole budget did not fit the pages nobody reserved).
+    #[error("not admitted: {0}")]
+    NotAdmitted(String),
     /// Pages did not come free before the deadline.
     #[error(
         "{pool}: timed out waiting for {requested} free page(s) ({free} free at the deadline)"

@@ -46,6 +46,7 @@
 mod error;
 mod messages;
 
+pub(crate) mod admission;
 pub(crate) mod backpressure;
 pub(crate) mod breaker;
 pub(crate) mod context;

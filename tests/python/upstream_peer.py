@@ -1,8 +1,9 @@
 """An upstream LMCache-style peer, written with msgspec (the encoder LMCache
 uses) and pyzmq, talking to a real ascend-pd receiver process. Run by
 tests/upstream_peer.rs as
-    python3 tests/python/upstream_peer.py ALLOC_PORT METRICS_PORT KEY1 KEY2
-where KEY1 and KEY2 are stored on the receiver. Checks:
+    python3 tests/python/upstream_peer.py ALLOC_PORT METRICS_PORT PRIOR KEY1 KEY2
+where KEY1 and KEY2 are stored on the receiver by PRIOR AllocRequests of
+an ascend-pd sender. Checks:
 - CacheQueryRequest {keys} is answered with CacheQueryResponse naming the
   held keys and their positions in the query;
 - an async-style AllocRequest (req_id, is_last_batch, total_chunks) is
@@ -74,7 +75,8 @@ def metric(port, name):
 
 
 def main():
-    alloc_port, metrics_port, k1, k2 = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    alloc_port, metrics_port, prior = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    k1, k2 = sys.argv[4], sys.argv[5]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.RCVTIMEO, 10000)
@@ -114,10 +116,10 @@ def main():
             k: metric(metrics_port, f'ascend_pd_messages_total{{kind="{k}"}}')
             for k in ("alloc_request", "cache_query", "malformed")
         }
-        if counts["alloc_request"] >= 1 and counts["cache_query"] >= 2:
+        if counts["alloc_request"] >= prior + 1 and counts["cache_query"] >= 2:
             break
         time.sleep(0.1)
-    check("decoded as an AllocRequest", counts.get("alloc_request") == 1.0, repr(counts))
+    check("decoded as an AllocRequest", counts.get("alloc_request") == prior + 1, repr(counts))
     check("both queries counted", counts.get("cache_query") == 2.0, repr(counts))
     check("nothing malformed", counts.get("malformed") == 0.0, repr(counts))
 

@@ -57,6 +57,10 @@ pub struct ReceiverStats {
     pub waiting_for_pages: usize,
     /// Requests refused at once because the wait queue was full.
     pub refused_waiting: u64,
+    /// Multi-batch requests holding a page reservation now.
+    pub reservations: usize,
+    /// Multi-batch requests refused because their whole budget did not fit.
+    pub admission_refused: u64,
 }
 
 /// Why fetching some keys failed; the rest were fetched.
@@ -94,6 +98,8 @@ struct Shared {
     /// What the request loop's wait queue holds, and refused (for stats).
     waiting: AtomicUsize,
     refused_waiting: AtomicU64,
+    /// Reservations of multi-batch requests (see `protocol::admission`).
+    admission: Mutex<crate::protocol::admission::Admission>,
     stop: AtomicBool,
 }
 
@@ -243,6 +249,9 @@ impl Receiver {
             eager: Mutex::new(Some(eager_tx)),
             waiting: AtomicUsize::new(0),
             refused_waiting: AtomicU64::new(0),
+            admission: Mutex::new(crate::protocol::admission::Admission::new(
+                config.push_landing_timeout,
+            )),
             stop: AtomicBool::new(false),
         });
         let hello = Hello::local(
@@ -473,6 +482,12 @@ impl Receiver {
     /// Counters.
     pub fn stats(&self) -> ReceiverStats {
         let s = &self.shared;
+        // One guard at a time: a temporary lives to the end of the struct
+        // literal, and taking the same lock twice in it would deadlock.
+        let (reservations, admission_refused) = {
+            let a = lock(&s.admission);
+            (a.open(), a.refused)
+        };
         ReceiverStats {
             pools: s.alloc.stats(),
             store: lock(&s.core).counters(),
@@ -482,6 +497,8 @@ impl Receiver {
             grants: s.channel.grant_stats(),
             waiting_for_pages: s.waiting.load(Ordering::Relaxed),
             refused_waiting: s.refused_waiting.load(Ordering::Relaxed),
+            reservations,
+            admission_refused,
         }
     }
 

@@ -17,7 +17,8 @@ use super::super::zmq_io::{router_reply, router_try_recv, Received};
 use super::Shared;
 use crate::channel::{Access, GrantTag, ReadOp, TransferOp};
 use crate::config::TransferMode;
-use crate::memory::MemObj;
+use crate::memory::{MemObj, MemoryError};
+use crate::protocol::admission::{BatchOf, Gate};
 use crate::protocol::notice::{encode_reply, route_node};
 use crate::protocol::{
     AllocRequest, AscendAllocResponse, CacheQueryResponse, CancelNotif, EagerRead, Message,
@@ -109,6 +110,19 @@ pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
             Parked::Frame(frame, _) => failure_for(frame, "the receiver is stopping"),
         };
         router_reply(&sock, &w.route, &reply).ok();
+    }
+}
+
+/// What an `AllocRequest` says about its request, when it carries
+/// upstream's async fields (a request sent in several batches).
+fn batch_of(req: &AllocRequest) -> Option<BatchOf<'_>> {
+    match (&req.req_id, req.total_chunks) {
+        (Some(r), Some(n)) => Some(BatchOf {
+            req_id: r,
+            total_chunks: usize::try_from(n).unwrap_or(usize::MAX),
+            last: req.is_last_batch.unwrap_or(false),
+        }),
+        _ => None,
     }
 }
 
@@ -306,6 +320,7 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result
             // Only a sender with a handshake may drop keys: anyone else who
             // reaches the socket could otherwise delete other requests' KV.
             let keys = if s.attached(route_node(route)).is_some() {
+                lock(&s.admission).release(&c.req_id);
                 s.cancel(&c.req_id, &c.keys)
             } else {
                 if s.counters.bump(MessageKind::Rejected) == 0 {
@@ -371,13 +386,30 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
             match writer {
                 None => lock(&s.core).refuse_push(plan),
                 Some((peer, tag)) => {
-                    // Outside the core's lock, and never waiting here.
-                    let pages = match s.alloc.try_allocate_batch(plan.metas()) {
-                        Ok(Some(p)) => Ok(p),
-                        Ok(None) if may_wait => return Served::Wait(plan.into_done()),
-                        Ok(None) => s.alloc.allocate_batch(plan.metas()),
-                        Err(e) => Err(e),
+                    // A multi-batch request (upstream's async fields) is
+                    // admitted whole or refused now; other batches use only
+                    // pages nobody reserved.
+                    let of = batch_of(req);
+                    let free = s.alloc.primary().stats().free;
+                    let now = Instant::now();
+                    let gate = lock(&s.admission).admit(now, of, plan.metas().len(), free);
+                    let pages = match gate {
+                        Gate::Refuse(why) => {
+                            log::warn!("{why}");
+                            Err(MemoryError::NotAdmitted(why))
+                        }
+                        Gate::Wait if may_wait => return Served::Wait(plan.into_done()),
+                        // Outside the core's lock, and never waiting here.
+                        _ => match s.alloc.try_allocate_batch(plan.metas()) {
+                            Ok(Some(p)) => Ok(p),
+                            Ok(None) if may_wait => return Served::Wait(plan.into_done()),
+                            Ok(None) => s.alloc.allocate_batch(plan.metas()),
+                            Err(e) => Err(e),
+                        },
                     };
+                    if let Ok(p) = &pages {
+                        lock(&s.admission).allocated(now, of, p.len());
+                    }
                     // The writer may touch exactly these pages, from now
                     // until its notice (or the revoke after the deadline);
                     // without a grant they are never advertised. Tagged
