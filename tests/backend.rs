@@ -778,6 +778,42 @@ fn a_restarted_receiver_gets_the_next_put_and_frees_what_the_old_one_held() {
     }
 }
 
+/// A pull-delay sender that restarts (same host, done port and rank; new
+/// process state) is recognised by the receiver when the new one attaches:
+/// the old one's attachment and proxies are dropped at once, a load of a
+/// key it announced says its sender restarted, and the new sender's
+/// requests load normally. Every receiver page comes back.
+#[test]
+fn a_restarted_sender_replaces_its_old_attachment_and_its_dead_proxies() {
+    for ch in CHANNELS {
+        let mode = TransferMode::PullDelay;
+        let rc = receiver_config(ch, mode, 16);
+        let sc = sender_config(ch, mode, 16);
+        let r = Receiver::start(&rc, 0).unwrap();
+        let s = Sender::start(&sc, 0, Default::default()).unwrap();
+        let old = keys("old-sender", 2);
+        let c = chunks(&s, &old, CHUNK);
+        s.put(&old, &c, &spec_for(&rc, "old", true)).unwrap();
+        drop(c);
+        drop(s);
+        assert_eq!(r.stats().store.proxies, 2, "{ch:?}");
+        let s = Sender::start(&sc, 0, Default::default()).unwrap();
+        let new = keys("new-sender", 2);
+        let c = chunks(&s, &new, CHUNK);
+        s.put(&new, &c, &spec_for(&rc, "new", true)).unwrap();
+        drop(c);
+        let st = r.stats();
+        assert_eq!(st.sender_restarts, 1, "{ch:?}");
+        assert_eq!(st.peers, 1, "{ch:?}: the old attachment is gone");
+        assert_eq!(st.store.proxies, 2, "{ch:?}: only the new sender's proxies");
+        let e = r.fetch(&old).unwrap_err().to_string();
+        assert!(e.contains("its sender restarted"), "{ch:?}: {e}");
+        consume_and_verify(&r, mode, &new, &[]);
+        assert!(s.drain(Duration::from_secs(10)), "{ch:?}");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver");
+    }
+}
+
 /// Peak resident memory of process `pid` (VmHWM), in bytes.
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

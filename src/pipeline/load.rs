@@ -165,6 +165,11 @@ pub(crate) fn load_keys(
                         .push(key_failure(key, None, "its pull lease expired"));
                     expired.push(key.clone());
                 }
+                Lookup::SenderRestarted => tally.failed.push(key_failure(
+                    key,
+                    None,
+                    "its sender restarted after announcing it; the data is gone (prefill again)",
+                )),
                 Lookup::Missing => tally.failed.push(key_failure(key, None, "not stored")),
             }
         }

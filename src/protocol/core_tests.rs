@@ -2612,3 +2612,30 @@ fn a_shared_proxy_is_read_by_both_requests_and_its_done_waits_for_the_last() {
         drop((sp, sp2));
     }
 }
+
+/// A restarted sender's proxies point at memory that is gone: forgetting
+/// the sender discards them (a load says why), and leaves every other
+/// sender's proxies alone.
+#[test]
+fn forgetting_a_restarted_sender_discards_only_its_proxies() {
+    let t0 = Instant::now();
+    let sender_pool = pool(4);
+    let mut ks = receiver();
+    let sp = alloc(&sender_pool, 2);
+    delay(&mut ks, &notif(&lease_id(t0 + LEASE), &["a", "b"], &sp), t0);
+    let other = PullReadyNotif {
+        sender_id: "prefill:7601".into(),
+        ..notif(&lease_id(t0 + LEASE), &["c"], &sp[..1])
+    };
+    // A different sender's notification must come on its own route.
+    let reply = match ks.plan_pull(t0, "prefill:7601#0", &other, Some(LEASE)) {
+        Ok(plan) => ks.commit_pull_delay(plan),
+        Err(r) => *r,
+    };
+    assert!(!reply.ack.alloc_failed, "{reply:?}");
+    assert_eq!(ks.forget_sender(SENDER, t0), 2);
+    assert!(matches!(ks.get("a", t0), Lookup::SenderRestarted));
+    assert!(matches!(ks.get("c", t0), Lookup::Proxy(_)));
+    assert_eq!(ks.counters().proxies, 1);
+    drop(sp);
+}

@@ -149,6 +149,8 @@ pub enum Lookup<'a> {
     Proxy(&'a ProxyEntry),
     /// A proxy whose read window has passed: unreadable.
     Expired,
+    /// A proxy whose sender restarted: the data it pointed at is gone.
+    SenderRestarted,
     /// Not here.
     Missing,
 }
@@ -504,7 +506,7 @@ pub struct ReceiverCore {
     given_up: RecentIds<()>,
     /// Keys whose proxy the sweep discarded at its lease's end: a load of
     /// one says the lease expired rather than that it was never stored.
-    expired_keys: RecentIds<()>,
+    expired_keys: RecentIds<Gone>,
     contexts: HashMap<String, PullContext>,
     eager: HashMap<String, EagerPull>,
     /// Keys a `CancelNotif` named while their data was still landing: the
@@ -524,6 +526,13 @@ pub struct ReceiverCore {
 /// Requests remembered per key; beyond this the key is simply kept until
 /// the others release it or it is removed.
 const MAX_HOLDERS: usize = 4096;
+
+/// Why a proxy left the store before it was read (so a load of it says so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gone {
+    LeaseExpired,
+    SenderRestarted,
+}
 
 /// The transfer a pending key waits for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -653,8 +662,11 @@ impl ReceiverCore {
     /// What the load path may do with `key` at `now`. Never changes anything.
     pub fn get(&self, key: &str, now: Instant) -> Lookup<'_> {
         match self.entries.get(key) {
-            None if self.expired_keys.get(key, now).is_some() => Lookup::Expired,
-            None => Lookup::Missing,
+            None => match self.expired_keys.get(key, now) {
+                Some(Gone::LeaseExpired) => Lookup::Expired,
+                Some(Gone::SenderRestarted) => Lookup::SenderRestarted,
+                None => Lookup::Missing,
+            },
             Some(Entry::Resident(p)) => Lookup::Resident(p),
             Some(Entry::PendingPush { .. } | Entry::PendingRead { .. }) => Lookup::NotReady,
             Some(Entry::Proxy(p)) => {
@@ -699,6 +711,30 @@ impl ReceiverCore {
             },
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => unreachable!("checked above"),
         })
+    }
+
+    /// Sender `node` is gone (it restarted: a new process of the same
+    /// identity attached). Its proxies point at memory that no longer
+    /// exists: they are discarded now (a load of one says its sender
+    /// restarted) instead of failing their reads until their lease ends.
+    /// Returns how many were discarded; their pulls' Dones are dropped
+    /// (nobody is left to receive them).
+    pub fn forget_sender(&mut self, node: &str, now: Instant) -> usize {
+        let keys: Vec<(String, ProxyHandle)> = self
+            .entries
+            .iter()
+            .filter_map(|(k, e)| match e {
+                Entry::Proxy(p) if p.sender_id == node => Some((k.clone(), p.handle.clone())),
+                _ => None,
+            })
+            .collect();
+        for (k, handle) in &keys {
+            self.unstore(k);
+            self.expired_keys.insert(k, Gone::SenderRestarted, now);
+            let _ = self.resolve_slot(handle, |c, s| c.discard(s));
+        }
+        self.counters.expired_proxies += keys.len() as u64;
+        keys.len()
     }
 
     /// Takes `key` out of the store, with its holders.
@@ -1664,7 +1700,7 @@ impl ReceiverCore {
                 }
                 if self.is_proxy_of(key, &handle) {
                     self.unstore(key);
-                    self.expired_keys.insert(key, (), now);
+                    self.expired_keys.insert(key, Gone::LeaseExpired, now);
                 }
                 self.counters.expired_proxies += 1;
                 report.expired_proxies.push(key.clone());

@@ -59,6 +59,8 @@ pub struct ReceiverStats {
     pub refused_waiting: u64,
     /// Multi-batch requests holding a page reservation now.
     pub reservations: usize,
+    /// Senders found restarted: their old attachment and proxies were dropped.
+    pub sender_restarts: u64,
     /// Multi-batch requests refused because their whole budget did not fit.
     pub admission_refused: u64,
 }
@@ -98,6 +100,8 @@ struct Shared {
     /// What the request loop's wait queue holds, and refused (for stats).
     waiting: AtomicUsize,
     refused_waiting: AtomicU64,
+    /// Senders found restarted (a new process of the same identity attached).
+    sender_restarts: AtomicU64,
     /// Reservations of multi-batch requests (see `protocol::admission`).
     admission: Mutex<crate::protocol::admission::Admission>,
     stop: AtomicBool,
@@ -140,6 +144,28 @@ impl Shared {
     /// Records an attached sender (run by the handshake server before it
     /// answers); a re-attach of the same node replaces its link.
     fn register(&self, a: &Agreement) {
+        // A sender of the same identity under a new node id is the same
+        // worker restarted (only one process binds its done port): its old
+        // attachment and proxies go now.
+        let stale: Vec<(String, PeerLink)> = match sender_identity(&a.remote.node) {
+            Some(id) => lock(&self.peers)
+                .iter()
+                .filter(|(n, _)| **n != a.remote.node && sender_identity(n) == Some(id))
+                .map(|(n, l)| (n.clone(), *l))
+                .collect(),
+            None => Vec::new(),
+        };
+        for (node, link) in stale {
+            lock(&self.peers).remove(&node);
+            self.channel.detach(link.peer);
+            let dropped = lock(&self.core).forget_sender(&node, Instant::now());
+            self.sender_restarts.fetch_add(1, Ordering::Relaxed);
+            log::info!(
+                "sender {node} restarted (now {}): dropped its attachment and {dropped} proxy(ies) \
+                 of its old process",
+                a.remote.node
+            );
+        }
         lock(&self.peers).insert(
             a.remote.node.clone(),
             PeerLink {
@@ -154,6 +180,24 @@ impl Shared {
             },
         );
     }
+}
+
+/// What stays the same when a sender restarts: its host, done port and TP
+/// rank (`host:port/p<pid>r<rank>-<nonce>` without pid and nonce). A sender
+/// without a done port (push) has no identity of its own: two of them may
+/// share a host.
+fn sender_identity(node: &str) -> Option<(&str, &str)> {
+    let (addr, rest) = node.split_once('/')?;
+    if addr.ends_with(":0") {
+        return None;
+    }
+    let rank = rest
+        .strip_prefix('p')?
+        .split_once('r')?
+        .1
+        .split_once('-')?
+        .0;
+    Some((addr, rank))
 }
 
 impl LoadEnv for Shared {
@@ -249,6 +293,7 @@ impl Receiver {
             eager: Mutex::new(Some(eager_tx)),
             waiting: AtomicUsize::new(0),
             refused_waiting: AtomicU64::new(0),
+            sender_restarts: AtomicU64::new(0),
             admission: Mutex::new(crate::protocol::admission::Admission::new(
                 config.push_landing_timeout,
             )),
@@ -499,6 +544,7 @@ impl Receiver {
             refused_waiting: s.refused_waiting.load(Ordering::Relaxed),
             reservations,
             admission_refused,
+            sender_restarts: s.sender_restarts.load(Ordering::Relaxed),
         }
     }
 
@@ -551,6 +597,9 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
             Lookup::Missing => return Err("not stored".into()),
             Lookup::NotReady => return Err("its data has not landed yet".into()),
             Lookup::Expired => return Err("its pull lease expired".into()),
+            Lookup::SenderRestarted => {
+                return Err("its sender restarted after announcing it; the data is gone".into())
+            }
             Lookup::Proxy(_) => {}
         }
         core.begin_proxy_read(key, now).map_err(|e| e.to_string())?
@@ -605,5 +654,22 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
             finish(ReadOutcome::Failed);
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sender_identity;
+
+    #[test]
+    fn a_senders_identity_is_its_host_done_port_and_rank() {
+        let a = sender_identity("10.0.0.1:17600/p123r0-0a1b2c3d");
+        assert_eq!(a, Some(("10.0.0.1:17600", "0")));
+        // Restarted: new pid and nonce, same identity.
+        assert_eq!(sender_identity("10.0.0.1:17600/p999r0-ffffffff"), a);
+        assert_ne!(sender_identity("10.0.0.1:17600/p999r1-ffffffff"), a);
+        // Push senders (no done port) share a host: no identity.
+        assert_eq!(sender_identity("10.0.0.1:0/p123r0-0a1b2c3d"), None);
+        assert_eq!(sender_identity("not-a-sender-id"), None);
     }
 }
