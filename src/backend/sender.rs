@@ -319,6 +319,14 @@ impl Sender {
                     };
                     lock(&s.core).on_connected(&mut put, Instant::now(), attached)
                 }
+                PutAction::ProbeIncarnation => {
+                    let incarnation =
+                        handshake::probe_incarnation(&s.ctx, &link.init_url, s.timeouts.handshake)
+                            .map_err(|e| last_io = Some(e.into()))
+                            .ok()
+                            .flatten();
+                    lock(&s.core).on_probed(&mut put, Instant::now(), incarnation)
+                }
                 PutAction::SyncClock => {
                     let clock =
                         handshake::probe_clock(&s.ctx, &link.init_url, s.timeouts.handshake)

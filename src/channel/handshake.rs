@@ -809,6 +809,26 @@ pub fn probe_clock(
     url: &str,
     timeout: Duration,
 ) -> Result<(Instant, Instant, u64), ChannelError> {
+    probe(ctx, url, timeout).map(|(sent, received, clock, _)| (sent, received, clock))
+}
+
+/// The incarnation of the side listening at `url` (see
+/// [`Hello::incarnation`]), asked without attaching: `None` when it does
+/// not say (an older peer). Telling a restarted receiver from a full one
+/// this way leaves the attachment, and reads in flight under it, alone.
+pub fn probe_incarnation(
+    ctx: &zmq::Context,
+    url: &str,
+    timeout: Duration,
+) -> Result<Option<u64>, ChannelError> {
+    probe(ctx, url, timeout).map(|(_, _, _, incarnation)| incarnation)
+}
+
+fn probe(
+    ctx: &zmq::Context,
+    url: &str,
+    timeout: Duration,
+) -> Result<(Instant, Instant, u64, Option<u64>), ChannelError> {
     let sock = req_socket(ctx, url, timeout)?;
     let mut w = Writer::with_capacity(16);
     w.map_len(1).expect("1");
@@ -823,32 +843,45 @@ pub fn probe_clock(
         .map_err(|_| timeout_err("to"))?;
     let reply = sock.recv_bytes(0).map_err(|_| timeout_err("answer from"))?;
     let received = Instant::now();
-    let clock = decode_clock_answer(&reply).ok_or_else(|| {
+    let (clock, incarnation) = decode_clock_answer(&reply).ok_or_else(|| {
         ChannelError::Handshake(format!("malformed clock probe answer from {url}"))
     })?;
-    Ok((sent, received, clock))
+    Ok((sent, received, clock, incarnation))
 }
 
-/// The peer's clock from a clock probe's answer `{clock_us}`.
-fn decode_clock_answer(reply: &[u8]) -> Option<u64> {
+/// The peer's clock and incarnation from a clock probe's answer
+/// `{clock_us[, incarnation]}` (older peers send the clock only).
+fn decode_clock_answer(reply: &[u8]) -> Option<(u64, Option<u64>)> {
     let mut r = Reader::new(reply);
-    if r.map_len().ok()? != 1 || r.str().ok()? != "clock_us" {
+    let n = r.map_len().ok()?;
+    if !(1..=2).contains(&n) || r.str().ok()? != "clock_us" {
         return None;
     }
     let clock = r.uint().ok()?;
-    (r.remaining() == 0).then_some(clock)
+    let incarnation = if n == 2 {
+        if r.str().ok()? != "incarnation" {
+            return None;
+        }
+        Some(r.uint().ok()?)
+    } else {
+        None
+    };
+    (r.remaining() == 0).then_some((clock, incarnation))
 }
 
-/// Whether `frame` is a clock probe; the answer to it.
-fn clock_probe_answer(frame: &[u8]) -> Option<Vec<u8>> {
+/// Whether `frame` is a clock probe; the answer to it, which also names
+/// our incarnation.
+fn clock_probe_answer(frame: &[u8], incarnation: u64) -> Option<Vec<u8>> {
     let mut r = Reader::new(frame);
     if r.map_len().ok()? != 1 || r.str().ok()? != "clock_probe" {
         return None;
     }
-    let mut w = Writer::with_capacity(16);
-    w.map_len(1).expect("1");
+    let mut w = Writer::with_capacity(40);
+    w.map_len(2).expect("2");
     w.str("clock_us").expect("short");
     w.uint(crate::wire::micros(Instant::now()));
+    w.str("incarnation").expect("short");
+    w.uint(incarnation);
     Some(w.into_bytes())
 }
 
@@ -969,7 +1002,7 @@ fn serve(
         let Ok(frame) = sock.recv_bytes(0) else {
             continue;
         };
-        if let Some(answer) = clock_probe_answer(&frame) {
+        if let Some(answer) = clock_probe_answer(&frame, local.incarnation) {
             let _ = sock.send(answer, 0);
             continue;
         }
@@ -1144,12 +1177,12 @@ pub mod fuzzing {
 
     /// Whether the listening side takes `frame` for a clock probe.
     pub fn is_clock_probe(frame: &[u8]) -> bool {
-        clock_probe_answer(frame).is_some()
+        clock_probe_answer(frame, 0).is_some()
     }
 
     /// The clock of a clock probe's answer.
     pub fn decode_clock_answer(reply: &[u8]) -> Option<u64> {
-        super::decode_clock_answer(reply)
+        super::decode_clock_answer(reply).map(|(clock, _)| clock)
     }
 }
 

@@ -81,9 +81,10 @@ fn discard_proxy(env: &impl LoadEnv, key: &str, req: Option<&str>) -> bool {
     let removed = {
         let mut core = env.core();
         match (core.state(key) == Some(KeyState::Proxy), req) {
-            // Another request may still hold it: only this one lets go.
-            (true, Some(r)) => core.release(r, key),
-            (true, None) => core.remove(key),
+            // Another request also holds it: it stays for that one (the
+            // caller releases this request's hold after the load).
+            (true, Some(_)) if core.holders(key) > 1 => None,
+            (true, _) => core.remove(key),
             (false, _) => None,
         }
     };

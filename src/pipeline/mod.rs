@@ -42,8 +42,9 @@ pub struct LoadOptions {
     /// the pages free when the load starts and by the request (at least 1).
     pub max_depth: usize,
     /// The request being loaded, if known (the request API sets it): a
-    /// proxy it reads that another request still holds (a shared prefix)
-    /// is kept for that one, instead of consumed.
+    /// proxy it reads that another request also holds (a shared prefix)
+    /// is kept instead of consumed. Release the request's holds with
+    /// `Receiver::release` after the load (the request API does).
     pub req_id: Option<String>,
 }
 

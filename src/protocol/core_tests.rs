@@ -1978,8 +1978,8 @@ fn bad_puts_an_open_breaker_and_a_failed_handshake_end_the_put() {
         panic!()
     };
     let a = sc.on_reply(&mut put, t0, Ok(ack(&[], true).encode()));
-    assert!(matches!(a, PutAction::Connect), "{a:?}");
-    let end = finish(sc.on_connected(&mut put, t0, Some(attached(t0))));
+    assert!(matches!(a, PutAction::ProbeIncarnation), "{a:?}");
+    let end = finish(sc.on_probed(&mut put, t0, Some(1)));
     assert_eq!(end.result, Ok(PutOutcome::ReceiverAllocFailed));
     assert_eq!(sc.take_grant_releases(), vec![GrantId(3)]);
     let (_, a) = sc.begin_put(t0 + S, spec("r"), keys(&["b"]), alloc(&spool, 1));
@@ -2093,8 +2093,9 @@ fn an_allocation_the_sender_never_writes_is_given_back_at_once() {
 }
 
 /// Review finding: after a receiver restarted (new pools, no attachment of
-/// ours) every put failed for good. A failed write, or a refused
-/// allocation, now drops the attachment so the next put attaches again.
+/// ours) every put failed for good. A failed write drops the attachment so
+/// the next put attaches again; a refused allocation probes the receiver's
+/// incarnation and keeps the attachment when the same process answers.
 #[test]
 fn a_failed_write_or_refused_allocation_makes_the_next_put_attach_again() {
     use crate::config::TransferMode;
@@ -2126,20 +2127,32 @@ fn a_failed_write_or_refused_allocation_makes_the_next_put_attach_again() {
     let (mut put, a) = sc.begin_put(t0, spec("r"), keys(&["b"]), alloc(&spool, 1));
     assert!(matches!(a, PutAction::Connect), "{a:?}");
     sc.on_connected(&mut put, t0, Some(attached(t0)));
-    // A refusal first attaches again, to tell a restart from a full pool.
+    // A refusal first probes the receiver's incarnation (no attach), to
+    // tell a restart from a full pool.
     let a = sc.on_reply(
         &mut put,
         t0,
         Ok(Message::AscendAllocResponse(resp(true)).encode()),
     );
-    assert!(matches!(a, PutAction::Connect), "{a:?}");
-    // The same incarnation answers: the refusal stands.
-    let end = finish(sc.on_connected(&mut put, t0, Some(attached(t0))));
+    assert!(matches!(a, PutAction::ProbeIncarnation), "{a:?}");
+    // The same incarnation answers: the refusal stands, and the attachment
+    // (with any read in flight under it) is kept.
+    let end = finish(sc.on_probed(&mut put, t0, Some(1)));
     assert_eq!(end.result, Ok(PutOutcome::ReceiverAllocFailed));
-    assert!(sc.attached("r").is_none());
-    // After the backoff the put attaches first.
+    assert!(sc.attached("r").is_some());
+    // After the backoff the put goes on without a new handshake.
     let (_, a) = sc.begin_put(t0 + 3 * S, spec("r"), keys(&["c"]), alloc(&spool, 1));
-    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    assert!(matches!(a, PutAction::Request { .. }), "{a:?}");
+    // A probe nobody answers: as before, attach again next time.
+    let (mut put, _) = sc.begin_put(t0 + 6 * S, spec("r"), keys(&["d"]), alloc(&spool, 1));
+    let a = sc.on_reply(
+        &mut put,
+        t0 + 6 * S,
+        Ok(Message::AscendAllocResponse(resp(true)).encode()),
+    );
+    assert!(matches!(a, PutAction::ProbeIncarnation), "{a:?}");
+    finish(sc.on_probed(&mut put, t0 + 6 * S, None));
+    assert!(sc.attached("r").is_none());
 }
 
 /// Review finding: a notification's `sender_id` was taken on trust, so one
@@ -2456,8 +2469,11 @@ fn a_restarted_receiver_gets_the_put_and_its_old_pulls_are_released() {
     assert!(matches!(a, PutAction::Grant { .. }), "{a:?}");
     sc.on_granted(&mut p2, t0, Some(GrantId(4)));
     let a = sc.on_reply(&mut p2, t0, Ok(ack(&[], true).encode()));
-    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    assert!(matches!(a, PutAction::ProbeIncarnation), "{a:?}");
     assert_eq!(sc.take_grant_releases(), vec![GrantId(4)]);
+    // A new incarnation answers the probe: attach to the new process.
+    let a = sc.on_probed(&mut p2, t0, Some(2));
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
     let a = sc.on_connected(&mut p2, t0, Some(restarted(t0)));
     // The old process's pull is released: its grant revoked, its page
     // kept until the channel says nobody reads it.
@@ -2576,10 +2592,13 @@ fn a_shared_proxy_is_read_by_both_requests_and_its_done_waits_for_the_last() {
         let reply = delay(&mut ks, &n2, t0);
         assert_eq!(reply.ack.already_sent_indexes, vec![0]);
         assert_eq!(ks.holders("k"), 2);
+        // A load of `key` for `req`, then its release (as the request API
+        // does once the load is over).
         let read = |ks: &mut ReceiverCore, req: &str, key: &str| {
             let p = ks.begin_proxy_read(key, t0).unwrap();
-            ks.end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some(req))
-                .map(|d| d.signal.pull_id)
+            let done = ks.end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some(req));
+            let released = ks.release(req, key).and_then(|r| r.done);
+            done.or(released).map(|d| d.signal.pull_id)
         };
         let (own1, own2, second) = if first == "r1" {
             ("a", "b", "r2")
@@ -2638,4 +2657,52 @@ fn forgetting_a_restarted_sender_discards_only_its_proxies() {
     assert!(matches!(ks.get("c", t0), Lookup::Proxy(_)));
     assert_eq!(ks.counters().proxies, 1);
     drop(sp);
+}
+
+/// The decode side may name requests differently from the prefill side:
+/// releases under other names still count one hold each, so the key goes
+/// after its last request. A key one request cancelled while it was still
+/// landing, and another request then claimed, is kept when it lands.
+#[test]
+fn holds_count_under_other_names_and_a_new_claim_undoes_a_pending_cancel() {
+    let t0 = Instant::now();
+    let pool = pool(8);
+    let mut ks = receiver();
+    let r1 = push(&mut ks, &alloc_for("p1", &["k"]), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r1.response),
+        t0,
+    );
+    push(&mut ks, &alloc_for("p2", &["k"]), t0, &pool);
+    assert_eq!(ks.holders("k"), 2);
+    assert!(ks.release("decode-1", "k").unwrap().page.is_none());
+    assert_eq!(ks.holders("k"), 1);
+    assert!(ks.release("decode-2", "k").unwrap().page.is_some());
+    assert_idle(&pool);
+
+    // "late" is still being pushed when its only request cancels it...
+    let r = push(&mut ks, &alloc_for("a", &["late"]), t0, &pool);
+    let c = ks.cancel("a", &keys(&["late"]));
+    assert_eq!(c.deferred, keys(&["late"]));
+    // ... then another request announces it (told: already sent).
+    let b = push(&mut ks, &alloc_for("b", &["late"]), t0, &pool);
+    assert_eq!(b.response.already_sent_indexes, vec![0]);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r.response),
+        t0,
+    );
+    assert!(
+        matches!(ks.get("late", t0), Lookup::Resident(_)),
+        "b still needs it"
+    );
+    ks.release("b", "late");
+    assert_idle(&pool);
 }

@@ -293,9 +293,9 @@ impl Message {
                 shape: fields.required("shape")?,
                 dtype: fields.required("dtype")?,
                 last_chunk_toks: fields.required("last_chunk_toks")?,
-                req_id: fields.get("req_id")?,
-                is_last_batch: fields.get("is_last_batch")?,
-                total_chunks: fields.get("total_chunks")?,
+                req_id: fields.nullable("req_id")?,
+                is_last_batch: fields.nullable("is_last_batch")?,
+                total_chunks: fields.nullable("total_chunks")?,
             }),
             MessageType::AscendAllocResponse => Message::AscendAllocResponse(AscendAllocResponse {
                 already_sent_indexes: fields.required("already_sent_indexes")?,
@@ -314,7 +314,7 @@ impl Message {
                 shape: fields.required("shape")?,
                 dtype: fields.required("dtype")?,
                 last_chunk_toks: fields.required("last_chunk_toks")?,
-                req_id: fields.get("req_id")?,
+                req_id: fields.nullable("req_id")?,
             }),
             MessageType::PullReadyDoneAck => Message::PullReadyDoneAck(PullReadyDoneAck {
                 already_sent_indexes: fields.required("already_sent_indexes")?,
@@ -554,6 +554,26 @@ impl Fields<'_> {
             });
         }
         Ok(Some(value))
+    }
+
+    /// Decode optional field `name`: absent or nil is `None` (msgspec
+    /// writes an unset `Optional` field as nil unless `omit_defaults`).
+    fn nullable<T: FieldValue>(&self, name: &'static str) -> Result<Option<T>, DecodeError> {
+        let nil = self
+            .entries
+            .iter()
+            .any(|e| e.key == name && e.value == [0xc0]);
+        if nil {
+            // Still refuse a duplicate.
+            if self.entries.iter().filter(|e| e.key == name).count() > 1 {
+                return Err(DecodeError::DuplicateField {
+                    msg_type: self.msg_type,
+                    field: name,
+                });
+            }
+            return Ok(None);
+        }
+        self.get(name)
     }
 
     /// Decode required field `name`.

@@ -756,22 +756,50 @@ impl ReceiverCore {
                 if h.len() < MAX_HOLDERS {
                     h.insert(req.to_string());
                 }
+                // Someone wants it again: a cancel mark left by its earlier
+                // sole holder must not drop it when it lands.
+                self.cancelled.remove(k.as_str());
             }
         }
     }
 
-    /// Whether a named request other than `req` still holds `key`.
-    fn others_hold(&self, key: &str, req: &str) -> bool {
-        self.holders
-            .get(key)
-            .is_some_and(|h| h.iter().any(|r| r != req && !r.is_empty()))
+    /// Lets go of `req`'s hold on `key`. Returns whether another hold
+    /// remains (then the key must stay). When `req` is not among the
+    /// holders (the decode side names its requests differently from the
+    /// prefill side), one hold goes anyway, an anonymous one first: with
+    /// one release per request, a key still goes after its last request.
+    fn let_go(&mut self, key: &str, req: &str) -> bool {
+        if self.holders.get(key).is_some_and(|h| h.len() > 1) {
+            self.drop_hold(key, req);
+            true
+        } else {
+            false
+        }
     }
 
-    /// The named requests holding `key`.
+    /// Removes `req`'s hold on `key` (or, if it has none by that name, one
+    /// hold, an anonymous one first).
+    fn drop_hold(&mut self, key: &str, req: &str) {
+        if let Some(h) = self.holders.get_mut(key) {
+            if !h.remove(req) {
+                let any = h
+                    .iter()
+                    .find(|r| r.is_empty())
+                    .or_else(|| h.iter().next())
+                    .cloned();
+                if let Some(a) = any {
+                    h.remove(&a);
+                }
+            }
+        }
+    }
+
+    /// The requests holding `key` (0 when it is not stored).
     pub fn holders(&self, key: &str) -> usize {
-        self.holders
-            .get(key)
-            .map_or(0, |h| h.iter().filter(|r| !r.is_empty()).count())
+        match self.entries.contains_key(key) {
+            true => self.holders.get(key).map_or(1, HashSet::len),
+            false => 0,
+        }
     }
 
     /// Request `req` is done with `key` (its load finished). If another
@@ -783,11 +811,7 @@ impl ReceiverCore {
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
             e => e.state(),
         };
-        if self.others_hold(key, req) {
-            if let Some(h) = self.holders.get_mut(key) {
-                h.remove(req);
-                h.remove("");
-            }
+        if self.let_go(key, req) {
             return Some(Removed {
                 state,
                 page: None,
@@ -814,11 +838,7 @@ impl ReceiverCore {
         let mut out = Cancelled::default();
         for key in keys {
             // Another request shares the key: only this one lets go.
-            if self.others_hold(key, req) {
-                if let Some(h) = self.holders.get_mut(key) {
-                    h.remove(req);
-                    h.remove("");
-                }
+            if self.let_go(key, req) {
                 continue;
             }
             let pending = match self.entries.get(key) {
@@ -828,6 +848,9 @@ impl ReceiverCore {
             };
             match pending {
                 Some(p) => {
+                    // Its hold goes now: a request that claims the key
+                    // before it lands keeps it (see `hold`).
+                    self.drop_hold(key, req);
                     self.cancelled.insert(key.clone(), p);
                     out.deferred.push(key.clone());
                 }
@@ -1586,9 +1609,10 @@ impl ReceiverCore {
     }
 
     /// [`ReceiverCore::end_proxy_read`] for a load of request `req`: a
-    /// proxy it consumed that another request still holds is kept for
-    /// that one (its pull's Done, and the sender's pins, wait for the last
-    /// holder); only `req`'s hold goes.
+    /// proxy it consumed that another request also holds is kept (its
+    /// pull's Done, and the sender's pins, wait for the last holder). The
+    /// caller then releases `req`'s hold ([`ReceiverCore::release`]) once
+    /// the load is over.
     pub fn end_proxy_read_for(
         &mut self,
         handle: &ProxyHandle,
@@ -1596,13 +1620,8 @@ impl ReceiverCore {
         req: Option<&str>,
     ) -> Option<SendPullDone> {
         let outcome = match (outcome, req, self.key_of(handle)) {
-            (ReadOutcome::Consumed, Some(r), Some(k)) if self.others_hold(&k, r) => {
-                if let Some(h) = self.holders.get_mut(&k) {
-                    h.remove(r);
-                    h.remove("");
-                }
-                ReadOutcome::Kept
-            }
+            // The hold itself goes with `release` after the load, once.
+            (ReadOutcome::Consumed, Some(_), Some(k)) if self.holders(&k) > 1 => ReadOutcome::Kept,
             (o, _, _) => o,
         };
         self.resolve_slot(handle, |c, slot| c.end_read(slot, outcome))

@@ -224,6 +224,10 @@ pub enum PutAction {
     /// Re-measure the receiver's clock (the handshake socket's clock probe);
     /// report with [`SenderCore::on_clock`].
     SyncClock,
+    /// Ask the receiver's init socket for its incarnation (a clock probe,
+    /// no attach), then call [`SenderCore::on_probed`]: the receiver
+    /// refused us, and only a new incarnation means it restarted.
+    ProbeIncarnation,
     /// Wait until pinned pages are released or until `until`, then
     /// [`SenderCore::on_pins_released`].
     WaitForPins {
@@ -265,6 +269,8 @@ pub enum PutAction {
 enum State {
     Connecting,
     SyncingClock,
+    /// A refusal is being checked against the receiver's incarnation.
+    Probing,
     Admitting {
         deadline: Instant,
     },
@@ -493,23 +499,64 @@ impl SenderCore {
         }
     }
 
-    /// The receiver refused to allocate. Once a put, it is attached again
-    /// first: a receiver that restarted refuses us (it does not know us)
-    /// exactly as a full one does, and its new incarnation tells them
-    /// apart. A restarted receiver gets the put; a full one opens the
-    /// breaker.
+    /// The receiver refused to allocate. Once a put, its incarnation is
+    /// probed first: a receiver that restarted refuses us (it does not know
+    /// us) exactly as a full one does, and only a new incarnation tells
+    /// them apart. The probe does not attach, so a receiver that is merely
+    /// full keeps our attachment and the reads in flight under it.
     fn refused(&mut self, put: &mut Put, now: Instant) -> PutAction {
         let peer = put.spec.peer_key.clone();
         if !put.restart_checked {
             if let Some(a) = self.attached(&peer) {
                 put.restart_checked = true;
                 put.suspect = Some(a.incarnation);
-                put.state = State::Connecting;
-                return PutAction::Connect;
+                put.state = State::Probing;
+                return PutAction::ProbeIncarnation;
             }
         }
-        self.open_breaker(&peer, now);
+        self.full(put, now)
+    }
+
+    /// The refusal stands: skip the receiver for the backoff window, keeping
+    /// our attachment (it is the same process).
+    fn full(&mut self, put: &mut Put, now: Instant) -> PutAction {
+        let peer = put.spec.peer_key.clone();
+        self.breaker
+            .open(&peer, now, self.cfg.alloc_fail_backoff_ttl);
+        log::warn!(
+            "receiver {peer} could not allocate; skipping it for {:?}",
+            self.cfg.alloc_fail_backoff_ttl
+        );
         self.finish(put, Ok(PutOutcome::ReceiverAllocFailed))
+    }
+
+    /// The incarnation probe after a refusal ended (`None`: no answer, or
+    /// a peer that does not say).
+    pub fn on_probed(
+        &mut self,
+        put: &mut Put,
+        now: Instant,
+        incarnation: Option<u64>,
+    ) -> PutAction {
+        debug_assert!(matches!(put.state, State::Probing));
+        match (put.suspect, incarnation) {
+            // A new process answers: attach to it; `on_connected` retries.
+            (Some(old), Some(new)) if old != new => {
+                put.state = State::Connecting;
+                PutAction::Connect
+            }
+            // The same process: it is full (or refuses us for its reasons).
+            (Some(_), Some(_)) => {
+                put.suspect = None;
+                self.full(put, now)
+            }
+            // No answer or no incarnation: as before, attach again next time.
+            _ => {
+                put.suspect = None;
+                self.open_breaker(&put.spec.peer_key.clone(), now);
+                self.finish(put, Ok(PutOutcome::ReceiverAllocFailed))
+            }
+        }
     }
 
     /// The clock probe ended: `Some` with the new measurement.

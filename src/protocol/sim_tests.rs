@@ -609,6 +609,12 @@ impl Sim {
                 let next = self.senders[i].core.on_clock(&mut put, now, Some(clock));
                 self.drive(i, put, next);
             }
+            PutAction::ProbeIncarnation => {
+                // The simulated receiver never restarts: the same incarnation.
+                let now = self.s_now();
+                let next = self.senders[i].core.on_probed(&mut put, now, Some(1));
+                self.drive(i, put, next);
+            }
             PutAction::WaitForPins { until } => {
                 let left = until.saturating_duration_since(self.s_now()).as_micros() as u64;
                 self.senders[i].put = Some(put);

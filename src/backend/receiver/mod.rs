@@ -111,6 +111,7 @@ impl Shared {
     /// Drops what request `req_id` holds of `keys` (see
     /// [`ReceiverCore::cancel`]) and returns the keys dropped or marked.
     fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
+        lock(&self.admission).release(req_id);
         let c = lock(&self.core).cancel(req_id, keys);
         let mut dropped = Vec::with_capacity(c.removed.len() + c.deferred.len());
         for (key, r) in c.removed {

@@ -320,7 +320,6 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result
             // Only a sender with a handshake may drop keys: anyone else who
             // reaches the socket could otherwise delete other requests' KV.
             let keys = if s.attached(route_node(route)).is_some() {
-                lock(&s.admission).release(&c.req_id);
                 s.cancel(&c.req_id, &c.keys)
             } else {
                 if s.counters.bump(MessageKind::Rejected) == 0 {
@@ -368,7 +367,14 @@ fn serve(s: &Shared, route: &str, p: &Parked, may_wait: bool) -> Served {
 fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> Served {
     let planned = lock(&s.core).plan_push(Instant::now(), route, req);
     let reply = match planned {
-        Err(reply) => *reply,
+        Err(reply) => {
+            // Nothing to allocate (all present, or refused): a last batch
+            // still ends its request's reservation.
+            if let Some(b) = batch_of(req).filter(|b| b.last) {
+                lock(&s.admission).release(b.req_id);
+            }
+            *reply
+        }
         Ok(plan) => {
             // Only a sender with a handshake can be granted pages; nobody
             // else may hold (or wait for) any.
@@ -399,6 +405,13 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
                             Err(MemoryError::NotAdmitted(why))
                         }
                         Gate::Wait if may_wait => return Served::Wait(plan.into_done()),
+                        // The last try may not take pages other requests
+                        // reserved.
+                        Gate::Wait => Err(MemoryError::NotAdmitted(format!(
+                            "{} page(s) needed, but the free pages are reserved by multi-batch \
+                             requests",
+                            plan.metas().len()
+                        ))),
                         // Outside the core's lock, and never waiting here.
                         _ => match s.alloc.try_allocate_batch(plan.metas()) {
                             Ok(Some(p)) => Ok(p),
