@@ -345,7 +345,11 @@ fn load_group(
         // in flight); an unpinned one is discarded. Either way its pull's
         // Done still goes out once all its proxies are resolved.
         let done = match began[j].take() {
-            Some(p) => env.core().end_proxy_read(&p.handle, ReadOutcome::Failed),
+            Some(p) => env.core().end_proxy_read_for(
+                &p.handle,
+                ReadOutcome::Failed,
+                opts.req_id.as_deref(),
+            ),
             None => {
                 tally.dones += usize::from(discard_proxy(env, &item.key, opts.req_id.as_deref()));
                 None

@@ -2706,3 +2706,42 @@ fn holds_count_under_other_names_and_a_new_claim_undoes_a_pending_cancel() {
     ks.release("b", "late");
     assert_idle(&pool);
 }
+
+/// One request's failed read of a shared proxy leaves it to the other,
+/// which reads it; the pull's Done goes out after that read.
+#[test]
+fn a_failed_read_of_a_shared_proxy_leaves_it_to_the_other_request() {
+    let t0 = Instant::now();
+    let sender_pool = pool(4);
+    let mut ks = receiver();
+    let sp = alloc(&sender_pool, 1);
+    let p1 = lease_id(t0 + LEASE);
+    delay(
+        &mut ks,
+        &PullReadyNotif {
+            req_id: Some("r1".into()),
+            ..notif(&p1, &["k"], &sp)
+        },
+        t0,
+    );
+    let p2 = lease_id(t0 + LEASE + Duration::from_millis(1));
+    delay(
+        &mut ks,
+        &PullReadyNotif {
+            req_id: Some("r2".into()),
+            ..notif(&p2, &["k"], &sp)
+        },
+        t0,
+    );
+    let p = ks.begin_proxy_read("k", t0).unwrap();
+    assert!(ks
+        .end_proxy_read_for(&p.handle, ReadOutcome::Failed, Some("r1"))
+        .is_none());
+    ks.release("r1", "k");
+    assert_eq!(ks.state("k"), Some(KeyState::Proxy), "kept for r2");
+    let p = ks.begin_proxy_read("k", t0).unwrap();
+    let done = ks.end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some("r2"));
+    assert_eq!(done.map(|d| d.signal.pull_id), Some(p1));
+    assert_eq!(ks.state("k"), None);
+    drop(sp);
+}

@@ -1620,8 +1620,14 @@ impl ReceiverCore {
         req: Option<&str>,
     ) -> Option<SendPullDone> {
         let outcome = match (outcome, req, self.key_of(handle)) {
-            // The hold itself goes with `release` after the load, once.
-            (ReadOutcome::Consumed, Some(_), Some(k)) if self.holders(&k) > 1 => ReadOutcome::Kept,
+            // The hold itself goes with `release` after the load, once. A
+            // read that failed for this request leaves the proxy to the
+            // others too (if the sender is gone, their reads fail alike).
+            (ReadOutcome::Consumed | ReadOutcome::Failed, Some(_), Some(k))
+                if self.holders(&k) > 1 =>
+            {
+                ReadOutcome::Kept
+            }
             (o, _, _) => o,
         };
         self.resolve_slot(handle, |c, slot| c.end_read(slot, outcome))
