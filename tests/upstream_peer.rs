@@ -1,12 +1,13 @@
 //! Upstream LMCache's newer messages from a real upstream-style peer: a
 //! Python msgspec + pyzmq client (tests/python/upstream_peer.py) sends a
-//! `CacheQueryRequest` and an async-style `AllocRequest` to a real
+//! `CacheQueryRequest` (on the allocation socket and on
+//! `pd_peer_query_port`) and an async-style `AllocRequest` to a real
 //! `ascend-bench receiver` process holding two keys, and checks the
 //! replies and the receiver's message counters.
 
 mod common;
 
-use ascend_pd::config::{ChannelKind, TransferMode};
+use ascend_pd::config::{ChannelKind, PortList, TransferMode};
 use ascend_pd::Sender;
 use common::*;
 use std::io::{BufRead, BufReader};
@@ -29,7 +30,9 @@ fn a_msgspec_peer_gets_cache_query_and_async_alloc_replies_from_a_receiver_proce
         return;
     }
     let mode = TransferMode::Push;
-    let rc = receiver_config(ChannelKind::Shm, mode, 16);
+    let mut rc = receiver_config(ChannelKind::Shm, mode, 16);
+    let query = free_port();
+    rc.peer_query_port = Some(PortList::Single(query));
     let dir = std::env::temp_dir().join(format!("apd-upstream-peer-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let yaml = dir.join("receiver.yaml");
@@ -69,6 +72,7 @@ fn a_msgspec_peer_gets_cache_query_and_async_alloc_replies_from_a_receiver_proce
         // The put above sent one AllocRequest.
         .arg("1")
         .args(&k)
+        .arg(query.to_string())
         .output()
         .unwrap();
     let _ = recv.kill();
@@ -83,7 +87,7 @@ fn a_msgspec_peer_gets_cache_query_and_async_alloc_replies_from_a_receiver_proce
     assert!(stdout.contains("upstream peer: OK"), "{stdout}");
     assert_eq!(
         stdout.lines().filter(|l| l.starts_with("ok ")).count(),
-        9,
+        10,
         "{stdout}"
     );
 }

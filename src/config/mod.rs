@@ -260,6 +260,10 @@ pub struct PdConfig {
     pub peer_init_port: Option<PortList>,
     /// `pd_peer_alloc_port`: allocation REQ/REP port(s) of the receiver.
     pub peer_alloc_port: Option<PortList>,
+    /// `pd_peer_query_port`: optional port(s) where the receiver also
+    /// answers upstream LMCache's `CacheQueryRequest` (the decoder cache
+    /// probe), apart from the allocation socket.
+    pub peer_query_port: Option<PortList>,
     /// `pd_proxy_host`.
     pub proxy_host: Option<String>,
     /// `pd_proxy_port`.
@@ -319,6 +323,7 @@ impl PdConfig {
             peer_host: None,
             peer_init_port: None,
             peer_alloc_port: None,
+            peer_query_port: None,
             proxy_host: None,
             proxy_port: None,
             auth_secret_file: None,
@@ -454,6 +459,11 @@ impl PdConfig {
     /// `pd_peer_alloc_port` of TP rank `rank`.
     pub fn alloc_port(&self, rank: usize) -> Option<u16> {
         self.peer_alloc_port.as_ref()?.for_rank(rank)
+    }
+
+    /// `pd_peer_query_port` of TP rank `rank`, if configured.
+    pub fn query_port(&self, rank: usize) -> Option<u16> {
+        self.peer_query_port.as_ref()?.for_rank(rank)
     }
 
     /// The PullDoneSignal port of TP rank `rank`: `pd_pull_done_port[rank]`,
@@ -648,6 +658,7 @@ impl PdConfig {
         }
         check_ports("pd_peer_init_port", &self.peer_init_port, &mut problems);
         check_ports("pd_peer_alloc_port", &self.peer_alloc_port, &mut problems);
+        check_ports("pd_peer_query_port", &self.peer_query_port, &mut problems);
         check_ports("pd_pull_done_port", &self.pull_done_port, &mut problems);
 
         match self.role {
@@ -751,6 +762,7 @@ impl PdConfig {
         let _ = writeln!(s, "pd_peer_host: {}", opt(&self.peer_host));
         let _ = writeln!(s, "pd_peer_init_port: {}", ports(&self.peer_init_port));
         let _ = writeln!(s, "pd_peer_alloc_port: {}", ports(&self.peer_alloc_port));
+        let _ = writeln!(s, "pd_peer_query_port: {}", ports(&self.peer_query_port));
         let _ = writeln!(s, "pd_proxy_host: {}", opt(&self.proxy_host));
         let _ = writeln!(
             s,

@@ -20,6 +20,7 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "pd_peer_host",
     "pd_peer_init_port",
     "pd_peer_alloc_port",
+    "pd_peer_query_port",
     "pd_proxy_host",
     "pd_proxy_port",
     "pd_auth_secret_file",
@@ -300,6 +301,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
         peer_host: r.string("pd_peer_host"),
         peer_init_port: r.ports("pd_peer_init_port"),
         peer_alloc_port: r.ports("pd_peer_alloc_port"),
+        peer_query_port: r.ports("pd_peer_query_port"),
         proxy_host: r.string("pd_proxy_host"),
         proxy_port: r
             .get("pd_proxy_port")

@@ -1,11 +1,12 @@
 """An upstream LMCache-style peer, written with msgspec (the encoder LMCache
 uses) and pyzmq, talking to a real ascend-pd receiver process. Run by
 tests/upstream_peer.rs as
-    python3 tests/python/upstream_peer.py ALLOC_PORT METRICS_PORT PRIOR KEY1 KEY2
+    python3 tests/python/upstream_peer.py ALLOC_PORT METRICS_PORT PRIOR KEY1 KEY2 QUERY_PORT
 where KEY1 and KEY2 are stored on the receiver by PRIOR AllocRequests of
 an ascend-pd sender. Checks:
 - CacheQueryRequest {keys} is answered with CacheQueryResponse naming the
-  held keys and their positions in the query;
+  held keys and their positions in the query, on the allocation socket and
+  on pd_peer_query_port (QUERY_PORT);
 - an async-style AllocRequest (req_id, is_last_batch, total_chunks) is
   decoded as an AllocRequest (not a malformed frame) and answered with an
   AscendAllocResponse; this peer never did ascend-pd's handshake, so the
@@ -76,7 +77,7 @@ def metric(port, name):
 
 def main():
     alloc_port, metrics_port, prior = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    k1, k2 = sys.argv[4], sys.argv[5]
+    k1, k2, query_port = sys.argv[4], sys.argv[5], int(sys.argv[6])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.RCVTIMEO, 10000)
@@ -88,6 +89,18 @@ def main():
     if isinstance(reply, CacheQueryResponse):
         check("cached_keys", reply.cached_keys == [k1, k2], repr(reply.cached_keys))
         check("cached_indexes are positions in the query", reply.cached_indexes == [0, 2], repr(reply.cached_indexes))
+
+    qsock = ctx.socket(zmq.REQ)
+    qsock.setsockopt(zmq.RCVTIMEO, 10000)
+    qsock.setsockopt(zmq.LINGER, 0)
+    qsock.connect(f"tcp://127.0.0.1:{query_port}")
+    reply = ask(qsock, CacheQueryRequest(keys=["upstream-peer@missing", k2, k1]))
+    check(
+        "the query port answers too",
+        isinstance(reply, CacheQueryResponse) and reply.cached_indexes == [1, 2] and reply.cached_keys == [k2, k1],
+        repr(reply),
+    )
+    qsock.close()
 
     reply = ask(sock, CacheQueryRequest(keys=[]))
     check("an empty query", isinstance(reply, CacheQueryResponse) and reply.cached_keys == [], repr(reply))
@@ -116,11 +129,11 @@ def main():
             k: metric(metrics_port, f'ascend_pd_messages_total{{kind="{k}"}}')
             for k in ("alloc_request", "cache_query", "malformed")
         }
-        if counts["alloc_request"] >= prior + 1 and counts["cache_query"] >= 2:
+        if counts["alloc_request"] >= prior + 1 and counts["cache_query"] >= 3:
             break
         time.sleep(0.1)
     check("decoded as an AllocRequest", counts.get("alloc_request") == prior + 1, repr(counts))
-    check("both queries counted", counts.get("cache_query") == 2.0, repr(counts))
+    check("every query counted", counts.get("cache_query") == 3.0, repr(counts))
     check("nothing malformed", counts.get("malformed") == 0.0, repr(counts))
 
     sock.close()

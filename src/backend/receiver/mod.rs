@@ -334,6 +334,24 @@ impl Receiver {
         router.bind(&url).map_err(BackendError::zmq(format!(
             "binding the request socket {url} (pd_peer_alloc_port in use?)"
         )))?;
+        // The decoder cache probe on its own port, when configured.
+        let query = match config.query_port(rank) {
+            None => None,
+            Some(port) => {
+                let sock = ctx
+                    .socket(zmq::REP)
+                    .map_err(BackendError::zmq("creating the query socket"))?;
+                sock.set_linger(0).ok();
+                sock.set_rcvtimeo(100).ok();
+                sock.set_maxmsgsize(config.max_message_bytes())
+                    .map_err(BackendError::zmq("capping the query socket's frame size"))?;
+                let url = format!("tcp://{host}:{port}");
+                sock.bind(&url).map_err(BackendError::zmq(format!(
+                    "binding the query socket {url} (pd_peer_query_port in use?)"
+                )))?;
+                Some(sock)
+            }
+        };
         // Built first, so a thread that cannot start drops it, and the drop
         // stops and joins the threads already started.
         let mut r = Receiver {
@@ -353,6 +371,12 @@ impl Receiver {
         let s = Arc::clone(&r.shared);
         r.threads
             .push(spawn("pd-recv-sweep", move || upkeep::sweep_loop(&s))?);
+        if let Some(sock) = query {
+            let s = Arc::clone(&r.shared);
+            r.threads.push(spawn("pd-recv-query", move || {
+                requests::query_loop(&s, sock)
+            })?);
+        }
         // One thread starts and watches every eager read (never a thread
         // per pull); the queue holds at most one read per allocated page.
         if r.shared.mode == TransferMode::PullEager {

@@ -113,6 +113,42 @@ pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
     }
 }
 
+/// Answers upstream LMCache's `CacheQueryRequest` on `pd_peer_query_port`
+/// (a REP socket) until the receiver stops. Anything else gets an empty
+/// answer (a REQ peer needs one) and is counted as malformed.
+pub(super) fn query_loop(s: &Shared, sock: zmq::Socket) {
+    while !s.stop.load(Ordering::Acquire) {
+        let frame = match sock.recv_bytes(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
+            Err(e) => {
+                log::warn!("query socket: {e}; it stops answering");
+                return;
+            }
+        };
+        let answer = match Message::decode(&frame) {
+            Ok(Message::CacheQueryRequest(q)) => {
+                s.counters.bump(MessageKind::CacheQuery);
+                lock(&s.core).query(&q.keys)
+            }
+            other => {
+                if s.counters.bump(MessageKind::Malformed) == 0 {
+                    let what = match other {
+                        Ok(m) => m.message_type().to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    log::warn!(
+                        "the query port takes CacheQueryRequest only, not {what} (answered with \
+                         nothing cached; logged once)"
+                    );
+                }
+                CacheQueryResponse::default()
+            }
+        };
+        let _ = sock.send(Message::CacheQueryResponse(answer).encode(), 0);
+    }
+}
+
 /// What an `AllocRequest` says about its request, when it carries
 /// upstream's async fields (a request sent in several batches).
 fn batch_of(req: &AllocRequest) -> Option<BatchOf<'_>> {
