@@ -95,6 +95,7 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
             "{m}"
         );
         assert!(m["gbps"].as_f64().unwrap() > 0.0);
+        assert!(m["aggregate_gbps"].as_f64().unwrap() > 0.0, "{m}");
         assert_eq!(m["channel"], "shm");
     }
     // Pull-delay keeps no pages for a request until it loads; push holds them all.

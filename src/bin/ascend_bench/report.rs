@@ -50,6 +50,10 @@ pub struct ModeReport {
     pub device: String,
     /// Bytes over the summed per-request transfer time.
     pub gbps: f64,
+    /// All bytes of the mode over the wall span in which they moved (first
+    /// transfer start to last transfer end, across every sender and
+    /// receiver): what the run delivered, concurrency included.
+    pub aggregate_gbps: f64,
     /// The baseline's name.
     pub baseline: String,
     /// The baseline in GB/s, same run.
@@ -99,6 +103,7 @@ pub fn summarize(
     let (mut put, mut ready, mut load, mut e2e) = (vec![], vec![], vec![], vec![]);
     let mut moved_bytes = 0.0;
     let mut transfer_s = 0.0;
+    let (mut first_start, mut last_end) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut bytes_verified = 0u64;
     let mut all_verified = clean && loads.len() == expected && puts.len() == expected;
     for (req, p) in puts {
@@ -134,6 +139,12 @@ pub fn summarize(
         if span > 0.0 {
             moved_bytes += bytes;
             transfer_s += span;
+            let start = match mode {
+                "push" | "pull-eager" => ps,
+                _ => ls,
+            };
+            first_start = first_start.min(start);
+            last_end = last_end.max(resident);
         }
     }
     Ok(ModeReport {
@@ -142,6 +153,11 @@ pub fn summarize(
         device: spec.device.to_string(),
         gbps: if transfer_s > 0.0 {
             moved_bytes / transfer_s / 1e9
+        } else {
+            0.0
+        },
+        aggregate_gbps: if last_end > first_start {
+            moved_bytes / (last_end - first_start) / 1e9
         } else {
             0.0
         },
@@ -173,9 +189,10 @@ pub fn table(modes: &[ModeReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\n{:<20} {:>7} {:>6} {:>16} {:>16} {:>16} {:>16} {:>10} {:>8} {:>9}",
+        "\n{:<20} {:>7} {:>7} {:>6} {:>16} {:>16} {:>16} {:>16} {:>10} {:>8} {:>9}",
         "mode",
         "GB/s",
+        "agg GB/s",
         "ratio",
         "put ms p50/p99",
         "ready ms p50/p99",
@@ -189,9 +206,10 @@ pub fn table(modes: &[ModeReport]) -> String {
         let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
         let _ = writeln!(
             s,
-            "{:<20} {:>7.2} {:>6.2} {:>16} {:>16} {:>16} {:>16} {:>7} MiB {:>8} {:>9}",
+            "{:<20} {:>7.2} {:>8.2} {:>6.2} {:>16} {:>16} {:>16} {:>16} {:>7} MiB {:>8} {:>9}",
             m.mode,
             m.gbps,
+            m.aggregate_gbps,
             m.ratio,
             pp(m.put_latency_ms),
             pp(m.ready_latency_ms),
@@ -209,7 +227,7 @@ pub fn table(modes: &[ModeReport]) -> String {
     if let Some(m) = modes.first() {
         let _ = writeln!(
             s,
-            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. {} over {}, {} requests x {} tokens per mode.",
+            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} requests x {} tokens per mode.",
             m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens
         );
     }
@@ -236,6 +254,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "requests": m.requests,
             "prompt_tokens": m.prompt_tokens,
             "gbps": round3(m.gbps),
+            "aggregate_gbps": round3(m.aggregate_gbps),
             "baseline": m.baseline,
             "baseline_gbps": round3(m.baseline_gbps),
             "ratio": round3(m.ratio),
