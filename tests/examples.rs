@@ -335,3 +335,56 @@ fn bad_input_through_python_raises_the_librarys_message() {
         "{stdout}"
     );
 }
+
+/// The README's install line works: `pip install ./python` (into a
+/// scratch directory here) gives an importable package that finds the
+/// library through `ASCEND_PD_LIB` and checks its ABI version.
+#[test]
+fn the_python_package_installs_with_pip() {
+    let py = python();
+    let has_pip = Command::new(&py)
+        .args(["-m", "pip", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_pip && common::missing_tool(&format!("{py} -m pip"), "install python3-pip") {
+        return;
+    }
+    let target = std::env::temp_dir().join(format!("apd-pip-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&target);
+    let out = Command::new(&py)
+        .args(["-m", "pip", "install", "-q", "--no-deps", "--target"])
+        .arg(&target)
+        .arg(root().join("python"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "pip install ./python failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(&py)
+        .args([
+            "-c",
+            "import ascend_pd, sys; print(ascend_pd.abi_version(), ascend_pd.__file__)",
+        ])
+        .env("PYTHONPATH", &target)
+        .env("ASCEND_PD_LIB", common::cdylib())
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The installed copy, not the source tree, answered.
+    assert!(
+        stdout.starts_with("1 ") && stdout.contains(target.to_str().unwrap()),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&target);
+}
