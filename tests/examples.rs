@@ -256,28 +256,38 @@ fn python() -> String {
     std::env::var("ASCEND_PD_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-#[test]
-fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
+/// That Python if it imports numpy; otherwise the test skips (or, under
+/// `.ci/run`, fails) saying what to install.
+fn python_with_numpy() -> Option<String> {
     let py = python();
-    let probe = Command::new(&py)
+    let ok = Command::new(&py)
         .args(["-c", "import numpy"])
         .stderr(Stdio::null())
-        .status();
-    if !probe.is_ok_and(|s| s.success())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok
         && common::missing_tool(
             &format!("{py} with numpy"),
             "install python3 and `pip install numpy`, or set ASCEND_PD_PYTHON",
         )
     {
-        return;
+        return None;
     }
+    Some(py)
+}
+
+#[test]
+fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
+    let Some(py) = python_with_numpy() else {
+        return;
+    };
     let lib = common::cdylib();
     for mode in MODES {
         run_pair(
             "python",
             mode,
             |yaml, p| {
-                let mut c = Command::new(python());
+                let mut c = Command::new(&py);
                 c.arg(root().join("examples/python/prefill.py"))
                     .arg(yaml)
                     .arg("127.0.0.1")
@@ -287,7 +297,7 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
                 c
             },
             |yaml| {
-                let mut c = Command::new(python());
+                let mut c = Command::new(&py);
                 c.arg(root().join("examples/python/decode.py"))
                     .arg(yaml)
                     .env("ASCEND_PD_LIB", &lib)
@@ -300,19 +310,9 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
 
 #[test]
 fn bad_input_through_python_raises_the_librarys_message() {
-    let py = python();
-    let probe = Command::new(&py)
-        .args(["-c", "import numpy"])
-        .stderr(Stdio::null())
-        .status();
-    if !probe.is_ok_and(|s| s.success())
-        && common::missing_tool(
-            &format!("{py} with numpy"),
-            "install python3 and `pip install numpy`, or set ASCEND_PD_PYTHON",
-        )
-    {
+    let Some(py) = python_with_numpy() else {
         return;
-    }
+    };
     let out = Command::new(&py)
         .arg(root().join("tests/python/errors.py"))
         .arg(common::free_port().to_string())

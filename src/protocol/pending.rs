@@ -497,10 +497,20 @@ impl PullPending {
             .filter(|(_, e)| now >= e.release_at(ttl))
             .map(|(id, _)| id.clone())
             .collect();
-        due.into_iter()
+        self.counters.expired += due.len() as u64;
+        self.release_all(due, ReleaseReason::Expired, now)
+    }
+
+    /// Releases each of `ids` for `reason`, handing back its pages.
+    fn release_all(
+        &mut self,
+        ids: Vec<String>,
+        reason: ReleaseReason,
+        now: Instant,
+    ) -> Vec<ExpiredPull> {
+        ids.into_iter()
             .map(|id| {
-                self.counters.expired += 1;
-                let r = self.release(&id, ReleaseReason::Expired, now);
+                let r = self.release(&id, reason, now);
                 ExpiredPull {
                     pull_id: r.pull_id,
                     peer: r.peer,
@@ -526,20 +536,7 @@ impl PullPending {
             .filter(|(_, e)| e.peer == peer)
             .map(|(id, _)| id.clone())
             .collect();
-        gone.into_iter()
-            .map(|id| {
-                let r = self.release(&id, ReleaseReason::PeerRestarted, now);
-                ExpiredPull {
-                    pull_id: r.pull_id,
-                    peer: r.peer,
-                    req_id: r.req_id,
-                    pages: r.pages.len(),
-                    acked: r.acked,
-                    grant: r.grant,
-                    held: r.pages,
-                }
-            })
-            .collect()
+        self.release_all(gone, ReleaseReason::PeerRestarted, now)
     }
 
     #[cfg(test)]
