@@ -80,6 +80,7 @@ fn put(s: &Sender, r: &PdConfig, req: &str, chunks: usize) -> anyhow::Result<Vec
         receiver_init_port: r.peer_init_port.clone().expect("set"),
         receiver_alloc_port: r.peer_alloc_port.clone().expect("set"),
         is_last_prefill: false,
+        receiver_rank: None,
     };
     s.put(&keys, &chunks, &spec)?;
     Ok(keys)

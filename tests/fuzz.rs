@@ -333,6 +333,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                 endpoint,
                 clock_us,
                 incarnation: clock_us.rotate_left(7),
+                tp: None,
             },
         )
 }

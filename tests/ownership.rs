@@ -769,6 +769,7 @@ impl StallingSender {
             endpoint: Endpoint::Tcp { addr },
             clock_us: 0,
             incarnation: 0,
+            tp: None,
         };
         let ctx = zmq::Context::new();
         let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());

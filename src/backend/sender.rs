@@ -9,9 +9,10 @@
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
-use crate::channel::handshake::{self, Hello};
+use crate::channel::handshake::{self, Hello, TpInfo};
 use crate::channel::{Access, GrantStats, GrantTag, TransferChannel};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
+use crate::kv::tp::Route;
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, SealedMemObj};
 use crate::protocol::{
@@ -38,6 +39,12 @@ pub struct TransferSpec {
     pub receiver_alloc_port: PortList,
     /// Whether this put carries the request's last prefill chunk (then `ProxyNotif` follows).
     pub is_last_prefill: bool,
+    /// The decode TP rank to send to. `None`: the rank this prefill rank
+    /// feeds — its own rank when both sides have the same TP size, the one
+    /// decode rank whose heads it holds when the prefill TP is larger.
+    /// Required when the decode TP is larger (then each decode rank gets
+    /// its own head slice: see [`Sender::routes`]).
+    pub receiver_rank: Option<usize>,
 }
 
 /// Counters of a sender.
@@ -103,6 +110,13 @@ struct Shared {
     counters: Arc<MessageCounters>,
     stop: AtomicBool,
     timeouts: SenderTimeouts,
+    /// This rank's TP split (sent in the hello).
+    tp: Option<TpInfo>,
+    /// The decode ranks this rank feeds, and the heads of each piece.
+    routes: Vec<Route>,
+    /// What one full chunk of a put looks like (a head piece under a larger decode TP).
+    piece_layout: ChunkLayout,
+    head_elements: usize,
 }
 
 impl Shared {
@@ -167,11 +181,24 @@ impl Sender {
             pushes: proxy,
         } = Opened::open(config, &host, &node, "pd-proxy-push")?;
         let total = alloc.primary().stats().total;
+        let plan = config
+            .tp_plan()
+            .map_err(|e| BackendError::Setup(format!("pd_peer_tp_size: {e}")))?;
+        let routes = plan.targets(rank);
+        // Every piece this rank sends has the same width: its whole chunk,
+        // or (decode TP larger) one decode rank's heads.
+        let piece_layout = match routes.first() {
+            Some(r) => ChunkLayout {
+                hidden: r.heads.len() * config.head_elements(),
+                ..config.chunk_layout()
+            },
+            None => config.chunk_layout(),
+        };
         let core = SenderCore::new(SenderConfig {
             node: node.as_str().to_string(),
             done_url: format!("{host}:{}", done_port.unwrap_or(0)),
             mode,
-            layout: config.chunk_layout(),
+            layout: piece_layout,
             pools: pools.iter().map(|p| p.uuid()).collect(),
             pull_pending_ttl: config.pull_pending_ttl,
             alloc_fail_backoff_ttl: config.alloc_fail_backoff_ttl,
@@ -195,6 +222,10 @@ impl Sender {
             counters,
             stop: AtomicBool::new(false),
             timeouts,
+            tp: TpInfo::of(config, rank),
+            routes,
+            piece_layout,
+            head_elements: config.head_elements(),
         });
         let mut threads = Vec::new();
         if let Some(port) = done_port {
@@ -235,9 +266,70 @@ impl Sender {
         self.shared.done_port
     }
 
-    /// The layout of one full chunk.
+    /// The layout of one full chunk as `put` sends it: this rank's whole
+    /// chunk, or — when the decode TP is larger than the prefill TP — one
+    /// decode rank's head slice of it (see [`Sender::routes`]).
     pub fn chunk_layout(&self) -> ChunkLayout {
-        self.shared.config.chunk_layout()
+        self.shared.piece_layout
+    }
+
+    /// The decode ranks this prefill rank sends to and the heads each
+    /// gets, from `tp_size` and `pd_peer_tp_size`: its own rank with all
+    /// its heads when both TP sizes match. A chunk for route `r` holds the
+    /// elements `[r.heads.start * e, r.heads.end * e)` of the model's token
+    /// minus this rank's first head (`e` = [`Sender::head_elements`]);
+    /// [`Sender::piece_offset`] gives that start in this rank's token.
+    pub fn routes(&self) -> &[Route] {
+        &self.shared.routes
+    }
+
+    /// Elements of one KV head in a token (the whole latent for MLA).
+    pub fn head_elements(&self) -> usize {
+        self.shared.head_elements
+    }
+
+    /// Where route `route`'s piece starts in a token of this rank's chunk
+    /// (elements), to gather it from the rank's KV cache.
+    pub fn piece_offset(&self, route: &Route) -> usize {
+        let s = &self.shared;
+        let first = s
+            .config
+            .tp_plan()
+            .map_or(0, |p| p.prefill_heads(s.node.rank()).start);
+        match s.tp.is_some_and(|t| t.replicated) {
+            true => 0,
+            false => (route.heads.start - first) * s.head_elements,
+        }
+    }
+
+    /// The decode rank a put of `spec` goes to (see [`TransferSpec::receiver_rank`]).
+    fn receiver_rank(&self, spec: &TransferSpec) -> Result<usize, BackendError> {
+        let s = &self.shared;
+        let rank = self.shared_rank();
+        let ranks: Vec<usize> = s.routes.iter().map(|r| r.rank).collect();
+        match (spec.receiver_rank, ranks.as_slice()) {
+            (Some(d), _) if ranks.contains(&d) => Ok(d),
+            (Some(d), _) => Err(BackendError::InvalidInput(format!(
+                "decode rank {d} is not fed by prefill rank {rank} (tp_size {}, pd_peer_tp_size \
+                 {}): it sends to rank(s) {ranks:?}",
+                s.config.tp_size,
+                s.config.peer_tp()
+            ))),
+            (None, [d]) => Ok(*d),
+            (None, []) => Err(BackendError::InvalidInput(format!(
+                "prefill rank {rank} sends nothing: its MLA latent is the same as another \
+                 rank's, which sends it (tp_size {} > pd_peer_tp_size {}); skip the put here",
+                s.config.tp_size,
+                s.config.peer_tp()
+            ))),
+            (None, _) => Err(BackendError::InvalidInput(format!(
+                "prefill rank {rank} feeds decode ranks {ranks:?} (pd_peer_tp_size {} > tp_size \
+                 {}): set TransferSpec::receiver_rank and put each its head slice \
+                 (Sender::routes)",
+                s.config.peer_tp(),
+                s.config.tp_size
+            ))),
+        }
     }
 
     /// The allocator (pages to fill before `put` come from its placement pool).
@@ -277,7 +369,7 @@ impl Sender {
                 keys.len()
             )));
         }
-        let rank = self.shared_rank();
+        let rank = self.receiver_rank(spec)?;
         let (init, alloc) = match (
             spec.receiver_init_port.for_rank(rank),
             spec.receiver_alloc_port.for_rank(rank),
@@ -457,7 +549,7 @@ impl Sender {
         spec: &TransferSpec,
     ) -> Result<Vec<String>, BackendError> {
         let s = &self.shared;
-        let rank = self.shared_rank();
+        let rank = self.receiver_rank(spec)?;
         let (Some(init), Some(alloc)) = (
             spec.receiver_init_port.for_rank(rank),
             spec.receiver_alloc_port.for_rank(rank),
@@ -540,7 +632,8 @@ impl Sender {
             s.config.mode(),
             s.config.pull_pending_ttl,
             s.channel.as_ref(),
-        );
+        )
+        .with_tp(s.tp);
         let a = handshake::connect(
             &s.ctx,
             &link.init_url,

@@ -66,6 +66,75 @@ pub struct Hello {
     /// the buffer table, whose uuids are new at every start; 0 from a peer
     /// that does not send it.
     pub incarnation: u64,
+    /// How this side splits KV heads over TP ranks; `None` from a peer that
+    /// does not send it (taken as the same TP size on both sides).
+    pub tp: Option<TpInfo>,
+}
+
+/// A side's tensor-parallel split, carried in the hello so a receiver knows
+/// which heads a sender's chunks hold (see [`crate::kv::tp`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpInfo {
+    /// This side's TP size (`tp_size`).
+    pub tp: usize,
+    /// The TP size it expects of the other side (`pd_peer_tp_size`).
+    pub peer_tp: usize,
+    /// This side's TP rank.
+    pub rank: usize,
+    /// The model's KV heads (1 for a replicated MLA latent).
+    pub total_heads: usize,
+    /// Every rank holds every head (MLA).
+    pub replicated: bool,
+}
+
+impl TpInfo {
+    /// The split `config` describes, for TP rank `rank`.
+    pub fn of(config: &crate::config::PdConfig, rank: usize) -> Option<TpInfo> {
+        let plan = config.tp_plan().ok()?;
+        Some(TpInfo {
+            tp: config.tp_size,
+            peer_tp: config.peer_tp(),
+            rank,
+            total_heads: plan.total_heads,
+            replicated: plan.replicated,
+        })
+    }
+
+    /// The heads a sender of `sender` sends a receiver of `self`, or why
+    /// the two cannot be paired.
+    pub fn piece_from(&self, sender: &TpInfo) -> Result<crate::kv::tp::HeadRange, String> {
+        if sender.tp != self.peer_tp || sender.peer_tp != self.tp {
+            return Err(format!(
+                "the sender runs tp_size {} expecting a decode TP of {}; this receiver runs \
+                 tp_size {} expecting a prefill TP of {}: set pd_peer_tp_size on each side to \
+                 the other side's tp_size",
+                sender.tp, sender.peer_tp, self.tp, self.peer_tp
+            ));
+        }
+        if sender.total_heads != self.total_heads || sender.replicated != self.replicated {
+            return Err(format!(
+                "the sender's model has {} KV head(s){} in all, this receiver's {}{}: set \
+                 kv_num_heads (per rank) and use_mla to the same model on both sides",
+                sender.total_heads,
+                if sender.replicated { " (MLA)" } else { "" },
+                self.total_heads,
+                if self.replicated { " (MLA)" } else { "" },
+            ));
+        }
+        let plan =
+            crate::kv::tp::TpPlan::new(sender.tp, self.tp, self.total_heads, self.replicated)?;
+        plan.piece(sender.rank, self.rank).ok_or_else(|| {
+            format!(
+                "prefill rank {} (of TP {}) holds none of decode rank {}'s {} (of TP {}): \
+                 connect each prefill rank to the decode ranks whose heads it holds",
+                sender.rank,
+                sender.tp,
+                self.rank,
+                plan.decode_heads(self.rank),
+                self.tp
+            )
+        })
+    }
 }
 
 /// The incarnation of a side whose buffers are `buffers` (see
@@ -109,10 +178,16 @@ impl Hello {
             channel: channel.kind(),
             lease,
             incarnation: incarnation_of(&buffers),
+            tp: None,
             buffers,
             endpoint: channel.endpoint(),
             clock_us: 0,
         }
+    }
+
+    /// This hello with `tp` (see [`TpInfo::of`]).
+    pub fn with_tp(self, tp: Option<TpInfo>) -> Hello {
+        Hello { tp, ..self }
     }
 
     /// Checks that `remote` can talk to `self`; returns the agreed lease.
@@ -145,6 +220,15 @@ impl Hello {
                 remote.role.name()
             )));
         }
+        if let (Some(ours), Some(theirs)) = (&self.tp, &remote.tp) {
+            let paired = match self.role {
+                Role::Receiver => ours.piece_from(theirs),
+                Role::Sender => theirs.piece_from(ours),
+            };
+            paired.map_err(|e| {
+                ChannelError::Handshake(format!("peer {}: TP mismatch: {e}", remote.node))
+            })?;
+        }
         PeerTable::new(&remote.buffers)?;
         Ok(self.lease.min(remote.lease))
     }
@@ -160,7 +244,8 @@ impl Hello {
         let mut w = Writer::with_capacity(256);
         // Ten fields and `error` (nil when accepting), then the seal's.
         let sealed = seal.map_or(0, |s| 1 + usize::from(s.send_nonce.is_some()));
-        w.map_len(11 + sealed).expect("small map");
+        let tp = usize::from(self.tp.is_some());
+        w.map_len(11 + tp + sealed).expect("small map");
         let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
         s(&mut w, "v");
         w.uint(self.version);
@@ -178,6 +263,19 @@ impl Hello {
         w.uint(self.clock_us);
         s(&mut w, "incarnation");
         w.uint(self.incarnation);
+        if let Some(t) = &self.tp {
+            s(&mut w, "tp");
+            w.array_len(5).expect("5");
+            for v in [
+                t.tp,
+                t.peer_tp,
+                t.rank,
+                t.total_heads,
+                usize::from(t.replicated),
+            ] {
+                w.uint(v as u64);
+            }
+        }
         s(&mut w, "buffers");
         w.array_len(self.buffers.len()).expect("few buffers");
         for b in &self.buffers {
@@ -459,6 +557,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
         (None, None, None, None, None, None);
     let mut clock_us = None;
     let mut incarnation = None;
+    let mut tp = None;
     let mut buffers = None;
     let mut endpoint = None;
     let mut error = None;
@@ -524,6 +623,26 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
                 buffers = Some(v);
             }
             "endpoint" => endpoint = Some(decode_endpoint(&mut r)?),
+            "tp" => {
+                if r.array_len().map_err(|e| raw(e, key))? != 5 {
+                    return Err("tp is not [tp, peer_tp, rank, total_heads, replicated]".into());
+                }
+                let mut v = [0usize; 5];
+                for x in &mut v {
+                    let n = r.uint().map_err(|e| raw(e, key))?;
+                    *x = usize::try_from(n).map_err(|_| format!("tp value {n} is too large"))?;
+                }
+                if v[0] == 0 || v[1] == 0 || v[2] >= v[0] || v[3] == 0 || v[4] > 1 {
+                    return Err(format!("tp {v:?} is not a valid split"));
+                }
+                tp = Some(TpInfo {
+                    tp: v[0],
+                    peer_tp: v[1],
+                    rank: v[2],
+                    total_heads: v[3],
+                    replicated: v[4] == 1,
+                });
+            }
             "error" => {
                 if r.peek_marker() == Some(rmp::Marker::Null) {
                     r.skip_value().map_err(|e| raw(e, key))?;
@@ -549,6 +668,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
         endpoint: endpoint.ok_or_else(|| missing("endpoint"))?,
         clock_us: clock_us.ok_or_else(|| missing("clock_us"))?,
         incarnation: incarnation.unwrap_or(0),
+        tp,
     };
     Ok(Decoded {
         hello,
@@ -1202,6 +1322,7 @@ mod tests {
             endpoint,
             clock_us: 7,
             incarnation: 11,
+            tp: None,
         }
     }
 
@@ -1332,5 +1453,63 @@ mod tests {
             (r.mode, r.node.as_deref()),
             (Some(TransferMode::Push), Some("n"))
         );
+    }
+
+    #[test]
+    fn the_tp_split_round_trips_and_mismatched_splits_are_refused_by_name() {
+        let tp = |tp, peer_tp, rank| TpInfo {
+            tp,
+            peer_tp,
+            rank,
+            total_heads: 8,
+            replicated: false,
+        };
+        let sender = Hello {
+            tp: Some(tp(2, 1, 1)),
+            ..hello(Endpoint::Tcp {
+                addr: "127.0.0.1:1".into(),
+            })
+        };
+        let back = decode_hello(&sender.encode(None)).unwrap().hello;
+        assert_eq!(back.tp, sender.tp);
+        // Without it (an older peer) the field is absent, not an error.
+        let plain = hello(Endpoint::Tcp {
+            addr: "127.0.0.1:1".into(),
+        });
+        assert_eq!(decode_hello(&plain.encode(None)).unwrap().hello.tp, None);
+
+        let receiver = Hello {
+            role: Role::Receiver,
+            tp: Some(tp(1, 2, 0)),
+            ..sender.clone()
+        };
+        assert!(receiver.agree(&sender).is_ok());
+        assert_eq!(
+            tp(1, 2, 0).piece_from(&tp(2, 1, 1)).unwrap(),
+            crate::kv::tp::HeadRange { start: 4, end: 8 }
+        );
+        // The receiver thinks the prefill TP is 4.
+        let wrong = Hello {
+            tp: Some(tp(1, 4, 0)),
+            ..receiver.clone()
+        };
+        let e = wrong.agree(&sender).unwrap_err().to_string();
+        assert!(e.contains("pd_peer_tp_size"), "{e}");
+        // Another model size.
+        let other = Hello {
+            tp: Some(TpInfo {
+                total_heads: 16,
+                ..tp(1, 2, 0)
+            }),
+            ..receiver
+        };
+        let e = other.agree(&sender).unwrap_err().to_string();
+        assert!(
+            e.contains("8 KV head(s)") && e.contains("kv_num_heads"),
+            "{e}"
+        );
+        // A decode rank holding none of the sender's heads.
+        let e = tp(2, 2, 0).piece_from(&tp(2, 2, 1)).unwrap_err();
+        assert!(e.contains("holds none of decode rank 0"), "{e}");
     }
 }

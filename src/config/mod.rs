@@ -307,6 +307,10 @@ pub struct PdConfig {
     pub local_cpu: bool,
     /// `tp_size`: tensor-parallel ranks this config serves (default 1).
     pub tp_size: usize,
+    /// `pd_peer_tp_size`: the other side's TP size (default `tp_size`).
+    /// When it differs, KV heads are split per [`crate::kv::tp::TpPlan`]:
+    /// one must be a multiple of the other.
+    pub peer_tp_size: Option<usize>,
     /// The KV geometry.
     pub kv: KvLayout,
 }
@@ -341,6 +345,7 @@ impl PdConfig {
             chunk_size: 256,
             local_cpu: false,
             tp_size: 1,
+            peer_tp_size: None,
             kv: KvLayout::default(),
         }
     }
@@ -376,6 +381,34 @@ impl PdConfig {
             (false, _) => TransferMode::Push,
             (true, false) => TransferMode::PullEager,
             (true, true) => TransferMode::PullDelay,
+        }
+    }
+
+    /// The other side's TP size (`pd_peer_tp_size`, default `tp_size`).
+    pub fn peer_tp(&self) -> usize {
+        self.peer_tp_size.unwrap_or(self.tp_size)
+    }
+
+    /// How KV heads split between this side's TP ranks and the peer's.
+    /// `kv_num_heads` is per rank of this side; MLA's latent is replicated.
+    pub fn tp_plan(&self) -> Result<crate::kv::tp::TpPlan, String> {
+        let (prefill, decode) = match self.role {
+            Role::Sender => (self.tp_size, self.peer_tp()),
+            Role::Receiver => (self.peer_tp(), self.tp_size),
+        };
+        let total = if self.kv.use_mla {
+            1
+        } else {
+            self.kv.num_kv_heads.saturating_mul(self.tp_size)
+        };
+        crate::kv::tp::TpPlan::new(prefill, decode, total, self.kv.use_mla)
+    }
+
+    /// Elements of one KV head in a chunk token (the latent for MLA).
+    pub fn head_elements(&self) -> usize {
+        match self.kv.use_mla {
+            true => self.kv.hidden_size,
+            false => self.kv.head_size,
         }
     }
 
@@ -551,6 +584,32 @@ impl PdConfig {
                 "tp_size",
                 "is 0".into(),
                 "set tp_size to the tensor-parallel size, at least 1",
+            );
+        }
+        if let Err(e) = self.tp_plan() {
+            bad(
+                "pd_peer_tp_size",
+                format!(
+                    "tp_size {} with pd_peer_tp_size {}: {e}",
+                    self.tp_size,
+                    self.peer_tp()
+                ),
+                "give each side's real TP size (prefill and decode sizes must divide one \
+                 another) and kv_num_heads per rank",
+            );
+        }
+        if self.peer_tp() != self.tp_size
+            && !self.kv.use_mla
+            && self.kv.hidden_size != self.kv.num_kv_heads * self.kv.head_size
+        {
+            bad(
+                "kv_hidden_size",
+                format!(
+                    "is {}, not kv_num_heads × kv_head_size ({} × {}); heads cannot be split \
+                     between TP sizes",
+                    self.kv.hidden_size, self.kv.num_kv_heads, self.kv.head_size
+                ),
+                "leave kv_hidden_size out, or use the same TP size on both sides",
             );
         }
         if self.kv.num_layers == 0 || self.kv.hidden_size == 0 {
@@ -817,6 +876,9 @@ impl PdConfig {
         let _ = writeln!(s, "chunk_size: {}", self.chunk_size);
         let _ = writeln!(s, "local_cpu: {}", self.local_cpu);
         let _ = writeln!(s, "tp_size: {}", self.tp_size);
+        if let Some(n) = self.peer_tp_size {
+            let _ = writeln!(s, "pd_peer_tp_size: {n}");
+        }
         let _ = writeln!(s, "kv_num_layers: {}", self.kv.num_layers);
         let _ = writeln!(s, "kv_num_heads: {}", self.kv.num_kv_heads);
         let _ = writeln!(s, "kv_head_size: {}", self.kv.head_size);

@@ -435,3 +435,40 @@ fn a_huge_finite_ttl_is_refused_naming_the_key_not_a_panic_later() {
     // The longest accepted TTL is a valid deadline.
     assert!(std::time::Instant::now().checked_add(ttl).is_some());
 }
+
+#[test]
+fn peer_tp_size_splits_heads_and_refuses_what_cannot_split() {
+    let c = ok(&format!(
+        "{RECEIVER}tp_size: 1\npd_peer_tp_size: 2\nkv_num_heads: 4\nkv_head_size: 128\n"
+    ))
+    .config;
+    let plan = c.tp_plan().unwrap();
+    assert_eq!(
+        (plan.prefill_tp, plan.decode_tp, plan.total_heads),
+        (2, 1, 4)
+    );
+    assert_eq!(c.head_elements(), 128);
+    // The default is the same size as this side.
+    let c = ok(&format!("{RECEIVER}tp_size: 2\n")).config;
+    assert_eq!(c.peer_tp(), 2);
+    assert!(!c.tp_plan().unwrap().is_heterogeneous());
+    expect_problem(
+        &format!("{RECEIVER}pd_peer_tp_size: 3\ntp_size: 2\n"),
+        "pd_peer_tp_size",
+        &["one must be a multiple of the other"],
+    );
+    // A decode rank of TP 4 fed by a prefill of TP 1 needs 4 heads to split.
+    expect_problem(
+        &format!("{SENDER}pd_peer_tp_size: 16\nkv_num_heads: 8\n"),
+        "pd_peer_tp_size",
+        &["8 KV heads do not split evenly over TP 16"],
+    );
+    expect_problem(
+        &format!("{SENDER}pd_peer_tp_size: 2\nkv_num_heads: 8\nkv_hidden_size: 1000\n"),
+        "kv_hidden_size",
+        &["heads cannot be split"],
+    );
+    // MLA's latent is replicated: any divisible sizes work.
+    let c = ok(&format!("{SENDER}pd_peer_tp_size: 4\nuse_mla: true\n")).config;
+    assert!(c.tp_plan().unwrap().replicated);
+}

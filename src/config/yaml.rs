@@ -38,6 +38,7 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "chunk_size",
     "local_cpu",
     "tp_size",
+    "pd_peer_tp_size",
     "kv_num_layers",
     "kv_num_heads",
     "kv_head_size",
@@ -321,6 +322,9 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
         chunk_size: r.usize_or("chunk_size", d.chunk_size),
         local_cpu: r.bool("local_cpu", false),
         tp_size: r.usize_or("tp_size", 1),
+        peer_tp_size: r
+            .uint("pd_peer_tp_size")
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         kv,
     };
     if r.problems.is_empty() {

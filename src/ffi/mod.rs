@@ -826,6 +826,7 @@ pub unsafe extern "C" fn apd_sender_submit_save(
                     receiver_init_port: PortList::Single(p.init_port),
                     receiver_alloc_port: PortList::Single(p.alloc_port),
                     is_last_prefill: is_last_prefill != 0,
+                    receiver_rank: None,
                 },
             },
             &cache,

@@ -1,9 +1,9 @@
 //! The KV cache's memory and the copies in and out of it.
 
-use super::plan::{chunk_copies, CopyRun};
+use super::plan::{piece_copies, CopyRun};
 use super::{KvCacheSpec, KvError};
 use crate::memory::npu::{read_page, write_page};
-use crate::memory::{DeviceKind, MemObj, Page, SealedMemObj};
+use crate::memory::{ChunkMeta, DeviceKind, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
@@ -377,12 +377,31 @@ impl KvCache {
         out
     }
 
-    fn check_page(&self, page: &Page, tokens: usize) -> Result<(), KvError> {
-        self.spec.check_layout(&page.meta().layout)?;
-        if tokens > page.tokens() {
+    /// Checks a chunk `meta` held in `page` against the cache and plans
+    /// its copies.
+    fn plan_page(
+        &self,
+        page: &Page,
+        meta: &ChunkMeta,
+        slots: &[i64],
+    ) -> Result<Vec<CopyRun>, KvError> {
+        self.check_page(page, meta)?;
+        piece_copies(
+            &self.spec,
+            meta.layout.hidden,
+            meta.hidden_offset,
+            meta.tokens,
+            slots,
+        )
+    }
+
+    fn check_page(&self, page: &Page, meta: &ChunkMeta) -> Result<(), KvError> {
+        self.spec.check_piece(&meta.layout, meta.hidden_offset)?;
+        let capacity = page.meta().layout.page_bytes();
+        if meta.tokens > meta.layout.tokens || meta.byte_len() > capacity {
             return Err(KvError::TooManyTokens {
-                tokens,
-                page_tokens: page.tokens(),
+                tokens: meta.tokens,
+                page_tokens: page.tokens().min(meta.layout.tokens),
             });
         }
         if let (DeviceKind::Npu(c), DeviceKind::Npu(p)) = (self.device(), page.device()) {
@@ -410,8 +429,23 @@ impl KvCache {
         tokens: usize,
         slots: &[i64],
     ) -> Result<ScatterStats, KvError> {
-        self.check_page(page, tokens)?;
-        let copies = chunk_copies(&self.spec, tokens, slots)?;
+        let meta = ChunkMeta {
+            tokens,
+            ..page.meta()
+        };
+        self.scatter_as(page, meta, slots)
+    }
+
+    /// [`KvCache::scatter`] of the chunk `meta` describes, held in `page`
+    /// (which may have been allocated for another layout, as a staging
+    /// page is): a head piece lands in its elements of each slot.
+    pub fn scatter_as(
+        &mut self,
+        page: &SealedMemObj,
+        meta: ChunkMeta,
+        slots: &[i64],
+    ) -> Result<ScatterStats, KvError> {
+        let copies = self.plan_page(page, &meta, slots)?;
         match &self.mem {
             Memory::Host(_) => match page.host_bytes() {
                 Some(src) => {
@@ -508,9 +542,7 @@ impl KvCache {
     /// into a CPU page is a device-to-host copy (CPU offload). Blocks until
     /// the copies are done; `&mut` keeps the page ours meanwhile.
     pub fn gather(&mut self, slots: &[i64], page: &mut MemObj) -> Result<ScatterStats, KvError> {
-        let tokens = page.tokens();
-        self.check_page(page, tokens)?;
-        let copies = chunk_copies(&self.spec, tokens, slots)?;
+        let copies = self.plan_page(page, &page.meta(), slots)?;
         match &self.mem {
             Memory::Host(_) => {
                 for c in &copies {

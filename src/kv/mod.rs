@@ -22,6 +22,7 @@
 
 mod cache;
 pub mod plan;
+pub mod tp;
 
 pub use cache::{KvCache, KvFence, KvTensor, ScatterStats};
 
@@ -104,6 +105,41 @@ impl KvCacheSpec {
                 ),
                 chunk: format!(
                     "fmt {}, {} layers, hidden {}, {}",
+                    layout.fmt.code(),
+                    layout.layers,
+                    layout.hidden,
+                    layout.dtype
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that a chunk of `layout` whose elements start at element
+    /// `offset` of each token (a head piece; 0 for a whole chunk) fits this
+    /// cache.
+    pub fn check_piece(&self, layout: &ChunkLayout, offset: usize) -> Result<(), KvError> {
+        if offset == 0 && layout.hidden == self.hidden {
+            return self.check_layout(layout);
+        }
+        let fits = offset
+            .checked_add(layout.hidden)
+            .is_some_and(|end| end <= self.hidden);
+        if layout.fmt != self.fmt
+            || layout.layers != self.layers
+            || layout.dtype != self.dtype
+            || !fits
+        {
+            return Err(KvError::LayoutMismatch {
+                cache: format!(
+                    "fmt {}, {} layers, hidden {}, {}",
+                    self.fmt.code(),
+                    self.layers,
+                    self.hidden,
+                    self.dtype
+                ),
+                chunk: format!(
+                    "fmt {}, {} layers, hidden {} at element {offset}, {}",
                     layout.fmt.code(),
                     layout.layers,
                     layout.hidden,

@@ -70,26 +70,68 @@ pub fn chunk_copies(
     tokens: usize,
     slots: &[i64],
 ) -> Result<Vec<CopyRun>, KvError> {
+    piece_copies(spec, spec.hidden, 0, tokens, slots)
+}
+
+/// [`chunk_copies`] for a head piece: the chunk holds `width` elements per
+/// token, which are elements `[offset, offset + width)` of a cache token.
+/// A whole-width piece coalesces runs of slots; a narrower one is one copy
+/// per token (its elements are strided in the cache).
+pub fn piece_copies(
+    spec: &KvCacheSpec,
+    width: usize,
+    offset: usize,
+    tokens: usize,
+    slots: &[i64],
+) -> Result<Vec<CopyRun>, KvError> {
     if slots.len() != tokens {
         return Err(KvError::SlotCount {
             tokens,
             slots: slots.len(),
         });
     }
+    if offset
+        .checked_add(width)
+        .is_none_or(|end| end > spec.hidden)
+        || width == 0
+    {
+        return Err(KvError::InvalidSpec(format!(
+            "a piece of {width} element(s) at element {offset} does not fit a token of \
+             {} element(s)",
+            spec.hidden
+        )));
+    }
     let runs = token_runs(slots, spec.slots())?;
-    let tb = spec.token_bytes();
+    let es = spec.dtype.size();
+    let tb = width * es;
+    let whole = width == spec.hidden;
     let planes = spec.planes();
-    let mut out = Vec::with_capacity(runs.len() * planes * spec.layers);
+    let per_row = if whole {
+        runs.len()
+    } else {
+        runs.iter().map(|r| r.len).sum()
+    };
+    let mut out = Vec::with_capacity(per_row * planes * spec.layers);
     for plane in 0..planes {
         for layer in 0..spec.layers {
-            // Chunk: [plane][layer][token][hidden], `tokens` tokens per row.
+            // Chunk: [plane][layer][token][width], `tokens` tokens per row.
             let row = (plane * spec.layers + layer) * tokens;
             for r in &runs {
-                out.push(CopyRun {
-                    chunk_offset: (row + r.token) * tb,
-                    cache_offset: spec.offset(layer, plane, r.slot),
-                    len: r.len * tb,
-                });
+                if whole {
+                    out.push(CopyRun {
+                        chunk_offset: (row + r.token) * tb,
+                        cache_offset: spec.offset(layer, plane, r.slot),
+                        len: r.len * tb,
+                    });
+                    continue;
+                }
+                for j in 0..r.len {
+                    out.push(CopyRun {
+                        chunk_offset: (row + r.token + j) * tb,
+                        cache_offset: spec.offset(layer, plane, r.slot + j) + offset * es,
+                        len: tb,
+                    });
+                }
             }
         }
     }
@@ -168,5 +210,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("2 slot(s) for 4 token(s)"), "{e}");
+    }
+
+    #[test]
+    fn a_head_piece_lands_in_its_elements_of_each_slot() {
+        let s = KvCacheSpec {
+            hidden: 8,
+            ..spec(MemFormat::Kv2Ltd)
+        };
+        // A 2-element piece at element 4: one copy per token, strided.
+        let copies = piece_copies(&s, 2, 4, 3, &[5, 6, -1]).unwrap();
+        assert_eq!(copies.len(), 2 * s.layers * s.planes());
+        let es = s.dtype.size();
+        assert_eq!(
+            copies[1],
+            CopyRun {
+                chunk_offset: 2 * es,
+                cache_offset: s.offset(0, 0, 6) + 4 * es,
+                len: 2 * es,
+            }
+        );
+        // The second row of the chunk (plane 0, layer 1) starts 3 tokens in.
+        assert_eq!(copies[2].chunk_offset, 3 * 2 * es);
+        // A whole-width piece is the ordinary plan.
+        assert_eq!(
+            piece_copies(&s, 8, 0, 3, &[5, 6, -1]).unwrap(),
+            chunk_copies(&s, 3, &[5, 6, -1]).unwrap()
+        );
+        let e = piece_copies(&s, 4, 6, 1, &[0]).unwrap_err().to_string();
+        assert!(e.contains("4 element(s) at element 6"), "{e}");
     }
 }

@@ -173,6 +173,10 @@ pub struct ChunkMeta {
     pub layout: ChunkLayout,
     /// Tokens actually present (`layout.tokens` for a full chunk).
     pub tokens: usize,
+    /// Where this chunk's `layout.hidden` elements start in a token of the
+    /// KV cache: 0 unless the chunk is a head piece of a heterogeneous-TP
+    /// transfer (see [`crate::kv::tp`]).
+    pub hidden_offset: usize,
 }
 
 impl ChunkMeta {
@@ -181,12 +185,26 @@ impl ChunkMeta {
         ChunkMeta {
             layout,
             tokens: layout.tokens,
+            hidden_offset: 0,
         }
     }
 
     /// A chunk of `layout` holding `tokens` tokens (a partial last chunk when fewer than a full one).
     pub fn partial(layout: ChunkLayout, tokens: usize) -> ChunkMeta {
-        ChunkMeta { layout, tokens }
+        ChunkMeta {
+            layout,
+            tokens,
+            hidden_offset: 0,
+        }
+    }
+
+    /// This chunk as the piece of a token's elements starting at `offset`
+    /// (a head slice; see [`ChunkMeta::hidden_offset`]).
+    pub fn at_hidden_offset(self, offset: usize) -> ChunkMeta {
+        ChunkMeta {
+            hidden_offset: offset,
+            ..self
+        }
     }
 
     /// Real bytes of this chunk.

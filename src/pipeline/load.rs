@@ -127,6 +127,16 @@ pub(crate) fn load_keys(
     cache.spec().check_layout(&layout)?;
     // Every slot is checked once here, so no copy can fail on one later.
     plan::token_runs(slot_mapping, cache.spec().slots())?;
+    let per = opts.pieces_per_chunk.max(1);
+    if keys.len() % per != 0 {
+        return Err(LoadError::Pieces {
+            chunk: keys.len() / per,
+            detail: format!(
+                "{} key(s) are not a whole number of chunks of {per} piece(s)",
+                keys.len()
+            ),
+        });
+    }
 
     // Classify under one lock; nothing changes until the input is validated.
     let mut tally = LoadTally::default();
@@ -137,7 +147,7 @@ pub(crate) fn load_keys(
         let core = env.core();
         let now = Instant::now();
         for (index, key) in keys.iter().enumerate() {
-            let first = index * layout.tokens;
+            let first = (index / per) * layout.tokens;
             let item = |tokens: usize| LoadItem {
                 index,
                 key: key.clone(),
@@ -175,6 +185,12 @@ pub(crate) fn load_keys(
             }
         }
     }
+    let metas = resident.iter().map(|(i, m)| (i, m.meta())).chain(
+        groups
+            .iter()
+            .flat_map(|g| g.items.iter().map(|(i, p)| (i, p.meta))),
+    );
+    check_pieces(metas, per, cache.spec().hidden)?;
     let items = resident
         .iter()
         .map(|(i, _)| i)
@@ -232,6 +248,59 @@ pub(crate) fn load_keys(
     }
 }
 
+/// Checks that the pieces found for each chunk (those not already failed)
+/// tile a cache token of `hidden` elements exactly once and agree on their
+/// tokens; a chunk with a piece missing fails through that key instead.
+fn check_pieces<'a>(
+    found: impl Iterator<Item = (&'a LoadItem, ChunkMeta)>,
+    per: usize,
+    hidden: usize,
+) -> Result<(), LoadError> {
+    let mut chunks: std::collections::BTreeMap<usize, Vec<ChunkMeta>> = Default::default();
+    for (item, meta) in found {
+        chunks.entry(item.index / per).or_default().push(meta);
+    }
+    for (chunk, mut pieces) in chunks {
+        if pieces.len() < per {
+            continue;
+        }
+        pieces.sort_by_key(|m| m.hidden_offset);
+        let mut at = 0;
+        for m in &pieces {
+            if m.hidden_offset != at || m.tokens != pieces[0].tokens {
+                return Err(LoadError::Pieces {
+                    chunk,
+                    detail: format!(
+                        "its pieces hold elements {} of each token's {hidden}, with {} tokens",
+                        pieces
+                            .iter()
+                            .map(|m| format!(
+                                "[{}, {})",
+                                m.hidden_offset,
+                                m.hidden_offset + m.layout.hidden
+                            ))
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                        pieces
+                            .iter()
+                            .map(|m| m.tokens.to_string())
+                            .collect::<Vec<_>>()
+                            .join("/")
+                    ),
+                });
+            }
+            at += m.layout.hidden;
+        }
+        if at != hidden {
+            return Err(LoadError::Pieces {
+                chunk,
+                detail: format!("its {per} piece(s) hold {at} of each token's {hidden} elements"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Scatters resident chunks from their own pages, `max_depth` per batch.
 fn scatter_resident(
     lane: &mut ScatterLane<'_>,
@@ -245,7 +314,7 @@ fn scatter_resident(
             .iter()
             .map(|(i, page)| ScatterItem {
                 page: page.clone(),
-                tokens: page.tokens(),
+                meta: page.meta(),
                 slots: i.slots.clone(),
             })
             .collect();
@@ -486,7 +555,9 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
             .zip(pages)
             .map(|(j, page)| ScatterItem {
                 page: page.clone(),
-                tokens: self.began[j].as_ref().map_or(0, ProxyEntry::tokens),
+                // The proxy's chunk (tokens, head piece), not the staging
+                // page's full-chunk layout.
+                meta: self.items[j].1.meta,
                 slots: self.items[j].0.slots.clone(),
             })
             .collect();

@@ -46,6 +46,12 @@ pub struct LoadOptions {
     /// is kept instead of consumed. Release the request's holds with
     /// `Receiver::release` after the load (the request API does).
     pub req_id: Option<String>,
+    /// Keys per chunk of the request (default 1). Under heterogeneous TP a
+    /// decode rank fed by several prefill ranks loads one head piece from
+    /// each: pass the pieces of chunk 0, then those of chunk 1, and so on
+    /// (`keys[i]` covers chunk `i / pieces_per_chunk`). Together the
+    /// pieces of a chunk must cover the cache's token exactly once.
+    pub pieces_per_chunk: usize,
 }
 
 impl Default for LoadOptions {
@@ -53,6 +59,7 @@ impl Default for LoadOptions {
         LoadOptions {
             max_depth: DEFAULT_MAX_DEPTH,
             req_id: None,
+            pieces_per_chunk: 1,
         }
     }
 }
@@ -137,6 +144,15 @@ pub enum LoadError {
     /// The KV cache cannot take these chunks (geometry, slots). Nothing was touched.
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// The head pieces given for a chunk do not make up a whole token of
+    /// the cache (heterogeneous TP). Nothing was touched.
+    #[error("chunk {chunk}: {detail}; under heterogeneous TP pass every source rank's piece of each chunk, in chunk order, with LoadOptions::pieces_per_chunk set to their number")]
+    Pieces {
+        /// The chunk (position in the request).
+        chunk: usize,
+        /// What is wrong.
+        detail: String,
+    },
     /// Some keys could not be loaded; the others were (see `report`). Failed
     /// proxies were discarded, so their pulls' Done still goes out; no page
     /// is held.

@@ -3,17 +3,18 @@
 //! cache, so that a host scatter really runs while the next read does.
 
 use crate::kv::{KvCache, KvFence, ScatterStats};
-use crate::memory::SealedMemObj;
+use crate::memory::{ChunkMeta, SealedMemObj};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 use std::thread::Scope;
 
-/// One chunk to scatter: its page, its real tokens, and its tokens' range
-/// in the request's slot mapping.
+/// One chunk to scatter: its page, what the page holds (tokens, and the
+/// head piece under heterogeneous TP), and its tokens' range in the
+/// request's slot mapping.
 #[derive(Clone, Debug)]
 pub(crate) struct ScatterItem {
     pub page: SealedMemObj,
-    pub tokens: usize,
+    pub meta: ChunkMeta,
     pub slots: Range<usize>,
 }
 
@@ -44,7 +45,7 @@ fn scatter_all(cache: &mut KvCache, slots: &[i64], items: &[ScatterItem]) -> Job
     let mut total = ScatterStats::default();
     for it in items {
         let s = cache
-            .scatter(&it.page, it.tokens, &slots[it.slots.clone()])
+            .scatter_as(&it.page, it.meta, &slots[it.slots.clone()])
             .map_err(|e| format!("scatter into the KV cache: {e}"))?;
         total.copies += s.copies;
         total.bytes += s.bytes;

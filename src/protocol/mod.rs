@@ -72,7 +72,7 @@ pub use messages::{
 };
 pub use notice::{PushNotice, PushOutcome};
 pub use pending::PullCounters;
-pub use receiver::{KeyState, ProxyEntry, ProxyHandle, ReceiverCounters};
+pub use receiver::{HeadPiece, KeyState, ProxyEntry, ProxyHandle, ReceiverCounters};
 pub use sender::PutOutcome;
 pub use validate::InvalidMessage;
 

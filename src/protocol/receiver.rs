@@ -520,7 +520,21 @@ pub struct ReceiverCore {
     /// deduplicated prefix) stays until each named request released it;
     /// the same request announcing it again counts once.
     holders: HashMap<String, HashSet<String>>,
+    /// Senders whose chunks are head pieces (heterogeneous TP): their
+    /// chunk width and where it starts in a token of this side's chunks,
+    /// by sender node. Absent: whole chunks of [`ReceiverConfig::layout`].
+    pieces: HashMap<String, HeadPiece>,
     counters: ReceiverCounters,
+}
+
+/// The chunks of a heterogeneous-TP sender: `hidden` elements per token,
+/// elements `[offset, offset + hidden)` of this receiver's token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadPiece {
+    /// Elements per token in the sender's chunks.
+    pub hidden: usize,
+    /// Where they start in this side's token.
+    pub offset: usize,
 }
 
 /// Requests remembered per key; beyond this the key is simply kept until
@@ -597,6 +611,7 @@ impl ReceiverCore {
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
             holders: HashMap::new(),
+            pieces: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
             counters: ReceiverCounters::default(),
@@ -720,6 +735,7 @@ impl ReceiverCore {
     /// Returns how many were discarded; their pulls' Dones are dropped
     /// (nobody is left to receive them).
     pub fn forget_sender(&mut self, node: &str, now: Instant) -> usize {
+        self.pieces.remove(node);
         let keys: Vec<(String, ProxyHandle)> = self
             .entries
             .iter()
@@ -877,6 +893,30 @@ impl ReceiverCore {
         }
     }
 
+    /// Records that sender `node` sends head pieces (`None`: whole chunks);
+    /// its messages are checked against, and its pages carry, that piece.
+    pub fn set_piece(&mut self, node: &str, piece: Option<HeadPiece>) {
+        match piece {
+            Some(p) => self.pieces.insert(node.to_string(), p),
+            None => self.pieces.remove(node),
+        };
+    }
+
+    /// The chunk layout `node`'s messages must carry, and where its chunks
+    /// start in a token.
+    fn layout_from(&self, node: &str) -> (ChunkLayout, usize) {
+        match self.pieces.get(node) {
+            Some(p) => (
+                ChunkLayout {
+                    hidden: p.hidden,
+                    ..self.config.layout
+                },
+                p.offset,
+            ),
+            None => (self.config.layout, 0),
+        }
+    }
+
     // ------------------------------------------------------------- push
 
     /// Checks an `AllocRequest` that came on `route` and partitions its keys.
@@ -889,7 +929,8 @@ impl ReceiverCore {
         route: &str,
         req: &AllocRequest,
     ) -> Result<PushPlan, Box<PushReply>> {
-        let checked = match check_alloc_request(req, &self.config.layout).and_then(|c| {
+        let (layout, offset) = self.layout_from(route_node(route));
+        let checked = match check_alloc_request(req, &layout).and_then(|c| {
             match self.given_up.get(route, now) {
                 Some(()) => Err(InvalidMessage::RouteGivenUp {
                     msg: MessageType::AllocRequest,
@@ -910,7 +951,11 @@ impl ReceiverCore {
         };
         let done = self.replace_expired(&req.keys, now);
         let part = self.partition(&req.keys);
-        let metas: Vec<ChunkMeta> = part.new.iter().map(|&i| checked.metas[i]).collect();
+        let metas: Vec<ChunkMeta> = part
+            .new
+            .iter()
+            .map(|&i| checked.metas[i].at_hidden_offset(offset))
+            .collect();
         let plan = PushPlan {
             route: route.to_string(),
             keys: req.keys.clone(),
@@ -1282,7 +1327,14 @@ impl ReceiverCore {
     ) -> Result<PullPlan, Box<PullReply>> {
         let msg = MessageType::PullReadyNotif;
         let short = |s: &str| super::error::shorten(s);
-        let checked = check_pull_notif(notif, &self.config.layout)
+        let (layout, offset) = self.layout_from(route_node(from));
+        let checked = check_pull_notif(notif, &layout)
+            .map(|mut c| {
+                for m in &mut c.metas {
+                    *m = m.at_hidden_offset(offset);
+                }
+                c
+            })
             .and_then(|c| {
                 if route_node(from) == notif.sender_id {
                     Ok(c)

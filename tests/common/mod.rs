@@ -58,6 +58,7 @@ pub fn spec_for(r: &PdConfig, req_id: &str, last: bool) -> TransferSpec {
         receiver_init_port: r.peer_init_port.clone().unwrap(),
         receiver_alloc_port: r.peer_alloc_port.clone().unwrap(),
         is_last_prefill: last,
+        receiver_rank: None,
     }
 }
 

@@ -19,7 +19,7 @@ mod upkeep;
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
-use crate::channel::handshake::{Agreement, HandshakeServer, Hello};
+use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
 use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
 use crate::kv::KvCache;
@@ -28,8 +28,8 @@ use crate::memory::{DualAllocator, DualStats, PagePool, SealedMemObj};
 use crate::pipeline::load::{load_keys, LoadEnv};
 use crate::pipeline::{LoadError, LoadOptions, LoadReport};
 use crate::protocol::{
-    KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore, ReceiverCounters,
-    SendPullDone,
+    HeadPiece, KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore,
+    ReceiverCounters, SendPullDone,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -104,6 +104,8 @@ struct Shared {
     sender_restarts: AtomicU64,
     /// Reservations of multi-batch requests (see `protocol::admission`).
     admission: Mutex<crate::protocol::admission::Admission>,
+    /// This rank's TP split (sent in the hello; pairs senders' head pieces).
+    tp: Option<TpInfo>,
     stop: AtomicBool,
 }
 
@@ -167,6 +169,18 @@ impl Shared {
                 a.remote.node
             );
         }
+        let piece = self.piece_of(a);
+        if let Some(p) = piece {
+            log::info!(
+                "sender {} sends head pieces: {} element(s) per token at element {} of this \
+                 rank's {}",
+                a.remote.node,
+                p.hidden,
+                p.offset,
+                self.config.kv.hidden_size
+            );
+        }
+        lock(&self.core).set_piece(&a.remote.node, piece);
         lock(&self.peers).insert(
             a.remote.node.clone(),
             PeerLink {
@@ -180,6 +194,24 @@ impl Shared {
                     .fold(0usize, usize::saturating_add),
             },
         );
+    }
+}
+
+impl Shared {
+    /// The head piece sender `a` sends this rank (heterogeneous TP), or
+    /// `None` for whole chunks. The hellos' agreement already refused
+    /// senders that cannot be paired.
+    fn piece_of(&self, a: &Agreement) -> Option<HeadPiece> {
+        let (ours, theirs) = (self.tp.as_ref()?, a.remote.tp.as_ref()?);
+        let heads = ours.piece_from(theirs).ok()?;
+        let plan = self.config.tp_plan().ok()?;
+        let mine = plan.decode_heads(ours.rank);
+        let per_head = self.config.head_elements();
+        let piece = HeadPiece {
+            hidden: heads.len() * per_head,
+            offset: (heads.start - mine.start) * per_head,
+        };
+        (piece.hidden != self.config.kv.hidden_size).then_some(piece)
     }
 }
 
@@ -298,6 +330,7 @@ impl Receiver {
             admission: Mutex::new(crate::protocol::admission::Admission::new(
                 config.push_landing_timeout,
             )),
+            tp: TpInfo::of(config, rank),
             stop: AtomicBool::new(false),
         });
         let hello = Hello::local(
@@ -306,7 +339,8 @@ impl Receiver {
             shared.mode,
             config.pull_pending_ttl,
             channel.as_ref(),
-        );
+        )
+        .with_tp(shared.tp);
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
         let s2 = Arc::clone(&shared);
         let handshake = HandshakeServer::spawn_with(

@@ -235,6 +235,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             receiver_init_port: init.clone(),
             receiver_alloc_port: alloc.clone(),
             is_last_prefill: true,
+            receiver_rank: None,
         };
         let put_start = wall();
         let outcome = sender.put(&keys, &chunks, &spec);

@@ -491,6 +491,7 @@ fn put(seg: &mut Segment<'_>, req: &str, keys: &[String], tokens: &[usize]) -> R
         receiver_init_port: seg.rconfig.peer_init_port.clone().expect("set"),
         receiver_alloc_port: PortList::Single(seg.relay.port),
         is_last_prefill: true,
+        receiver_rank: None,
     };
     match seg.sender.put(keys, &chunks, &spec) {
         Ok(PutOutcome::Pushed { .. } | PutOutcome::Announced { .. }) => Ok(()),
@@ -828,6 +829,7 @@ fn kill_receiver(
         receiver_init_port: rc.peer_init_port.clone().expect("set"),
         receiver_alloc_port: rc.peer_alloc_port.clone().expect("set"),
         is_last_prefill: true,
+        receiver_rank: None,
     };
     let mut counted = 0;
     let (mut child, mut events) = start()?;
