@@ -1,0 +1,344 @@
+//! Heterogeneous TP over real sockets: prefill and decode ranks of
+//! different TP sizes, in both directions, in every mode. Each prefill rank
+//! sends head pieces of a request's chunks as `Sender::routes` says; each
+//! decode rank loads the pieces of its sources into its KV cache, and every
+//! byte of every loaded slot must equal what a same-TP run would hold: the
+//! decode rank's heads of the model's token. Pools end where they started.
+
+mod common;
+
+use ascend_pd::config::{ChannelKind, PdConfig, PortList, TransferMode};
+use ascend_pd::kv::tp::{HeadRange, TpPlan};
+use ascend_pd::kv::{KvCache, KvCacheSpec};
+use ascend_pd::memory::{pattern, DualStats, MemObj};
+use ascend_pd::pipeline::{LoadError, LoadOptions};
+use ascend_pd::{Receiver, Sender};
+use common::*;
+use std::time::Duration;
+
+/// The model's KV heads, and elements per head.
+const HEADS: usize = 4;
+const HEAD: usize = 16;
+const LAYERS: usize = 2;
+/// A request: two full chunks and a partial one.
+const TOKENS: usize = 2 * CHUNK + 5;
+
+fn settled(s: &DualStats) -> bool {
+    [&s.cpu, &s.npu]
+        .into_iter()
+        .flatten()
+        .all(|p| p.free == p.total && p.pinned == 0 && p.quarantined == 0)
+}
+
+struct Deployment {
+    receivers: Vec<Receiver>,
+    senders: Vec<Sender>,
+    rc: PdConfig,
+    plan: TpPlan,
+    mla: bool,
+}
+
+fn deploy(channel: ChannelKind, mode: TransferMode, a: usize, b: usize, mla: bool) -> Deployment {
+    // Whole-model width per token: HEADS x HEAD, or the MLA latent.
+    let per = |tp: usize| if mla { HEADS * HEAD } else { HEADS / tp * HEAD };
+    let shape = |c: &mut PdConfig, tp: usize, peer: usize| {
+        c.kv.num_layers = LAYERS;
+        c.kv.use_mla = mla;
+        c.kv.num_kv_heads = if mla { 1 } else { HEADS / tp };
+        c.kv.head_size = if mla { HEADS * HEAD } else { HEAD };
+        c.kv.hidden_size = per(tp);
+        c.tp_size = tp;
+        c.peer_tp_size = Some(peer);
+        c.buffer_size = 32 * c.page_bytes();
+    };
+    let mut rc = receiver_config(channel, mode, 32);
+    shape(&mut rc, b, a);
+    rc.peer_init_port = Some(PortList::PerRank((0..b).map(|_| free_port()).collect()));
+    rc.peer_alloc_port = Some(PortList::PerRank((0..b).map(|_| free_port()).collect()));
+    let receivers = (0..b).map(|d| Receiver::start(&rc, d).unwrap()).collect();
+    let mut sc = sender_config(channel, mode, 32);
+    shape(&mut sc, a, b);
+    sc.pull_done_port = Some(PortList::PerRank((0..a).map(|_| free_port()).collect()));
+    let senders = (0..a)
+        .map(|p| Sender::start(&sc, p, Default::default()).unwrap())
+        .collect();
+    let plan = rc.tp_plan().unwrap();
+    Deployment {
+        receivers,
+        senders,
+        rc,
+        plan,
+        mla,
+    }
+}
+
+/// Elements of one model token (what a TP-1 rank holds; the MLA latent
+/// has the same width here).
+fn model_width(_mla: bool) -> usize {
+    HEADS * HEAD
+}
+
+/// The model's chunk `c` of request `req` at full width: a pattern of
+/// `[planes][layers][tokens][model_width]` bf16 elements.
+fn model_chunk(req: &str, c: usize, tokens: usize, mla: bool) -> Vec<u8> {
+    let planes = if mla { 1 } else { 2 };
+    let mut v = vec![0u8; planes * LAYERS * tokens * model_width(mla) * 2];
+    pattern::fill(&mut v, seed_of(&format!("{req}/{c}")));
+    v
+}
+
+/// Elements `[from, from + width)` of every token of a model chunk.
+fn slice_tokens(model: &[u8], from: usize, width: usize, mla: bool) -> Vec<u8> {
+    let row = model_width(mla) * 2;
+    model
+        .chunks(row)
+        .flat_map(|tok| tok[from * 2..(from + width) * 2].iter().copied())
+        .collect()
+}
+
+fn elements(heads: HeadRange, mla: bool) -> (usize, usize) {
+    match mla {
+        true => (0, HEADS * HEAD),
+        false => (heads.start * HEAD, heads.len() * HEAD),
+    }
+}
+
+fn piece_key(req: &str, c: usize, heads: HeadRange) -> String {
+    format!("{req}/{c}/h{}-{}", heads.start, heads.end)
+}
+
+fn tokens_of(c: usize) -> usize {
+    (TOKENS - c * CHUNK).min(CHUNK)
+}
+
+const N_CHUNKS: usize = TOKENS.div_ceil(CHUNK);
+
+/// Every prefill rank sends its pieces of request `req` to the decode
+/// ranks it feeds.
+fn prefill(dep: &Deployment, req: &str) {
+    for (p, s) in dep.senders.iter().enumerate() {
+        for route in s.routes().to_vec() {
+            let (from, width) = elements(route.heads, dep.mla);
+            assert_eq!(s.chunk_layout().hidden, width);
+            let tokens: Vec<usize> = (0..N_CHUNKS).map(tokens_of).collect();
+            let mut pages = s.allocate(&tokens).unwrap();
+            let mut keys = Vec::new();
+            for (c, page) in pages.iter_mut().enumerate() {
+                let model = model_chunk(req, c, tokens_of(c), dep.mla);
+                let piece = slice_tokens(&model, from, width, dep.mla);
+                page.host_bytes_mut().unwrap()[..piece.len()].copy_from_slice(&piece);
+                keys.push(piece_key(req, c, route.heads));
+            }
+            let chunks: Vec<_> = pages.into_iter().map(MemObj::seal).collect();
+            let mut spec = spec_for(&dep.rc, req, true);
+            spec.receiver_rank = Some(route.rank);
+            s.put(&keys, &chunks, &spec)
+                .unwrap_or_else(|e| panic!("prefill rank {p} -> decode {}: {e}", route.rank));
+        }
+    }
+}
+
+/// Decode rank `d` loads request `req` and checks every loaded byte.
+fn decode(dep: &Deployment, d: usize, req: &str) {
+    let r = &dep.receivers[d];
+    let sources = dep.plan.sources(d);
+    let keys: Vec<String> = (0..N_CHUNKS)
+        .flat_map(|c| sources.iter().map(move |s| piece_key(req, c, s.heads)))
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(20), || keys
+            .iter()
+            .all(|k| r.contains(k))),
+        "decode rank {d}: pieces of {req} did not arrive"
+    );
+    let layout = dep.rc.chunk_layout();
+    let spec = KvCacheSpec::for_layout(&layout, 8, 8);
+    let mut cache = KvCache::host(spec).unwrap();
+    // Slots in reverse block order, so a piece cannot land by accident.
+    let slots: Vec<i64> = (0..TOKENS).map(|t| (63 - t) as i64).collect();
+    let opts = LoadOptions {
+        pieces_per_chunk: sources.len(),
+        ..LoadOptions::default()
+    };
+    for k in &keys {
+        if dep.rc.mode() != TransferMode::PullDelay {
+            r.get_wait(k, Duration::from_secs(20)).unwrap();
+        }
+    }
+    let report = r
+        .load_with(&keys, &slots, &mut cache, &opts)
+        .unwrap_or_else(|e| panic!("decode rank {d}: {e}"));
+    assert_eq!(report.loaded.len(), keys.len());
+    let (from, width) = elements(dep.plan.decode_heads(d), dep.mla);
+    let planes = if dep.mla { 1 } else { 2 };
+    for c in 0..N_CHUNKS {
+        let model = model_chunk(req, c, tokens_of(c), dep.mla);
+        let want = slice_tokens(&model, from, width, dep.mla);
+        let row = width * 2;
+        for plane in 0..planes {
+            for layer in 0..LAYERS {
+                for t in 0..tokens_of(c) {
+                    let slot = slots[c * CHUNK + t] as usize;
+                    let got = cache.token(layer, plane, slot).unwrap();
+                    let i = (plane * LAYERS + layer) * tokens_of(c) + t;
+                    assert!(
+                        got == want[i * row..(i + 1) * row],
+                        "decode rank {d}, {req} chunk {c}, plane {plane}, layer {layer}, \
+                         token {t}: not the model's heads {:?}",
+                        dep.plan.decode_heads(d)
+                    );
+                }
+            }
+        }
+    }
+    for k in &keys {
+        r.remove(k);
+    }
+}
+
+fn finish(dep: Deployment) {
+    for s in &dep.senders {
+        assert!(s.drain(Duration::from_secs(20)), "sender pins not released");
+        assert!(
+            settled(&s.stats().pools),
+            "sender pool: {:?}",
+            s.stats().pools
+        );
+    }
+    for r in &dep.receivers {
+        assert!(
+            eventually(Duration::from_secs(10), || settled(&r.stats().pools)),
+            "receiver pool: {:?}",
+            r.stats().pools
+        );
+    }
+}
+
+fn run(channel: ChannelKind, mode: TransferMode, a: usize, b: usize, mla: bool) {
+    let dep = deploy(channel, mode, a, b, mla);
+    for q in 0..2 {
+        let req = format!("{}-{a}to{b}-r{q}", mode.name());
+        prefill(&dep, &req);
+        for d in 0..b {
+            decode(&dep, d, &req);
+        }
+    }
+    finish(dep);
+}
+
+#[test]
+fn prefill_tp_2_feeds_decode_tp_1_in_every_mode() {
+    for mode in [
+        TransferMode::Push,
+        TransferMode::PullEager,
+        TransferMode::PullDelay,
+    ] {
+        run(ChannelKind::Shm, mode, 2, 1, false);
+    }
+}
+
+#[test]
+fn prefill_tp_1_feeds_decode_tp_2_in_every_mode() {
+    for mode in [
+        TransferMode::Push,
+        TransferMode::PullEager,
+        TransferMode::PullDelay,
+    ] {
+        run(ChannelKind::Shm, mode, 1, 2, false);
+    }
+}
+
+#[test]
+fn wider_splits_and_tcp_work_too() {
+    run(ChannelKind::Tcp, TransferMode::PullDelay, 4, 2, false);
+    run(ChannelKind::Tcp, TransferMode::Push, 2, 4, false);
+}
+
+#[test]
+fn an_mla_latent_is_replicated_from_one_prefill_rank() {
+    run(ChannelKind::Shm, TransferMode::Push, 2, 1, true);
+    run(ChannelKind::Shm, TransferMode::PullDelay, 1, 2, true);
+    // Prefill rank 1 of 2 holds the same latent as rank 0, which sends it.
+    let dep = deploy(ChannelKind::Shm, TransferMode::Push, 2, 1, true);
+    assert!(dep.senders[1].routes().is_empty());
+    let chunks = {
+        let mut p = dep.senders[1].allocate(&[CHUNK]).unwrap();
+        p[0].host_bytes_mut().unwrap().fill(1);
+        vec![p.pop().unwrap().seal()]
+    };
+    let e = dep.senders[1]
+        .put(&["x".into()], &chunks, &spec_for(&dep.rc, "x", true))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sends nothing") && e.contains("MLA"), "{e}");
+    drop(chunks);
+    finish(dep);
+}
+
+#[test]
+fn a_decode_rank_missing_a_piece_or_misconfigured_is_told_why() {
+    let dep = deploy(ChannelKind::Shm, TransferMode::Push, 2, 1, false);
+    prefill(&dep, "r");
+    let r = &dep.receivers[0];
+    let layout = dep.rc.chunk_layout();
+    let mut cache = KvCache::host(KvCacheSpec::for_layout(&layout, 8, 8)).unwrap();
+    let slots: Vec<i64> = (0..CHUNK as i64).collect();
+    // One prefill rank's piece alone, as if the TPs matched.
+    let half = piece_key("r", 0, HeadRange { start: 0, end: 2 });
+    let e = r
+        .load_with(&[half.clone()], &slots, &mut cache, &LoadOptions::default())
+        .unwrap_err();
+    assert!(matches!(e, LoadError::Pieces { chunk: 0, .. }), "{e}");
+    assert!(e.to_string().contains("pieces_per_chunk"), "{e}");
+    // The put of a sender that does not name its decode rank, when it feeds two.
+    for c in 0..N_CHUNKS {
+        for h in [0, 2] {
+            r.remove(&piece_key(
+                "r",
+                c,
+                HeadRange {
+                    start: h,
+                    end: h + 2,
+                },
+            ));
+        }
+    }
+    finish(dep);
+
+    let dep = deploy(ChannelKind::Shm, TransferMode::Push, 1, 2, false);
+    let chunks = {
+        let mut p = dep.senders[0].allocate(&[CHUNK]).unwrap();
+        p[0].host_bytes_mut().unwrap().fill(1);
+        vec![p.pop().unwrap().seal()]
+    };
+    let e = dep.senders[0]
+        .put(&["x".into()], &chunks, &spec_for(&dep.rc, "x", true))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("receiver_rank") && e.contains("[0, 1]"), "{e}");
+    drop(chunks);
+    finish(dep);
+
+    // A receiver that expects a prefill TP of 4 refuses a sender of TP 2.
+    let mut dep = deploy(ChannelKind::Shm, TransferMode::Push, 2, 1, false);
+    let mut wrong = dep.rc.clone();
+    wrong.peer_tp_size = Some(4);
+    wrong.kv.num_kv_heads = HEADS;
+    wrong.peer_init_port = Some(PortList::PerRank(vec![free_port()]));
+    wrong.peer_alloc_port = Some(PortList::PerRank(vec![free_port()]));
+    let bad = Receiver::start(&wrong, 0).unwrap();
+    let chunks = {
+        let mut p = dep.senders[0].allocate(&[CHUNK]).unwrap();
+        p[0].host_bytes_mut().unwrap().fill(1);
+        vec![p.pop().unwrap().seal()]
+    };
+    let e = dep.senders[0]
+        .put(&["x".into()], &chunks, &spec_for(&wrong, "x", true))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pd_peer_tp_size"), "{e}");
+    drop(chunks);
+    bad.close();
+    dep.receivers.truncate(1);
+    finish(dep);
+}
