@@ -286,7 +286,7 @@ fn a_decode_rank_missing_a_piece_or_misconfigured_is_told_why() {
     // One prefill rank's piece alone, as if the TPs matched.
     let half = piece_key("r", 0, HeadRange { start: 0, end: 2 });
     let e = r
-        .load_with(&[half.clone()], &slots, &mut cache, &LoadOptions::default())
+        .load_with(&[half], &slots, &mut cache, &LoadOptions::default())
         .unwrap_err();
     assert!(matches!(e, LoadError::Pieces { chunk: 0, .. }), "{e}");
     assert!(e.to_string().contains("pieces_per_chunk"), "{e}");
