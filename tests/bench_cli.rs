@@ -614,3 +614,90 @@ fn a_short_hccl_soak_on_the_emulator_corrupts_nothing_and_leaks_nothing() {
     let segments = doc["segments"].as_array().unwrap();
     assert!(segments.iter().all(|s| s["channel"] == "hccl"), "{stdout}");
 }
+
+/// `run --prefill-tp A --decode-tp B`: every mode over shm, and push and
+/// pull-delay over hccl on the CANN emulator (NPU buffers), in both
+/// directions; each decode rank's cache must hold exactly its heads of the
+/// model's chunks (checked byte for byte by the receivers).
+#[test]
+fn mixed_prefill_and_decode_tp_verify_every_byte_in_every_mode() {
+    let cfg = small_model_config("mixed-tp.yaml");
+    let emu = ascend_emu::install_dir().expect("the emulator is built as a dev-dependency");
+    // The model: 2 heads x 64 per rank of the smaller side -> 2 heads in all.
+    // A request of 150 tokens is 2 planes x 2 layers x 150 x 128 elements.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    for (a, b) in [(2, 1), (1, 2)] {
+        for (channel, device, modes) in [
+            (
+                "shm",
+                "cpu",
+                "push,pull-eager,pull-delay,pull-delay-offload",
+            ),
+            ("hccl", "npu", "push,pull-delay"),
+        ] {
+            let json = tmp(&format!("mixed-{a}-{b}-{channel}.json"));
+            let out = bench()
+                .env("ASCEND_PD_CANN_LIB_DIR", &emu)
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .args([
+                    "--prefill-tp",
+                    &a.to_string(),
+                    "--decode-tp",
+                    &b.to_string(),
+                    "--channel",
+                    channel,
+                    "--device",
+                    device,
+                    "--requests",
+                    "2",
+                    "--prompt-tokens",
+                    "150",
+                    "--modes",
+                    modes,
+                    "--json",
+                ])
+                .arg(&json)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{a}->{b} over {channel}: {}\n{err}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            assert!(
+                err.contains(&format!("prefill TP {a} -> decode TP {b}")),
+                "{err}"
+            );
+            let doc: Value =
+                serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+            let ms = doc["modes"].as_array().unwrap();
+            assert_eq!(ms.len(), modes.split(',').count());
+            for m in ms {
+                assert_eq!(
+                    (m["prefill_tp"].as_u64(), m["decode_tp"].as_u64()),
+                    (Some(a), Some(b))
+                );
+                assert_eq!(m["channel"], channel);
+                assert_eq!(m["verified"], true, "{m}");
+                // One load per request and decode rank; together they hold
+                // every head of both requests once.
+                assert_eq!(m["requests"].as_u64(), Some(2 * b), "{m}");
+                assert_eq!(m["bytes_verified"].as_u64(), Some(2 * per_request), "{m}");
+            }
+            let _ = std::fs::remove_file(json);
+        }
+    }
+    // Sizes that do not divide are refused before any worker starts.
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args(["--prefill-tp", "3", "--decode-tp", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("one must be a multiple of the other"), "{err}");
+    let _ = std::fs::remove_file(cfg);
+}

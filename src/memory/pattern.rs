@@ -32,6 +32,21 @@ pub fn fill(buf: &mut [u8], seed: u64) {
     }
 }
 
+/// Fills `buf` with bytes `[offset, offset + buf.len())` of the pattern for
+/// `seed`: a slice of a larger buffer [`fill`] would write (a head piece
+/// of a chunk, one row at a time).
+pub fn fill_at(buf: &mut [u8], seed: u64, offset: usize) {
+    let mut at = 0;
+    while at < buf.len() {
+        let b = offset + at;
+        let (w, skip) = (b / 8, b % 8);
+        let bytes = word(seed, w as u64).to_le_bytes();
+        let n = (8 - skip).min(buf.len() - at);
+        buf[at..at + n].copy_from_slice(&bytes[skip..skip + n]);
+        at += n;
+    }
+}
+
 /// The offset of the first byte of `buf` that differs from the pattern, if any.
 pub fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     let mut chunks = buf.chunks_exact(8);
@@ -54,6 +69,17 @@ pub fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slice_of_the_pattern_is_the_same_bytes_at_any_offset() {
+        let mut whole = vec![0u8; 200];
+        fill(&mut whole, 9);
+        for (from, len) in [(0, 200), (8, 16), (3, 50), (61, 1), (199, 1)] {
+            let mut part = vec![0u8; len];
+            fill_at(&mut part, 9, from);
+            assert_eq!(part, whole[from..from + len], "at {from}");
+        }
+    }
 
     #[test]
     fn pattern_round_trips_and_detects_changes() {

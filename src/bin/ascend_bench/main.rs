@@ -24,16 +24,18 @@ commands:
   run [--config FILE] [--channel shm|tcp|hccl] [--device cpu|npu] [--depth N]
       [--modes push,pull-eager,pull-delay,pull-delay-offload]
       [--requests N] [--prompt-tokens N] [--senders P] [--receivers D] [--tp N]
-      [--json FILE] [--plot FILE.svg]
+      [--prefill-tp A --decode-tp B] [--json FILE] [--plot FILE.svg]
                          nPmD comparison of the modes with real sender, receiver and
                          proxy processes on this machine; every byte is verified.
+                         --prefill-tp/--decode-tp: different TP sizes (one a multiple
+                         of the other); each decode rank's heads are checked.
                          The default (no command) is `run` with built-in settings.
   sender --config FILE (--receiver HOST --init-port P[,P] --alloc-port P[,P] |
          --to HOST/P[,P]/P[,P] ...) [--requests N] [--prompt-tokens N] [--rank R]
          [--prefix NAME] [--metrics-port M]
                          a prefill worker with a request generator
   receiver --config FILE [--rank R] [--notify-port P] [--requests N] [--kv-tokens N]
-           [--depth N] [--metrics-port M]
+           [--depth N] [--prompt-tokens N] [--metrics-port M]
                          a decode worker; loads and verifies each request announced
                          by a ProxyNotif on --notify-port
   proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]

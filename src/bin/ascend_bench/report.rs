@@ -82,6 +82,8 @@ pub struct ModeReport {
     pub prompt_tokens: usize,
     /// Wall time of the mode.
     pub wall_s: f64,
+    /// Prefill and decode TP sizes of the run.
+    pub tp: (usize, usize),
     /// The NPU runtime the workers used, if any.
     pub npu_runtime: Option<String>,
 }
@@ -180,6 +182,7 @@ pub fn summarize(
         requests: loads.len(),
         prompt_tokens: spec.prompt_tokens,
         wall_s: wall.as_secs_f64(),
+        tp: (spec.prefill_tp, spec.decode_tp),
         ..Default::default()
     })
 }
@@ -227,8 +230,8 @@ pub fn table(modes: &[ModeReport]) -> String {
     if let Some(m) = modes.first() {
         let _ = writeln!(
             s,
-            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} requests x {} tokens per mode.",
-            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens
+            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}.",
+            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1
         );
     }
     s
@@ -253,6 +256,8 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "device": m.device,
             "requests": m.requests,
             "prompt_tokens": m.prompt_tokens,
+            "prefill_tp": m.tp.0,
+            "decode_tp": m.tp.1,
             "gbps": round3(m.gbps),
             "aggregate_gbps": round3(m.aggregate_gbps),
             "baseline": m.baseline,

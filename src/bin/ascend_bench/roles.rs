@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
 use ascend_pd::channel::GrantStats;
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferMode};
+use ascend_pd::kv::tp::{HeadRange, TpPlan};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
@@ -201,6 +202,17 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         layout.page_bytes(),
         targets.len()
     );
+    let hetero = config.tp_size != config.peer_tp();
+    let model = ModelSplit::of(&config)?;
+    if hetero && sender.routes().is_empty() {
+        // MLA under a smaller decode TP: another rank sends this latent.
+        eprintln!("sender: rank {rank} sends nothing: its MLA latent is sent by another rank");
+        emit(
+            json!({"event": "sender_done", "drained": true, "peak_pinned_pages": 0,
+            "pool_allocated": 0, "bytes_written": 0, "pulls_expired": 0}),
+        );
+        return Ok(true);
+    }
     let mut ok = true;
     for r in 0..requests {
         if stopping() {
@@ -215,6 +227,42 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             }
         }
         let req_id = format!("{prefix}-{r}");
+        if hetero {
+            // Mixed TP: one put of head pieces per decode rank this rank feeds.
+            for route in sender.routes().to_vec() {
+                let keys: Vec<String> = (0..n_chunks)
+                    .map(|i| piece_key(&req_id, i, route.heads))
+                    .collect();
+                let mut pages: Vec<MemObj> = sender
+                    .allocator()
+                    .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
+                    .context("allocating a request's chunks")?;
+                let from = model.start_of(route.heads);
+                for (i, c) in pages.iter_mut().enumerate() {
+                    fill_piece(c, &model, key_seed(&chunk_key(&req_id, i)), from)?;
+                }
+                let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
+                let (host, init, alloc) = &targets[(first + r) % targets.len()];
+                let spec = TransferSpec {
+                    req_id: req_id.clone(),
+                    receiver_host: host.clone(),
+                    receiver_init_port: init.clone(),
+                    receiver_alloc_port: alloc.clone(),
+                    is_last_prefill: true,
+                    receiver_rank: Some(route.rank),
+                };
+                ok &= put_and_report(
+                    &sender,
+                    &registry,
+                    &keys,
+                    chunks,
+                    &spec,
+                    &format!("{req_id}@d{}", route.rank),
+                );
+            }
+            publish_sender(&registry, &sender, layout.page_bytes() as u64);
+            continue;
+        }
         let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
         // Pages free up as receivers finish (pull modes pin until Done).
         let mut pages: Vec<MemObj> = sender
@@ -226,7 +274,6 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         }
         // Filled: from now on the chunks are only read (sent, or read by receivers).
         let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
-        let bytes: usize = chunks.iter().map(|c| c.byte_len()).sum();
         // Requests go round-robin over the receivers.
         let (host, init, alloc) = &targets[(first + r) % targets.len()];
         let spec = TransferSpec {
@@ -237,27 +284,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             is_last_prefill: true,
             receiver_rank: None,
         };
-        let put_start = wall();
-        let outcome = sender.put(&keys, &chunks, &spec);
-        let put_end = wall();
-        drop(chunks);
-        let outcome_text = match &outcome {
-            Ok(PutOutcome::Pushed { .. }) => "pushed",
-            Ok(PutOutcome::Announced { .. }) => "announced",
-            Ok(PutOutcome::SkippedBreakerOpen) => "skipped_breaker_open",
-            Ok(PutOutcome::ReceiverAllocFailed) => "receiver_alloc_failed",
-            Err(_) => "error",
-        };
-        if let Err(e) = &outcome {
-            eprintln!("sender: {req_id}: {e}");
-            ok = false;
-        }
-        registry.add("ascend_pd_sender_puts_total", 1.0);
-        registry.add("ascend_pd_sender_put_bytes_total", bytes as f64);
-        emit(json!({
-            "event": "put", "req": req_id, "chunks": n_chunks, "bytes": bytes,
-            "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
-        }));
+        ok &= put_and_report(&sender, &registry, &keys, chunks, &spec, &req_id);
         publish_sender(&registry, &sender, layout.page_bytes() as u64);
     }
     // Pins are released by the receivers' Done; give them time, bounded.
@@ -289,6 +316,114 @@ fn fill_chunk(c: &mut MemObj, seed: u64) -> Result<()> {
     }
     let mut v = vec![0u8; c.byte_len()];
     pattern::fill(&mut v, seed);
+    npu::write_page(c, 0, &v)?;
+    Ok(())
+}
+
+/// Puts `chunks` under `keys`, emits the `put` event for unit `unit`
+/// (the request, or the request and decode rank under mixed TP) and
+/// updates the counters; false when the put failed.
+fn put_and_report(
+    sender: &Sender,
+    registry: &Registry,
+    keys: &[String],
+    chunks: Vec<SealedMemObj>,
+    spec: &TransferSpec,
+    unit: &str,
+) -> bool {
+    let bytes: usize = chunks.iter().map(|c| c.byte_len()).sum();
+    let put_start = wall();
+    let outcome = sender.put(keys, &chunks, spec);
+    let put_end = wall();
+    drop(chunks);
+    let outcome_text = match &outcome {
+        Ok(PutOutcome::Pushed { .. }) => "pushed",
+        Ok(PutOutcome::Announced { .. }) => "announced",
+        Ok(PutOutcome::SkippedBreakerOpen) => "skipped_breaker_open",
+        Ok(PutOutcome::ReceiverAllocFailed) => "receiver_alloc_failed",
+        Err(_) => "error",
+    };
+    if let Err(e) = &outcome {
+        eprintln!("sender: {unit}: {e}");
+    }
+    registry.add("ascend_pd_sender_puts_total", 1.0);
+    registry.add("ascend_pd_sender_put_bytes_total", bytes as f64);
+    emit(json!({
+        "event": "put", "req": unit, "chunks": keys.len(), "bytes": bytes,
+        "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
+    }));
+    outcome.is_ok()
+}
+
+/// The key of the head piece `heads` of chunk `i` of request `req_id`
+/// (mixed TP: one key per piece).
+pub fn piece_key(req_id: &str, i: usize, heads: HeadRange) -> String {
+    format!("{req_id}/{i}/h{}-{}", heads.start, heads.end)
+}
+
+/// The model's token under mixed TP: what a TP-1 rank would hold. A
+/// chunk's pattern is defined over it, so every rank's piece is a slice of
+/// the same bytes and a decode rank checks its heads against them.
+struct ModelSplit {
+    plan: TpPlan,
+    /// Elements per head (the whole latent for MLA).
+    head: usize,
+    /// Elements of the model's token.
+    width: usize,
+    planes: usize,
+    layers: usize,
+    elem: usize,
+}
+
+impl ModelSplit {
+    fn of(config: &PdConfig) -> Result<ModelSplit> {
+        let plan = config
+            .tp_plan()
+            .map_err(|e| anyhow!("pd_peer_tp_size: {e}"))?;
+        let head = config.head_elements();
+        let layout = config.chunk_layout();
+        Ok(ModelSplit {
+            plan,
+            head,
+            width: if plan.replicated {
+                head
+            } else {
+                plan.total_heads * head
+            },
+            planes: layout.fmt.kv_planes(),
+            layers: layout.layers,
+            elem: layout.dtype.size(),
+        })
+    }
+
+    /// Where `heads` start in the model's token (elements).
+    fn start_of(&self, heads: HeadRange) -> usize {
+        match self.plan.replicated {
+            true => 0,
+            false => heads.start * self.head,
+        }
+    }
+
+    /// The model chunk's bytes for `width` elements from `from` of each
+    /// token, as a `[planes][layers][tokens][width]` chunk.
+    fn piece(&self, seed: u64, tokens: usize, from: usize, width: usize) -> Vec<u8> {
+        let row = width * self.elem;
+        let mut v = vec![0u8; self.planes * self.layers * tokens * row];
+        for (i, r) in v.chunks_mut(row).enumerate() {
+            pattern::fill_at(r, seed, (i * self.width + from) * self.elem);
+        }
+        v
+    }
+}
+
+/// Writes a head piece of the model chunk `seed` into `c` (see [`ModelSplit`]).
+fn fill_piece(c: &mut MemObj, model: &ModelSplit, seed: u64, from: usize) -> Result<()> {
+    let meta = c.meta();
+    let v = model.piece(seed, meta.tokens, from, meta.layout.hidden);
+    if let Some(b) = c.host_bytes_mut() {
+        b[..v.len()].copy_from_slice(&v);
+        return Ok(());
+    }
     npu::write_page(c, 0, &v)?;
     Ok(())
 }
@@ -365,7 +500,18 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
     let kv_tokens: usize = a.get("kv-tokens", 4096).map_err(|e| anyhow!(e))?;
     let depth: usize = a.get("depth", 4).map_err(|e| anyhow!(e))?;
+    // Mixed TP: a decode rank loads a request once every source rank's
+    // pieces are in, so it must know how many chunks a request has.
+    let prompt: Option<usize> = a.opt("prompt-tokens").map_err(|e| anyhow!(e))?;
     a.finish().map_err(|e| anyhow!(e))?;
+    let hetero = config.tp_size != config.peer_tp();
+    let prompt = match (hetero, prompt) {
+        (true, None) => bail!(
+            "--prompt-tokens N is required when pd_peer_tp_size differs from tp_size (a decode \
+             rank waits for every prefill rank's pieces of a request)"
+        ),
+        (_, p) => p.unwrap_or(0),
+    };
     install_signal_handlers();
     let receiver = Receiver::start(&config, rank)?;
     let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth)?;
@@ -405,6 +551,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     emit(json!({"event": "receiver_ready", "npu_runtime": runtime}));
     let page = config.page_bytes();
     let mut served = 0usize;
+    let mut seen: std::collections::HashSet<String> = Default::default();
+    let model = ModelSplit::of(&config)?;
     let mut ok = true;
     while !stopping() && requests.is_none_or(|n| served < n) {
         publish_receiver(&registry, &receiver, page);
@@ -430,12 +578,29 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         // A proxy announces every request to every decode worker; only the
         // worker that holds its first chunk loads it. (By the time a
         // ProxyNotif leaves, the owner's store has the keys: push landed,
-        // pull acked.)
-        if !receiver.contains(&chunk_key(&req_id, 0)) {
+        // pull acked.) Under mixed TP every prefill rank announces the
+        // request: the first announcement whose pieces are here loads it.
+        let ours = match hetero {
+            false => receiver.contains(&chunk_key(&req_id, 0)),
+            true => {
+                !seen.contains(&req_id)
+                    && model
+                        .plan
+                        .sources(rank)
+                        .iter()
+                        .any(|s| receiver.contains(&piece_key(&req_id, 0, s.heads)))
+            }
+        };
+        if !ours {
             continue;
         }
+        seen.insert(req_id.clone());
         served += 1;
-        match decode.load_request(&receiver, &req_id) {
+        let loaded = match hetero {
+            true => decode.load_pieces(&receiver, &req_id, &model, rank, prompt),
+            false => decode.load_request(&receiver, &req_id),
+        };
+        match loaded {
             Ok(v) => {
                 let good = v["verified"].as_bool().unwrap_or(false);
                 ok &= good;
@@ -522,6 +687,83 @@ impl DecodeSide {
         Ok((0..tokens)
             .map(|t| (table[t / self.block_size] * self.block_size + t % self.block_size) as i64)
             .collect())
+    }
+
+    /// Mixed TP: waits until every source rank's pieces of request
+    /// `req_id` (`prompt` tokens) are here, loads them into the KV cache,
+    /// and checks every byte of this rank's heads against the model chunk.
+    fn load_pieces(
+        &mut self,
+        r: &Receiver,
+        req_id: &str,
+        model: &ModelSplit,
+        rank: usize,
+        prompt: usize,
+    ) -> Result<serde_json::Value> {
+        let sources = model.plan.sources(rank);
+        let chunk = self.layout.tokens;
+        let n = prompt.div_ceil(chunk);
+        let tokens: Vec<usize> = (0..n).map(|i| (prompt - i * chunk).min(chunk)).collect();
+        let keys: Vec<String> = (0..n)
+            .flat_map(|i| sources.iter().map(move |s| piece_key(req_id, i, s.heads)))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while let Some(k) = keys.iter().find(|k| !r.contains(k)) {
+            if Instant::now() >= deadline {
+                bail!("{k} did not arrive within 60 s (a prefill rank failed?)");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if r.mode() != TransferMode::PullDelay {
+            for k in &keys {
+                r.get_wait(k, Duration::from_secs(60))
+                    .ok_or_else(|| anyhow!("{k} did not land within 60 s"))?;
+            }
+        }
+        let ready_at = wall();
+        let total: usize = tokens.iter().sum();
+        let slots = self.slot_mapping(total)?;
+        let opts = LoadOptions {
+            pieces_per_chunk: sources.len(),
+            ..self.opts.clone()
+        };
+        let load_start = wall();
+        let report = r.load_with(&keys, &slots, &mut self.cache, &opts)?;
+        let load_end = wall();
+        let mut verified = report.loaded.len() == keys.len();
+        let mut bytes = 0u64;
+        let mut first = 0;
+        let from = model.start_of(model.plan.decode_heads(rank));
+        for (i, &t) in tokens.iter().enumerate() {
+            let mut page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
+            self.cache.gather(&slots[first..first + t], &mut page)?;
+            first += t;
+            bytes += page.byte_len() as u64;
+            let want = model.piece(key_seed(&chunk_key(req_id, i)), t, from, self.layout.hidden);
+            let b = page
+                .host_bytes()
+                .ok_or_else(|| anyhow!("scratch pages are host pages"))?;
+            let differs = match b.len() >= want.len() {
+                true => b.iter().zip(&want).position(|(x, y)| x != y),
+                false => Some(b.len()),
+            };
+            if let Some(at) = differs {
+                eprintln!(
+                    "receiver: {req_id} chunk {i}: byte {at} in the KV cache differs from the \
+                     model's heads {} (decode rank {rank})",
+                    model.plan.decode_heads(rank)
+                );
+                verified = false;
+            }
+        }
+        for k in &keys {
+            r.remove(k);
+        }
+        Ok(json!({
+            "event": "load", "req": format!("{req_id}@d{rank}"), "chunks": n, "bytes": bytes,
+            "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
+            "depth": report.depth, "verified": verified, "pieces_per_chunk": sources.len(),
+        }))
     }
 
     /// Waits for request `req_id`'s chunks, loads them into the KV cache

@@ -34,8 +34,10 @@ pub struct RunSpec {
     pub senders: usize,
     /// Receiver processes (per rank).
     pub receivers: usize,
-    /// Tensor-parallel ranks.
-    pub tp: usize,
+    /// Prefill tensor-parallel ranks (per sender).
+    pub prefill_tp: usize,
+    /// Decode tensor-parallel ranks (per receiver).
+    pub decode_tp: usize,
     /// Pages per ping-pong pool on the decode side (pull-delay).
     pub depth: usize,
     /// The model / pool shape (from `--config`, or the built-in default).
@@ -58,6 +60,45 @@ fn ports(n: usize) -> Result<Vec<u16>> {
 /// x 128, bf16, 256-token chunks = 32 MiB pages), requests of 4000 tokens.
 pub fn default_base() -> PdConfig {
     PdConfig::with_defaults(Role::Sender)
+}
+
+/// The shape of one rank of `role` (its `tp_size`, `pd_peer_tp_size` and
+/// heads per rank). With the same TP size on both sides every rank holds
+/// the base config's heads, as `--tp` always did; with different sizes the
+/// model has the base's heads times the smaller TP size, split over each
+/// side's ranks (so the smaller side's ranks hold the base's heads).
+pub fn rank_config(spec: &RunSpec, role: Role) -> Result<PdConfig> {
+    let (mine, peer) = match role {
+        Role::Sender => (spec.prefill_tp, spec.decode_tp),
+        Role::Receiver => (spec.decode_tp, spec.prefill_tp),
+    };
+    let mut c = spec.base.clone();
+    c.role = role;
+    c.tp_size = mine;
+    c.peer_tp_size = Some(peer);
+    if mine != peer && !c.kv.use_mla {
+        if c.kv.hidden_size != c.kv.num_kv_heads * c.kv.head_size {
+            bail!(
+                "--prefill-tp {} --decode-tp {}: the config's kv_hidden_size {} is not \
+                 kv_num_heads x kv_head_size, so its heads cannot be split",
+                spec.prefill_tp,
+                spec.decode_tp,
+                c.kv.hidden_size
+            );
+        }
+        let total = c.kv.num_kv_heads * mine.min(peer);
+        if mine.max(peer) % mine.min(peer) != 0 || total % mine != 0 {
+            bail!(
+                "--prefill-tp {} --decode-tp {}: one must be a multiple of the other, and the \
+                 model's {total} KV heads must split over both",
+                spec.prefill_tp,
+                spec.decode_tp
+            );
+        }
+        c.kv.num_kv_heads = total / mine;
+        c.kv.hidden_size = c.kv.num_kv_heads * c.kv.head_size;
+    }
+    Ok(c)
 }
 
 pub fn run_main(args: &[String]) -> Result<bool> {
@@ -94,20 +135,29 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         prompt_tokens: a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?,
         senders: a.get("senders", 1).map_err(|e| anyhow!(e))?,
         receivers: a.get("receivers", 1).map_err(|e| anyhow!(e))?,
-        tp: a.get("tp", 1).map_err(|e| anyhow!(e))?,
+        prefill_tp: 0,
+        decode_tp: 0,
         depth: a.get("depth", 4).map_err(|e| anyhow!(e))?,
         pools: (0, 0),
         base,
     };
+    let mut spec = spec;
+    let tp: usize = a.get("tp", 1).map_err(|e| anyhow!(e))?;
+    spec.prefill_tp = a.get("prefill-tp", tp).map_err(|e| anyhow!(e))?;
+    spec.decode_tp = a.get("decode-tp", tp).map_err(|e| anyhow!(e))?;
     let json_path: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
     let plot_path: Option<String> = a.opt("plot").map_err(|e| anyhow!(e))?;
     a.finish().map_err(|e| anyhow!(e))?;
     if spec.requests == 0 || spec.prompt_tokens == 0 {
         bail!("--requests and --prompt-tokens must be at least 1");
     }
-    if spec.senders == 0 || spec.receivers == 0 || spec.tp == 0 {
-        bail!("--senders, --receivers and --tp must be at least 1");
+    if spec.senders == 0 || spec.receivers == 0 || spec.prefill_tp == 0 || spec.decode_tp == 0 {
+        bail!("--senders, --receivers, --tp, --prefill-tp and --decode-tp must be at least 1");
     }
+    // Each side's per-rank shape comes from the model split; checked here,
+    // before any worker starts.
+    rank_config(&spec, Role::Sender)?;
+    rank_config(&spec, Role::Receiver)?;
     if spec.device.is_npu() && spec.channel == ChannelKind::Shm {
         bail!("--device npu needs --channel tcp or hccl: shm moves host memory only");
     }
@@ -161,12 +211,15 @@ pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
             .chunk_layout()
             .bytes_for(spec.prompt_tokens % spec.base.chunk_size) as u64;
     eprintln!(
-        "ascend-bench run: {} over {}, {} sender(s) x {} receiver(s) x TP {}, {} request(s) of {} tokens ({:.0} MiB each), page {} MiB",
+        "ascend-bench run: {} over {}, {} sender(s) x {} receiver(s), {}, {} request(s) of {} tokens ({:.0} MiB each), page {} MiB",
         spec.modes.join(", "),
         spec.channel.name(),
         spec.senders,
         spec.receivers,
-        spec.tp,
+        match spec.prefill_tp == spec.decode_tp {
+            true => format!("TP {}", spec.prefill_tp),
+            false => format!("prefill TP {} -> decode TP {}", spec.prefill_tp, spec.decode_tp),
+        },
         spec.requests,
         spec.prompt_tokens,
         bytes_per_request as f64 / (1 << 20) as f64,
@@ -263,15 +316,15 @@ fn write_config(dir: &Path, name: &str, c: &PdConfig) -> Result<PathBuf> {
 fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     let (pull, delay, offload) = mode_flags(mode);
     let (tx, rx) = mpsc::channel();
-    let tp = spec.tp;
+    let (ptp, dtp) = (spec.prefill_tp, spec.decode_tp);
+    let hetero = ptp != dtp;
     let proxy_port = free_port()?;
     let mut procs = Vec::new();
     // Receivers: each serves every TP rank on its own ports.
     let mut receivers = Vec::new();
     for d in 0..spec.receivers {
-        let (init, alloc) = (ports(tp)?, ports(tp)?);
-        let mut c = spec.base.clone();
-        c.role = Role::Receiver;
+        let (init, alloc) = (ports(dtp)?, ports(dtp)?);
+        let mut c = rank_config(spec, Role::Receiver)?;
         c.transfer_channel = spec.channel;
         c.buffer_device = spec.device;
         c.pull_mode = pull;
@@ -284,7 +337,6 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         c.pull_done_port = None;
         c.proxy_host = None;
         c.proxy_port = None;
-        c.tp_size = tp;
         c.buffer_size = spec.pools.1;
         let path = write_config(dir, &format!("{mode}-receiver{d}"), &c)?;
         receivers.push((path, init, alloc));
@@ -297,23 +349,23 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
             .flat_map(|s| (0..spec.requests).map(move |r| (s + r) % spec.receivers))
             .filter(|&x| x == d)
             .count();
-        for rank in 0..tp {
+        for rank in 0..dtp {
             let np = free_port()?;
             notify_ports.push(np);
             let name = format!("receiver{d}.{rank}");
-            procs.push(spawn(
-                &name,
-                &[
-                    "receiver".into(),
-                    format!("--config={}", path.display()),
-                    format!("--rank={rank}"),
-                    format!("--notify-port={np}"),
-                    format!("--requests={mine}"),
-                    format!("--kv-tokens={}", spec.prompt_tokens),
-                    format!("--depth={}", spec.depth),
-                ],
-                &tx,
-            )?);
+            let mut args = vec![
+                "receiver".into(),
+                format!("--config={}", path.display()),
+                format!("--rank={rank}"),
+                format!("--notify-port={np}"),
+                format!("--requests={mine}"),
+                format!("--kv-tokens={}", spec.prompt_tokens),
+                format!("--depth={}", spec.depth),
+            ];
+            if hetero {
+                args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
+            }
+            procs.push(spawn(&name, &args, &tx)?);
         }
     }
     let mut proxy_args = vec!["proxy".to_string(), format!("--port={proxy_port}")];
@@ -344,9 +396,8 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     }
     let t0 = Instant::now();
     for s in 0..spec.senders {
-        let done = ports(tp)?;
-        let mut c = spec.base.clone();
-        c.role = Role::Sender;
+        let done = ports(ptp)?;
+        let mut c = rank_config(spec, Role::Sender)?;
         c.transfer_channel = spec.channel;
         c.buffer_device = spec.device;
         c.pull_mode = pull;
@@ -359,17 +410,23 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         c.pull_done_port = pull.then(|| PortList::PerRank(done.clone()));
         c.proxy_host = Some("127.0.0.1".into());
         c.proxy_port = Some(proxy_port);
-        c.tp_size = tp;
         c.buffer_size = spec.pools.0;
         let path = write_config(dir, &format!("{mode}-sender{s}"), &c)?;
-        for rank in 0..tp {
+        for rank in 0..ptp {
+            // Same TP: each rank pair is its own stream of requests. Mixed
+            // TP: the ranks of a sender share request ids, and each decode
+            // rank loads its pieces of every request.
+            let prefix = match hetero {
+                true => format!("{mode}-s{s}"),
+                false => format!("{mode}-s{s}.{rank}"),
+            };
             let mut args = vec![
                 "sender".to_string(),
                 format!("--config={}", path.display()),
                 format!("--rank={rank}"),
                 format!("--requests={}", spec.requests),
                 format!("--prompt-tokens={}", spec.prompt_tokens),
-                format!("--prefix={mode}-s{s}.{rank}"),
+                format!("--prefix={prefix}"),
                 format!("--first-receiver={s}"),
                 "--paced=true".to_string(),
             ];
@@ -380,7 +437,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         }
     }
     // Collect until every process exited.
-    let total = expected * tp;
+    // One unit per request and decode rank (a rank pair under the same TP).
+    let total = expected * dtp;
+    let mut loaded_ranks: HashMap<String, usize> = HashMap::new();
     let mut puts: HashMap<String, Value> = HashMap::new();
     let mut loads: HashMap<String, Value> = HashMap::new();
     let mut sender_done = Vec::new();
@@ -388,7 +447,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     let mut exited = 0;
     let mut failures = Vec::new();
     let mut deadline = Instant::now() + Duration::from_secs(600);
-    let senders = spec.senders * tp;
+    let senders = spec.senders * ptp;
     let mut senders_exited = 0;
     let mut reported: Vec<String> = Vec::new();
     while exited < procs.len() - 1 {
@@ -404,15 +463,44 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                     // No load will follow: let that sender go on regardless.
                     go(&mut procs, &who);
                 }
-                puts.insert(v["req"].as_str().unwrap_or("").to_string(), v);
+                let req = v["req"].as_str().unwrap_or("").to_string();
+                // Several prefill ranks feed one decode rank under mixed
+                // TP: their puts of a unit span from the first start to the
+                // last end and add up their bytes.
+                let v = match puts.remove(&req) {
+                    Some(mut old) => {
+                        let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+                        old["put_start"] = json!(f(&old, "put_start").min(f(&v, "put_start")));
+                        old["put_end"] = json!(f(&old, "put_end").max(f(&v, "put_end")));
+                        old["bytes"] = json!(
+                            old["bytes"].as_u64().unwrap_or(0) + v["bytes"].as_u64().unwrap_or(0)
+                        );
+                        old
+                    }
+                    None => v,
+                };
+                puts.insert(req, v);
             }
             Some("load") => {
                 if v["verified"] != true {
                     failures.push(format!("{who}: load {} failed: {}", v["req"], v["error"]));
                 }
                 let req = v["req"].as_str().unwrap_or("").to_string();
-                // Closed loop: the sender of this request may start its next one.
-                go(&mut procs, &format!("sender{}", sender_of(&req)));
+                if hetero {
+                    // Closed loop: once every decode rank loaded its pieces,
+                    // every rank of the request's sender goes on.
+                    let base = req.split_once('@').map_or(req.as_str(), |(b, _)| b);
+                    let n = loaded_ranks.entry(base.to_string()).or_default();
+                    *n += 1;
+                    if *n == dtp {
+                        for p in 0..ptp {
+                            go(&mut procs, &format!("sender{}.{p}", sender_of(base)));
+                        }
+                    }
+                } else {
+                    // Closed loop: the sender of this request may start its next one.
+                    go(&mut procs, &format!("sender{}", sender_of(&req)));
+                }
                 loads.insert(req, v);
                 progress(mode, loads.len(), total);
             }
@@ -493,7 +581,8 @@ fn go(procs: &mut [Proc], sender: &str) {
     }
 }
 
-/// `s.r` of a request id `MODE-sS.R-N` (its sender process name suffix).
+/// `s.r` of a request id `MODE-sS.R-N` (its sender process name suffix;
+/// `S` of `MODE-sS-N` under mixed TP).
 fn sender_of(req: &str) -> &str {
     let tail = req.rsplit_once("-s").map_or("", |(_, t)| t);
     tail.rsplit_once('-').map_or(tail, |(who, _)| who)
