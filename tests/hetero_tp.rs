@@ -14,6 +14,7 @@ use ascend_pd::memory::{pattern, DualStats, MemObj};
 use ascend_pd::pipeline::{LoadError, LoadOptions};
 use ascend_pd::{Receiver, Sender};
 use common::*;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The model's KV heads, and elements per head.
@@ -31,9 +32,10 @@ fn settled(s: &DualStats) -> bool {
 }
 
 struct Deployment {
-    receivers: Vec<Receiver>,
-    senders: Vec<Sender>,
+    receivers: Vec<Arc<Receiver>>,
+    senders: Vec<Arc<Sender>>,
     rc: PdConfig,
+    sc: PdConfig,
     plan: TpPlan,
     mla: bool,
 }
@@ -55,18 +57,21 @@ fn deploy(channel: ChannelKind, mode: TransferMode, a: usize, b: usize, mla: boo
     shape(&mut rc, b, a);
     rc.peer_init_port = Some(PortList::PerRank((0..b).map(|_| free_port()).collect()));
     rc.peer_alloc_port = Some(PortList::PerRank((0..b).map(|_| free_port()).collect()));
-    let receivers = (0..b).map(|d| Receiver::start(&rc, d).unwrap()).collect();
+    let receivers = (0..b)
+        .map(|d| Arc::new(Receiver::start(&rc, d).unwrap()))
+        .collect();
     let mut sc = sender_config(channel, mode, 32);
     shape(&mut sc, a, b);
     sc.pull_done_port = Some(PortList::PerRank((0..a).map(|_| free_port()).collect()));
     let senders = (0..a)
-        .map(|p| Sender::start(&sc, p, Default::default()).unwrap())
+        .map(|p| Arc::new(Sender::start(&sc, p, Default::default()).unwrap()))
         .collect();
     let plan = rc.tp_plan().unwrap();
     Deployment {
         receivers,
         senders,
         rc,
+        sc,
         plan,
         mla,
     }
@@ -341,4 +346,178 @@ fn a_decode_rank_missing_a_piece_or_misconfigured_is_told_why() {
     bad.close();
     dep.receivers.truncate(1);
     finish(dep);
+}
+
+mod request_api {
+    //! The request API under heterogeneous TP: a `SaveQueue` per prefill
+    //! rank gathers each decode rank's head piece from its engine-owned
+    //! cache; a `LoadQueue` per decode rank loads every piece with the
+    //! request's plain keys. The calls are the same as under one TP size.
+    use super::*;
+    use ascend_pd::requests::{
+        Availability, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
+        SharedKvCache,
+    };
+    use std::time::Instant;
+
+    /// The model's token `t` of `(layer, plane)`, elements
+    /// `[from, from + width)`: a slice of one pattern over the whole model.
+    fn model_token(req: &str, at: (usize, usize, usize), from: usize, width: usize) -> Vec<u8> {
+        let (layer, plane, t) = at;
+        let mut v = vec![0u8; width * 2];
+        let row = (layer * 2 + plane) * TOKENS + t;
+        pattern::fill_at(&mut v, seed_of(req), (row * model_width(false) + from) * 2);
+        v
+    }
+
+    fn cache_for(c: &PdConfig) -> Arc<SharedKvCache> {
+        let spec = KvCacheSpec::for_layout(&c.chunk_layout(), 8, 8);
+        SharedKvCache::new(KvCache::host(spec).unwrap())
+    }
+
+    fn wait(f: impl Fn() -> Vec<Completion>) -> Completion {
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(c) = f().pop() {
+                return c;
+            }
+            assert!(Instant::now() < end, "no completion within 30 s");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn prefill_slot(t: usize) -> i64 {
+        t as i64
+    }
+
+    fn decode_slot(t: usize) -> i64 {
+        (63 - t) as i64
+    }
+
+    fn run(mode: TransferMode, a: usize, b: usize, cancel: bool) {
+        let dep = deploy(ChannelKind::Shm, mode, a, b, false);
+        let req = format!("api-{}-{a}to{b}", mode.name());
+        let keys: Vec<String> = (0..N_CHUNKS).map(|c| format!("{req}/{c}")).collect();
+        // Each prefill rank's engine cache holds its heads of the model.
+        let saves: Vec<(SaveQueue, Arc<SharedKvCache>)> = dep
+            .senders
+            .iter()
+            .enumerate()
+            .map(|(p, s)| {
+                let cache = cache_for(&dep.sc);
+                let heads = dep.plan.prefill_heads(p);
+                for t in 0..TOKENS {
+                    for layer in 0..LAYERS {
+                        for plane in 0..2 {
+                            let mut c = cache.lock();
+                            let at = c.spec().offset(layer, plane, prefill_slot(t) as usize);
+                            let v = model_token(
+                                &req,
+                                (layer, plane, t),
+                                heads.start * HEAD,
+                                heads.len() * HEAD,
+                            );
+                            c.write(at, &v).unwrap();
+                        }
+                    }
+                }
+                (SaveQueue::new(Arc::clone(s)).unwrap(), cache)
+            })
+            .collect();
+        for (q, cache) in &saves {
+            q.submit(
+                SaveRequest {
+                    keys: keys.clone(),
+                    slot_mapping: (0..TOKENS).map(prefill_slot).collect(),
+                    spec: spec_for(&dep.rc, &req, true),
+                },
+                cache,
+            )
+            .unwrap();
+        }
+        for (q, _) in &saves {
+            let c = wait(|| q.poll());
+            assert!(matches!(c.outcome, Outcome::Done), "{c:?}");
+        }
+        let loads: Vec<LoadQueue> = dep
+            .receivers
+            .iter()
+            .map(|r| LoadQueue::new(Arc::clone(r)).unwrap())
+            .collect();
+        for (d, q) in loads.iter().enumerate() {
+            assert!(
+                eventually(Duration::from_secs(20), || q.available(&keys)
+                    == Availability::Ready),
+                "decode rank {d}: {:?}",
+                q.available(&keys)
+            );
+        }
+        if cancel {
+            // Cancelled on the prefill side after the save: every decode
+            // rank it went to drops its pieces.
+            for (sq, _) in &saves {
+                sq.cancel(&req);
+            }
+            for (d, q) in loads.iter().enumerate() {
+                assert!(
+                    eventually(Duration::from_secs(20), || matches!(
+                        q.available(&keys),
+                        Availability::NotYet { ready: 0, .. }
+                    )),
+                    "decode rank {d} still holds pieces of a cancelled request"
+                );
+            }
+        }
+        for (d, q) in loads.into_iter().enumerate() {
+            if cancel {
+                continue;
+            }
+            let cache = cache_for(&dep.rc);
+            q.submit(
+                LoadRequest {
+                    req_id: req.clone(),
+                    keys: keys.clone(),
+                    slot_mapping: (0..TOKENS).map(decode_slot).collect(),
+                },
+                &cache,
+            )
+            .unwrap();
+            let c = wait(|| q.poll());
+            assert!(matches!(c.outcome, Outcome::Done), "decode rank {d}: {c:?}");
+            let heads = dep.plan.decode_heads(d);
+            let mut c = cache.lock();
+            for t in 0..TOKENS {
+                for layer in 0..LAYERS {
+                    for plane in 0..2 {
+                        let want = model_token(
+                            &req,
+                            (layer, plane, t),
+                            heads.start * HEAD,
+                            heads.len() * HEAD,
+                        );
+                        let got = c.token(layer, plane, decode_slot(t) as usize).unwrap();
+                        assert!(got == want, "decode rank {d}, token {t}: not its heads");
+                    }
+                }
+            }
+            drop(c);
+            q.close();
+        }
+        drop(saves);
+        finish(dep);
+    }
+
+    #[test]
+    fn save_and_load_queues_move_head_pieces_in_both_directions() {
+        run(TransferMode::Push, 2, 1, false);
+        run(TransferMode::PullDelay, 2, 1, false);
+        run(TransferMode::PullEager, 1, 2, false);
+        run(TransferMode::PullDelay, 1, 2, false);
+    }
+
+    #[test]
+    fn a_cancel_reaches_every_decode_rank_a_save_went_to() {
+        run(TransferMode::Push, 1, 2, true);
+        run(TransferMode::PullDelay, 2, 1, true);
+    }
 }

@@ -283,6 +283,31 @@ impl Sender {
         &self.shared.routes
     }
 
+    /// The puts that send the chunks `keys` of a request: per decode rank
+    /// this rank feeds, the route and the keys to put under. With the same
+    /// TP size on both sides that is `keys` to this rank's own decode rank;
+    /// under heterogeneous TP each route's keys name its head piece
+    /// ([`crate::kv::tp::piece_key`]), as a decode rank's
+    /// [`crate::Receiver::piece_keys`] expects. Empty for a rank whose
+    /// replicated MLA latent another rank sends.
+    pub fn pieces(&self, keys: &[String]) -> Vec<(Route, Vec<String>)> {
+        let s = &self.shared;
+        let hetero = s.config.tp_size != s.config.peer_tp();
+        s.routes
+            .iter()
+            .map(|r| {
+                let keys = match hetero {
+                    true => keys
+                        .iter()
+                        .map(|k| crate::kv::tp::piece_key(k, r.heads))
+                        .collect(),
+                    false => keys.to_vec(),
+                };
+                (*r, keys)
+            })
+            .collect()
+    }
+
     /// Elements of one KV head in a token (the whole latent for MLA).
     pub fn head_elements(&self) -> usize {
         self.shared.head_elements

@@ -48,6 +48,13 @@ impl fmt::Display for HeadRange {
     }
 }
 
+/// The key of the piece `heads` of the chunk `key` under heterogeneous TP
+/// (each prefill rank sends its own pieces, so one chunk has one key per
+/// piece). The request API names pieces this way on both sides.
+pub fn piece_key(key: &str, heads: HeadRange) -> String {
+    format!("{key}@heads{}-{}", heads.start, heads.end)
+}
+
 /// One piece of a chunk between a prefill and a decode rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Route {

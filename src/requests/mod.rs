@@ -22,6 +22,7 @@ pub use book::{Completion, Outcome};
 
 use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
 use crate::kv::KvCache;
+use crate::memory::ChunkMeta;
 use crate::pipeline::LoadOptions;
 use crate::protocol::KeyState;
 use book::{Book, Cancel, Refused};
@@ -233,13 +234,22 @@ impl SaveQueue {
         let sender = Arc::clone(&q.sender);
         *lock(&q.cancel_thread) = Some(crate::backend::spawn("apd-save-cancel", move || {
             for (id, (keys, spec)) in cancel_rx {
-                match sender.cancel(&id, &keys, &spec) {
-                    Ok(dropped) => log::debug!(
-                        "request {id:?}: the receiver dropped {} of {} key(s)",
-                        dropped.len(),
-                        keys.len()
-                    ),
-                    Err(e) => log::warn!("cancelling request {id:?} at its receiver: {e}"),
+                // Every decode rank the save went to (under heterogeneous
+                // TP, each with its pieces' keys).
+                for (route, keys) in sender.pieces(&keys) {
+                    let spec = TransferSpec {
+                        receiver_rank: Some(route.rank),
+                        ..spec.clone()
+                    };
+                    match sender.cancel(&id, &keys, &spec) {
+                        Ok(dropped) => log::debug!(
+                            "request {id:?}: decode rank {} dropped {} of {} key(s)",
+                            route.rank,
+                            dropped.len(),
+                            keys.len()
+                        ),
+                        Err(e) => log::warn!("cancelling request {id:?} at its receiver: {e}"),
+                    }
                 }
             }
         })?);
@@ -414,27 +424,43 @@ fn check_request(
 
 fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
     let req = &job.req;
-    let chunk = sender.chunk_layout().tokens;
+    let layout = sender.chunk_layout();
+    let chunk = layout.tokens;
     let tokens = chunk_tokens(req.slot_mapping.len(), chunk);
-    let mut pages = sender.allocate(&tokens).map_err(err_text)?;
-    {
-        let mut cache = job.cache.lock();
-        for (i, page) in pages.iter_mut().enumerate() {
-            let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
-            cache.gather(slots, page).map_err(err_text)?;
+    // One put per decode rank this rank feeds (one, unless the decode TP
+    // is larger): each gathers its head piece of every chunk.
+    for (route, keys) in sender.pieces(&req.keys) {
+        let offset = sender.piece_offset(&route);
+        let metas: Vec<ChunkMeta> = tokens
+            .iter()
+            .map(|&t| ChunkMeta::partial(layout, t).at_hidden_offset(offset))
+            .collect();
+        let mut pages = sender
+            .allocator()
+            .allocate_batch(&metas)
+            .map_err(err_text)?;
+        {
+            let mut cache = job.cache.lock();
+            for (i, page) in pages.iter_mut().enumerate() {
+                let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
+                cache.gather(slots, page).map_err(err_text)?;
+            }
+        }
+        let sealed: Vec<_> = pages.into_iter().map(|p| p.seal()).collect();
+        let spec = TransferSpec {
+            receiver_rank: Some(route.rank),
+            ..req.spec.clone()
+        };
+        if let crate::PutOutcome::SkippedBreakerOpen =
+            sender.put(&keys, &sealed, &spec).map_err(err_text)?
+        {
+            return Err(format!(
+                "the receiver at {} failed repeatedly and its breaker is open: nothing was sent",
+                req.spec.receiver_host
+            ));
         }
     }
-    let sealed: Vec<_> = pages.into_iter().map(|p| p.seal()).collect();
-    match sender
-        .put(&req.keys, &sealed, &req.spec)
-        .map_err(err_text)?
-    {
-        crate::PutOutcome::SkippedBreakerOpen => Err(format!(
-            "the receiver at {} failed repeatedly and its breaker is open: nothing was sent",
-            req.spec.receiver_host
-        )),
-        _ => Ok(()),
-    }
+    Ok(())
 }
 
 struct LoadJob {
@@ -475,14 +501,17 @@ impl LoadQueue {
             let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
             let worker = crate::backend::spawn(&format!("apd-load-{i}"), move || {
                 while let Some((id, job)) = state.next() {
+                    // Under heterogeneous TP each chunk is several pieces.
+                    let (keys, per) = receiver.piece_keys(&job.req.keys);
                     let opts = LoadOptions {
                         req_id: Some(id.clone()),
+                        pieces_per_chunk: per,
                         ..LoadOptions::default()
                     };
                     let r = {
                         let mut cache = job.cache.lock();
                         receiver
-                            .load_with(&job.req.keys, &job.req.slot_mapping, &mut cache, &opts)
+                            .load_with(&keys, &job.req.slot_mapping, &mut cache, &opts)
                             .map(|_| ())
                             .map_err(err_text)
                     };
@@ -494,11 +523,11 @@ impl LoadQueue {
                         // back to the pool, except keys another request
                         // still holds (a shared prefix). A cancel meanwhile
                         // changes nothing more.
-                        receiver.release(&id, &job.req.keys);
+                        receiver.release(&id, &keys);
                     } else {
                         // A failed load is final for its keys: those stored
                         // are dropped, those still landing when they land.
-                        receiver.cancel(&id, &job.req.keys);
+                        receiver.cancel(&id, &keys);
                     }
                     lock(&state.book).finish(&id, r);
                 }
@@ -521,6 +550,7 @@ impl LoadQueue {
 
     /// Whether every key of a request is stored here and may be loaded.
     pub fn available(&self, keys: &[String]) -> Availability {
+        let (keys, _) = self.receiver.piece_keys(keys);
         let ready = keys
             .iter()
             .filter(|k| {
@@ -575,13 +605,15 @@ impl LoadQueue {
         let verdict = lock(&self.state.book).cancel(req_id);
         match verdict {
             Cancel::Dequeued(job) => {
-                self.receiver.cancel(req_id, &job.req.keys);
+                let (keys, _) = self.receiver.piece_keys(&job.req.keys);
+                self.receiver.cancel(req_id, &keys);
                 CancelState::NotStarted
             }
             Cancel::WhenDone => CancelState::Cancelling,
             Cancel::AlreadyEnded => CancelState::AlreadyEnded,
             Cancel::Unknown => {
-                self.receiver.cancel(req_id, keys);
+                let (keys, _) = self.receiver.piece_keys(keys);
+                self.receiver.cancel(req_id, &keys);
                 CancelState::Unknown
             }
         }
@@ -598,7 +630,8 @@ impl LoadQueue {
     /// to call more than once and from any thread.
     pub fn shutdown(&self) {
         for (id, job) in self.state.shut_down(&self.workers) {
-            self.receiver.cancel(&id, &job.req.keys);
+            let (keys, _) = self.receiver.piece_keys(&job.req.keys);
+            self.receiver.cancel(&id, &keys);
         }
     }
 

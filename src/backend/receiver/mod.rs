@@ -22,6 +22,7 @@ use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
 use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
 use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
+use crate::kv::tp::Route;
 use crate::kv::KvCache;
 use crate::layout::ChunkLayout;
 use crate::memory::{DualAllocator, DualStats, PagePool, SealedMemObj};
@@ -581,6 +582,38 @@ impl Receiver {
         opts: &LoadOptions,
     ) -> Result<LoadReport, LoadError> {
         load_keys(&*self.shared, keys, slot_mapping, cache, opts)
+    }
+
+    /// The prefill ranks this decode rank takes its chunks from, and the
+    /// heads of each one's piece (`tp_size`, `pd_peer_tp_size`): one
+    /// source with all of this rank's heads when both TP sizes match.
+    pub fn sources(&self) -> Vec<Route> {
+        let s = &self.shared;
+        match (s.config.tp_plan(), s.tp) {
+            (Ok(plan), Some(tp)) => plan.sources(tp.rank),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The keys to load for the chunks `keys` of a request, and how many
+    /// there are per chunk ([`LoadOptions::pieces_per_chunk`]): `keys`
+    /// themselves when both TP sizes match, else each chunk's pieces from
+    /// every source rank ([`crate::kv::tp::piece_key`]), chunk by chunk.
+    pub fn piece_keys(&self, keys: &[String]) -> (Vec<String>, usize) {
+        let s = &self.shared;
+        if s.config.tp_size == s.config.peer_tp() {
+            return (keys.to_vec(), 1);
+        }
+        let sources = self.sources();
+        let pieces = keys
+            .iter()
+            .flat_map(|k| {
+                sources
+                    .iter()
+                    .map(move |src| crate::kv::tp::piece_key(k, src.heads))
+            })
+            .collect();
+        (pieces, sources.len().max(1))
     }
 
     /// Counters.

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
 use ascend_pd::channel::GrantStats;
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferMode};
-use ascend_pd::kv::tp::{HeadRange, TpPlan};
+use ascend_pd::kv::tp::{self, HeadRange, TpPlan};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::{self, AclRuntime};
 use ascend_pd::memory::{
@@ -356,9 +356,9 @@ fn put_and_report(
 }
 
 /// The key of the head piece `heads` of chunk `i` of request `req_id`
-/// (mixed TP: one key per piece).
+/// (mixed TP: one key per piece, named as the request API names them).
 pub fn piece_key(req_id: &str, i: usize, heads: HeadRange) -> String {
-    format!("{req_id}/{i}/h{}-{}", heads.start, heads.end)
+    tp::piece_key(&chunk_key(req_id, i), heads)
 }
 
 /// The model's token under mixed TP: what a TP-1 rank would hold. A
