@@ -150,3 +150,131 @@ fn multi_batch_requests_are_admitted_whole_or_refused_at_once_never_half() {
     assert!(!again.alloc_failed, "{again:?}");
     assert_eq!(r.stats().reservations, 1);
 }
+
+/// The same for pull-eager: a pull sender announcing each request in two
+/// notifications that carry `req_id`, `total_chunks` and `is_last_batch`.
+/// The first notifications of two requests reserve the receiver's eight
+/// pages; the other two are refused at once (not parked for the 60 s page
+/// wait); the admitted ones' second notifications are read into their
+/// reservations, and every page comes back.
+#[test]
+fn multi_notification_pulls_are_admitted_whole_or_refused_at_once() {
+    use ascend_pd::channel::{Access, GrantTag};
+    use ascend_pd::protocol::PullId;
+    use std::time::Instant;
+
+    let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullEager, 8);
+    rc.alloc_fail_backoff_ttl = Duration::from_secs(60);
+    let r = Receiver::start(&rc, 0).unwrap();
+    let layout = rc.chunk_layout();
+    let page = layout.page_bytes();
+    // The puller's pool: 4 pages every key reads from, filled with a pattern.
+    let pool = PagePool::new(RegisteredBuffer::host(4 * page, page, false).unwrap());
+    let node = "127.0.0.1:1/p1r0-admission";
+    let channel: Arc<dyn TransferChannel> = chan::open(
+        ChannelKind::Tcp,
+        "127.0.0.1",
+        node,
+        &[Arc::clone(&pool)],
+        None,
+    )
+    .unwrap();
+    let ctx = zmq::Context::new();
+    let hello = Hello::local(
+        node,
+        Role::Sender,
+        TransferMode::PullEager,
+        Duration::from_secs(60),
+        channel.as_ref(),
+    );
+    let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());
+    let a = handshake::connect(
+        &ctx,
+        &init,
+        channel.as_ref(),
+        &hello,
+        Duration::from_secs(20),
+    )
+    .unwrap();
+    let meta = ascend_pd::memory::ChunkMeta::full(layout);
+    let mut held = pool.allocate_batch(&[meta; 4]).unwrap();
+    for (i, p) in held.iter_mut().enumerate() {
+        ascend_pd::memory::pattern::fill(p.host_bytes_mut().unwrap(), i as u64);
+    }
+    let refs: Vec<BufferRef> = held.iter().map(|p| p.buffer_ref()).collect();
+    channel
+        .grant(a.peer, Access::Read, GrantTag::UNTAGGED, &refs)
+        .unwrap();
+    let uuid = refs[0].uuid;
+    let done_url = format!("127.0.0.1:{}", free_port());
+    let notify = |i: usize, b: usize| {
+        let keys = vec![
+            format!("pull-r{i}@{}", 2 * b),
+            format!("pull-r{i}@{}", 2 * b + 1),
+        ];
+        let pull_id = PullId::due_in_this_process(Instant::now() + Duration::from_secs(50));
+        let mut n = pull_notif(
+            layout,
+            pull_id.encode(),
+            &keys,
+            (
+                uuid,
+                vec![refs[2 * b].page as u64, refs[2 * b + 1].page as u64],
+            ),
+            node,
+            done_url.clone(),
+        );
+        n.req_id = Some(format!("pull-r{i}"));
+        n.total_chunks = Some(4);
+        n.is_last_batch = Some(b == 1);
+        announce_pull(&ctx, &rc, n)
+    };
+    let first: Vec<_> = (1..=4).map(|i| notify(i, 0)).collect();
+    assert!(
+        !first[0].alloc_failed && !first[1].alloc_failed,
+        "{first:?}"
+    );
+    assert!(first[2].alloc_failed && first[3].alloc_failed, "{first:?}");
+    let st = r.stats();
+    assert_eq!((st.reservations, st.admission_refused), (2, 2));
+    assert_eq!(st.waiting_for_pages, 0, "nobody was parked");
+    for i in 1..=2 {
+        let second = notify(i, 1);
+        assert!(!second.alloc_failed, "r{i}: {second:?}");
+    }
+    assert_eq!(
+        r.stats().reservations,
+        0,
+        "the last notifications ended them"
+    );
+    // Every chunk is read, byte for byte, from the page its key named.
+    for i in 1..=2 {
+        for c in 0..4 {
+            let k = format!("pull-r{i}@{c}");
+            let m = r.get_wait(&k, Duration::from_secs(20)).expect("read");
+            assert!(
+                ascend_pd::memory::pattern::first_mismatch(m.host_bytes().unwrap(), c as u64)
+                    .is_none(),
+                "{k}"
+            );
+        }
+    }
+    for i in 1..=2 {
+        for c in 0..4 {
+            r.remove(&format!("pull-r{i}@{c}"));
+        }
+    }
+    assert!(eventually(Duration::from_secs(10), || r
+        .stats()
+        .pools
+        .cpu
+        .unwrap()
+        .allocated
+        == 0));
+    assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver");
+    // A refused request fits now.
+    let again = notify(3, 0);
+    assert!(!again.alloc_failed, "{again:?}");
+    assert_eq!(r.stats().reservations, 1);
+    drop(held);
+}

@@ -150,6 +150,13 @@ pub struct PullReadyNotif {
     /// LMCache-Ascend form is unchanged; msgspec peers ignore it. A
     /// receiver keeps a key shared by several requests until each is done.
     pub req_id: Option<String>,
+    /// Whether this is the request's last notification (as upstream's
+    /// async `AllocRequest`; ascend-pd's addition here, encoded only when set).
+    pub is_last_batch: Option<bool>,
+    /// Chunks of the whole request, when the sender knows them: with
+    /// `req_id`, a pull-eager receiver reserves the request's pages at its
+    /// first notification or refuses it at once (see `protocol::admission`).
+    pub total_chunks: Option<u64>,
 }
 
 /// Pull mode: the receiver's reply to a [`PullReadyNotif`].
@@ -315,6 +322,8 @@ impl Message {
                 dtype: fields.required("dtype")?,
                 last_chunk_toks: fields.required("last_chunk_toks")?,
                 req_id: fields.nullable("req_id")?,
+                is_last_batch: fields.nullable("is_last_batch")?,
+                total_chunks: fields.nullable("total_chunks")?,
             }),
             MessageType::PullReadyDoneAck => Message::PullReadyDoneAck(PullReadyDoneAck {
                 already_sent_indexes: fields.required("already_sent_indexes")?,
@@ -740,10 +749,13 @@ impl PullReadyNotif {
             ],
             self.sender_mem_indexes.len() + self.shape.len() + 2,
         );
+        let extra = usize::from(self.req_id.is_some())
+            + usize::from(self.is_last_batch.is_some())
+            + usize::from(self.total_chunks.is_some());
         let mut e = Enc::new(
             MessageType::PullReadyNotif,
-            10 + usize::from(self.req_id.is_some()),
-            size + self.req_id.as_ref().map_or(0, |r| r.len() + 16),
+            10 + extra,
+            size + self.req_id.as_ref().map_or(0, |r| r.len() + 16) + 48,
         )?;
         e.str("pull_id", &self.pull_id)?;
         e.str_list("keys", &self.keys)?;
@@ -757,6 +769,12 @@ impl PullReadyNotif {
         e.uint("last_chunk_toks", self.last_chunk_toks)?;
         if let Some(r) = &self.req_id {
             e.str("req_id", r)?;
+        }
+        if let Some(b) = self.is_last_batch {
+            e.bool("is_last_batch", b)?;
+        }
+        if let Some(n) = self.total_chunks {
+            e.uint("total_chunks", n)?;
         }
         Ok(e.finish())
     }

@@ -626,6 +626,11 @@ impl SenderCore {
             // Our receivers (only they pass our handshake) keep a key
             // shared by several requests until each is done with it.
             req_id: Some(put.spec.req_id.clone()),
+            // A put is not told how many more of its request follow, so it
+            // does not announce a size: the receiver admits it from the
+            // unreserved pages (and may wait for them, as before).
+            is_last_batch: None,
+            total_chunks: None,
         };
         let inserted = self.pending.insert(
             &pull_id,

@@ -1055,3 +1055,29 @@ fn random_garbage_never_panics() {
         check_consistent(&f);
     }
 }
+
+#[test]
+fn a_pull_notification_announcing_its_request_round_trips_and_is_plain_without() {
+    let m = PullReadyNotif {
+        req_id: Some("r-1".into()),
+        is_last_batch: Some(false),
+        total_chunks: Some(6),
+        ..pull_ready_notif()
+    };
+    let frame = m.encode();
+    let keys: Vec<String> = split_entries(&frame)
+        .iter()
+        .map(|e| key_of(e).to_string())
+        .collect();
+    assert!(keys.ends_with(&[
+        "req_id".into(),
+        "is_last_batch".into(),
+        "total_chunks".into()
+    ]));
+    assert_eq!(PullReadyNotif::decode(&frame), Ok(m));
+    // Without them the frame is LMCache-Ascend's form, field for field.
+    let plain = pull_ready_notif().encode();
+    assert!(!split_entries(&plain)
+        .iter()
+        .any(|e| ["is_last_batch", "total_chunks"].contains(&key_of(e).as_str())));
+}

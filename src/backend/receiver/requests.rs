@@ -152,14 +152,24 @@ pub(super) fn query_loop(s: &Shared, sock: zmq::Socket) {
 /// What an `AllocRequest` says about its request, when it carries
 /// upstream's async fields (a request sent in several batches).
 fn batch_of(req: &AllocRequest) -> Option<BatchOf<'_>> {
-    match (&req.req_id, req.total_chunks) {
+    batch(&req.req_id, req.total_chunks, req.is_last_batch)
+}
+
+fn batch(req_id: &Option<String>, total: Option<u64>, last: Option<bool>) -> Option<BatchOf<'_>> {
+    match (req_id, total) {
         (Some(r), Some(n)) => Some(BatchOf {
             req_id: r,
             total_chunks: usize::try_from(n).unwrap_or(usize::MAX),
-            last: req.is_last_batch.unwrap_or(false),
+            last: last.unwrap_or(false),
         }),
         _ => None,
     }
+}
+
+/// The admission of a pull-eager notification (the same gate as a push
+/// batch's: see `protocol::admission`).
+fn pull_batch_of(notif: &PullReadyNotif) -> Option<BatchOf<'_>> {
+    batch(&notif.req_id, notif.total_chunks, notif.is_last_batch)
 }
 
 /// The failure reply of the frame's own kind: a push notice's refusal,
@@ -514,14 +524,41 @@ fn serve_pull(
     }
     drop(core);
     let reply = match planned {
-        Err(reply) => *reply,
+        Err(reply) => {
+            // Nothing to allocate (all present, or refused): a last
+            // notification still ends its request's reservation.
+            if let Some(b) = pull_batch_of(notif).filter(|b| b.last) {
+                lock(&s.admission).release(b.req_id);
+            }
+            *reply
+        }
         Ok(plan) if s.mode == TransferMode::PullEager => {
-            let pages = match s.alloc.try_allocate_batch(plan.metas()) {
-                Ok(Some(p)) => Ok(p),
-                Ok(None) if may_wait => return Served::Wait(plan.into_done()),
-                Ok(None) => s.alloc.allocate_batch(plan.metas()),
-                Err(e) => Err(e),
+            // A request that announced its size is admitted whole or
+            // refused now; other notifications use only unreserved pages.
+            let of = pull_batch_of(notif);
+            let free = s.alloc.primary().stats().free;
+            let now = Instant::now();
+            let gate = lock(&s.admission).admit(now, of, plan.metas().len(), free);
+            let pages = match gate {
+                Gate::Refuse(why) => {
+                    log::warn!("{why}");
+                    Err(MemoryError::NotAdmitted(why))
+                }
+                Gate::Wait if may_wait => return Served::Wait(plan.into_done()),
+                Gate::Wait => Err(MemoryError::NotAdmitted(format!(
+                    "{} page(s) needed, but the free pages are reserved by multi-batch requests",
+                    plan.metas().len()
+                ))),
+                _ => match s.alloc.try_allocate_batch(plan.metas()) {
+                    Ok(Some(p)) => Ok(p),
+                    Ok(None) if may_wait => return Served::Wait(plan.into_done()),
+                    Ok(None) => s.alloc.allocate_batch(plan.metas()),
+                    Err(e) => Err(e),
+                },
             };
+            if let Ok(p) = &pages {
+                lock(&s.admission).allocated(now, of, p.len());
+            }
             lock(&s.core).commit_pull_eager(plan, pages)
         }
         Ok(plan) => lock(&s.core).commit_pull_delay(plan),
