@@ -615,9 +615,8 @@ fn a_short_hccl_soak_on_the_emulator_corrupts_nothing_and_leaks_nothing() {
     assert!(segments.iter().all(|s| s["channel"] == "hccl"), "{stdout}");
 }
 
-/// `run --prefill-tp A --decode-tp B`: every mode over shm, and push and
-/// pull-delay over hccl on the CANN emulator (NPU buffers), in both
-/// directions; each decode rank's cache must hold exactly its heads of the
+/// `run --prefill-tp A --decode-tp B`: every mode over shm, and over hccl
+/// on the CANN emulator (NPU buffers), in both directions; each decode rank's cache must hold exactly its heads of the
 /// model's chunks (checked byte for byte by the receivers).
 #[test]
 fn mixed_prefill_and_decode_tp_verify_every_byte_in_every_mode() {
@@ -633,7 +632,11 @@ fn mixed_prefill_and_decode_tp_verify_every_byte_in_every_mode() {
                 "cpu",
                 "push,pull-eager,pull-delay,pull-delay-offload",
             ),
-            ("hccl", "npu", "push,pull-delay"),
+            (
+                "hccl",
+                "npu",
+                "push,pull-eager,pull-delay,pull-delay-offload",
+            ),
         ] {
             let json = tmp(&format!("mixed-{a}-{b}-{channel}.json"));
             let out = bench()
