@@ -207,6 +207,19 @@ fn multi_notification_pulls_are_admitted_whole_or_refused_at_once() {
         .unwrap();
     let uuid = refs[0].uuid;
     let done_url = format!("127.0.0.1:{}", free_port());
+    // One request socket (route) per request, as a sender's are: a socket
+    // made per message under one identity could be refused by the
+    // receiver's ROUTER while the last one's disconnect is in flight.
+    let sockets: Vec<zmq::Socket> = (1..=4)
+        .map(|i| {
+            let s = ctx.socket(zmq::REQ).unwrap();
+            s.set_identity(format!("{node}#{i}").as_bytes()).unwrap();
+            s.set_rcvtimeo(20_000).unwrap();
+            s.connect(&format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap()))
+                .unwrap();
+            s
+        })
+        .collect();
     let notify = |i: usize, b: usize| {
         let keys = vec![
             format!("pull-r{i}@{}", 2 * b),
@@ -227,7 +240,10 @@ fn multi_notification_pulls_are_admitted_whole_or_refused_at_once() {
         n.req_id = Some(format!("pull-r{i}"));
         n.total_chunks = Some(4);
         n.is_last_batch = Some(b == 1);
-        announce_pull(&ctx, &rc, n)
+        let s = &sockets[i - 1];
+        s.send(Message::PullReadyNotif(n).encode(), 0).unwrap();
+        let reply = s.recv_bytes(0).expect("answered, not parked");
+        ascend_pd::protocol::PullReadyDoneAck::decode(&reply).unwrap()
     };
     let first: Vec<_> = (1..=4).map(|i| notify(i, 0)).collect();
     assert!(
