@@ -162,12 +162,16 @@ fn every_byte_lands_at_its_slot_for_random_slot_mappings() {
         let blocks = 24;
         let slots = slot_mapping(9 * CHUNK + 7, blocks, how, 42);
         let mut cache = cache_for(&rc, blocks);
+        // The ping-pong path (shm would read straight into this host
+        // cache otherwise: see `direct_load_*`).
         let opts = LoadOptions {
             max_depth: 3,
+            direct: false,
             ..Default::default()
         };
         let report = r.load_with(&ks, &slots, &mut cache, &opts).unwrap();
         assert_eq!(report.loaded, ks, "{ch:?}");
+        assert_eq!(report.load_path(), "staged");
         assert_eq!((report.proxies, report.resident), (10, 0));
         assert_eq!(
             (report.depth, report.pools, report.micro_batches),
@@ -236,6 +240,7 @@ fn depth_one_and_depth_beyond_the_request_both_load_everything() {
                 &mut cache,
                 &LoadOptions {
                     max_depth,
+                    direct: false,
                     ..Default::default()
                 },
             )
@@ -536,7 +541,11 @@ fn concurrent_loads_competing_for_pages_fall_back_to_a_smaller_depth() {
     let ks = put_delay(&s2, &rc, "squeezed", 16, CHUNK);
     let slots = slot_mapping(16 * CHUNK, 32, Mapping::Blocks, 1);
     let mut cache = cache_for(&rc, 32);
-    let report = r.load(&ks, &slots, &mut cache).unwrap();
+    let staged = LoadOptions {
+        direct: false,
+        ..Default::default()
+    };
+    let report = r.load_with(&ks, &slots, &mut cache, &staged).unwrap();
     assert_eq!((report.depth, report.pools), (1, 2));
     assert_cache_holds(&mut cache, &rc.chunk_layout(), &ks, &[CHUNK; 16], &slots);
     drop(held);
@@ -547,8 +556,8 @@ fn concurrent_loads_competing_for_pages_fall_back_to_a_smaller_depth() {
     let sb = slot_mapping(11 * CHUNK + 4, 24, Mapping::Scattered, 3);
     let (mut ca, mut cb) = (cache_for(&rc, 24), cache_for(&rc, 24));
     let (ra, rb): (LoadReport, LoadReport) = std::thread::scope(|sc| {
-        let a = sc.spawn(|| r.load(&ka, &sa, &mut ca).unwrap());
-        let b = sc.spawn(|| r.load(&kb, &sb, &mut cb).unwrap());
+        let a = sc.spawn(|| r.load_with(&ka, &sa, &mut ca, &staged).unwrap());
+        let b = sc.spawn(|| r.load_with(&kb, &sb, &mut cb, &staged).unwrap());
         (a.join().unwrap(), b.join().unwrap())
     });
     assert!(ra.depth >= 1 && rb.depth >= 1);
@@ -595,4 +604,55 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     assert_released(&s, 1);
     assert_no_pages(r.stats().pools.npu.unwrap(), "receiver NPU pool");
     assert_eq!(r.stats().store.contexts_open, 0);
+}
+
+/// Issue 12's direct load: over shm into a host cache, pull-delay proxies
+/// are read straight into the KV cache at their slots — no staging page
+/// is taken from the receiver's pool — with every byte where the staged
+/// path puts it, Dones sent once, and pools and store settled.
+#[test]
+fn direct_load_reads_straight_into_the_cache_with_no_staging_pages() {
+    let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 32);
+    for (how, seed) in [(Mapping::Blocks, 5), (Mapping::Scattered, 6)] {
+        let req = format!("direct-{seed}");
+        let ks = put_delay(&s, &rc, &req, 10, 7);
+        let tokens = token_counts(10, 7);
+        let slots = slot_mapping(9 * CHUNK + 7, 24, how, seed);
+        let mut cache = cache_for(&rc, 24);
+        let before = r.stats().pools.cpu.unwrap();
+        let report = r
+            .load_with(&ks, &slots, &mut cache, &LoadOptions::default())
+            .unwrap();
+        assert_eq!(report.load_path(), "direct");
+        assert_eq!((report.proxies, report.direct), (10, 10));
+        // No pipeline ran: no depth, no pools, no staging bytes, and the
+        // receiver's pool never lent a page.
+        assert_eq!(
+            (report.depth, report.pools, report.peak_buffer_bytes),
+            (0, 0, 0)
+        );
+        let after = r.stats().pools.cpu.unwrap();
+        assert_eq!(after.high_water, before.high_water, "a page was taken");
+        assert_eq!(after.allocated, 0);
+        let layout = rc.chunk_layout();
+        let bytes = (9 * layout.page_bytes() + layout.bytes_for(7)) as u64;
+        assert_eq!((report.bytes_read, report.bytes_scattered), (bytes, bytes));
+        assert_eq!(report.dones_sent, 1);
+        assert_cache_holds(&mut cache, &layout, &ks, &tokens, &slots);
+        assert!(!r.contains(&ks[0]), "consumed proxies leave the store");
+        assert_receiver_idle(&r);
+    }
+    assert_released(&s, 2);
+    assert_eq!(r.stats().pools.cpu.unwrap().high_water, 0);
+    // A slot mapping naming one slot twice is loaded through the
+    // sequential staged path (direct copies run in parallel).
+    let ks = put_delay(&s, &rc, "twice", 2, CHUNK);
+    let mut slots = slot_mapping(2 * CHUNK, 24, Mapping::Blocks, 9);
+    slots[CHUNK] = slots[0];
+    let mut cache = cache_for(&rc, 24);
+    let report = r
+        .load_with(&ks, &slots, &mut cache, &LoadOptions::default())
+        .unwrap();
+    assert_eq!(report.load_path(), "staged");
+    assert_receiver_idle(&r);
 }

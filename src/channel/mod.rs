@@ -150,6 +150,21 @@ impl PeerTable {
     }
 }
 
+/// One range of a direct read: `len` bytes at `offset` of a remote page
+/// straight into caller memory at `dst` (a KV cache), with no local page
+/// in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirectRead {
+    /// The remote page.
+    pub remote: BufferRef,
+    /// Where the range starts in that page.
+    pub offset: usize,
+    /// The host address it goes to.
+    pub dst: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
 /// One transfer: `len` bytes between the start of a local page and the
 /// start of a remote page. The op owns its local page until its batch
 /// completes.
@@ -391,6 +406,29 @@ pub trait TransferChannel: Send + Sync {
         tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError>;
+
+    /// Whether [`TransferChannel::read_direct`] can read into host memory.
+    fn reads_direct(&self) -> bool {
+        false
+    }
+
+    /// Reads every range of `ops` from `peer` straight into host memory and
+    /// returns once each has landed or failed — never earlier, so no copy
+    /// outlives the call. Every remote range is validated before any byte
+    /// moves. Channels that cannot address caller memory refuse (the
+    /// caller stages through its pages instead).
+    ///
+    /// # Safety
+    /// Each `[dst, dst + len)` must be host memory the caller may write for
+    /// the whole call, that nothing else reads or writes meanwhile, and the
+    /// ranges must not overlap one another.
+    unsafe fn read_direct(&self, peer: PeerId, ops: &[DirectRead]) -> Result<(), ChannelError> {
+        let _ = (peer, ops);
+        Err(ChannelError::Unsupported(format!(
+            "the {} channel cannot read into caller memory",
+            self.kind().name()
+        )))
+    }
 
     /// Reads a batch and waits for it; the pages come back on success.
     fn read(&self, peer: PeerId, ops: Vec<ReadOp>) -> Result<Vec<MemObj>, ChannelError> {

@@ -13,8 +13,8 @@
 use super::grant::GrantTable;
 use super::{
     check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
-    Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry,
-    PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
+    PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
@@ -310,6 +310,57 @@ impl TransferChannel for ShmChannel {
         self.submit(peer, OpKind::Write, ops)
     }
 
+    fn reads_direct(&self) -> bool {
+        true
+    }
+
+    unsafe fn read_direct(&self, peer: PeerId, ops: &[DirectRead]) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        let mut pieces = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let end = op.offset.saturating_add(op.len);
+            let (_, page) =
+                p.table
+                    .resolve(op.remote, end)
+                    .map_err(|reason| ChannelError::BadRef {
+                        op: i,
+                        remote: op.remote,
+                        reason: format!(
+                            "a direct read of {} bytes at offset {}: {reason}",
+                            op.len, op.offset
+                        ),
+                    })?;
+            let map = &p.maps[&op.remote.uuid];
+            pieces.push(Piece {
+                src: map.ptr as usize + page as usize + op.offset,
+                dst: op.dst,
+                len: op.len,
+            });
+        }
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail: format!("process {} exited", p.pid),
+            });
+        }
+        let total: usize = pieces.iter().map(|c| c.len).sum();
+        let threads = if total >= PARALLEL_MIN_BYTES {
+            self.threads
+        } else {
+            1
+        };
+        copy_pieces(&pieces, threads);
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: Some(ops.len().saturating_sub(1)),
+                detail: format!("process {} exited during the read", p.pid),
+            });
+        }
+        Ok(())
+    }
+
     fn grant(
         &self,
         peer: PeerId,
@@ -387,6 +438,36 @@ impl ShmChannel {
     }
 }
 
+/// Runs `pieces` on up to `threads` threads.
+///
+/// Every piece's source lies in a mapped peer page and its destination in
+/// memory its caller may write (a live local page, or caller memory a
+/// direct read was given), checked by the caller; the two never overlap.
+fn copy_pieces(pieces: &[Piece], threads: usize) {
+    let copy = |ps: &[Piece]| {
+        for pc in ps {
+            // SAFETY: see above: check_ops / resolve proved each remote range
+            // lies inside a page of a mapped peer pool; each destination is a
+            // live local page or memory the direct read's caller vouched for
+            // (read_direct's contract); peer mappings and local memory are
+            // distinct, so ranges do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(pc.src as *const u8, pc.dst as *mut u8, pc.len);
+            }
+        }
+    };
+    if threads <= 1 || pieces.len() < 2 {
+        copy(pieces);
+    } else {
+        let per = pieces.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            for chunk in pieces.chunks(per) {
+                s.spawn(move || copy(chunk));
+            }
+        });
+    }
+}
+
 /// A single memcpy of `len` bytes; addresses as integers so pieces can cross threads.
 #[derive(Clone, Copy)]
 struct Piece {
@@ -422,27 +503,7 @@ fn run_copies<P: LocalPage>(
             done += len;
         }
     }
-    let copy = |ps: &[Piece]| {
-        for pc in ps {
-            // SAFETY: check_ops proved each remote range lies inside a page
-            // of a mapped peer pool and each local range inside a page of a
-            // live local pool (kept alive by `ops`); local and remote pages
-            // are distinct mappings, so ranges do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(pc.src as *const u8, pc.dst as *mut u8, pc.len);
-            }
-        }
-    };
-    if threads <= 1 || pieces.len() < 2 {
-        copy(&pieces);
-    } else {
-        let per = pieces.len().div_ceil(threads);
-        std::thread::scope(|s| {
-            for chunk in pieces.chunks(per) {
-                s.spawn(move || copy(chunk));
-            }
-        });
-    }
+    copy_pieces(&pieces, threads);
     if !p.alive() {
         return Err(ChannelError::PeerGone {
             peer: p.node.clone(),

@@ -7,6 +7,18 @@ use crate::memory::{ChunkMeta, DeviceKind, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
+/// Where bytes of a chunk land in a host KV cache (see
+/// [`KvCache::host_targets`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRun {
+    /// Offset in the chunk.
+    pub chunk_offset: usize,
+    /// Host address in the cache.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
 enum Memory {
     /// Host memory: the cache's own region (`None`: the engine's memory).
     Host(Option<crate::memory::HostRegion>),
@@ -502,6 +514,45 @@ impl KvCache {
             }
         }
         Ok(ScatterStats::of(&copies))
+    }
+
+    /// Where the chunk `meta` describes lands in this cache at `slots`, as
+    /// runs of host memory, for a direct load
+    /// (a channel reading the chunk's ranges straight into the cache).
+    /// `None` when the cache is not in host memory (it is loaded through
+    /// pages instead). Checked like a scatter: layout, piece, slots.
+    pub fn host_targets(
+        &self,
+        meta: &ChunkMeta,
+        slots: &[i64],
+    ) -> Result<Option<Vec<HostRun>>, KvError> {
+        if !matches!(self.mem, Memory::Host(_)) {
+            return Ok(None);
+        }
+        self.spec.check_piece(&meta.layout, meta.hidden_offset)?;
+        if meta.tokens > meta.layout.tokens {
+            return Err(KvError::TooManyTokens {
+                tokens: meta.tokens,
+                page_tokens: meta.layout.tokens,
+            });
+        }
+        let copies = piece_copies(
+            &self.spec,
+            meta.layout.hidden,
+            meta.hidden_offset,
+            meta.tokens,
+            slots,
+        )?;
+        Ok(Some(
+            copies
+                .iter()
+                .map(|c| HostRun {
+                    chunk_offset: c.chunk_offset,
+                    addr: self.addr_of(c.cache_offset, c.len),
+                    len: c.len,
+                })
+                .collect(),
+        ))
     }
 
     /// A fence after every scatter queued so far.

@@ -21,9 +21,10 @@ use super::pingpong::{
 };
 use super::scatter::{ScatterItem, ScatterLane, ScatterTicket};
 use super::{KeyFailure, LoadError, LoadOptions, LoadReport};
-use crate::channel::{Completion, PeerId, ReadOp, TransferChannel, TransferOp};
+use crate::channel::{Completion, DirectRead, PeerId, ReadOp, TransferChannel, TransferOp};
 use crate::kv::{plan, KvCache, ScatterStats};
 use crate::layout::ChunkLayout;
+use crate::memory::DeviceKind;
 use crate::memory::{ChunkMeta, MemObj, PagePool, SealedMemObj};
 use crate::protocol::{KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone};
 use std::ops::Range;
@@ -110,6 +111,7 @@ struct LoadTally {
     depth: usize,
     pools: usize,
     peak_buffer_bytes: usize,
+    direct: usize,
 }
 
 /// Loads `keys` (one request, chunk `i` covering tokens
@@ -210,13 +212,28 @@ pub(crate) fn load_keys(
         tally.dones += usize::from(discard_proxy(env, k, None));
     }
 
+    // A host cache and a channel that can address it: proxies are read
+    // straight into the cache, one transfer per byte, no staging page.
+    // (Copies of a direct read run in parallel: a slot mapping naming one
+    // slot twice goes through the sequential staged path instead.)
+    let direct = opts.direct
+        && env.channel().reads_direct()
+        && cache.device() == DeviceKind::Cpu
+        && distinct_slots(slot_mapping);
     std::thread::scope(|scope| {
         let mut lane = ScatterLane::new(scope, &mut *cache, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
-        for g in &groups {
-            load_group(env, g, layout, opts, &mut lane, &mut tally);
+        if !direct {
+            for g in &groups {
+                load_group(env, g, layout, opts, &mut lane, &mut tally);
+            }
         }
     });
+    if direct {
+        for g in &groups {
+            load_group_direct(env, g, cache, slot_mapping, opts, &mut tally);
+        }
+    }
 
     let mut loaded = tally.loaded;
     loaded.sort_unstable();
@@ -233,6 +250,7 @@ pub(crate) fn load_keys(
         bytes_scattered: tally.scatter.bytes as u64,
         copies: tally.scatter.copies as u64,
         dones_sent: tally.dones,
+        direct: tally.direct,
         elapsed: start.elapsed(),
     };
     if tally.failed.is_empty() {
@@ -435,6 +453,135 @@ fn load_group(
     // The pipeline's idle pages go back now; pages a given-up read still
     // holds return when that transfer ends.
     drop(pipe);
+}
+
+/// Whether no slot appears twice in `slots` (padding aside).
+fn distinct_slots(slots: &[i64]) -> bool {
+    let mut v: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
+    v.sort_unstable();
+    v.windows(2).all(|w| w[0] != w[1])
+}
+
+/// Reads one sender's proxies straight into the host cache (a direct
+/// load), `max_depth` proxies per channel call. Each call returns only
+/// when its copies are done, so none outlives the load; a proxy whose
+/// lease ended before its copy finished is failed (the sender may have
+/// reused its page), and every proxy still ends exactly once (its pull's
+/// Done follows as on the staged path).
+fn load_group_direct(
+    env: &impl LoadEnv,
+    g: &SenderGroup,
+    cache: &mut KvCache,
+    slot_mapping: &[i64],
+    opts: &LoadOptions,
+    tally: &mut LoadTally,
+) {
+    let req = opts.req_id.as_deref();
+    let peer = env.peer_of(&g.sender_id);
+    for batch in g.items.chunks(opts.max_depth.max(1)) {
+        let now = Instant::now();
+        let mut began: Vec<(&LoadItem, ProxyEntry)> = Vec::new();
+        let mut ops = Vec::new();
+        let fail = |item: &LoadItem, proxy: &ProxyEntry, why: String, tally: &mut LoadTally| {
+            tally.dones += usize::from(discard_proxy(env, &item.key, req));
+            tally.failed.push(key_failure(&item.key, Some(proxy), why));
+        };
+        for (item, proxy) in batch {
+            if peer.is_none() {
+                let why = format!(
+                    "sender {} is not attached (it never completed a handshake, or went away)",
+                    g.sender_id
+                );
+                fail(item, proxy, why, tally);
+                continue;
+            }
+            let began_one = env.core().begin_proxy_read(&item.key, now);
+            let p = match began_one {
+                Ok(p) => p,
+                Err(e) => {
+                    fail(item, proxy, e.to_string(), tally);
+                    continue;
+                }
+            };
+            // Checked with the layout before anything moved; it cannot fail
+            // here except on a proxy whose chunk the cache cannot take.
+            match cache.host_targets(&p.meta, &slot_mapping[item.slots.clone()]) {
+                Ok(Some(runs)) => {
+                    ops.extend(runs.into_iter().map(|r| DirectRead {
+                        remote: p.remote,
+                        offset: r.chunk_offset,
+                        dst: r.addr,
+                        len: r.len,
+                    }));
+                    began.push((item, p));
+                }
+                Ok(None) | Err(_) => {
+                    let done = env
+                        .core()
+                        .end_proxy_read_for(&p.handle, ReadOutcome::Failed, req);
+                    if let Some(d) = done {
+                        env.send_done(d);
+                        tally.dones += 1;
+                    }
+                    tally.failed.push(key_failure(
+                        &item.key,
+                        Some(proxy),
+                        "its chunk does not fit this KV cache",
+                    ));
+                }
+            }
+        }
+        let Some(peer) = peer else { continue };
+        if began.is_empty() {
+            continue;
+        }
+        let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+        // SAFETY: every destination is a run of this cache's own memory
+        // (host_targets, from its copy plan), which `&mut cache` keeps to
+        // this load for the whole call; runs never overlap: each token has
+        // its own slot (distinct_slots, checked before choosing this path)
+        // and a chunk's runs cover distinct (layer, plane, slot) elements
+        // (the head pieces of one chunk distinct elements: check_pieces).
+        let read = unsafe { env.channel().read_direct(peer, &ops) };
+        let finished = Instant::now();
+        tally.batches += 1;
+        if read.is_ok() {
+            env.read_bytes(bytes);
+            tally.bytes_read += bytes;
+        } else {
+            env.transfer_failed();
+        }
+        for (item, p) in began {
+            let outcome = match &read {
+                Err(e) => Err(format!("direct read from {peer}: {e}")),
+                // The sender may free its pages at the lease's end: bytes
+                // copied past it cannot be trusted.
+                Ok(()) if finished > p.lease_deadline => {
+                    Err("the direct read did not finish within the pull's lease".to_string())
+                }
+                Ok(()) => Ok(()),
+            };
+            let ended = match &outcome {
+                Ok(()) => ReadOutcome::Consumed,
+                Err(_) => ReadOutcome::Failed,
+            };
+            let done = env.core().end_proxy_read_for(&p.handle, ended, req);
+            if let Some(d) = done {
+                env.send_done(d);
+                tally.dones += 1;
+            }
+            match outcome {
+                Ok(()) => {
+                    tally.loaded.push(item.index);
+                    tally.proxies += 1;
+                    tally.direct += 1;
+                    tally.scatter.bytes += p.byte_len();
+                    tally.scatter.copies += ops.iter().filter(|o| o.remote == p.remote).count();
+                }
+                Err(why) => tally.failed.push(key_failure(&item.key, Some(&p), why)),
+            }
+        }
+    }
 }
 
 /// The pipeline's I/O for one sender: proxy pins, channel reads, scatters

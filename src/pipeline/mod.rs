@@ -52,6 +52,10 @@ pub struct LoadOptions {
     /// (`keys[i]` covers chunk `i / pieces_per_chunk`). Together the
     /// pieces of a chunk must cover the cache's token exactly once.
     pub pieces_per_chunk: usize,
+    /// Read pull-delay proxies straight into the KV cache where the
+    /// channel can address it (default true; `shm` into a host cache),
+    /// instead of through ping-pong staging pages.
+    pub direct: bool,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +64,7 @@ impl Default for LoadOptions {
             max_depth: DEFAULT_MAX_DEPTH,
             req_id: None,
             pieces_per_chunk: 1,
+            direct: true,
         }
     }
 }
@@ -92,8 +97,25 @@ pub struct LoadReport {
     pub copies: u64,
     /// PullDoneSignals this load sent (pulls it completed).
     pub dones_sent: usize,
+    /// Of the proxies, those read straight into the KV cache (a direct
+    /// load: no staging page); the others went through the ping-pong pages.
+    pub direct: usize,
     /// Wall time of the load.
     pub elapsed: Duration,
+}
+
+impl LoadReport {
+    /// How the load's proxies reached the cache: `"direct"` (read straight
+    /// into it), `"staged"` (through ping-pong pages; also when some were
+    /// direct and some not), or `"resident"` (no proxies: push / pull-eager
+    /// data scattered from its own pages).
+    pub fn load_path(&self) -> &'static str {
+        match (self.proxies, self.direct) {
+            (0, _) => "resident",
+            (p, d) if p == d => "direct",
+            _ => "staged",
+        }
+    }
 }
 
 /// A key that was not loaded, and why.

@@ -84,6 +84,9 @@ pub struct ModeReport {
     pub wall_s: f64,
     /// Prefill and decode TP sizes of the run.
     pub tp: (usize, usize),
+    /// How proxies reached the KV cache: `direct`, `staged` (if any load
+    /// staged), or `resident` (push / pull-eager).
+    pub load_path: String,
     /// The NPU runtime the workers used, if any.
     pub npu_runtime: Option<String>,
 }
@@ -183,6 +186,20 @@ pub fn summarize(
         prompt_tokens: spec.prompt_tokens,
         wall_s: wall.as_secs_f64(),
         tp: (spec.prefill_tp, spec.decode_tp),
+        load_path: {
+            let paths: Vec<&str> = loads
+                .values()
+                .filter_map(|l| l["load_path"].as_str())
+                .collect();
+            if paths.contains(&"staged") {
+                "staged"
+            } else if paths.contains(&"direct") {
+                "direct"
+            } else {
+                "resident"
+            }
+            .to_string()
+        },
         ..Default::default()
     })
 }
@@ -258,6 +275,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "prompt_tokens": m.prompt_tokens,
             "prefill_tp": m.tp.0,
             "decode_tp": m.tp.1,
+            "load_path": m.load_path,
             "gbps": round3(m.gbps),
             "aggregate_gbps": round3(m.aggregate_gbps),
             "baseline": m.baseline,

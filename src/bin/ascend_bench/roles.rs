@@ -763,6 +763,7 @@ impl DecodeSide {
             "event": "load", "req": format!("{req_id}@d{rank}"), "chunks": n, "bytes": bytes,
             "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
             "depth": report.depth, "verified": verified, "pieces_per_chunk": sources.len(),
+            "load_path": report.load_path(),
         }))
     }
 
@@ -822,7 +823,7 @@ impl DecodeSide {
         Ok(json!({
             "event": "load", "req": req_id, "chunks": keys.len(), "bytes": bytes,
             "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
-            "depth": report.depth, "verified": verified,
+            "depth": report.depth, "verified": verified, "load_path": report.load_path(),
         }))
     }
 }
