@@ -260,8 +260,20 @@ fn depth_one_and_depth_beyond_the_request_both_load_everything() {
 
 #[test]
 fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
-    let (r, rc, a) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);
-    let sc = sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    // Staged: a pipeline per sender; direct (shm and tcp into a host
+    // cache): the two senders' proxies are read concurrently.
+    for (ch, direct) in [
+        (ChannelKind::Tcp, false),
+        (ChannelKind::Tcp, true),
+        (ChannelKind::Shm, true),
+    ] {
+        two_senders(ch, direct);
+    }
+}
+
+fn two_senders(ch: ChannelKind, direct: bool) {
+    let (r, rc, a) = pair(ch, TransferMode::PullDelay, 32);
+    let sc = sender_config(ch, TransferMode::PullDelay, 32);
     let b = Sender::start(&sc, 0, Default::default()).unwrap();
     let ka = put_delay(&a, &rc, "alpha", 4, CHUNK);
     let kb = put_delay(&b, &rc, "beta", 3, 5);
@@ -278,6 +290,7 @@ fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
             &mut cache,
             &LoadOptions {
                 max_depth: 2,
+                direct,
                 ..Default::default()
             },
         )
@@ -286,6 +299,8 @@ fn two_senders_proxies_in_one_load_are_grouped_per_sender() {
     assert_eq!(report.loaded, req, "request order");
     // alpha: 4 proxies in 2 batches, beta: 3 in 2.
     assert_eq!(report.micro_batches, 4);
+    let want = if direct { "direct" } else { "staged" };
+    assert_eq!(report.load_path(), want, "{ch:?}");
     assert_eq!(report.dones_sent, 2);
     assert_cache_holds(&mut cache, &rc.chunk_layout(), &req, &tokens, &slots);
     assert_released(&a, 1);
@@ -465,6 +480,13 @@ impl ScriptedSender {
 
 #[test]
 fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_done_once() {
+    // Staged: the failed micro-batch stops the later ones. Direct: each
+    // batch is its own read, so only the failed one's keys fail.
+    read_failure(false);
+    read_failure(true);
+}
+
+fn read_failure(direct: bool) {
     let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
     let r = Receiver::start(&rc, 0).unwrap();
     let start = r.stats();
@@ -481,6 +503,7 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
             &mut cache,
             &LoadOptions {
                 max_depth: 2,
+                direct,
                 ..Default::default()
             },
         )
@@ -489,27 +512,50 @@ fn a_read_failure_mid_pipeline_reports_the_request_frees_the_pools_and_sends_don
     let LoadError::Incomplete { failed, report } = e else {
         panic!("{text}")
     };
-    assert_eq!(report.loaded, ks[..4].to_vec(), "{text}");
+    let (loaded, failed_want): (Vec<usize>, Vec<&str>) = match direct {
+        false => (
+            (0..4).collect(),
+            vec!["broken-4", "broken-5", "broken-6", "broken-7"],
+        ),
+        true => (vec![0, 1, 2, 3, 6, 7], vec!["broken-4", "broken-5"]),
+    };
+    let loaded_keys: Vec<String> = loaded.iter().map(|&i| ks[i].clone()).collect();
+    assert_eq!(report.loaded, loaded_keys, "{text}");
     let failed_keys: Vec<&str> = failed.iter().map(|f| f.key.as_str()).collect();
-    assert_eq!(
-        failed_keys,
-        ["broken-4", "broken-5", "broken-6", "broken-7"]
-    );
+    assert_eq!(failed_keys, failed_want);
     for f in &failed {
         assert_eq!(f.pull_id.as_deref(), Some(fake.pull_id.as_str()));
         assert_eq!(f.sender_id.as_deref(), Some("scripted-sender:1"));
     }
     assert!(failed[0].reason.contains("page 999 out of range"), "{text}");
-    assert!(failed[2].reason.contains("earlier micro-batch"), "{text}");
-    assert!(text.contains("4 of 8 key(s) not loaded"), "{text}");
-    // What was loaded is right; what failed never reached the cache.
-    assert_cache_holds(
-        &mut cache,
-        &rc.chunk_layout(),
-        &ks[..4],
-        &[CHUNK; 4],
-        &slots,
-    );
+    if !direct {
+        assert!(failed[2].reason.contains("earlier micro-batch"), "{text}");
+        assert!(text.contains("4 of 8 key(s) not loaded"), "{text}");
+        // What was loaded is right; what failed never reached the cache.
+        assert_cache_holds(
+            &mut cache,
+            &rc.chunk_layout(),
+            &ks[..4],
+            &[CHUNK; 4],
+            &slots,
+        );
+    } else {
+        // The refused batch moved nothing (every range is checked first);
+        // the others are right.
+        assert!(text.contains("2 of 8 key(s) not loaded"), "{text}");
+        let sl: Vec<i64> = loaded
+            .iter()
+            .flat_map(|&i| slots[i * CHUNK..(i + 1) * CHUNK].to_vec())
+            .collect();
+        let n = loaded_keys.len();
+        assert_cache_holds(
+            &mut cache,
+            &rc.chunk_layout(),
+            &loaded_keys,
+            &vec![CHUNK; n],
+            &sl,
+        );
+    }
     // The pull's Done went out exactly once, and the load said so.
     assert_eq!(report.dones_sent, 1);
     assert_eq!(fake.dones(Duration::from_millis(500)), vec![fake.pull_id]);
@@ -606,13 +652,19 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     assert_eq!(r.stats().store.contexts_open, 0);
 }
 
-/// Issue 12's direct load: over shm into a host cache, pull-delay proxies
+/// Issue 12's direct load: over shm and tcp into a host cache, pull-delay proxies
 /// are read straight into the KV cache at their slots — no staging page
 /// is taken from the receiver's pool — with every byte where the staged
 /// path puts it, Dones sent once, and pools and store settled.
 #[test]
 fn direct_load_reads_straight_into_the_cache_with_no_staging_pages() {
-    let (r, rc, s) = pair(ChannelKind::Shm, TransferMode::PullDelay, 32);
+    for ch in [ChannelKind::Shm, ChannelKind::Tcp] {
+        direct_load_over(ch);
+    }
+}
+
+fn direct_load_over(ch: ChannelKind) {
+    let (r, rc, s) = pair(ch, TransferMode::PullDelay, 32);
     for (how, seed) in [(Mapping::Blocks, 5), (Mapping::Scattered, 6)] {
         let req = format!("direct-{seed}");
         let ks = put_delay(&s, &rc, &req, 10, 7);

@@ -46,8 +46,8 @@ use super::grant::{GrantTable, Serving};
 use super::staging::{StageError, Stager};
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
-    ChannelError, Completion, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
-    PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    ChannelError, Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
+    OpKind, PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
@@ -876,6 +876,81 @@ impl TransferChannel for TcpChannel {
         self.submit(peer, OpKind::Read, GrantTag::UNTAGGED, ops)
     }
 
+    fn reads_direct(&self) -> bool {
+        true
+    }
+
+    unsafe fn read_direct(&self, peer: PeerId, ops: &[DirectRead]) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        let mut slices = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let end = op.offset.saturating_add(op.len);
+            p.table
+                .resolve(op.remote, end)
+                .and_then(|_| {
+                    u32::try_from(end)
+                        .map(|_| ())
+                        .map_err(|_| "an offset beyond 4 GiB".to_string())
+                })
+                .map_err(|reason| ChannelError::BadRef {
+                    op: i,
+                    remote: op.remote,
+                    reason: format!(
+                        "a direct read of {} bytes at offset {}: {reason}",
+                        op.len, op.offset
+                    ),
+                })?;
+            let mut off = 0;
+            while off < op.len {
+                let len = (op.len - off).min(self.opts.slice_bytes.max(1));
+                slices.push(DirectSlice {
+                    op: i,
+                    remote: op.remote,
+                    offset: op.offset + off,
+                    dst: op.dst + off,
+                    len,
+                });
+                off += len;
+            }
+        }
+        if slices.is_empty() {
+            return Ok(());
+        }
+        let conns = p.conns.len().min(slices.len());
+        let node = self.node.as_str();
+        let opts = &self.opts;
+        let p = &*p;
+        // Every connection thread ends before this returns (scoped), so no
+        // byte lands after the call.
+        let results: Vec<Result<(), ChannelError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..conns)
+                .map(|c| {
+                    let mine: Vec<DirectSlice> =
+                        slices.iter().skip(c).step_by(conns).copied().collect();
+                    sc.spawn(move || {
+                        let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
+                        let r = run_direct_on_connection(p, node, &mut guard, &mine, opts);
+                        if r.is_err() {
+                            *guard = None;
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(ChannelError::WorkerLost(
+                            "tcp connection thread panicked".into(),
+                        ))
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+
     fn submit_write(
         &self,
         peer: PeerId,
@@ -1062,15 +1137,13 @@ fn stage_err(p: &TcpPeer, op: usize, e: StageError, timeout: Duration) -> Channe
     }
 }
 
-fn run_on_connection<P: LocalPage>(
+/// The connection in `conn`, made (and authenticated) if there is none.
+fn connected<'c>(
     p: &TcpPeer,
     node: &str,
-    conn: &mut Option<Conn>,
-    (kind, tag): (OpKind, GrantTag),
-    ops: &[TransferOp<P>],
-    slices: &[Slice],
+    conn: &'c mut Option<Conn>,
     opts: &TcpOptions,
-) -> Result<(), ChannelError> {
+) -> Result<&'c mut Conn, ChannelError> {
     if conn.is_none() {
         let s = TcpStream::connect_timeout(&p.addr, opts.io_timeout)
             .map_err(|e| gone(p, None, &e, opts.io_timeout))?;
@@ -1087,7 +1160,85 @@ fn run_on_connection<P: LocalPage>(
             stagers: Stagers::default(),
         });
     }
-    let Conn { stream, stagers } = conn.as_mut().expect("connected above");
+    Ok(conn.as_mut().expect("connected above"))
+}
+
+/// One request of a direct read: `len` bytes at `offset` of op `op`'s
+/// remote page, received straight into host memory at `dst`.
+#[derive(Clone, Copy)]
+struct DirectSlice {
+    op: usize,
+    remote: BufferRef,
+    offset: usize,
+    dst: usize,
+    len: usize,
+}
+
+/// A direct read's share of one connection: requests pipelined `window`
+/// deep, each reply's bytes received into its destination.
+fn run_direct_on_connection(
+    p: &TcpPeer,
+    node: &str,
+    conn: &mut Option<Conn>,
+    slices: &[DirectSlice],
+    opts: &TcpOptions,
+) -> Result<(), ChannelError> {
+    let Conn { stream, .. } = connected(p, node, conn, opts)?;
+    let window = opts.window.max(1);
+    let (mut sent, mut done) = (0usize, 0usize);
+    while done < slices.len() {
+        while sent < slices.len() && sent - done < window {
+            let sl = slices[sent];
+            let h = Request {
+                magic: MAGIC,
+                op: OP_READ,
+                at: sl.remote,
+                offset: sl.offset as u32,
+                len: sl.len as u64,
+                tag: GrantTag::UNTAGGED,
+            }
+            .encode();
+            stream
+                .write_all(&h)
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            sent += 1;
+        }
+        let sl = slices[done];
+        let mut r = [0u8; REPLY_LEN];
+        stream
+            .read_exact(&mut r)
+            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        let msg_len = u32::from_le_bytes(r[4..8].try_into().expect("4"));
+        if r[0] != 0 {
+            let mut msg = vec![0u8; msg_len.min(MAX_ERROR_LEN) as usize];
+            let _ = stream.read_exact(&mut msg);
+            return Err(ChannelError::Remote {
+                op: sl.op,
+                message: String::from_utf8_lossy(&msg).into_owned(),
+            });
+        }
+        // SAFETY: read_direct's caller vouched that [dst, dst + len) is
+        // host memory it may write, untouched by anyone else, for the whole
+        // call; read_direct returns only after this thread ended.
+        let dst = unsafe { std::slice::from_raw_parts_mut(sl.dst as *mut u8, sl.len) };
+        stream
+            .read_exact(dst)
+            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        done += 1;
+    }
+    Ok(())
+}
+
+fn run_on_connection<P: LocalPage>(
+    p: &TcpPeer,
+    node: &str,
+    conn: &mut Option<Conn>,
+    (kind, tag): (OpKind, GrantTag),
+    ops: &[TransferOp<P>],
+    slices: &[Slice],
+    opts: &TcpOptions,
+) -> Result<(), ChannelError> {
+    let Conn { stream, stagers } = connected(p, node, conn, opts)?;
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
     while done < slices.len() {

@@ -114,6 +114,21 @@ struct LoadTally {
     direct: usize,
 }
 
+impl LoadTally {
+    /// Adds what a direct group's load did.
+    fn absorb(&mut self, t: LoadTally) {
+        self.loaded.extend(t.loaded);
+        self.failed.extend(t.failed);
+        self.scatter.bytes += t.scatter.bytes;
+        self.scatter.copies += t.scatter.copies;
+        self.bytes_read += t.bytes_read;
+        self.dones += t.dones;
+        self.batches += t.batches;
+        self.proxies += t.proxies;
+        self.direct += t.direct;
+    }
+}
+
 /// Loads `keys` (one request, chunk `i` covering tokens
 /// `[i * chunk_size, i * chunk_size + tokens_i)`) into `cache` at the
 /// slots of `slot_mapping`. See the module docs.
@@ -230,8 +245,26 @@ pub(crate) fn load_keys(
         }
     });
     if direct {
-        for g in &groups {
-            load_group_direct(env, g, cache, slot_mapping, opts, &mut tally);
+        // Each sender's proxies are read concurrently: their runs are
+        // disjoint parts of the cache (see load_group_direct).
+        let cache: &KvCache = cache;
+        let run = |g: &SenderGroup| {
+            let mut t = LoadTally::default();
+            load_group_direct(env, g, cache, slot_mapping, opts, &mut t);
+            t
+        };
+        let parts: Vec<LoadTally> = match groups.as_slice() {
+            [one] => vec![run(one)],
+            _ => std::thread::scope(|sc| {
+                let handles: Vec<_> = groups.iter().map(|g| sc.spawn(move || run(g))).collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            }),
+        };
+        for t in parts {
+            tally.absorb(t);
         }
     }
 
@@ -471,7 +504,7 @@ fn distinct_slots(slots: &[i64]) -> bool {
 fn load_group_direct(
     env: &impl LoadEnv,
     g: &SenderGroup,
-    cache: &mut KvCache,
+    cache: &KvCache,
     slot_mapping: &[i64],
     opts: &LoadOptions,
     tally: &mut LoadTally,
@@ -537,8 +570,10 @@ fn load_group_direct(
         }
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         // SAFETY: every destination is a run of this cache's own memory
-        // (host_targets, from its copy plan), which `&mut cache` keeps to
-        // this load for the whole call; runs never overlap: each token has
+        // (host_targets, from its copy plan), which the load's `&mut`
+        // borrow keeps to it for the whole call (the sender groups reading
+        // concurrently share it only to plan); runs never overlap, within
+        // a group or across groups: each token has
         // its own slot (distinct_slots, checked before choosing this path)
         // and a chunk's runs cover distinct (layer, plane, slot) elements
         // (the head pieces of one chunk distinct elements: check_pieces).
