@@ -273,6 +273,29 @@ fn bad_arguments_name_the_problem() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown mode \"teleport\""));
     let out = bench().args(["proxy"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--port N is required"));
+    // Unknown flags are named, near misses get a suggestion (clap).
+    let out = bench().args(["run", "--bogus", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unexpected argument '--bogus'"), "{err}");
+    let out = bench().args(["run", "--request", "3"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("'--requests'"), "{err}");
+    // Every command documents its flags.
+    for (cmd, flag) in [
+        ("run", "--prefill-tp"),
+        ("sender", "--to"),
+        ("receiver", "--notify-port"),
+        ("proxy", "--forward"),
+        ("channel", "--chunk-bytes"),
+        ("soak", "--faults"),
+        ("selftest", "--devices"),
+    ] {
+        let out = bench().args([cmd, "--help"]).output().unwrap();
+        assert!(out.status.success(), "{cmd} --help");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(flag), "{cmd} --help lacks {flag}: {text}");
+    }
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! `ascend-bench channel-peer`: the passive peer process it (and the
 //! conformance tests) transfer to and from.
 
-use crate::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
 use ascend_pd::channel::{
@@ -119,28 +118,39 @@ fn parse_kind(s: &str) -> Result<ChannelKind> {
 
 /// The passive peer: pools filled with the pattern, a handshake server,
 /// `READY <url>` on stdout, then serves until stdin closes.
+/// `ascend-bench channel-peer` (started by `channel`).
+#[derive(clap::Parser, Debug)]
+#[command(about = "the passive peer of the channel micro-benchmark (started by `channel`)")]
+struct PeerCli {
+    #[arg(long, default_value = "shm")]
+    channel: String,
+    #[arg(long, default_value = "push")]
+    mode: String,
+    #[arg(long, default_value_t = 8)]
+    pages: usize,
+    #[arg(long, default_value_t = 1 << 20)]
+    page_bytes: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long, default_value = "peer")]
+    node: String,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
 pub fn peer_main(args: &[String]) -> Result<()> {
-    let a = Args::parse("channel-peer", args).map_err(|e| anyhow!(e))?;
-    let kind = parse_kind(
-        &a.get("channel", "shm".to_string())
-            .map_err(|e| anyhow!(e))?,
-    )?;
-    let mode = match a
-        .get("mode", "push".to_string())
-        .map_err(|e| anyhow!(e))?
-        .as_str()
-    {
+    let Some(a) = crate::args::parse::<PeerCli>("channel-peer", args)? else {
+        return Ok(());
+    };
+    let kind = parse_kind(&a.channel)?;
+    let mode = match a.mode.as_str() {
         "push" => TransferMode::Push,
         "pull-eager" => TransferMode::PullEager,
         "pull-delay" => TransferMode::PullDelay,
         m => bail!("--mode {m:?}: expected push, pull-eager or pull-delay"),
     };
-    let pages: usize = a.get("pages", 8).map_err(|e| anyhow!(e))?;
-    let bytes: usize = a.get("page-bytes", 1 << 20).map_err(|e| anyhow!(e))?;
-    let seed: u64 = a.get("seed", 1).map_err(|e| anyhow!(e))?;
-    let node: String = a.get("node", "peer".to_string()).map_err(|e| anyhow!(e))?;
-    let device = parse_device(&a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?)?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let (pages, bytes, seed, node) = (a.pages, a.page_bytes, a.seed, a.node);
+    let device = parse_device(&a.device)?;
 
     let runtime = runtime_for(kind, device)?;
     let (pool, mut objs) = make_pool(kind, device, runtime.as_ref(), pages, bytes)?;
@@ -341,28 +351,48 @@ pub fn raw_tcp_gbps(bytes: usize, reps: usize) -> Result<f64> {
     Ok(median(&mut rates))
 }
 
+/// `ascend-bench channel`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    about = "transfer-channel micro-benchmark between two processes, with a same-run baseline"
+)]
+struct ChannelCli {
+    /// shm, tcp or hccl.
+    #[arg(long, default_value = "shm")]
+    channel: String,
+    /// write (push) or read (pull).
+    #[arg(long, default_value = "write")]
+    op: String,
+    /// Bytes per chunk.
+    #[arg(long, default_value_t = 2 << 20)]
+    chunk_bytes: usize,
+    /// Chunks per batch.
+    #[arg(long, default_value_t = 64)]
+    chunks: usize,
+    /// Measured repetitions (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Write the machine-readable report here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+    /// cpu, npu or npu:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
 /// `ascend-bench channel ...`
 pub fn bench_main(args: &[String]) -> Result<bool> {
-    let a = Args::parse("channel", args).map_err(|e| anyhow!(e))?;
-    let kind = parse_kind(
-        &a.get("channel", "shm".to_string())
-            .map_err(|e| anyhow!(e))?,
-    )?;
-    let write = match a
-        .get("op", "write".to_string())
-        .map_err(|e| anyhow!(e))?
-        .as_str()
-    {
+    let Some(a) = crate::args::parse::<ChannelCli>("channel", args)? else {
+        return Ok(true);
+    };
+    let kind = parse_kind(&a.channel)?;
+    let write = match a.op.as_str() {
         "write" => true,
         "read" => false,
         o => bail!("--op {o:?}: expected write or read"),
     };
-    let chunk: usize = a.get("chunk-bytes", 2 << 20).map_err(|e| anyhow!(e))?;
-    let chunks: usize = a.get("chunks", 64).map_err(|e| anyhow!(e))?;
-    let reps: usize = a.get("reps", 5).map_err(|e| anyhow!(e))?;
-    let json: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
-    let device = parse_device(&a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?)?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let (chunk, chunks, reps, json) = (a.chunk_bytes, a.chunks, a.reps, a.json);
+    let device = parse_device(&a.device)?;
     if chunks == 0 || reps == 0 {
         bail!("--chunks and --reps must be at least 1");
     }

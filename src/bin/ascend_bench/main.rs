@@ -60,7 +60,7 @@ commands:
                          failed (with the reason), corrupted (must be 0) and leaked pages
                          (must be 0)
   check-config FILE...   validate configs, print the effective values (defaults filled in)
-  help                   this text
+  help                   this text; `ascend-bench COMMAND --help` lists a command's flags
 
 --emulator (any command) uses the CANN emulator instead of CANN, as does
 ASCEND_PD_CANN_LIB_DIR=emulator; it needs the emulator built (`cargo build

@@ -3,7 +3,6 @@
 //! print one JSON line per request on stdout, stop cleanly on SIGINT /
 //! SIGTERM, and can serve their counters in Prometheus text format.
 
-use crate::args::Args;
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
@@ -74,37 +73,13 @@ fn emit(v: serde_json::Value) {
     let _ = out.flush();
 }
 
-fn load_config(a: &Args) -> Result<PdConfig> {
-    let path: String = a
-        .opt("config")
-        .map_err(|e| anyhow!(e))?
-        .ok_or_else(|| anyhow!("--config FILE is required"))?;
-    let loaded = PdConfig::load(&path)?;
+fn load_config(path: Option<&str>) -> Result<PdConfig> {
+    let path = path.ok_or_else(|| anyhow!("--config FILE is required"))?;
+    let loaded = PdConfig::load(path)?;
     for w in &loaded.warnings {
         eprintln!("warning: {path}: {w}");
     }
     Ok(loaded.config)
-}
-
-/// Splits every `--name VALUE` / `--name=VALUE` out of `args`.
-fn take_repeated(args: &[String], name: &str) -> Result<(Vec<String>, Vec<String>)> {
-    let (flag, prefix) = (format!("--{name}"), format!("--{name}="));
-    let (mut found, mut rest) = (Vec::new(), Vec::new());
-    let mut it = args.iter();
-    while let Some(x) = it.next() {
-        if *x == flag {
-            found.push(
-                it.next()
-                    .ok_or_else(|| anyhow!("{flag} needs a value"))?
-                    .clone(),
-            );
-        } else if let Some(v) = x.strip_prefix(&prefix) {
-            found.push(v.to_string());
-        } else {
-            rest.push(x.clone());
-        }
-    }
-    Ok((found, rest))
 }
 
 /// `HOST/INIT_PORTS/ALLOC_PORTS`, ports comma-separated per TP rank.
@@ -137,40 +112,75 @@ fn parse_ports(s: &str) -> Result<PortList> {
 /// `ascend-bench sender --config FILE --receiver HOST --init-port P[,P..]
 /// --alloc-port P[,P..] [--requests N] [--prompt-tokens T] [--rank R]
 /// [--prefix NAME] [--metrics-port M]`: generates requests and puts them.
+/// `ascend-bench sender`.
+#[derive(clap::Parser, Debug)]
+#[command(about = "a prefill worker with a request generator")]
+struct SenderCli {
+    /// The sender's PdConfig YAML.
+    #[arg(long, value_name = "FILE")]
+    config: Option<String>,
+    /// TP rank.
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// The receiver's host (with --init-port and --alloc-port).
+    #[arg(long, value_name = "HOST")]
+    receiver: Option<String>,
+    /// The receiver's pd_peer_init_port (comma-separated per TP rank).
+    #[arg(long, value_name = "P[,P]")]
+    init_port: Option<String>,
+    /// The receiver's pd_peer_alloc_port (comma-separated per TP rank).
+    #[arg(long, value_name = "P[,P]")]
+    alloc_port: Option<String>,
+    /// A receiver as HOST/INIT_PORTS/ALLOC_PORTS (repeatable; requests go
+    /// round-robin).
+    #[arg(long, value_name = "HOST/P[,P]/P[,P]")]
+    to: Vec<String>,
+    /// The receiver of the first request (index into the receivers).
+    #[arg(long, default_value_t = 0)]
+    first_receiver: usize,
+    /// Requests to send.
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 4000)]
+    prompt_tokens: usize,
+    /// Request id prefix.
+    #[arg(long, default_value = "req")]
+    prefix: String,
+    /// Serve counters in Prometheus text format on this port.
+    #[arg(long, value_name = "PORT")]
+    metrics_port: Option<u16>,
+    /// Closed loop: before each request after the first, wait for a line
+    /// on stdin (the orchestrator sends one when the previous one loaded).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    paced: bool,
+}
+
 pub fn sender_main(args: &[String]) -> Result<bool> {
-    // --to may repeat: split it out before the flag parser.
-    let (tos, rest) = take_repeated(args, "to")?;
-    let a = Args::parse("sender", &rest).map_err(|e| anyhow!(e))?;
-    let config = load_config(&a)?;
-    let rank: usize = a.get("rank", 0).map_err(|e| anyhow!(e))?;
+    let Some(a) = crate::args::parse::<SenderCli>("sender", args)? else {
+        return Ok(true);
+    };
+    let config = load_config(a.config.as_deref())?;
+    let rank = a.rank;
     let mut targets: Vec<(String, PortList, PortList)> =
-        tos.iter().map(|t| parse_target(t)).collect::<Result<_>>()?;
-    if let Some(host) = a.opt::<String>("receiver").map_err(|e| anyhow!(e))? {
-        let need = |flag: &str, key: &str| -> Result<PortList> {
-            parse_ports(
-                &a.opt::<String>(flag)
-                    .map_err(|e| anyhow!(e))?
-                    .ok_or_else(|| {
-                        anyhow!("--{flag} is required with --receiver (the receiver's {key})")
-                    })?,
-            )
+        a.to.iter()
+            .map(|t| parse_target(t))
+            .collect::<Result<_>>()?;
+    if let Some(host) = a.receiver.clone() {
+        let need = |v: &Option<String>, flag: &str, key: &str| -> Result<PortList> {
+            parse_ports(v.as_deref().ok_or_else(|| {
+                anyhow!("--{flag} is required with --receiver (the receiver's {key})")
+            })?)
         };
-        let init = need("init-port", "pd_peer_init_port")?;
-        let alloc = need("alloc-port", "pd_peer_alloc_port")?;
+        let init = need(&a.init_port, "init-port", "pd_peer_init_port")?;
+        let alloc = need(&a.alloc_port, "alloc-port", "pd_peer_alloc_port")?;
         targets.push((host, init, alloc));
     }
     if targets.is_empty() {
         bail!("give the receiver: --receiver HOST --init-port P --alloc-port P, or --to HOST/INIT_PORTS/ALLOC_PORTS (repeatable)");
     }
-    let first: usize = a.get("first-receiver", 0).map_err(|e| anyhow!(e))?;
-    let requests: usize = a.get("requests", 8).map_err(|e| anyhow!(e))?;
-    let prompt: usize = a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?;
-    let prefix: String = a.get("prefix", "req".to_string()).map_err(|e| anyhow!(e))?;
-    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
-    // Closed loop: before each request after the first, wait for a line on
-    // stdin (the orchestrator sends one when the previous request loaded).
-    let paced: bool = a.get("paced", false).map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let (first, requests, prompt) = (a.first_receiver, a.requests, a.prompt_tokens);
+    let (prefix, metrics_port, paced) = (a.prefix, a.metrics_port, a.paced);
     if prompt == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
@@ -491,19 +501,48 @@ fn publish_messages(reg: &Registry, messages: &[(MessageKind, u64)]) {
 /// arriving at `--notify-port` (sent by a proxy forwarding the request, or
 /// by the sender directly) loads that request, verifies every byte, and
 /// reports. With `--requests N` it exits after N requests.
+/// `ascend-bench receiver`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    about = "a decode worker: loads and verifies each request a ProxyNotif on --notify-port \
+             announces"
+)]
+struct ReceiverCli {
+    /// The receiver's PdConfig YAML.
+    #[arg(long, value_name = "FILE")]
+    config: Option<String>,
+    /// TP rank.
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Where the proxy forwards ProxyNotif.
+    #[arg(long, value_name = "PORT")]
+    notify_port: Option<u16>,
+    /// Exit after loading this many requests.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Serve counters in Prometheus text format on this port.
+    #[arg(long, value_name = "PORT")]
+    metrics_port: Option<u16>,
+    /// Tokens the KV cache holds (128-token blocks).
+    #[arg(long, default_value_t = 4096)]
+    kv_tokens: usize,
+    /// Ping-pong pages per pool (staged pull-delay loads).
+    #[arg(long, default_value_t = 4)]
+    depth: usize,
+    /// Tokens per request: required when pd_peer_tp_size differs from
+    /// tp_size (a decode rank waits for every prefill rank's pieces).
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
+}
+
 pub fn receiver_main(args: &[String]) -> Result<bool> {
-    let a = Args::parse("receiver", args).map_err(|e| anyhow!(e))?;
-    let config = load_config(&a)?;
-    let rank: usize = a.get("rank", 0).map_err(|e| anyhow!(e))?;
-    let notify_port: Option<u16> = a.opt("notify-port").map_err(|e| anyhow!(e))?;
-    let requests: Option<usize> = a.opt("requests").map_err(|e| anyhow!(e))?;
-    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
-    let kv_tokens: usize = a.get("kv-tokens", 4096).map_err(|e| anyhow!(e))?;
-    let depth: usize = a.get("depth", 4).map_err(|e| anyhow!(e))?;
-    // Mixed TP: a decode rank loads a request once every source rank's
-    // pieces are in, so it must know how many chunks a request has.
-    let prompt: Option<usize> = a.opt("prompt-tokens").map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let Some(a) = crate::args::parse::<ReceiverCli>("receiver", args)? else {
+        return Ok(true);
+    };
+    let config = load_config(a.config.as_deref())?;
+    let (rank, notify_port, requests) = (a.rank, a.notify_port, a.requests);
+    let (metrics_port, kv_tokens, depth) = (a.metrics_port, a.kv_tokens, a.depth);
+    let prompt = a.prompt_tokens;
     let hetero = config.tp_size != config.peer_tp();
     let prompt = match (hetero, prompt) {
         (true, None) => bail!(
@@ -845,18 +884,32 @@ fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {
 /// `ascend-bench proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]`:
 /// receives ProxyNotif from senders, logs them, and forwards each to the
 /// decode workers' notify ports.
+/// `ascend-bench proxy`.
+#[derive(clap::Parser, Debug)]
+#[command(about = "receives ProxyNotif from senders and forwards it to decode workers")]
+struct ProxyCli {
+    /// The port senders send ProxyNotif to (their pd_proxy_port).
+    #[arg(long)]
+    port: Option<u16>,
+    /// The host to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// A decode worker's notify port (repeatable).
+    #[arg(long, value_name = "HOST:PORT")]
+    forward: Vec<String>,
+    /// Serve counters in Prometheus text format on this port.
+    #[arg(long, value_name = "PORT")]
+    metrics_port: Option<u16>,
+}
+
 pub fn proxy_main(args: &[String]) -> Result<bool> {
-    let (forwards, rest) = take_repeated(args, "forward")?;
-    let a = Args::parse("proxy", &rest).map_err(|e| anyhow!(e))?;
-    let port: u16 = a
-        .opt("port")
-        .map_err(|e| anyhow!(e))?
+    let Some(a) = crate::args::parse::<ProxyCli>("proxy", args)? else {
+        return Ok(true);
+    };
+    let port = a
+        .port
         .ok_or_else(|| anyhow!("--port N is required (the senders' pd_proxy_port)"))?;
-    let host: String = a
-        .get("host", "127.0.0.1".to_string())
-        .map_err(|e| anyhow!(e))?;
-    let metrics_port: Option<u16> = a.opt("metrics-port").map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let (forwards, host, metrics_port) = (a.forward, a.host, a.metrics_port);
     install_signal_handlers();
     let registry = Registry::default();
     let _metrics = metrics_port

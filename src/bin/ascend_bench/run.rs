@@ -1,7 +1,6 @@
 //! `ascend-bench run`: the nPmD comparison of every mode with real sender,
 //! receiver and proxy processes, a same-run baseline, a table, JSON and a plot.
 
-use crate::args::Args;
 use crate::channel::{memcpy_gbps, raw_tcp_gbps};
 use crate::report::{self, ModeReport};
 use anyhow::{anyhow, bail, Context, Result};
@@ -101,24 +100,75 @@ pub fn rank_config(spec: &RunSpec, role: Role) -> Result<PdConfig> {
     Ok(c)
 }
 
+/// `ascend-bench run`: the nPmD comparison of the modes on this machine.
+#[derive(clap::Parser, Debug)]
+#[command(
+    about = "nPmD comparison of the modes with real sender, receiver and proxy processes on \
+             this machine; every byte is verified"
+)]
+struct RunCli {
+    /// A PdConfig YAML whose model and pool shape to use (default: a
+    /// Llama-3-8B-shaped cache, 256-token chunks).
+    #[arg(long, value_name = "FILE")]
+    config: Option<String>,
+    /// Transfer channel: shm, tcp or hccl.
+    #[arg(long, default_value = "shm")]
+    channel: String,
+    /// Buffer device: cpu, npu or npu:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Comma-separated modes to run.
+    #[arg(long, default_value_t = MODES.join(","))]
+    modes: String,
+    /// Requests per sender (per TP rank).
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 4000)]
+    prompt_tokens: usize,
+    /// Sender (prefill) processes.
+    #[arg(long, default_value_t = 1)]
+    senders: usize,
+    /// Receiver (decode) processes.
+    #[arg(long, default_value_t = 1)]
+    receivers: usize,
+    /// TP ranks on both sides.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Prefill TP size (default --tp); with --decode-tp, different sizes.
+    #[arg(long)]
+    prefill_tp: Option<usize>,
+    /// Decode TP size (default --tp).
+    #[arg(long)]
+    decode_tp: Option<usize>,
+    /// Ping-pong pages per pool on the decode side (staged pull-delay).
+    #[arg(long, default_value_t = 4)]
+    depth: usize,
+    /// Write the machine-readable report here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+    /// Draw p50 latencies and receiver memory per mode as SVG here.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<String>,
+}
+
 pub fn run_main(args: &[String]) -> Result<bool> {
-    let a = Args::parse("run", args).map_err(|e| anyhow!(e))?;
-    let base = match a.opt::<String>("config").map_err(|e| anyhow!(e))? {
-        Some(path) => PdConfig::load(&path)?.config,
+    let Some(a) = crate::args::parse::<RunCli>("run", args)? else {
+        return Ok(true);
+    };
+    let base = match &a.config {
+        Some(path) => PdConfig::load(path)?.config,
         None => default_base(),
     };
-    let channel: String = a
-        .get("channel", "shm".to_string())
-        .map_err(|e| anyhow!(e))?;
-    let channel: ChannelKind = channel
+    let channel: ChannelKind = a
+        .channel
         .parse()
-        .map_err(|_| anyhow!("--channel {channel:?}: expected shm, tcp or hccl"))?;
-    let device: String = a.get("device", "cpu".to_string()).map_err(|e| anyhow!(e))?;
-    let device: BufferDevice = device
+        .map_err(|_| anyhow!("--channel {:?}: expected shm, tcp or hccl", a.channel))?;
+    let device: BufferDevice = a
+        .device
         .parse()
-        .map_err(|_| anyhow!("--device {device:?}: expected cpu, npu or npu:N"))?;
-    let modes: String = a.get("modes", MODES.join(",")).map_err(|e| anyhow!(e))?;
-    let modes: Vec<String> = modes.split(',').map(|m| m.trim().to_string()).collect();
+        .map_err(|_| anyhow!("--device {:?}: expected cpu, npu or npu:N", a.device))?;
+    let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
     for m in &modes {
         if !MODES.contains(&m.as_str()) {
             bail!(
@@ -131,23 +181,17 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         channel,
         device,
         modes,
-        requests: a.get("requests", 8).map_err(|e| anyhow!(e))?,
-        prompt_tokens: a.get("prompt-tokens", 4000).map_err(|e| anyhow!(e))?,
-        senders: a.get("senders", 1).map_err(|e| anyhow!(e))?,
-        receivers: a.get("receivers", 1).map_err(|e| anyhow!(e))?,
-        prefill_tp: 0,
-        decode_tp: 0,
-        depth: a.get("depth", 4).map_err(|e| anyhow!(e))?,
+        requests: a.requests,
+        prompt_tokens: a.prompt_tokens,
+        senders: a.senders,
+        receivers: a.receivers,
+        prefill_tp: a.prefill_tp.unwrap_or(a.tp),
+        decode_tp: a.decode_tp.unwrap_or(a.tp),
+        depth: a.depth,
         pools: (0, 0),
         base,
     };
-    let mut spec = spec;
-    let tp: usize = a.get("tp", 1).map_err(|e| anyhow!(e))?;
-    spec.prefill_tp = a.get("prefill-tp", tp).map_err(|e| anyhow!(e))?;
-    spec.decode_tp = a.get("decode-tp", tp).map_err(|e| anyhow!(e))?;
-    let json_path: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
-    let plot_path: Option<String> = a.opt("plot").map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let (json_path, plot_path) = (a.json, a.plot);
     if spec.requests == 0 || spec.prompt_tokens == 0 {
         bail!("--requests and --prompt-tokens must be at least 1");
     }

@@ -6,7 +6,6 @@
 //!
 //! `selftest-peer` is the second HCCL rank it starts (hidden command).
 
-use crate::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::memory::pattern;
 use ascend_sys::{Acl, Comm, Device, DeviceBuffer, OneSidedOp, RemoteMem, RootInfo, Stream};
@@ -71,14 +70,24 @@ const HINT_TCP: &str = "the tcp channel could not stage NPU pages through pinned
 const HINT_RUN: &str = "the 1P1D run did not verify every byte: see its output above; rerun with \
      ASCEND_PD_LOG=debug and attach the output";
 
+/// `ascend-bench selftest`.
+#[derive(clap::Parser, Debug)]
+#[command(about = "checks in order what ascend-pd needs from CANN, with the likely fix")]
+struct SelftestCli {
+    /// The two NPUs to use.
+    #[arg(long, default_value = "0,1")]
+    devices: String,
+    /// Write the machine-readable report here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+}
+
 /// `ascend-bench selftest [--devices A,B] [--json FILE]`
 pub fn selftest_main(args: &[String]) -> Result<bool> {
-    let a = Args::parse("selftest", args).map_err(|e| anyhow!(e))?;
-    let devices: String = a
-        .get("devices", "0,1".to_string())
-        .map_err(|e| anyhow!(e))?;
-    let json: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let Some(a) = crate::args::parse::<SelftestCli>("selftest", args)? else {
+        return Ok(true);
+    };
+    let (devices, json) = (a.devices, a.json);
     let devices: Vec<u32> = devices
         .split(',')
         .map(|d| d.trim().parse::<u32>())
@@ -498,11 +507,21 @@ fn round_trip(
 
 /// `ascend-bench selftest-peer --device D --root HEX`: rank 1 of the HCCL
 /// step; registers memory, exchanges, and leaves after rank 0's barrier.
+/// `ascend-bench selftest-peer` (started by `selftest`).
+#[derive(clap::Parser, Debug)]
+#[command(about = "rank 1 of the selftest's HCCL step (started by `selftest`)")]
+struct SelftestPeerCli {
+    #[arg(long, default_value_t = 1)]
+    device: u32,
+    #[arg(long, default_value = "")]
+    root: String,
+}
+
 pub fn peer_main(args: &[String]) -> Result<()> {
-    let a = Args::parse("selftest-peer", args).map_err(|e| anyhow!(e))?;
-    let device: u32 = a.get("device", 1).map_err(|e| anyhow!(e))?;
-    let hex: String = a.get("root", String::new()).map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let Some(a) = crate::args::parse::<SelftestPeerCli>("selftest-peer", args)? else {
+        return Ok(());
+    };
+    let (device, hex) = (a.device, a.root);
     let bytes: Vec<u8> = (0..hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(hex.get(i..i + 2).unwrap_or("zz"), 16))

@@ -22,7 +22,6 @@
 //!   is sent) is killed and started again on the same ports; the driver's
 //!   sender must be whole afterwards.
 
-use crate::args::Args;
 use crate::roles::{chunk_key, key_seed};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{PutOutcome, Receiver, Sender, SenderTimeouts, TransferSpec};
@@ -95,21 +94,37 @@ struct Leftover {
     sender_pinned: usize,
 }
 
+/// `ascend-bench soak`.
+#[derive(clap::Parser, Debug)]
+#[command(about = "requests across modes and channels with seeded random faults")]
+struct SoakCli {
+    /// Requests in all.
+    #[arg(long, default_value_t = 1000)]
+    requests: usize,
+    /// Fault seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Comma-separated channels.
+    #[arg(long, default_value = "shm,tcp")]
+    channels: String,
+    /// Comma-separated modes.
+    #[arg(long, default_value = "push,pull-eager,pull-delay")]
+    modes: String,
+    /// Comma-separated fault kinds (default: all).
+    #[arg(long)]
+    faults: Option<String>,
+    /// Write the machine-readable report here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+}
+
 pub fn soak_main(args: &[String]) -> Result<bool> {
-    let a = Args::parse("soak", args).map_err(|e| anyhow!(e))?;
-    let requests: usize = a.get("requests", 1000).map_err(|e| anyhow!(e))?;
-    let seed: u64 = a.get("seed", 1).map_err(|e| anyhow!(e))?;
-    let channels: String = a
-        .get("channels", "shm,tcp".to_string())
-        .map_err(|e| anyhow!(e))?;
-    let modes: String = a
-        .get("modes", "push,pull-eager,pull-delay".to_string())
-        .map_err(|e| anyhow!(e))?;
-    let json_path: Option<String> = a.opt("json").map_err(|e| anyhow!(e))?;
-    let faults: String = a
-        .get("faults", FAULTS[1..].join(","))
-        .map_err(|e| anyhow!(e))?;
-    a.finish().map_err(|e| anyhow!(e))?;
+    let Some(a) = crate::args::parse::<SoakCli>("soak", args)? else {
+        return Ok(true);
+    };
+    let (requests, seed, json_path) = (a.requests, a.seed, a.json);
+    let (channels, modes) = (a.channels, a.modes);
+    let faults = a.faults.unwrap_or_else(|| FAULTS[1..].join(","));
     let faults: Vec<&'static str> = faults
         .split(',')
         .map(|f| {
