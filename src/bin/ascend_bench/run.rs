@@ -484,6 +484,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     // One unit per request and decode rank (a rank pair under the same TP).
     let total = expected * dtp;
     let mut loaded_ranks: HashMap<String, usize> = HashMap::new();
+    let bar = progress_bar(mode, total);
     let mut puts: HashMap<String, Value> = HashMap::new();
     let mut loads: HashMap<String, Value> = HashMap::new();
     let mut sender_done = Vec::new();
@@ -546,7 +547,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                     go(&mut procs, &format!("sender{}", sender_of(&req)));
                 }
                 loads.insert(req, v);
-                progress(mode, loads.len(), total);
+                bar.set_position(loads.len() as u64);
             }
             Some("sender_done") => {
                 reported.push(who.clone());
@@ -576,7 +577,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         }
     }
     let elapsed = t0.elapsed();
-    eprintln!();
+    bar.finish();
     // Stop the proxy (it runs until signalled), anything still running after
     // a failure or timeout, and reap every process.
     let grace = Instant::now() + Duration::from_secs(5);
@@ -636,15 +637,16 @@ fn join(p: &[u16]) -> String {
     p.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
 }
 
-fn progress(mode: &str, done: usize, total: usize) {
-    let width = 30;
-    let filled = (done * width).checked_div(total).unwrap_or(width);
-    let mut e = std::io::stderr().lock();
-    let _ = write!(
-        e,
-        "\r  {mode:<20} [{}{}] {done}/{total} requests",
-        "#".repeat(filled),
-        ".".repeat(width - filled)
-    );
-    let _ = e.flush();
+/// A mode's progress bar on stderr (hidden when stderr is not a terminal).
+fn progress_bar(mode: &str, total: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total as u64);
+    let style = indicatif::ProgressStyle::with_template(
+        "  {prefix:<20} [{bar:30}] {pos}/{len} request loads {elapsed}",
+    )
+    .map(|s| s.progress_chars("#>."));
+    if let Ok(style) = style {
+        bar.set_style(style);
+    }
+    bar.set_prefix(mode.to_string());
+    bar
 }
