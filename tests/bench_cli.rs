@@ -97,6 +97,12 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
         assert!(m["gbps"].as_f64().unwrap() > 0.0);
         assert!(m["aggregate_gbps"].as_f64().unwrap() > 0.0, "{m}");
         assert_eq!(m["channel"], "shm");
+        // shm into the host KV cache: pull-delay proxies are read straight in.
+        let path = match m["mode"].as_str().unwrap() {
+            "push" | "pull-eager" => "resident",
+            _ => "direct",
+        };
+        assert_eq!(m["load_path"], path, "{m}");
     }
     // Pull-delay keeps no pages for a request until it loads; push holds them all.
     let peak = |i: usize| modes[i]["receiver_peak_buffer_bytes"].as_u64().unwrap();
@@ -554,6 +560,21 @@ fn an_hccl_batch_above_the_op_limit_moves_every_byte_through_the_channel() {
         );
         assert!(text.contains("verified  every byte"), "{text}");
         assert!(text.contains("CANN emulator"), "{text}");
+        // nixlbench's columns, and the row under them: 4096-byte blocks, 300 per batch.
+        assert!(
+            text.contains("Block Size (B)      Batch Size     B/W (GB/Sec)   Avg Lat. (us)"),
+            "{text}"
+        );
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("4096 "))
+            .unwrap_or_else(|| panic!("no row: {text}"));
+        let cols: Vec<f64> = row.split_whitespace().map(|c| c.parse().unwrap()).collect();
+        assert_eq!(cols.len(), 10, "{row}");
+        assert_eq!(cols[1], 300.0);
+        // B/W > 0; p99 >= average for prep, post and tx; tx covers post.
+        assert!(cols[2] > 0.0 && cols[5] >= cols[4] && cols[7] >= cols[6] && cols[9] >= cols[8]);
+        assert!(cols[8] >= cols[6], "{row}");
     }
 }
 

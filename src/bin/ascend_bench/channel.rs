@@ -419,11 +419,15 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     let remote = |page: u32| BufferRef { uuid, page };
     let bytes = chunk * chunks;
     let mut rates = Vec::new();
+    // Per batch, as nixlbench splits it: prep (building the batch's ops),
+    // post (the submit call), tx (submit until the batch completed).
+    let mut phases: Vec<Phases> = Vec::new();
     // Each batch owns its pages; its completion gives them back for the next.
     let verified = if write {
         fill_pages(&mut objs, local_seed)?;
         let sealed: Vec<_> = objs.into_iter().map(MemObj::seal).collect();
         for _ in 0..=reps {
+            let t0 = Instant::now();
             let ops: Vec<WriteOp> = sealed
                 .iter()
                 .map(|o| WriteOp {
@@ -433,8 +437,12 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 })
                 .collect();
             let t = Instant::now();
-            channel.write(peer_id, GrantTag::UNTAGGED, ops)?;
-            rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+            let c = channel.submit_write(peer_id, GrantTag::UNTAGGED, ops)?;
+            let posted = Instant::now();
+            c.wait().result?;
+            let done = Instant::now();
+            phases.push(Phases::of(t0, t, posted, done));
+            rates.push(bytes as f64 / (done - t).as_secs_f64() / 1e9);
         }
         // Verify every byte at the far end by reading the peer's pages back
         // into fresh local pages over a second connection.
@@ -463,6 +471,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     } else {
         let mut pages = objs;
         for _ in 0..=reps {
+            let t0 = Instant::now();
             let ops: Vec<ReadOp> = pages
                 .into_iter()
                 .map(|o| {
@@ -475,13 +484,21 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 })
                 .collect();
             let t = Instant::now();
-            pages = channel.read(peer_id, ops)?;
-            rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+            let c = channel.submit_read(peer_id, ops)?;
+            let posted = Instant::now();
+            let d = c.wait();
+            d.result?;
+            pages = d.pages;
+            let done = Instant::now();
+            phases.push(Phases::of(t0, t, posted, done));
+            rates.push(bytes as f64 / (done - t).as_secs_f64() / 1e9);
         }
         pages_match(&pages, peer_seed)?
     };
     rates.remove(0);
+    phases.remove(0);
     let gbps = median(&mut rates);
+    let cols = Columns::of(&phases, bytes);
     let (baseline_name, baseline) = match kind {
         ChannelKind::Tcp => ("single-stream TCP", raw_tcp_gbps(bytes, reps)?),
         _ => ("single-thread memcpy", memcpy_gbps(bytes, chunk, reps)?),
@@ -510,6 +527,34 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         "  verified  {}",
         if verified { "every byte" } else { "MISMATCH" }
     );
+    // nixlbench's columns (Mooncake's tebench: --block_size, --batch_size,
+    // and its throughput is B/W); see the README for the mapping.
+    println!(
+        "\n{:<20}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}",
+        "Block Size (B)",
+        "Batch Size",
+        "B/W (GB/Sec)",
+        "Avg Lat. (us)",
+        "Avg Prep (us)",
+        "P99 Prep (us)",
+        "Avg Post (us)",
+        "P99 Post (us)",
+        "Avg Tx (us)",
+        "P99 Tx (us)"
+    );
+    println!(
+        "{:<20}{:<15}{:<15.6}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}",
+        chunk,
+        chunks,
+        cols.bw_gbps,
+        cols.avg_lat_us,
+        cols.prep.0,
+        cols.prep.1,
+        cols.post.0,
+        cols.post.1,
+        cols.tx.0,
+        cols.tx.1
+    );
     if let Some(path) = json {
         let mut v = serde_json::json!({
             "channel": kind.name(),
@@ -522,6 +567,16 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             "baseline_gbps": baseline,
             "ratio": ratio,
             "verified": verified,
+            "block_size": chunk,
+            "batch_size": chunks,
+            "bw_gbps": cols.bw_gbps,
+            "avg_lat_us": cols.avg_lat_us,
+            "avg_prep_us": cols.prep.0,
+            "p99_prep_us": cols.prep.1,
+            "avg_post_us": cols.post.0,
+            "p99_post_us": cols.post.1,
+            "avg_tx_us": cols.tx.0,
+            "p99_tx_us": cols.tx.1,
         });
         if device == PoolDevice::Npu || kind == ChannelKind::Hccl {
             v["device"] = device_name(device).into();
@@ -530,6 +585,66 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             .with_context(|| format!("writing {path}"))?;
     }
     Ok(verified)
+}
+
+/// One batch's phases, in µs.
+#[derive(Clone, Copy, Debug)]
+struct Phases {
+    prep: f64,
+    post: f64,
+    tx: f64,
+}
+
+impl Phases {
+    /// Building the ops from `t0` to `submit`, the submit call until
+    /// `posted`, and the transfer from `submit` to `done`.
+    fn of(t0: Instant, submit: Instant, posted: Instant, done: Instant) -> Phases {
+        let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+        Phases {
+            prep: us(t0, submit),
+            post: us(submit, posted),
+            tx: us(submit, done),
+        }
+    }
+}
+
+/// nixlbench's columns over the measured batches of `bytes` each.
+struct Columns {
+    /// All bytes over all transfer time.
+    bw_gbps: f64,
+    /// Prep plus transfer, per batch.
+    avg_lat_us: f64,
+    /// (average, p99) of each phase.
+    prep: (f64, f64),
+    post: (f64, f64),
+    tx: (f64, f64),
+}
+
+impl Columns {
+    fn of(p: &[Phases], bytes: usize) -> Columns {
+        let stat = |f: fn(&Phases) -> f64| {
+            let mut v: Vec<f64> = p.iter().map(f).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            let avg = v.iter().sum::<f64>() / v.len().max(1) as f64;
+            // The nearest rank at or above 99 % (the maximum of a few).
+            let i = ((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len().max(1)) - 1;
+            (avg, v.get(i).copied().unwrap_or(0.0))
+        };
+        let tx = stat(|x| x.tx);
+        let prep = stat(|x| x.prep);
+        let total_tx: f64 = p.iter().map(|x| x.tx).sum();
+        Columns {
+            bw_gbps: if total_tx > 0.0 {
+                (bytes * p.len()) as f64 / (total_tx / 1e6) / 1e9
+            } else {
+                0.0
+            },
+            avg_lat_us: prep.0 + tx.0,
+            prep,
+            post: stat(|x| x.post),
+            tx,
+        }
+    }
 }
 
 fn device_name(d: PoolDevice) -> &'static str {
