@@ -242,7 +242,8 @@ fn sender_receiver_and_proxy_processes_move_verified_data_with_the_loopback_conf
         // The proxy counted both notifs and serves them to Prometheus.
         let mut body = String::new();
         let mut c = std::net::TcpStream::connect(("127.0.0.1", metrics)).unwrap();
-        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .unwrap();
         c.read_to_string(&mut body).unwrap();
         assert!(body.starts_with("HTTP/1.1 200"), "{body}");

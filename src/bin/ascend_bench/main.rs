@@ -65,7 +65,7 @@ commands:
 --emulator (any command) uses the CANN emulator instead of CANN, as does
 ASCEND_PD_CANN_LIB_DIR=emulator; it needs the emulator built (`cargo build
 --release` builds it). Whatever it serves is reported as the emulator.
---metrics-port serves counters in Prometheus text format at http://HOST:PORT/metrics.
+--metrics-port serves counters in OpenMetrics text (Prometheus scrapes it) at http://HOST:PORT/metrics.
 Long-running processes stop cleanly on SIGINT / SIGTERM.";
 
 fn report(r: anyhow::Result<bool>) -> bool {

@@ -1,7 +1,7 @@
 //! `ascend-bench sender | receiver | proxy`: long-running processes for
 //! real deployments (and the workers `run` starts). They log to stderr,
 //! print one JSON line per request on stdout, stop cleanly on SIGINT /
-//! SIGTERM, and can serve their counters in Prometheus text format.
+//! SIGTERM, and can serve their counters in OpenMetrics text.
 
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
@@ -147,7 +147,7 @@ struct SenderCli {
     /// Request id prefix.
     #[arg(long, default_value = "req")]
     prefix: String,
-    /// Serve counters in Prometheus text format on this port.
+    /// Serve counters in OpenMetrics text on this port.
     #[arg(long, value_name = "PORT")]
     metrics_port: Option<u16>,
     /// Closed loop: before each request after the first, wait for a line
@@ -356,8 +356,8 @@ fn put_and_report(
     if let Err(e) = &outcome {
         eprintln!("sender: {unit}: {e}");
     }
-    registry.add("ascend_pd_sender_puts_total", 1.0);
-    registry.add("ascend_pd_sender_put_bytes_total", bytes as f64);
+    registry.inc("ascend_pd_sender_puts", 1);
+    registry.inc("ascend_pd_sender_put_bytes", bytes as u64);
     emit(json!({
         "event": "put", "req": unit, "chunks": keys.len(), "bytes": bytes,
         "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
@@ -450,8 +450,16 @@ fn publish_sender(reg: &Registry, s: &Sender, page: u64) {
     let st = s.stats();
     publish_pools(reg, &st.pools, page);
     publish_grants(reg, &st.grants);
-    reg.set("ascend_pd_pulls_pending", st.pulls.pulls_pending as f64);
-    reg.set("ascend_pd_breaker_open_peers", st.breaker.open_peers as f64);
+    reg.gauge(
+        "ascend_pd_pulls_pending",
+        &[],
+        st.pulls.pulls_pending as u64,
+    );
+    reg.gauge(
+        "ascend_pd_breaker_open_peers",
+        &[],
+        st.breaker.open_peers as u64,
+    );
     publish_messages(reg, &st.messages);
 }
 
@@ -462,13 +470,13 @@ fn publish_pools(reg: &Registry, pools: &DualStats, page: u64) {
     for (name, p) in [("cpu", pools.cpu), ("npu", pools.npu)] {
         let Some(p) = p else { continue };
         for (metric, v) in [
-            ("pages_total", p.total as f64),
-            ("pages_free", p.free as f64),
-            ("pages_pinned", p.pinned as f64),
-            ("pages_quarantined", p.quarantined as f64),
-            ("peak_bytes", (p.high_water as u64 * page) as f64),
+            ("pages_total", p.total as u64),
+            ("pages_free", p.free as u64),
+            ("pages_pinned", p.pinned as u64),
+            ("pages_quarantined", p.quarantined as u64),
+            ("peak_bytes", p.high_water as u64 * page),
         ] {
-            reg.set(&format!("ascend_pd_pool_{metric}{{pool=\"{name}\"}}"), v);
+            reg.gauge(&format!("ascend_pd_pool_{metric}"), &[("pool", name)], v);
         }
     }
 }
@@ -477,22 +485,20 @@ fn publish_pools(reg: &Registry, pools: &DualStats, page: u64) {
 /// peer requests refused for want of a grant, and transfer connections
 /// refused for want of a proof of the deployment secret.
 fn publish_grants(reg: &Registry, g: &GrantStats) {
-    reg.set("ascend_pd_grants_live", g.live as f64);
-    reg.set("ascend_pd_grants_revoked", g.revoked as f64);
-    reg.set("ascend_pd_grant_refusals_total", g.refused as f64);
-    reg.set(
-        "ascend_pd_unauthenticated_connections_total",
-        g.unauthenticated as f64,
+    reg.gauge("ascend_pd_grants_live", &[], g.live as u64);
+    reg.gauge("ascend_pd_grants_revoked", &[], g.revoked as u64);
+    reg.counter("ascend_pd_grant_refusals", &[], g.refused);
+    reg.counter(
+        "ascend_pd_unauthenticated_connections",
+        &[],
+        g.unauthenticated,
     );
-    reg.set("ascend_pd_busy_connections_total", g.busy as f64);
+    reg.counter("ascend_pd_busy_connections", &[], g.busy);
 }
 
 fn publish_messages(reg: &Registry, messages: &[(MessageKind, u64)]) {
     for (k, n) in messages {
-        reg.set(
-            &format!("ascend_pd_messages_total{{kind=\"{}\"}}", k.name()),
-            *n as f64,
-        );
+        reg.counter("ascend_pd_messages", &[("kind", k.name())], *n);
     }
 }
 
@@ -520,7 +526,7 @@ struct ReceiverCli {
     /// Exit after loading this many requests.
     #[arg(long)]
     requests: Option<usize>,
-    /// Serve counters in Prometheus text format on this port.
+    /// Serve counters in OpenMetrics text on this port.
     #[arg(long, value_name = "PORT")]
     metrics_port: Option<u16>,
     /// Tokens the KV cache holds (128-token blocks).
@@ -871,13 +877,14 @@ fn publish_receiver(reg: &Registry, r: &Receiver, page: u64) {
     let st = r.stats();
     publish_pools(reg, &st.pools, page);
     publish_grants(reg, &st.grants);
-    reg.set("ascend_pd_proxies", st.store.proxies as f64);
-    reg.set(
+    reg.gauge("ascend_pd_proxies", &[], st.store.proxies as u64);
+    reg.gauge(
         "ascend_pd_transfer_contexts_open",
-        st.store.contexts_open as f64,
+        &[],
+        st.store.contexts_open as u64,
     );
-    reg.set("ascend_pd_bytes_read_total", st.bytes_read as f64);
-    reg.set("ascend_pd_senders_attached", st.peers as f64);
+    reg.counter("ascend_pd_bytes_read", &[], st.bytes_read);
+    reg.gauge("ascend_pd_senders_attached", &[], st.peers as u64);
     publish_messages(reg, &st.messages);
 }
 
@@ -897,7 +904,7 @@ struct ProxyCli {
     /// A decode worker's notify port (repeatable).
     #[arg(long, value_name = "HOST:PORT")]
     forward: Vec<String>,
-    /// Serve counters in Prometheus text format on this port.
+    /// Serve counters in OpenMetrics text on this port.
     #[arg(long, value_name = "PORT")]
     metrics_port: Option<u16>,
 }
@@ -941,14 +948,14 @@ pub fn proxy_main(args: &[String]) -> Result<bool> {
         };
         match Message::decode(&frame) {
             Ok(Message::ProxyNotif(n)) => {
-                registry.add("ascend_pd_proxy_notifs_total", 1.0);
+                registry.inc("ascend_pd_proxy_notifs", 1);
                 emit(json!({"event": "proxy_notif", "req": n.req_id, "at": wall()}));
                 for s in &pushes {
                     let _ = s.send(&frame[..], zmq::DONTWAIT);
                 }
             }
             other => {
-                registry.add("ascend_pd_proxy_malformed_total", 1.0);
+                registry.inc("ascend_pd_proxy_malformed", 1);
                 eprintln!("proxy: ignoring a frame that is not a ProxyNotif: {other:?}");
             }
         }
@@ -1013,5 +1020,16 @@ mod tests {
             );
         }
         assert!(!text.contains("pool=\"cpu\""), "{text}");
+        // Typed as what they are (a pool's page count is a gauge, even
+        // named _total), and the exposition ends as OpenMetrics requires.
+        assert!(
+            text.contains("# TYPE ascend_pd_pool_pages_total gauge"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE ascend_pd_grant_refusals counter"),
+            "{text}"
+        );
+        assert!(text.trim_end().ends_with("# EOF"), "{text}");
     }
 }
