@@ -124,6 +124,21 @@ impl PeerTable {
         self.by_uuid.values()
     }
 
+    /// Checks op `i` of a direct read: its range must lie inside one page
+    /// of a known buffer. Returns the byte offset of that page in its buffer.
+    pub(crate) fn resolve_direct(&self, i: usize, op: &DirectRead) -> Result<u64, ChannelError> {
+        self.resolve(op.remote, op.offset.saturating_add(op.len))
+            .map(|(_, page)| page)
+            .map_err(|reason| ChannelError::BadRef {
+                op: i,
+                remote: op.remote,
+                reason: format!(
+                    "a direct read of {} bytes at offset {}: {reason}",
+                    op.len, op.offset
+                ),
+            })
+    }
+
     /// Checks that `len` bytes at `remote` lie inside one page of a known
     /// buffer; returns the descriptor and the byte offset of the page.
     pub fn resolve(&self, remote: BufferRef, len: usize) -> Result<(&BufferDesc, u64), String> {

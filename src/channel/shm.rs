@@ -318,18 +318,7 @@ impl TransferChannel for ShmChannel {
         let p = self.peer(peer)?;
         let mut pieces = Vec::with_capacity(ops.len());
         for (i, op) in ops.iter().enumerate() {
-            let end = op.offset.saturating_add(op.len);
-            let (_, page) =
-                p.table
-                    .resolve(op.remote, end)
-                    .map_err(|reason| ChannelError::BadRef {
-                        op: i,
-                        remote: op.remote,
-                        reason: format!(
-                            "a direct read of {} bytes at offset {}: {reason}",
-                            op.len, op.offset
-                        ),
-                    })?;
+            let page = p.table.resolve_direct(i, op)?;
             let map = &p.maps[&op.remote.uuid];
             pieces.push(Piece {
                 src: map.ptr as usize + page as usize + op.offset,

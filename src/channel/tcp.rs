@@ -884,22 +884,14 @@ impl TransferChannel for TcpChannel {
         let p = self.peer(peer)?;
         let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
-            let end = op.offset.saturating_add(op.len);
-            p.table
-                .resolve(op.remote, end)
-                .and_then(|_| {
-                    u32::try_from(end)
-                        .map(|_| ())
-                        .map_err(|_| "an offset beyond 4 GiB".to_string())
-                })
-                .map_err(|reason| ChannelError::BadRef {
+            p.table.resolve_direct(i, op)?;
+            if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
+                return Err(ChannelError::BadRef {
                     op: i,
                     remote: op.remote,
-                    reason: format!(
-                        "a direct read of {} bytes at offset {}: {reason}",
-                        op.len, op.offset
-                    ),
-                })?;
+                    reason: "a direct read past 4 GiB into a page (tcp offsets are 32-bit)".into(),
+                });
+            }
             let mut off = 0;
             while off < op.len {
                 let len = (op.len - off).min(self.opts.slice_bytes.max(1));
@@ -913,42 +905,13 @@ impl TransferChannel for TcpChannel {
                 off += len;
             }
         }
-        if slices.is_empty() {
-            return Ok(());
-        }
-        let conns = p.conns.len().min(slices.len());
-        let node = self.node.as_str();
-        let opts = &self.opts;
+        let (node, opts) = (self.node.as_str(), &self.opts);
         let p = &*p;
-        // Every connection thread ends before this returns (scoped), so no
-        // byte lands after the call.
-        let results: Vec<Result<(), ChannelError>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..conns)
-                .map(|c| {
-                    let mine: Vec<DirectSlice> =
-                        slices.iter().skip(c).step_by(conns).copied().collect();
-                    sc.spawn(move || {
-                        let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
-                        let r = run_direct_on_connection(p, node, &mut guard, &mine, opts);
-                        if r.is_err() {
-                            *guard = None;
-                        }
-                        r
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(ChannelError::WorkerLost(
-                            "tcp connection thread panicked".into(),
-                        ))
-                    })
-                })
-                .collect()
-        });
-        results.into_iter().collect()
+        // on_connections returns only after every connection thread ended,
+        // so no byte lands after this call.
+        on_connections(p, &slices, |conn, mine| {
+            run_direct_on_connection(p, node, conn, mine, opts)
+        })
     }
 
     fn submit_write(
@@ -1062,20 +1025,35 @@ fn run_batch<P: LocalPage>(
     slices: &[Slice],
     opts: &TcpOptions,
 ) -> Result<(), ChannelError> {
-    if slices.is_empty() {
+    on_connections(p, slices, |conn, mine| {
+        run_on_connection(p, node, conn, kind, ops, mine, opts)
+    })
+}
+
+/// Spreads `items` over the peer's connections — connection `c` takes
+/// items `c, c + n, ...`, so each gets a share of every op — and runs
+/// `work` on each share with its connection held, one thread per
+/// connection. Returns when every thread ended (no byte moves after), with
+/// the first error; a connection whose work failed is dropped (its
+/// stream's state is unknown) and made again on next use.
+fn on_connections<T: Copy + Send + Sync>(
+    p: &TcpPeer,
+    items: &[T],
+    work: impl Fn(&mut Option<Conn>, &[T]) -> Result<(), ChannelError> + Sync,
+) -> Result<(), ChannelError> {
+    if items.is_empty() {
         return Ok(());
     }
-    let conns = p.conns.len().min(slices.len());
-    // Connection c takes slices c, c+conns, ... so every connection gets a share of each op.
+    let conns = p.conns.len().min(items.len());
+    let work = &work;
     let results: Vec<Result<(), ChannelError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..conns)
             .map(|c| {
-                let mine: Vec<Slice> = slices.iter().skip(c).step_by(conns).copied().collect();
+                let mine: Vec<T> = items.iter().skip(c).step_by(conns).copied().collect();
                 s.spawn(move || {
                     let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
-                    let r = run_on_connection(p, node, &mut guard, kind, ops, &mine, opts);
+                    let r = work(&mut guard, &mine);
                     if r.is_err() {
-                        // The stream's state is unknown after an error: reconnect next time.
                         *guard = None;
                     }
                     r

@@ -95,24 +95,24 @@ impl KvCacheSpec {
             || layout.hidden != self.hidden
             || layout.dtype != self.dtype
         {
-            return Err(KvError::LayoutMismatch {
-                cache: format!(
-                    "fmt {}, {} layers, hidden {}, {}",
-                    self.fmt.code(),
-                    self.layers,
-                    self.hidden,
-                    self.dtype
-                ),
-                chunk: format!(
-                    "fmt {}, {} layers, hidden {}, {}",
-                    layout.fmt.code(),
-                    layout.layers,
-                    layout.hidden,
-                    layout.dtype
-                ),
-            });
+            return Err(self.mismatch(layout, ""));
         }
         Ok(())
+    }
+
+    /// The error for a chunk of `layout` (placed as `at` says) this cache
+    /// cannot take.
+    fn mismatch(&self, layout: &ChunkLayout, at: &str) -> KvError {
+        let geometry = |fmt: MemFormat, layers: usize, hidden: usize, dtype: Dtype, at: &str| {
+            format!(
+                "fmt {}, {layers} layers, hidden {hidden}{at}, {dtype}",
+                fmt.code()
+            )
+        };
+        KvError::LayoutMismatch {
+            cache: geometry(self.fmt, self.layers, self.hidden, self.dtype, ""),
+            chunk: geometry(layout.fmt, layout.layers, layout.hidden, layout.dtype, at),
+        }
     }
 
     /// Checks that a chunk of `layout` whose elements start at element
@@ -130,22 +130,7 @@ impl KvCacheSpec {
             || layout.dtype != self.dtype
             || !fits
         {
-            return Err(KvError::LayoutMismatch {
-                cache: format!(
-                    "fmt {}, {} layers, hidden {}, {}",
-                    self.fmt.code(),
-                    self.layers,
-                    self.hidden,
-                    self.dtype
-                ),
-                chunk: format!(
-                    "fmt {}, {} layers, hidden {} at element {offset}, {}",
-                    layout.fmt.code(),
-                    layout.layers,
-                    layout.hidden,
-                    layout.dtype
-                ),
-            });
+            return Err(self.mismatch(layout, &format!(" at element {offset}")));
         }
         Ok(())
     }

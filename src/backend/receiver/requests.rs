@@ -17,7 +17,7 @@ use super::super::zmq_io::{router_reply, router_try_recv, Received};
 use super::Shared;
 use crate::channel::{Access, GrantTag, ReadOp, TransferOp};
 use crate::config::TransferMode;
-use crate::memory::{MemObj, MemoryError};
+use crate::memory::{ChunkMeta, MemObj, MemoryError};
 use crate::protocol::admission::{BatchOf, Gate};
 use crate::protocol::notice::{encode_reply, route_node};
 use crate::protocol::{
@@ -164,6 +164,44 @@ fn batch(req_id: &Option<String>, total: Option<u64>, last: Option<bool>) -> Opt
         }),
         _ => None,
     }
+}
+
+/// Pages for `metas` through the admission gate (see `protocol::admission`):
+/// a request that announced its size (`of`) is admitted whole or refused
+/// now, other batches take only pages nobody reserved. `None`: wait for
+/// pages (the caller parks the request); the last try (`!may_wait`) never
+/// waits and never takes reserved pages.
+fn admitted_pages(
+    s: &Shared,
+    of: Option<BatchOf<'_>>,
+    metas: &[ChunkMeta],
+    may_wait: bool,
+) -> Option<Result<Vec<MemObj>, MemoryError>> {
+    let free = s.alloc.primary().stats().free;
+    let now = Instant::now();
+    let gate = lock(&s.admission).admit(now, of, metas.len(), free);
+    let pages = match gate {
+        Gate::Refuse(why) => {
+            log::warn!("{why}");
+            Err(MemoryError::NotAdmitted(why))
+        }
+        Gate::Wait if may_wait => return None,
+        Gate::Wait => Err(MemoryError::NotAdmitted(format!(
+            "{} page(s) needed, but the free pages are reserved by multi-batch requests",
+            metas.len()
+        ))),
+        // Outside the core's lock, and never waiting here.
+        Gate::Go => match s.alloc.try_allocate_batch(metas) {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) if may_wait => return None,
+            Ok(None) => s.alloc.allocate_batch(metas),
+            Err(e) => Err(e),
+        },
+    };
+    if let Ok(p) = &pages {
+        lock(&s.admission).allocated(now, of, p.len());
+    }
+    Some(pages)
 }
 
 /// The admission of a pull-eager notification (the same gate as a push
@@ -441,34 +479,10 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
                     // A multi-batch request (upstream's async fields) is
                     // admitted whole or refused now; other batches use only
                     // pages nobody reserved.
-                    let of = batch_of(req);
-                    let free = s.alloc.primary().stats().free;
-                    let now = Instant::now();
-                    let gate = lock(&s.admission).admit(now, of, plan.metas().len(), free);
-                    let pages = match gate {
-                        Gate::Refuse(why) => {
-                            log::warn!("{why}");
-                            Err(MemoryError::NotAdmitted(why))
-                        }
-                        Gate::Wait if may_wait => return Served::Wait(plan.into_done()),
-                        // The last try may not take pages other requests
-                        // reserved.
-                        Gate::Wait => Err(MemoryError::NotAdmitted(format!(
-                            "{} page(s) needed, but the free pages are reserved by multi-batch \
-                             requests",
-                            plan.metas().len()
-                        ))),
-                        // Outside the core's lock, and never waiting here.
-                        _ => match s.alloc.try_allocate_batch(plan.metas()) {
-                            Ok(Some(p)) => Ok(p),
-                            Ok(None) if may_wait => return Served::Wait(plan.into_done()),
-                            Ok(None) => s.alloc.allocate_batch(plan.metas()),
-                            Err(e) => Err(e),
-                        },
+                    let Some(pages) = admitted_pages(s, batch_of(req), plan.metas(), may_wait)
+                    else {
+                        return Served::Wait(plan.into_done());
                     };
-                    if let Ok(p) = &pages {
-                        lock(&s.admission).allocated(now, of, p.len());
-                    }
                     // The writer may touch exactly these pages, from now
                     // until its notice (or the revoke after the deadline);
                     // without a grant they are never advertised. Tagged
@@ -535,30 +549,10 @@ fn serve_pull(
         Ok(plan) if s.mode == TransferMode::PullEager => {
             // A request that announced its size is admitted whole or
             // refused now; other notifications use only unreserved pages.
-            let of = pull_batch_of(notif);
-            let free = s.alloc.primary().stats().free;
-            let now = Instant::now();
-            let gate = lock(&s.admission).admit(now, of, plan.metas().len(), free);
-            let pages = match gate {
-                Gate::Refuse(why) => {
-                    log::warn!("{why}");
-                    Err(MemoryError::NotAdmitted(why))
-                }
-                Gate::Wait if may_wait => return Served::Wait(plan.into_done()),
-                Gate::Wait => Err(MemoryError::NotAdmitted(format!(
-                    "{} page(s) needed, but the free pages are reserved by multi-batch requests",
-                    plan.metas().len()
-                ))),
-                _ => match s.alloc.try_allocate_batch(plan.metas()) {
-                    Ok(Some(p)) => Ok(p),
-                    Ok(None) if may_wait => return Served::Wait(plan.into_done()),
-                    Ok(None) => s.alloc.allocate_batch(plan.metas()),
-                    Err(e) => Err(e),
-                },
+            let Some(pages) = admitted_pages(s, pull_batch_of(notif), plan.metas(), may_wait)
+            else {
+                return Served::Wait(plan.into_done());
             };
-            if let Ok(p) = &pages {
-                lock(&s.admission).allocated(now, of, p.len());
-            }
             lock(&s.core).commit_pull_eager(plan, pages)
         }
         Ok(plan) => lock(&s.core).commit_pull_delay(plan),
