@@ -1115,6 +1115,30 @@ fn stage_err(p: &TcpPeer, op: usize, e: StageError, timeout: Duration) -> Channe
     }
 }
 
+/// Reads the server's reply to a request of op `op`: its bytes follow on
+/// success; a refusal is the op's error, with the server's reason.
+fn read_reply(
+    p: &TcpPeer,
+    stream: &mut TcpStream,
+    op: usize,
+    opts: &TcpOptions,
+) -> Result<(), ChannelError> {
+    let mut r = [0u8; REPLY_LEN];
+    stream
+        .read_exact(&mut r)
+        .map_err(|e| gone(p, Some(op), &e, opts.io_timeout))?;
+    let msg_len = u32::from_le_bytes(r[4..8].try_into().expect("4"));
+    if r[0] != 0 {
+        let mut msg = vec![0u8; msg_len.min(MAX_ERROR_LEN) as usize];
+        let _ = stream.read_exact(&mut msg);
+        return Err(ChannelError::Remote {
+            op,
+            message: String::from_utf8_lossy(&msg).into_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// The connection in `conn`, made (and authenticated) if there is none.
 fn connected<'c>(
     p: &TcpPeer,
@@ -1182,19 +1206,7 @@ fn run_direct_on_connection(
             sent += 1;
         }
         let sl = slices[done];
-        let mut r = [0u8; REPLY_LEN];
-        stream
-            .read_exact(&mut r)
-            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
-        let msg_len = u32::from_le_bytes(r[4..8].try_into().expect("4"));
-        if r[0] != 0 {
-            let mut msg = vec![0u8; msg_len.min(MAX_ERROR_LEN) as usize];
-            let _ = stream.read_exact(&mut msg);
-            return Err(ChannelError::Remote {
-                op: sl.op,
-                message: String::from_utf8_lossy(&msg).into_owned(),
-            });
-        }
+        read_reply(p, stream, sl.op, opts)?;
         // SAFETY: read_direct's caller vouched that [dst, dst + len) is
         // host memory it may write, untouched by anyone else, for the whole
         // call; read_direct returns only after this thread ended.
@@ -1263,19 +1275,7 @@ fn run_on_connection<P: LocalPage>(
             sent += 1;
         }
         let sl = slices[done];
-        let mut r = [0u8; REPLY_LEN];
-        stream
-            .read_exact(&mut r)
-            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
-        let msg_len = u32::from_le_bytes(r[4..8].try_into().expect("4"));
-        if r[0] != 0 {
-            let mut msg = vec![0u8; msg_len.min(MAX_ERROR_LEN) as usize];
-            let _ = stream.read_exact(&mut msg);
-            return Err(ChannelError::Remote {
-                op: sl.op,
-                message: String::from_utf8_lossy(&msg).into_owned(),
-            });
-        }
+        read_reply(p, stream, sl.op, opts)?;
         if kind == OpKind::Read {
             let op = &ops[sl.op];
             if let Some((dev, at)) = local_device(op, sl.offset) {

@@ -252,14 +252,9 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
                     fill_piece(c, &model, key_seed(&chunk_key(&req_id, i)), from)?;
                 }
                 let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
-                let (host, init, alloc) = &targets[(first + r) % targets.len()];
                 let spec = TransferSpec {
-                    req_id: req_id.clone(),
-                    receiver_host: host.clone(),
-                    receiver_init_port: init.clone(),
-                    receiver_alloc_port: alloc.clone(),
-                    is_last_prefill: true,
                     receiver_rank: Some(route.rank),
+                    ..spec_to(&targets[(first + r) % targets.len()], &req_id)
                 };
                 ok &= put_and_report(
                     &sender,
@@ -285,15 +280,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         // Filled: from now on the chunks are only read (sent, or read by receivers).
         let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
         // Requests go round-robin over the receivers.
-        let (host, init, alloc) = &targets[(first + r) % targets.len()];
-        let spec = TransferSpec {
-            req_id: req_id.clone(),
-            receiver_host: host.clone(),
-            receiver_init_port: init.clone(),
-            receiver_alloc_port: alloc.clone(),
-            is_last_prefill: true,
-            receiver_rank: None,
-        };
+        let spec = spec_to(&targets[(first + r) % targets.len()], &req_id);
         ok &= put_and_report(&sender, &registry, &keys, chunks, &spec, &req_id);
         publish_sender(&registry, &sender, layout.page_bytes() as u64);
     }
@@ -328,6 +315,20 @@ fn fill_chunk(c: &mut MemObj, seed: u64) -> Result<()> {
     pattern::fill(&mut v, seed);
     npu::write_page(c, 0, &v)?;
     Ok(())
+}
+
+/// A request's transfer spec to the receiver `target` (host, init and
+/// alloc ports), to this rank's own decode rank.
+fn spec_to(target: &(String, PortList, PortList), req_id: &str) -> TransferSpec {
+    let (host, init, alloc) = target;
+    TransferSpec {
+        req_id: req_id.to_string(),
+        receiver_host: host.clone(),
+        receiver_init_port: init.clone(),
+        receiver_alloc_port: alloc.clone(),
+        is_last_prefill: true,
+        receiver_rank: None,
+    }
 }
 
 /// Puts `chunks` under `keys`, emits the `put` event for unit `unit`
