@@ -45,6 +45,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
+use std::time::Instant;
 use uuid::Uuid;
 
 /// What a peer needs to address one registered pool.
@@ -430,15 +431,23 @@ pub trait TransferChannel: Send + Sync {
     /// Reads every range of `ops` from `peer` straight into host memory and
     /// returns once each has landed or failed — never earlier, so no copy
     /// outlives the call. Every remote range is validated before any byte
-    /// moves. Channels that cannot address caller memory refuse (the
-    /// caller stages through its pages instead).
+    /// moves. A read still waiting for the peer at `deadline` (the pulls'
+    /// lease end, after which the peer may reuse its pages) is given up and
+    /// its connection dropped, so nothing it would deliver later lands.
+    /// Channels that cannot address caller memory refuse (the caller
+    /// stages through its pages instead).
     ///
     /// # Safety
     /// Each `[dst, dst + len)` must be host memory the caller may write for
     /// the whole call, that nothing else reads or writes meanwhile, and the
     /// ranges must not overlap one another.
-    unsafe fn read_direct(&self, peer: PeerId, ops: &[DirectRead]) -> Result<(), ChannelError> {
-        let _ = (peer, ops);
+    unsafe fn read_direct(
+        &self,
+        peer: PeerId,
+        ops: &[DirectRead],
+        deadline: Instant,
+    ) -> Result<(), ChannelError> {
+        let _ = (peer, ops, deadline);
         Err(ChannelError::Unsupported(format!(
             "the {} channel cannot read into caller memory",
             self.kind().name()

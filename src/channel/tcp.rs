@@ -880,7 +880,12 @@ impl TransferChannel for TcpChannel {
         true
     }
 
-    unsafe fn read_direct(&self, peer: PeerId, ops: &[DirectRead]) -> Result<(), ChannelError> {
+    unsafe fn read_direct(
+        &self,
+        peer: PeerId,
+        ops: &[DirectRead],
+        deadline: Instant,
+    ) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
         let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
@@ -910,7 +915,7 @@ impl TransferChannel for TcpChannel {
         // on_connections returns only after every connection thread ended,
         // so no byte lands after this call.
         on_connections(p, &slices, |conn, mine| {
-            run_direct_on_connection(p, node, conn, mine, opts)
+            run_direct_on_connection(p, node, conn, mine, opts, deadline)
         })
     }
 
@@ -1184,8 +1189,28 @@ fn run_direct_on_connection(
     conn: &mut Option<Conn>,
     slices: &[DirectSlice],
     opts: &TcpOptions,
+    deadline: Instant,
 ) -> Result<(), ChannelError> {
     let Conn { stream, .. } = connected(p, node, conn, opts)?;
+    // Every blocking call waits at most until the deadline: past it the
+    // peer may reuse its pages, and this read is given up (the caller drops
+    // the connection, so nothing sent later lands).
+    let arm = |stream: &TcpStream, op: usize| -> Result<(), ChannelError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ChannelError::Timeout {
+                what: format!(
+                    "direct read from {} ({}), op {op}: the pull's lease ended",
+                    p.node, p.addr
+                ),
+                after: opts.io_timeout.min(left),
+            });
+        }
+        let t = Some(left.min(opts.io_timeout));
+        stream.set_read_timeout(t).ok();
+        stream.set_write_timeout(t).ok();
+        Ok(())
+    };
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
     while done < slices.len() {
@@ -1200,22 +1225,28 @@ fn run_direct_on_connection(
                 tag: GrantTag::UNTAGGED,
             }
             .encode();
+            arm(stream, sl.op)?;
             stream
                 .write_all(&h)
                 .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
             sent += 1;
         }
         let sl = slices[done];
+        arm(stream, sl.op)?;
         read_reply(p, stream, sl.op, opts)?;
         // SAFETY: read_direct's caller vouched that [dst, dst + len) is
         // host memory it may write, untouched by anyone else, for the whole
         // call; read_direct returns only after this thread ended.
         let dst = unsafe { std::slice::from_raw_parts_mut(sl.dst as *mut u8, sl.len) };
+        arm(stream, sl.op)?;
         stream
             .read_exact(dst)
             .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
         done += 1;
     }
+    // The connection is reused: back to the usual timeouts.
+    stream.set_read_timeout(Some(opts.io_timeout)).ok();
+    stream.set_write_timeout(Some(opts.io_timeout)).ok();
     Ok(())
 }
 

@@ -577,7 +577,12 @@ fn load_group_direct(
         // its own slot (distinct_slots, checked before choosing this path)
         // and a chunk's runs cover distinct (layer, plane, slot) elements
         // (the head pieces of one chunk distinct elements: check_pieces).
-        let read = unsafe { env.channel().read_direct(peer, &ops) };
+        let deadline = began
+            .iter()
+            .map(|(_, p)| p.lease_deadline)
+            .min()
+            .unwrap_or(now);
+        let read = unsafe { env.channel().read_direct(peer, &ops, deadline) };
         let finished = Instant::now();
         tally.batches += 1;
         if read.is_ok() {
@@ -588,12 +593,13 @@ fn load_group_direct(
         }
         for (item, p) in began {
             let outcome = match &read {
-                Err(e) => Err(format!("direct read from {peer}: {e}")),
                 // The sender may free its pages at the lease's end: bytes
-                // copied past it cannot be trusted.
-                Ok(()) if finished > p.lease_deadline => {
+                // copied past it cannot be trusted (and a read still
+                // waiting then was given up).
+                _ if finished > p.lease_deadline => {
                     Err("the direct read did not finish within the pull's lease".to_string())
                 }
+                Err(e) => Err(format!("direct read from {peer}: {e}")),
                 Ok(()) => Ok(()),
             };
             let ended = match &outcome {
