@@ -126,7 +126,7 @@ fn prefill(dep: &Deployment, req: &str) {
             let (from, width) = elements(route.heads, dep.mla);
             assert_eq!(s.chunk_layout().hidden, width);
             let tokens: Vec<usize> = (0..N_CHUNKS).map(tokens_of).collect();
-            let mut pages = s.allocate(&tokens).unwrap();
+            let mut pages = s.allocate_for(Some(&route), &tokens).unwrap();
             let mut keys = Vec::new();
             for (c, page) in pages.iter_mut().enumerate() {
                 let model = model_chunk(req, c, tokens_of(c), dep.mla);
@@ -312,7 +312,11 @@ fn a_decode_rank_missing_a_piece_or_misconfigured_is_told_why() {
 
     let dep = deploy(ChannelKind::Shm, TransferMode::Push, 1, 2, false);
     let chunks = {
-        let mut p = dep.senders[0].allocate(&[CHUNK]).unwrap();
+        // Several routes: allocate names no route and is refused.
+        let e = dep.senders[0].allocate(&[CHUNK]).unwrap_err().to_string();
+        assert!(e.contains("allocate_for"), "{e}");
+        let route = dep.senders[0].routes()[0];
+        let mut p = dep.senders[0].allocate_for(Some(&route), &[CHUNK]).unwrap();
         p[0].host_bytes_mut().unwrap().fill(1);
         vec![p.pop().unwrap().seal()]
     };
@@ -321,6 +325,15 @@ fn a_decode_rank_missing_a_piece_or_misconfigured_is_told_why() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("receiver_rank") && e.contains("[0, 1]"), "{e}");
+    // Rank 0's heads put to decode rank 1 (which takes heads [2, 4)):
+    // refused, not delivered as rank 1's heads.
+    let mut spec = spec_for(&dep.rc, "x", true);
+    spec.receiver_rank = Some(1);
+    let e = dep.senders[0]
+        .put(&["x".into()], &chunks, &spec)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("decode rank 1 takes heads [2, 4)"), "{e}");
     drop(chunks);
     finish(dep);
 
@@ -520,4 +533,29 @@ mod request_api {
         run(TransferMode::Push, 1, 2, true);
         run(TransferMode::PullDelay, 2, 1, true);
     }
+}
+
+/// With the same TP size on both sides a config may set `kv_hidden_size`
+/// on its own (not heads x head size): chunks keep that width end to end.
+#[test]
+fn the_same_tp_keeps_an_explicit_hidden_size() {
+    let mut rc = receiver_config(ChannelKind::Shm, TransferMode::Push, 8);
+    let mut sc = sender_config(ChannelKind::Shm, TransferMode::Push, 8);
+    for c in [&mut rc, &mut sc] {
+        c.kv.hidden_size = 48;
+        c.buffer_size = 8 * c.page_bytes();
+    }
+    let r = Receiver::start(&rc, 0).unwrap();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    assert_eq!(s.chunk_layout().hidden, 48);
+    let ks = keys("wide", 2);
+    let c = chunks(&s, &ks, CHUNK);
+    s.put(&ks, &c, &spec_for(&rc, "wide", true)).unwrap();
+    for k in &ks {
+        let m = r.get_wait(k, Duration::from_secs(10)).expect("landed");
+        assert!(holds(&m, k), "{k}");
+        r.remove(k);
+    }
+    drop(c);
+    assert!(s.drain(Duration::from_secs(10)));
 }

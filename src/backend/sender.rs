@@ -188,11 +188,12 @@ impl Sender {
         // Every piece this rank sends has the same width: its whole chunk,
         // or (decode TP larger) one decode rank's heads.
         let piece_layout = match routes.first() {
-            Some(r) => ChunkLayout {
+            // Mixed TP sizes (validated: hidden = heads x head size).
+            Some(r) if config.tp_size != config.peer_tp() => ChunkLayout {
                 hidden: r.heads.len() * config.head_elements(),
                 ..config.chunk_layout()
             },
-            None => config.chunk_layout(),
+            _ => config.chunk_layout(),
         };
         let core = SenderCore::new(SenderConfig {
             node: node.as_str().to_string(),
@@ -363,12 +364,35 @@ impl Sender {
     }
 
     /// Pages for chunks of `tokens` tokens each (only the last may be
-    /// partial), to fill and [seal](MemObj::seal) before `put`.
+    /// partial), to fill and [seal](MemObj::seal) before `put` — for this
+    /// rank's one route (see [`Sender::allocate_for`] when it feeds several
+    /// decode ranks).
     pub fn allocate(&self, tokens: &[usize]) -> Result<Vec<MemObj>, BackendError> {
+        match self.shared.routes.as_slice() {
+            [] => self.allocate_for(None, tokens),
+            [one] => self.allocate_for(Some(one), tokens),
+            many => Err(BackendError::InvalidInput(format!(
+                "this prefill rank feeds {} decode ranks, each with its own head slice: allocate \
+                 each one's pages with Sender::allocate_for(route)",
+                many.len()
+            ))),
+        }
+    }
+
+    /// Pages for the head piece `route` carries (from [`Sender::routes`]):
+    /// tagged with where that piece starts in this rank's token, so a
+    /// [`crate::kv::KvCache::gather`] into them takes exactly those heads,
+    /// and `put` to `route.rank` accepts only them.
+    pub fn allocate_for(
+        &self,
+        route: Option<&Route>,
+        tokens: &[usize],
+    ) -> Result<Vec<MemObj>, BackendError> {
         let layout = self.chunk_layout();
+        let offset = route.map_or(0, |r| self.piece_offset(r));
         let metas: Vec<ChunkMeta> = tokens
             .iter()
-            .map(|&t| ChunkMeta::partial(layout, t))
+            .map(|&t| ChunkMeta::partial(layout, t).at_hidden_offset(offset))
             .collect();
         Ok(self.shared.alloc.allocate_batch(&metas)?)
     }
@@ -395,6 +419,24 @@ impl Sender {
             )));
         }
         let rank = self.receiver_rank(spec)?;
+        // A chunk must hold the heads of the decode rank it goes to: its
+        // pages say where in this rank's token they were taken from.
+        if let Some(route) = s.routes.iter().find(|r| r.rank == rank) {
+            let want = self.piece_offset(route);
+            if let Some((i, c)) = chunks
+                .iter()
+                .enumerate()
+                .find(|(_, c)| c.meta().hidden_offset != want)
+            {
+                return Err(BackendError::InvalidInput(format!(
+                    "chunk {i} holds the heads starting at element {} of this rank's token, but \
+                     decode rank {rank} takes {} (starting at element {want}): allocate its \
+                     pages with Sender::allocate_for(route) and gather into them",
+                    c.meta().hidden_offset,
+                    route.heads
+                )));
+            }
+        }
         let (init, alloc) = match (
             spec.receiver_init_port.for_rank(rank),
             spec.receiver_alloc_port.for_rank(rank),

@@ -312,13 +312,18 @@ fn check_pieces<'a>(
         chunks.entry(item.index / per).or_default().push(meta);
     }
     for (chunk, mut pieces) in chunks {
-        if pieces.len() < per {
-            continue;
-        }
+        // Overlaps and token counts are checked even for a chunk with a
+        // piece missing (that chunk fails, but its pieces must not be
+        // copied over one another meanwhile); coverage only when whole.
+        let whole = pieces.len() >= per;
         pieces.sort_by_key(|m| m.hidden_offset);
         let mut at = 0;
         for m in &pieces {
-            if m.hidden_offset != at || m.tokens != pieces[0].tokens {
+            let placed = match whole {
+                true => m.hidden_offset == at,
+                false => m.hidden_offset >= at,
+            };
+            if !placed || m.tokens != pieces[0].tokens {
                 return Err(LoadError::Pieces {
                     chunk,
                     detail: format!(
@@ -340,9 +345,9 @@ fn check_pieces<'a>(
                     ),
                 });
             }
-            at += m.layout.hidden;
+            at = m.hidden_offset + m.layout.hidden;
         }
-        if at != hidden {
+        if whole && at != hidden {
             return Err(LoadError::Pieces {
                 chunk,
                 detail: format!("its {per} piece(s) hold {at} of each token's {hidden} elements"),
@@ -488,6 +493,26 @@ fn load_group(
     drop(pipe);
 }
 
+/// Pins `item`'s proxy for a read — only if it is still the proxy the load
+/// classified (`expect`): a key announced again meanwhile names other
+/// bytes, possibly of another shape, and is left to a later load.
+fn begin_same(
+    core: &mut ReceiverCore,
+    item: &LoadItem,
+    expect: &ProxyEntry,
+    now: Instant,
+) -> Result<ProxyEntry, String> {
+    if let Lookup::Proxy(p) = core.get(&item.key, now) {
+        if p.handle != expect.handle {
+            return Err(
+                "it was announced again while this load ran (another pull); load it again".into(),
+            );
+        }
+    }
+    core.begin_proxy_read(&item.key, now)
+        .map_err(|e| e.to_string())
+}
+
 /// Whether no slot appears twice in `slots` (padding aside).
 fn distinct_slots(slots: &[i64]) -> bool {
     let mut v: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
@@ -528,11 +553,11 @@ fn load_group_direct(
                 fail(item, proxy, why, tally);
                 continue;
             }
-            let began_one = env.core().begin_proxy_read(&item.key, now);
+            let began_one = begin_same(&mut env.core(), item, proxy, now);
             let p = match began_one {
                 Ok(p) => p,
-                Err(e) => {
-                    fail(item, proxy, e.to_string(), tally);
+                Err(why) => {
+                    fail(item, proxy, why, tally);
                     continue;
                 }
             };
@@ -661,7 +686,7 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
             let mut pages = pages.into_iter();
             for j in b.items.clone() {
                 let page = pages.next().expect("one page per item");
-                match core.begin_proxy_read(&self.items[j].0.key, now) {
+                match begin_same(&mut core, &self.items[j].0, &self.items[j].1, now) {
                     Ok(p) => {
                         deadline =
                             Some(deadline.map_or(p.lease_deadline, |d| d.min(p.lease_deadline)));
@@ -677,7 +702,7 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
                         let mut back: Vec<MemObj> = ops.into_iter().map(|o| o.local).collect();
                         back.push(page);
                         back.extend(pages);
-                        return Err((e.to_string(), back));
+                        return Err((e, back));
                     }
                 }
             }

@@ -203,6 +203,9 @@ impl Shared {
     /// `None` for whole chunks. The hellos' agreement already refused
     /// senders that cannot be paired.
     fn piece_of(&self, a: &Agreement) -> Option<HeadPiece> {
+        if self.config.tp_size == self.config.peer_tp() {
+            return None;
+        }
         let (ours, theirs) = (self.tp.as_ref()?, a.remote.tp.as_ref()?);
         let heads = ours.piece_from(theirs).ok()?;
         let plan = self.config.tp_plan().ok()?;

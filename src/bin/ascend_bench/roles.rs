@@ -243,6 +243,11 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
                 let keys: Vec<String> = (0..n_chunks)
                     .map(|i| piece_key(&req_id, i, route.heads))
                     .collect();
+                // Tagged with where this route's heads start in the rank's
+                // token (put checks it).
+                let offset = sender.piece_offset(&route);
+                let metas: Vec<ChunkMeta> =
+                    metas.iter().map(|m| m.at_hidden_offset(offset)).collect();
                 let mut pages: Vec<MemObj> = sender
                     .allocator()
                     .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
