@@ -175,7 +175,7 @@ pub struct ChunkMeta {
     pub tokens: usize,
     /// Where this chunk's `layout.hidden` elements start in a token of the
     /// KV cache: 0 unless the chunk is a head piece of a heterogeneous-TP
-    /// transfer (see [`crate::kv::tp`]).
+    /// transfer (the KV module's `tp` plan decides the pieces).
     pub hidden_offset: usize,
 }
 
