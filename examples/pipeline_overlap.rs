@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 const BLOCK: usize = 16;
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(ascend_pd::config::loopback_port()?)
 }
 
 /// A receiver and a sender over `channel`, pull-delay, `chunk_tokens`-token

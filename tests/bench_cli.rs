@@ -143,11 +143,7 @@ fn next_event(out: &mut impl BufRead) -> Value {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ascend_pd::config::loopback_port().unwrap()
 }
 
 fn sigterm(c: &Child) {

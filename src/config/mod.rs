@@ -6,9 +6,11 @@
 //! collected, so a user fixes a file in one pass.
 
 mod error;
+mod ports;
 mod yaml;
 
 pub use error::{ConfigError, ConfigProblem};
+pub use ports::loopback_port;
 
 use crate::layout::{ChunkLayout, Dtype, MemFormat};
 use std::fmt::{self, Write as _};

@@ -8,10 +8,10 @@ use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, Tra
 use ascend_pd::memory::{pattern, MemObj, Page, PoolStats, SealedMemObj};
 use std::time::Duration;
 
-/// A port that was free a moment ago.
+/// A free loopback port outside the ephemeral range, never handed out
+/// twice in this process (see [`ascend_pd::config::loopback_port`]).
 pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    ascend_pd::config::loopback_port().unwrap()
 }
 
 /// Tokens per chunk in these tests.

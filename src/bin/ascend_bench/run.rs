@@ -46,9 +46,7 @@ pub struct RunSpec {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(ascend_pd::config::loopback_port()?)
 }
 
 fn ports(n: usize) -> Result<Vec<u16>> {

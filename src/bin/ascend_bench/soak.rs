@@ -261,9 +261,7 @@ fn tempdir() -> Result<std::path::PathBuf> {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(ascend_pd::config::loopback_port()?)
 }
 
 /// The soak's small model on `channel` in `mode`.
