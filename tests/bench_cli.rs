@@ -345,6 +345,13 @@ fn run_on_an_emulated_npu_over_hccl_verifies_and_says_which_runtime() {
             m["bytes_verified"].as_u64().unwrap(),
             2 * 2 * 32 * 300 * 1024 * 2
         );
+        // Pull-delay reads straight into the NPU cache registered with HCCL.
+        let path = if m["mode"] == "pull-delay" {
+            "direct"
+        } else {
+            "resident"
+        };
+        assert_eq!(m["load_path"], path, "{m}");
     }
     let _ = std::fs::remove_file(json);
     // Without a runtime the error says how to get one.

@@ -10,7 +10,7 @@
 
 use ascend_pd::channel::handshake::{self, Hello};
 use ascend_pd::channel::{
-    self as chan, ChannelError, GrantTag, PeerId, ReadOp, TransferChannel, WriteOp,
+    self as chan, ChannelError, DirectRead, GrantTag, PeerId, ReadOp, TransferChannel, WriteOp,
 };
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
@@ -748,6 +748,103 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
             assert_eq!(start.allocated, 2 * PAGES);
         }
     }
+}
+
+/// hccl reads straight into NPU memory only once it is registered with
+/// the channel (the emulator, like HCCL, refuses a local range outside
+/// registered memory), every byte lands where asked, and dropping the
+/// registration deregisters it on the communicator (registering the same
+/// memory again then succeeds, which the emulator refuses for memory still
+/// registered).
+#[test]
+fn hccl_direct_reads_land_only_in_registered_npu_memory() {
+    let peer = Peer::spawn_on(ChannelKind::Hccl, Dev::Cpu, 4, PAGE, "push", "peer");
+    let ctx = zmq::Context::new();
+    let l = local_on(ChannelKind::Hccl, Dev::Npu, 2);
+    let (pid, uuid) = connect(&ctx, &l, &peer);
+    let ch = l.channel.as_ref();
+    let npu0 = DeviceKind::Npu(0);
+    assert!(ch.reads_direct(npu0) && !ch.reads_direct(DeviceKind::Cpu));
+    let id = ch.direct_registry().expect("hccl registers direct targets");
+
+    let dev = runtime().device(0).unwrap();
+    let cache = dev.alloc(2 * PAGE).unwrap();
+    cache.fill(0, 2 * PAGE, 0).unwrap();
+    let base = cache.addr() as usize;
+    // Peer page 3 (a slice of it) to the start, peer page 1 whole to the
+    // second half.
+    let ops = [
+        DirectRead {
+            remote: BufferRef { uuid, page: 3 },
+            offset: 4096,
+            dst: base,
+            len: PAGE - 8192,
+        },
+        DirectRead {
+            remote: BufferRef { uuid, page: 1 },
+            offset: 0,
+            dst: base + PAGE,
+            len: PAGE,
+        },
+    ];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let read = |ops: &[DirectRead]| {
+        // SAFETY: the ranges are inside `cache`, which only this test uses
+        // and which outlives every call.
+        unsafe { ch.read_direct(pid, ops, deadline) }
+    };
+    let err = read(&ops).unwrap_err().to_string();
+    assert!(err.contains("not in memory registered"), "{err}");
+
+    for round in 0..2 {
+        // SAFETY: the region is `cache`, device memory of NPU 0 allocated by
+        // the runtime, which outlives the registration.
+        let reg = unsafe { ch.register_direct(npu0, &[(base, 2 * PAGE)]) }
+            .unwrap()
+            .expect("hccl hands back a registration");
+        assert_eq!(reg.channel(), id);
+        // SAFETY: as above.
+        let twice = unsafe { ch.register_direct(npu0, &[(base + PAGE, PAGE)]) };
+        assert!(
+            twice.unwrap_err().to_string().contains("overlaps"),
+            "round {round}"
+        );
+        read(&ops).unwrap();
+        let mut got = vec![0u8; 2 * PAGE];
+        cache.copy_to_host(0, &mut got).unwrap();
+        let mut want = vec![0u8; PAGE];
+        pattern::fill(&mut want, pattern::page_seed(PEER_SEED, 3));
+        assert!(
+            got[..PAGE - 8192] == want[4096..PAGE - 4096],
+            "round {round}: slice"
+        );
+        assert!(
+            got[PAGE - 8192..PAGE].iter().all(|&b| b == 0),
+            "round {round}: past the slice"
+        );
+        pattern::fill(&mut want, pattern::page_seed(PEER_SEED, 1));
+        assert!(got[PAGE..] == want[..], "round {round}: whole page");
+        // A range past the registered memory is refused before any byte moves.
+        let past = [DirectRead {
+            dst: base + PAGE + 1,
+            ..ops[1]
+        }];
+        let err = read(&past).unwrap_err().to_string();
+        assert!(err.contains("not in memory registered"), "{err}");
+        cache.fill(0, 2 * PAGE, 0).unwrap();
+        drop(reg);
+        let err = read(&ops).unwrap_err().to_string();
+        assert!(
+            err.contains("not in memory registered"),
+            "round {round}: {err}"
+        );
+    }
+    // SAFETY: not registered (refused before anything happens).
+    let host = unsafe { ch.register_direct(DeviceKind::Cpu, &[(base, PAGE)]) };
+    assert!(host.unwrap_err().to_string().contains("NPU 0"));
+    drop(l.objs);
+    assert!(settles(&l.pool));
+    drop(peer);
 }
 
 #[test]

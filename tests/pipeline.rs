@@ -640,6 +640,8 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
         )
         .unwrap();
     assert_eq!((report.depth, report.micro_batches), (2, 5));
+    // An NPU cache over tcp keeps the staged path through NPU pages.
+    assert_eq!(report.load_path(), "staged");
     assert_cache_holds(
         &mut cache,
         &rc.chunk_layout(),
@@ -650,6 +652,63 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     assert_released(&s, 1);
     assert_no_pages(r.stats().pools.npu.unwrap(), "receiver NPU pool");
     assert_eq!(r.stats().store.contexts_open, 0);
+}
+
+/// Issue 12's direct load over hccl: the NPU cache is registered with the
+/// channel on the first load and each proxy is one `HcclBatchGet` per run
+/// straight into it (the emulator checks every local range against memory
+/// registered on the communicator). No staging page is taken; a second
+/// cache, after the first is dropped (and deregistered), loads directly
+/// too; `direct: false` still stages.
+#[test]
+fn an_npu_cache_over_hccl_is_read_directly() {
+    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
+    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
+    let dev = rt.device(0).unwrap();
+    let mut rc = receiver_config(ChannelKind::Hccl, TransferMode::PullDelay, 8);
+    rc.buffer_device = BufferDevice::Npu(Some(0));
+    let r = Receiver::start(&rc, 0).unwrap();
+    let sc = sender_config(ChannelKind::Hccl, TransferMode::PullDelay, 32);
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 20, BLOCK);
+    let npu_pool = || r.stats().pools.npu.unwrap();
+    for (round, direct) in [(0u64, true), (1, true), (2, false)] {
+        let req = format!("hccl-direct-{round}");
+        let ks = put_delay(&s, &rc, &req, 9, 11);
+        let how = [Mapping::Blocks, Mapping::Scattered][round as usize % 2];
+        let slots = slot_mapping(8 * CHUNK + 11, 20, how, 40 + round);
+        let mut cache = KvCache::npu(&dev, spec).unwrap();
+        let before = npu_pool();
+        let opts = LoadOptions {
+            direct,
+            ..Default::default()
+        };
+        let report = r.load_with(&ks, &slots, &mut cache, &opts).unwrap();
+        if direct {
+            assert_eq!(report.load_path(), "direct", "round {round}");
+            assert_eq!((report.proxies, report.direct), (9, 9));
+            assert_eq!(
+                (report.depth, report.pools, report.peak_buffer_bytes),
+                (0, 0, 0)
+            );
+            assert_eq!(npu_pool().high_water, before.high_water, "a page was taken");
+        } else {
+            assert_eq!(report.load_path(), "staged");
+            assert!(npu_pool().high_water > 0);
+        }
+        assert_eq!(report.dones_sent, 1);
+        assert_cache_holds(
+            &mut cache,
+            &rc.chunk_layout(),
+            &ks,
+            &token_counts(9, 11),
+            &slots,
+        );
+        assert_no_pages(npu_pool(), "receiver NPU pool");
+        assert_eq!(r.stats().store.proxies, 0);
+        assert_eq!(r.stats().store.contexts_open, 0);
+    }
+    assert_released(&s, 3);
 }
 
 /// Issue 12's direct load: over shm and tcp into a host cache, pull-delay proxies

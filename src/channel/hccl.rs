@@ -51,23 +51,25 @@
 use super::grant::GrantTable;
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
-    ChannelError, Completion, CompletionSender, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
-    OpKind, PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    ChannelError, Completion, CompletionSender, DirectRead, DirectRegistration, Endpoint, GrantId,
+    GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry, PeerTable, ReadOp,
+    TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
-use crate::memory::{BufferRef, MemObj, PagePool, SealedMemObj};
+use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use ascend_sys::{
-    Comm, Device, DeviceBuffer, HostBuffer, OneSidedOp, RegisteredMem, RemoteMem, RootInfo, Stream,
+    Comm, Device, DeviceBuffer, HostBuffer, MemKind, OneSidedOp, RegisteredMem, RemoteMem,
+    RootInfo, Stream,
 };
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -129,6 +131,63 @@ pub struct HcclChannel {
     peers: PeerRegistry<HcclPeer>,
     grants: GrantTable<Arc<SetupCell>>,
     auth: Option<Secret>,
+    /// This instance, for direct registrations ([`TransferChannel::direct_registry`]).
+    id: u64,
+    direct: Arc<Mutex<DirectState>>,
+}
+
+/// Instances made so far (their ids).
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
+
+/// Memory registered for direct reads (KV caches), and the links it is
+/// registered on. Each link registers a region on its communicator the
+/// first time it reads into registered memory; dropping a region's
+/// registration deregisters it on every such link. One lock, always taken
+/// before a link's `direct`, orders both.
+#[derive(Default)]
+struct DirectState {
+    next: u64,
+    regions: Vec<DirectRegion>,
+    links: Vec<Weak<Link>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct DirectRegion {
+    id: u64,
+    addr: usize,
+    len: usize,
+}
+
+impl DirectRegion {
+    fn holds(&self, addr: usize, len: usize) -> bool {
+        self.addr <= addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.addr + self.len)
+    }
+}
+
+/// What a [`DirectRegistration`] of this channel holds: dropping it
+/// forgets its regions and deregisters them from every link.
+struct DirectHold {
+    state: Weak<Mutex<DirectState>>,
+    ids: Vec<u64>,
+}
+
+impl Drop for DirectHold {
+    fn drop(&mut self) {
+        let Some(state) = self.state.upgrade() else {
+            return;
+        };
+        let mut st = lock(&state);
+        st.regions.retain(|r| !self.ids.contains(&r.id));
+        st.links.retain(|l| l.strong_count() > 0);
+        for link in st.links.iter().filter_map(Weak::upgrade) {
+            // A direct read holds `&` to the memory for its whole call, so
+            // none is in flight here: deregistering is safe.
+            lock(&link.direct).retain(|(id, _)| !self.ids.contains(id));
+        }
+    }
 }
 
 struct HcclPeer {
@@ -201,6 +260,8 @@ impl HcclChannel {
             peers: PeerRegistry::default(),
             grants: GrantTable::default(),
             auth: None,
+            id: INSTANCES.fetch_add(1, Ordering::Relaxed),
+            direct: Arc::default(),
         })
     }
 
@@ -372,6 +433,176 @@ impl TransferChannel for HcclChannel {
         self.submit(peer, OpKind::Write, ops)
     }
 
+    fn reads_direct(&self, device: DeviceKind) -> bool {
+        device == DeviceKind::Npu(self.device.id())
+    }
+
+    fn direct_registry(&self) -> Option<u64> {
+        Some(self.id)
+    }
+
+    unsafe fn register_direct(
+        &self,
+        device: DeviceKind,
+        regions: &[(usize, usize)],
+    ) -> Result<Option<DirectRegistration>, ChannelError> {
+        if !self.reads_direct(device) {
+            return Err(ChannelError::Unsupported(format!(
+                "hccl reads straight only into memory of NPU {} (its communicators' device), not \
+                 {device}",
+                self.device.id()
+            )));
+        }
+        let mut st = lock(&self.direct);
+        let total = self.local.len() + st.regions.len() + regions.len();
+        if total > ascend_sys::REGISTRATION_LIMIT {
+            return Err(ChannelError::Unsupported(format!(
+                "{} region(s) for direct reads would make {total} HCCL registrations per \
+                 communicator, more than the {} it accepts (allocate the KV cache as one tensor, \
+                 or fewer)",
+                regions.len(),
+                ascend_sys::REGISTRATION_LIMIT
+            )));
+        }
+        for &(addr, len) in regions {
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(ChannelError::Unsupported(format!(
+                    "cannot register {len} bytes at {addr:#x} for direct reads"
+                )));
+            }
+            if let Some(r) = st
+                .regions
+                .iter()
+                .find(|r| addr < r.addr + r.len && r.addr < addr + len)
+            {
+                return Err(ChannelError::Unsupported(format!(
+                    "[{addr:#x}, +{len}) overlaps memory already registered for direct reads \
+                     ([{:#x}, +{}]): is another KV cache over the same memory alive?",
+                    r.addr, r.len
+                )));
+            }
+        }
+        let mut ids = Vec::with_capacity(regions.len());
+        for &(addr, len) in regions {
+            st.next += 1;
+            let id = st.next;
+            st.regions.push(DirectRegion { id, addr, len });
+            ids.push(id);
+        }
+        Ok(Some(DirectRegistration::new(
+            self.id,
+            Box::new(DirectHold {
+                state: Arc::downgrade(&self.direct),
+                ids,
+            }),
+        )))
+    }
+
+    /// One `HcclBatchGet` (split at the op limit) straight into registered
+    /// device memory. Unlike tcp, a read cannot be given up at `deadline`:
+    /// the device could still write into the cache afterwards, so the call
+    /// waits for the stream to finish the batch (logging while it takes
+    /// longer than the batch timeout) and the caller discards what
+    /// finished past the lease.
+    unsafe fn read_direct(
+        &self,
+        peer: PeerId,
+        ops: &[DirectRead],
+        deadline: Instant,
+    ) -> Result<(), ChannelError> {
+        let _ = deadline;
+        let p = self.peer(peer)?;
+        let regions = lock(&self.direct).regions.clone();
+        let mut batch = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let page = p.table.resolve_direct(i, op)?;
+            if !regions.iter().any(|r| r.holds(op.dst, op.len)) {
+                return Err(ChannelError::Unsupported(format!(
+                    "direct read op {i}: [{:#x}, +{}) is not in memory registered with this hccl \
+                     channel (register the KV cache: TransferChannel::register_direct)",
+                    op.dst, op.len
+                )));
+            }
+            if op.len == 0 {
+                continue;
+            }
+            let base = p
+                .table
+                .get(&op.remote.uuid)
+                .expect("resolve_direct found it")
+                .base;
+            batch.push(OneSidedOp {
+                local_addr: op.dst as u64,
+                remote_addr: base + page + op.offset as u64,
+                len: op.len as u64,
+            });
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let link = p.setup.wait(&p.node, self.opts.setup_timeout)?;
+        if let Err(detail) = link.watch.check() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail,
+            });
+        }
+        self.register_on(&link)?;
+        let context = format!(
+            "HcclBatchGet of {} direct op(s) from {}",
+            batch.len(),
+            p.node
+        );
+        // SAFETY: every local range is inside a region registered for
+        // direct reads (checked above) and so on this communicator
+        // (register_on); the caller owns that memory for the whole call
+        // (read_direct's contract), and its registration is dropped only
+        // with the memory's owner, which the caller borrows past this call.
+        // Every remote range is inside a page of the peer's table, which
+        // setup proved covered by regions enabled on this communicator. The
+        // call returns only after the stream finished the batch.
+        let done = match unsafe { link.comm.batch_get(&link.stream, &batch) } {
+            Ok(d) => d,
+            Err(source) => {
+                if matches!(source, ascend_sys::Error::BatchInFlight { .. }) {
+                    // Queued but untracked: wait for the whole stream.
+                    settle(&link, &context);
+                }
+                return Err(npu_err(context)(source));
+            }
+        };
+        let mut warn_at = Instant::now() + self.opts.batch_timeout;
+        loop {
+            match done.wait(WAIT_SLICE) {
+                Ok(()) => break,
+                Err(ascend_sys::Error::Timeout { .. }) => {
+                    if Instant::now() >= warn_at {
+                        log::warn!(
+                            "{context} has not finished after {:?}; still waiting, as the device \
+                             may yet write into the KV cache",
+                            self.opts.batch_timeout
+                        );
+                        warn_at += self.opts.batch_timeout;
+                    }
+                }
+                // What was queued has run; a later part was refused.
+                Err(source @ ascend_sys::Error::BatchPartlyQueued { .. }) => {
+                    return Err(npu_err(context)(source))
+                }
+                Err(source) => {
+                    settle(&link, &context);
+                    return Err(npu_err(context)(source));
+                }
+            }
+        }
+        link.watch.check().map_err(|d| ChannelError::PeerGone {
+            peer: p.node.clone(),
+            op: None,
+            detail: format!("{d}; the direct read ran, but not with a live peer"),
+        })
+    }
+
     fn grant(
         &self,
         peer: PeerId,
@@ -409,6 +640,36 @@ impl TransferChannel for HcclChannel {
 }
 
 impl HcclChannel {
+    /// Registers every direct-read region on `link`'s communicator that is
+    /// not yet, and remembers the link for deregistration.
+    fn register_on(&self, link: &Arc<Link>) -> Result<(), ChannelError> {
+        let mut st = lock(&self.direct);
+        let mut have = lock(&link.direct);
+        for r in &st.regions {
+            if have.iter().any(|(id, _)| *id == r.id) {
+                continue;
+            }
+            // SAFETY: register_direct's caller keeps the region allocated
+            // device memory until its registration is dropped, and that
+            // drop removes this entry (under the lock held here) first.
+            let reg = unsafe {
+                link.comm
+                    .register_raw(MemKind::Device, r.addr as *mut std::ffi::c_void, r.len)
+            }
+            .map_err(npu_err(format!(
+                "registering the KV cache ({} bytes at {:#x}) with HCCL for direct reads",
+                r.len, r.addr
+            )))?;
+            have.push((r.id, reg));
+        }
+        drop(have);
+        if !st.links.iter().any(|l| l.as_ptr() == Arc::as_ptr(link)) {
+            st.links.retain(|l| l.strong_count() > 0);
+            st.links.push(Arc::downgrade(link));
+        }
+        Ok(())
+    }
+
     fn submit<P: LocalPage>(
         &self,
         peer: PeerId,
@@ -610,6 +871,7 @@ impl SetupJob {
             completer: tx,
             stream,
             _remotes: remotes,
+            direct: Mutex::new(Vec::new()),
             _regs: regs,
             comm,
             watch,
@@ -642,6 +904,8 @@ struct Link {
     // regions and registrations it uses go, and those before the communicator.
     stream: Stream,
     _remotes: Vec<RemoteMem>,
+    /// Direct-read regions registered on this communicator, by region id.
+    direct: Mutex<Vec<(u64, RegisteredMem)>>,
     _regs: Vec<RegisteredMem>,
     comm: Comm,
     watch: Arc<Watch>,
@@ -952,6 +1216,18 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
                 });
             }
         }
+    }
+}
+
+/// Waits for everything queued on `link`'s stream: a direct read whose
+/// batch cannot be tracked must not return while the device may still
+/// write into the caller's memory.
+fn settle(link: &Link, context: &str) {
+    if let Err(e) = link.stream.synchronize() {
+        log::error!(
+            "{context}: the stream could not be synchronised ({e}); the KV cache slots of this \
+             read may still be written by the device"
+        );
     }
 }
 

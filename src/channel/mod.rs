@@ -175,10 +175,44 @@ pub struct DirectRead {
     pub remote: BufferRef,
     /// Where the range starts in that page.
     pub offset: usize,
-    /// The host address it goes to.
+    /// The address it goes to: a host address, or a device address in
+    /// memory registered with the channel ([`TransferChannel::register_direct`]).
     pub dst: usize,
     /// Bytes.
     pub len: usize,
+}
+
+/// Memory registered with a channel for direct reads (a KV cache the
+/// transfers land in, for channels that can only address registered
+/// memory). Dropping it deregisters the memory on every connection that
+/// used it; keep it no longer than the memory.
+pub struct DirectRegistration {
+    channel: u64,
+    _hold: Box<dyn Send + Sync>,
+}
+
+impl std::fmt::Debug for DirectRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectRegistration")
+            .field("channel", &self.channel)
+            .finish()
+    }
+}
+
+impl DirectRegistration {
+    /// A registration with channel `channel` ([`TransferChannel::direct_registry`]),
+    /// undone when `hold` is dropped.
+    pub(crate) fn new(channel: u64, hold: Box<dyn Send + Sync>) -> DirectRegistration {
+        DirectRegistration {
+            channel,
+            _hold: hold,
+        }
+    }
+
+    /// The channel it belongs to.
+    pub fn channel(&self) -> u64 {
+        self.channel
+    }
 }
 
 /// One transfer: `len` bytes between the start of a local page and the
@@ -423,13 +457,41 @@ pub trait TransferChannel: Send + Sync {
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError>;
 
-    /// Whether [`TransferChannel::read_direct`] can read into host memory.
-    fn reads_direct(&self) -> bool {
+    /// Whether [`TransferChannel::read_direct`] can read into memory of
+    /// `device` (once registered, for channels with a
+    /// [`TransferChannel::direct_registry`]).
+    fn reads_direct(&self, device: DeviceKind) -> bool {
+        let _ = device;
         false
     }
 
-    /// Reads every range of `ops` from `peer` straight into host memory and
-    /// returns once each has landed or failed — never earlier, so no copy
+    /// `Some(id)` when direct reads can only land in memory registered with
+    /// this channel instance ([`TransferChannel::register_direct`]); `id`
+    /// names the instance, so a registration is never taken for another.
+    fn direct_registry(&self) -> Option<u64> {
+        None
+    }
+
+    /// Registers `regions` (address, bytes) of `device` as destinations of
+    /// [`TransferChannel::read_direct`]; `Ok(None)` when the channel needs
+    /// no registration. Refused (the caller stages instead) when the channel
+    /// cannot address that memory.
+    ///
+    /// # Safety
+    /// Each region must be memory of `device`, allocated by the runtime the
+    /// channel uses, and stay allocated until the registration is dropped.
+    unsafe fn register_direct(
+        &self,
+        device: DeviceKind,
+        regions: &[(usize, usize)],
+    ) -> Result<Option<DirectRegistration>, ChannelError> {
+        let _ = (device, regions);
+        Ok(None)
+    }
+
+    /// Reads every range of `ops` from `peer` straight into caller memory
+    /// (host memory, or registered device memory) and returns once each has
+    /// landed or failed — never earlier, so no copy
     /// outlives the call. Every remote range is validated before any byte
     /// moves. A read still waiting for the peer at `deadline` (the pulls'
     /// lease end, after which the peer may reuse its pages) is given up and
@@ -438,8 +500,8 @@ pub trait TransferChannel: Send + Sync {
     /// stages through its pages instead).
     ///
     /// # Safety
-    /// Each `[dst, dst + len)` must be host memory the caller may write for
-    /// the whole call, that nothing else reads or writes meanwhile, and the
+    /// Each `[dst, dst + len)` must be memory the caller may write for the
+    /// whole call (host memory, or device memory it registered), that nothing else reads or writes meanwhile, and the
     /// ranges must not overlap one another.
     unsafe fn read_direct(
         &self,

@@ -310,8 +310,8 @@ impl TransferChannel for ShmChannel {
         self.submit(peer, OpKind::Write, ops)
     }
 
-    fn reads_direct(&self) -> bool {
-        true
+    fn reads_direct(&self, device: DeviceKind) -> bool {
+        device == DeviceKind::Cpu
     }
 
     unsafe fn read_direct(

@@ -876,8 +876,8 @@ impl TransferChannel for TcpChannel {
         self.submit(peer, OpKind::Read, GrantTag::UNTAGGED, ops)
     }
 
-    fn reads_direct(&self) -> bool {
-        true
+    fn reads_direct(&self, device: DeviceKind) -> bool {
+        device == DeviceKind::Cpu
     }
 
     unsafe fn read_direct(

@@ -2,18 +2,20 @@
 
 use super::plan::{piece_copies, CopyRun};
 use super::{KvCacheSpec, KvError};
+use crate::channel::DirectRegistration;
 use crate::memory::npu::{read_page, write_page};
 use crate::memory::{ChunkMeta, DeviceKind, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
-/// Where bytes of a chunk land in a host KV cache (see
-/// [`KvCache::host_targets`]).
+/// Where bytes of a chunk land in a KV cache (see
+/// [`KvCache::direct_targets`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HostRun {
+pub struct DirectRun {
     /// Offset in the chunk.
     pub chunk_offset: usize,
-    /// Host address in the cache.
+    /// Address in the cache (a host address, or a device address for an
+    /// NPU cache).
     pub addr: usize,
     /// Bytes.
     pub len: usize,
@@ -47,11 +49,17 @@ pub struct KvTensor {
 /// [`KvFence`]; the cache keeps every source page alive until then, so a
 /// page can never return to its pool while a copy still reads it.
 pub struct KvCache {
+    /// Registrations with channels that read straight into the cache.
+    /// Declared first: dropped before the memory they name.
+    direct: Vec<DirectRegistration>,
     spec: KvCacheSpec,
     mem: Memory,
     /// Address of each `(layer, plane)` region, index `layer * planes +
     /// plane`; each region is `spec.plane_bytes()` long.
     planes: Vec<usize>,
+    /// Whether each plane is its own allocation (an engine's per-layer
+    /// tensors), rather than all of them one.
+    separate: bool,
     /// Source pages of copies queued since the last fence.
     pending: Vec<SealedMemObj>,
 }
@@ -247,8 +255,10 @@ impl KvCache {
             .map_err(|source| crate::memory::MemoryError::HostAlloc { bytes, source })?;
         region.prefault();
         Ok(KvCache {
+            direct: Vec::new(),
             spec,
             planes: contiguous_planes(&spec, region.as_ptr() as usize),
+            separate: false,
             mem: Memory::Host(Some(region)),
             pending: Vec::new(),
         })
@@ -267,8 +277,10 @@ impl KvCache {
             .create_stream()
             .map_err(device_err("creating the load stream"))?;
         Ok(KvCache {
+            direct: Vec::new(),
             spec,
             planes: contiguous_planes(&spec, buf.addr() as usize),
+            separate: false,
             mem: Memory::Npu {
                 buf: Some(buf),
                 stream,
@@ -292,7 +304,9 @@ impl KvCache {
     pub unsafe fn wrap_host(spec: KvCacheSpec, tensors: &[KvTensor]) -> Result<KvCache, KvError> {
         let planes = check_tensors(&spec, tensors)?;
         Ok(KvCache {
+            direct: Vec::new(),
             spec,
+            separate: tensors.len() > 1,
             planes,
             mem: Memory::Host(None),
             pending: Vec::new(),
@@ -330,7 +344,9 @@ impl KvCache {
                 .map_err(device_err("creating the load stream"))?,
         };
         Ok(KvCache {
+            direct: Vec::new(),
             spec,
+            separate: tensors.len() > 1,
             planes,
             mem: Memory::Npu {
                 buf: None,
@@ -517,18 +533,14 @@ impl KvCache {
     }
 
     /// Where the chunk `meta` describes lands in this cache at `slots`, as
-    /// runs of host memory, for a direct load
-    /// (a channel reading the chunk's ranges straight into the cache).
-    /// `None` when the cache is not in host memory (it is loaded through
-    /// pages instead). Checked like a scatter: layout, piece, slots.
-    pub fn host_targets(
+    /// runs of the cache's memory, for a direct load (a channel reading the
+    /// chunk's ranges straight into the cache). Checked like a scatter:
+    /// layout, piece, slots.
+    pub fn direct_targets(
         &self,
         meta: &ChunkMeta,
         slots: &[i64],
-    ) -> Result<Option<Vec<HostRun>>, KvError> {
-        if !matches!(self.mem, Memory::Host(_)) {
-            return Ok(None);
-        }
+    ) -> Result<Vec<DirectRun>, KvError> {
         self.spec.check_piece(&meta.layout, meta.hidden_offset)?;
         if meta.tokens > meta.layout.tokens {
             return Err(KvError::TooManyTokens {
@@ -543,16 +555,39 @@ impl KvCache {
             meta.tokens,
             slots,
         )?;
-        Ok(Some(
-            copies
-                .iter()
-                .map(|c| HostRun {
-                    chunk_offset: c.chunk_offset,
-                    addr: self.addr_of(c.cache_offset, c.len),
-                    len: c.len,
-                })
-                .collect(),
-        ))
+        Ok(copies
+            .iter()
+            .map(|c| DirectRun {
+                chunk_offset: c.chunk_offset,
+                addr: self.addr_of(c.cache_offset, c.len),
+                len: c.len,
+            })
+            .collect())
+    }
+
+    /// The cache's memory as (address, bytes) regions, one per allocation
+    /// (the whole cache, or each of an engine's per-layer tensors; a
+    /// registration must not span two allocations even where they happen
+    /// to be adjacent): what a channel registers for direct reads.
+    pub fn regions(&self) -> Vec<(usize, usize)> {
+        let bytes = self.spec.plane_bytes();
+        if self.separate {
+            self.planes.iter().map(|&p| (p, bytes)).collect()
+        } else {
+            vec![(self.planes[0], bytes * self.planes.len())]
+        }
+    }
+
+    /// Whether the cache is registered with channel instance `channel`
+    /// (see [`crate::channel::TransferChannel::direct_registry`]).
+    pub fn is_registered_with(&self, channel: u64) -> bool {
+        self.direct.iter().any(|r| r.channel() == channel)
+    }
+
+    /// Keeps `registration` (of this cache's [`KvCache::regions`]) until the
+    /// cache is dropped.
+    pub fn keep_registration(&mut self, registration: DirectRegistration) {
+        self.direct.push(registration);
     }
 
     /// A fence after every scatter queued so far.

@@ -24,7 +24,7 @@ mod cache;
 pub mod plan;
 pub mod tp;
 
-pub use cache::{HostRun, KvCache, KvFence, KvTensor, ScatterStats};
+pub use cache::{DirectRun, KvCache, KvFence, KvTensor, ScatterStats};
 
 use crate::memory::{ChunkLayout, DeviceKind, Dtype, MemFormat};
 

@@ -24,7 +24,6 @@ use super::{KeyFailure, LoadError, LoadOptions, LoadReport};
 use crate::channel::{Completion, DirectRead, PeerId, ReadOp, TransferChannel, TransferOp};
 use crate::kv::{plan, KvCache, ScatterStats};
 use crate::layout::ChunkLayout;
-use crate::memory::DeviceKind;
 use crate::memory::{ChunkMeta, MemObj, PagePool, SealedMemObj};
 use crate::protocol::{KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone};
 use std::ops::Range;
@@ -227,14 +226,16 @@ pub(crate) fn load_keys(
         tally.dones += usize::from(discard_proxy(env, k, None));
     }
 
-    // A host cache and a channel that can address it: proxies are read
-    // straight into the cache, one transfer per byte, no staging page.
-    // (Copies of a direct read run in parallel: a slot mapping naming one
-    // slot twice goes through the sequential staged path instead.)
-    let direct = opts.direct
-        && env.channel().reads_direct()
-        && cache.device() == DeviceKind::Cpu
-        && distinct_slots(slot_mapping);
+    // A cache the channel can address (host memory for shm and tcp, the
+    // NPU's memory registered with hccl): proxies are read straight into
+    // it, one transfer per byte, no staging page. (Copies of a direct read
+    // run in parallel: a slot mapping naming one slot twice goes through
+    // the sequential staged path instead.)
+    let direct = !groups.is_empty()
+        && opts.direct
+        && env.channel().reads_direct(cache.device())
+        && distinct_slots(slot_mapping)
+        && registered(env.channel(), cache);
     std::thread::scope(|scope| {
         let mut lane = ScatterLane::new(scope, &mut *cache, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
@@ -513,6 +514,38 @@ fn begin_same(
         .map_err(|e| e.to_string())
 }
 
+/// Whether `cache` is registered with `channel` for direct reads, where
+/// the channel needs it; registers it on first use (the registration lives
+/// as long as the cache). A refusal is logged and the load is staged.
+fn registered(channel: &dyn TransferChannel, cache: &mut KvCache) -> bool {
+    let Some(id) = channel.direct_registry() else {
+        return true;
+    };
+    if cache.is_registered_with(id) {
+        return true;
+    }
+    // SAFETY: the regions are the cache's own memory (host memory, or
+    // device memory of `cache.device()`, allocated by the runtime or by
+    // the engine under wrap_npu's contract that it outlives the cache);
+    // the registration is kept in the cache, which drops it before that
+    // memory.
+    match unsafe { channel.register_direct(cache.device(), &cache.regions()) } {
+        Ok(Some(r)) => {
+            cache.keep_registration(r);
+            true
+        }
+        Ok(None) => true,
+        Err(e) => {
+            log::warn!(
+                "the {} channel cannot read straight into this KV cache ({e}); loading through \
+                 staging pages",
+                channel.kind().name()
+            );
+            false
+        }
+    }
+}
+
 /// Whether no slot appears twice in `slots` (padding aside).
 fn distinct_slots(slots: &[i64]) -> bool {
     let mut v: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
@@ -520,7 +553,7 @@ fn distinct_slots(slots: &[i64]) -> bool {
     v.windows(2).all(|w| w[0] != w[1])
 }
 
-/// Reads one sender's proxies straight into the host cache (a direct
+/// Reads one sender's proxies straight into the cache (a direct
 /// load), `max_depth` proxies per channel call. Each call returns only
 /// when its copies are done, so none outlives the load; a proxy whose
 /// lease ended before its copy finished is failed (the sender may have
@@ -563,8 +596,8 @@ fn load_group_direct(
             };
             // Checked with the layout before anything moved; it cannot fail
             // here except on a proxy whose chunk the cache cannot take.
-            match cache.host_targets(&p.meta, &slot_mapping[item.slots.clone()]) {
-                Ok(Some(runs)) => {
+            match cache.direct_targets(&p.meta, &slot_mapping[item.slots.clone()]) {
+                Ok(runs) => {
                     ops.extend(runs.into_iter().map(|r| DirectRead {
                         remote: p.remote,
                         offset: r.chunk_offset,
@@ -573,7 +606,7 @@ fn load_group_direct(
                     }));
                     began.push((item, p));
                 }
-                Ok(None) | Err(_) => {
+                Err(_) => {
                     let done = env
                         .core()
                         .end_proxy_read_for(&p.handle, ReadOutcome::Failed, req);
@@ -595,7 +628,8 @@ fn load_group_direct(
         }
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         // SAFETY: every destination is a run of this cache's own memory
-        // (host_targets, from its copy plan), which the load's `&mut`
+        // (direct_targets, from its copy plan; registered with the channel
+        // where it needs that), which the load's `&mut`
         // borrow keeps to it for the whole call (the sender groups reading
         // concurrently share it only to plan); runs never overlap, within
         // a group or across groups: each token has
