@@ -111,6 +111,13 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
     assert!(modes[2]["sender_peak_pinned_pages"].as_u64().unwrap() >= 2);
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("pull-delay-offload"));
+    for label in [
+        "p50 latency (ms) per mode",
+        "receiver peak buffer (MiB)",
+        "e2e",
+    ] {
+        assert!(svg.contains(label), "the plot lacks {label:?}");
+    }
     let _ = std::fs::remove_file(json);
     let _ = std::fs::remove_file(plot);
 }

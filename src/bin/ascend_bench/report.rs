@@ -294,18 +294,26 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
     })
 }
 
-/// A two-panel SVG: p50 latencies per mode, and receiver peak memory / sender pins.
-pub fn svg(modes: &[ModeReport]) -> String {
-    let (w, h) = (900.0, 420.0);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"];
-    // Panel 1: latencies.
-    let series = ["put", "ready", "load", "e2e"];
+/// A two-panel SVG, drawn with plotters: p50 latencies per mode (put,
+/// ready, load, e2e), and the receiver's peak buffer memory per mode with
+/// the sender's pinned-page peak.
+pub fn svg(modes: &[ModeReport]) -> Result<String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing the plot: {e}");
+    let n = modes.len().max(1);
+    let name = |x: f64| {
+        let i = x.round();
+        match modes.get(i as usize) {
+            Some(m) if (x - i).abs() < 1e-6 && i >= 0.0 => m.mode.clone(),
+            _ => String::new(),
+        }
+    };
+    let colors = [
+        RGBColor(0x4e, 0x79, 0xa7),
+        RGBColor(0xf2, 0x8e, 0x2b),
+        RGBColor(0x59, 0xa1, 0x4f),
+        RGBColor(0xe1, 0x57, 0x59),
+    ];
     let lat = |m: &ModeReport| {
         [
             m.put_latency_ms.p50,
@@ -315,80 +323,86 @@ pub fn svg(modes: &[ModeReport]) -> String {
         ]
     };
     let max = modes.iter().flat_map(lat).fold(0.0f64, f64::max).max(1e-3);
-    let (x0, y0, pw, ph) = (60.0, 40.0, 480.0, 300.0);
-    let _ = writeln!(
-        s,
-        r#"<text x="{x0}" y="24" font-size="14">p50 latency (ms) per mode</text>"#
-    );
-    let group = pw / modes.len().max(1) as f64;
-    let bar = group / 5.0;
-    for (i, m) in modes.iter().enumerate() {
-        for (j, v) in lat(m).iter().enumerate() {
-            let bh = v / max * ph;
-            let x = x0 + i as f64 * group + j as f64 * bar + bar / 2.0;
-            let _ = writeln!(
-                s,
-                r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{}"><title>{} {}: {v:.2} ms</title></rect>"#,
-                y0 + ph - bh,
-                bar * 0.9,
-                colors[j],
-                m.mode,
-                series[j]
-            );
+    let mib = |m: &ModeReport| m.receiver_peak_buffer_bytes as f64 / f64::from(1u32 << 20);
+    let mem_max = modes.iter().map(mib).fold(0.0f64, f64::max).max(1.0);
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (980, 440)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let (left, right) = root.split_horizontally(560);
+
+        // Panel 1: one group of four bars per mode.
+        let mut chart = ChartBuilder::on(&left)
+            .caption("p50 latency (ms) per mode", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(-0.5f64..n as f64 - 0.5, 0f64..max * 1.15)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n)
+            .x_label_formatter(&|x| name(*x))
+            .y_desc("ms")
+            .draw()
+            .map_err(|e| err(&e))?;
+        for (j, series) in ["put", "ready", "load", "e2e"].into_iter().enumerate() {
+            let color = colors[j];
+            chart
+                .draw_series(modes.iter().enumerate().map(|(i, m)| {
+                    let x = i as f64 - 0.4 + j as f64 * 0.2;
+                    Rectangle::new([(x, 0.0), (x + 0.18, lat(m)[j])], color.filled())
+                }))
+                .map_err(|e| err(&e))?
+                .label(series)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                });
         }
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            x0 + i as f64 * group + group / 2.0,
-            y0 + ph + 16.0,
-            m.mode
-        );
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+
+        // Panel 2: receiver peak memory, one bar per mode.
+        let mut chart = ChartBuilder::on(&right)
+            .caption("receiver peak buffer (MiB)", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(120)
+            .build_cartesian_2d(0f64..mem_max * 1.6, -0.5f64..n as f64 - 0.5)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(n)
+            .y_label_formatter(&|y| name(*y))
+            .x_desc("MiB")
+            .draw()
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(modes.iter().enumerate().map(|(i, m)| {
+                let y = i as f64;
+                Rectangle::new(
+                    [(0.0, y - 0.3), (mib(m), y + 0.3)],
+                    colors[i % colors.len()].filled(),
+                )
+            }))
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(modes.iter().enumerate().map(|(i, m)| {
+                Text::new(
+                    format!("{:.0} MiB, {} pinned", mib(m), m.sender_peak_pinned_pages),
+                    (mib(m) + mem_max * 0.02, i as f64 + 0.1),
+                    ("sans-serif", 12),
+                )
+            }))
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
     }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{:.1}" text-anchor="end">{max:.1}</text><text x="{}" y="{:.1}" text-anchor="end">0</text>"#,
-        x0 - 4.0,
-        y0 + 10.0,
-        x0 - 4.0,
-        y0 + ph
-    );
-    for (j, name) in series.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            r#"<rect x="{}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}">{name}</text>"#,
-            x0 + j as f64 * 80.0,
-            y0 + ph + 30.0,
-            colors[j],
-            x0 + j as f64 * 80.0 + 14.0,
-            y0 + ph + 39.0
-        );
-    }
-    // Panel 2: memory.
-    let (x1, pw2) = (600.0, 260.0);
-    let mem_max = modes
-        .iter()
-        .map(|m| m.receiver_peak_buffer_bytes as f64 / (1 << 20) as f64)
-        .fold(0.0f64, f64::max)
-        .max(1.0);
-    let _ = writeln!(
-        s,
-        r#"<text x="{x1}" y="24" font-size="14">receiver peak buffer (MiB)</text>"#
-    );
-    let row = ph / modes.len().max(1) as f64;
-    for (i, m) in modes.iter().enumerate() {
-        let mib = m.receiver_peak_buffer_bytes as f64 / (1 << 20) as f64;
-        let bw = mib / mem_max * pw2;
-        let y = y0 + i as f64 * row + row * 0.2;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{x1}" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="{}"/><text x="{x1}" y="{:.1}">{} — {mib:.0} MiB, sender pinned peak {} pages</text>"#,
-            row * 0.4,
-            colors[i % colors.len()],
-            y + row * 0.4 + 14.0,
-            m.mode,
-            m.sender_peak_pinned_pages
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+    Ok(out)
 }

@@ -227,7 +227,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         eprintln!("wrote {p}");
     }
     if let Some(p) = plot_path {
-        std::fs::write(&p, report::svg(&result)).with_context(|| format!("writing {p}"))?;
+        std::fs::write(&p, report::svg(&result)?).with_context(|| format!("writing {p}"))?;
         eprintln!("wrote {p}");
     }
     if !verified {
