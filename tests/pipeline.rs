@@ -709,6 +709,30 @@ fn an_npu_cache_over_hccl_is_read_directly() {
         assert_eq!(r.stats().store.contexts_open, 0);
     }
     assert_released(&s, 3);
+
+    // The sender goes away after announcing: the direct load fails those
+    // keys by name, in bounded time, and leaves nothing behind.
+    let ks = put_delay(&s, &rc, "hccl-gone", 4, CHUNK);
+    drop(s);
+    let slots = slot_mapping(4 * CHUNK, 20, Mapping::Blocks, 50);
+    let mut cache = KvCache::npu(&dev, spec).unwrap();
+    let e = r
+        .load_with(&ks, &slots, &mut cache, &LoadOptions::default())
+        .unwrap_err();
+    let text = e.to_string();
+    let LoadError::Incomplete { failed, .. } = e else {
+        panic!("{text}")
+    };
+    assert_eq!(failed.len(), 4, "{text}");
+    assert!(
+        failed
+            .iter()
+            .all(|f| f.reason.contains("gone") || f.reason.contains("not attached")),
+        "{text}"
+    );
+    assert_no_pages(npu_pool(), "receiver NPU pool");
+    assert_eq!(r.stats().store.proxies, 0);
+    assert_eq!(r.stats().store.contexts_open, 0);
 }
 
 /// Issue 12's direct load: over shm and tcp into a host cache, pull-delay proxies
