@@ -308,6 +308,54 @@ fn two_senders(ch: ChannelKind, direct: bool) {
     assert_receiver_idle(&r);
 }
 
+/// The staged path reads several senders at once: with one sender's
+/// transfer server stalled, the other's proxies are read, scattered and
+/// their pull's Done sent before the stalled one answers (read one after
+/// another, the second group would wait for the first).
+#[test]
+fn staged_loads_read_a_second_sender_while_the_first_stalls() {
+    let (r, rc, s) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);
+    let gate = Gate::new();
+    let held = keys("held", 4);
+    let fake = ScriptedSender::announce_via(&rc, &held, None, Some(&gate));
+    let free = put_delay(&s, &rc, "free", 4, CHUNK);
+    // The stalled sender's keys come first: a sequential load starts there.
+    let req: Vec<String> = held.iter().chain(&free).cloned().collect();
+    let slots = slot_mapping(8 * CHUNK, 16, Mapping::Blocks, 21);
+    let mut cache = cache_for(&rc, 16);
+    gate.hold(true);
+    let report = std::thread::scope(|sc| {
+        let load = sc.spawn(|| {
+            let opts = LoadOptions {
+                max_depth: 2,
+                direct: false,
+                ..Default::default()
+            };
+            r.load_with(&req, &slots, &mut cache, &opts)
+        });
+        let freed = eventually(Duration::from_secs(20), || {
+            s.stats().pulls.done_released == 1
+        });
+        gate.hold(false);
+        let report = load.join().unwrap().unwrap();
+        assert!(freed, "the free sender's pull waited for the stalled one");
+        report
+    });
+    assert_eq!((report.senders, report.load_path()), (2, "staged"));
+    assert_eq!(report.loaded, req);
+    assert_eq!(report.dones_sent, 2);
+    // Both groups' pools were out at once (the peaks add up).
+    let page = rc.chunk_layout().page_bytes();
+    assert_eq!(report.peak_buffer_bytes, 2 * 4 * page);
+    assert_cache_holds(&mut cache, &rc.chunk_layout(), &req, &[CHUNK; 8], &slots);
+    assert_eq!(
+        fake.dones(Duration::from_millis(500)),
+        vec![fake.pull_id.clone()]
+    );
+    assert_released(&s, 1);
+    assert_receiver_idle(&r);
+}
+
 #[test]
 fn resident_chunks_are_scattered_from_their_pages_without_reads() {
     for mode in [TransferMode::Push, TransferMode::PullEager] {
@@ -387,6 +435,72 @@ fn bad_input_is_refused_before_anything_is_touched_and_missing_keys_are_named() 
     assert_receiver_idle(&r);
 }
 
+/// A loopback TCP forwarder whose replies (target to client) can be held:
+/// a sender whose transfer server stalls, deterministically.
+struct Gate {
+    addr: String,
+    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    listener: std::net::TcpListener,
+}
+
+impl Gate {
+    fn new() -> Gate {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        Gate {
+            addr: listener.local_addr().unwrap().to_string(),
+            held: Default::default(),
+            listener,
+        }
+    }
+
+    fn hold(&self, on: bool) {
+        self.held.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Forwards every connection to `target` from now on.
+    fn forward_to(&self, target: &str) {
+        use std::io::{Read, Write};
+        let listener = self.listener.try_clone().unwrap();
+        let (target, held) = (target.to_string(), std::sync::Arc::clone(&self.held));
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&target) else {
+                    continue;
+                };
+                let pipe = |mut from: std::net::TcpStream,
+                            mut to: std::net::TcpStream,
+                            held: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>| {
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 1 << 16];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            while held
+                                .as_ref()
+                                .is_some_and(|h| h.load(std::sync::atomic::Ordering::SeqCst))
+                            {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                };
+                pipe(
+                    client.try_clone().unwrap(),
+                    server.try_clone().unwrap(),
+                    None,
+                );
+                pipe(server, client, Some(std::sync::Arc::clone(&held)));
+            }
+        });
+    }
+}
+
 /// A sender driven by hand: a real tcp channel and handshake, a raw REQ for
 /// its PullReadyNotif (whose page indexes the test chooses), a PULL socket
 /// counting the Dones it gets.
@@ -403,6 +517,17 @@ impl ScriptedSender {
     /// Announces `keys` (full chunks) as one pull with a 60 s lease; `bad`
     /// replaces one page index.
     fn announce(rc: &PdConfig, keys: &[String], bad: Option<(usize, u64)>) -> Self {
+        Self::announce_via(rc, keys, bad, None)
+    }
+
+    /// As [`ScriptedSender::announce`], its transfer server reached through
+    /// `gate` (the receiver gets the gate's address in the hello).
+    fn announce_via(
+        rc: &PdConfig,
+        keys: &[String],
+        bad: Option<(usize, u64)>,
+        gate: Option<&Gate>,
+    ) -> Self {
         let layout = rc.chunk_layout();
         let page = layout.page_bytes();
         let pool = PagePool::new(RegisteredBuffer::host(keys.len() * page, page, false).unwrap());
@@ -422,13 +547,22 @@ impl ScriptedSender {
             None,
         )
         .unwrap();
-        let hello = Hello::local(
+        let mut hello = Hello::local(
             node,
             Role::Sender,
             TransferMode::PullDelay,
             Duration::from_secs(60),
             ch.as_ref(),
         );
+        if let Some(g) = gate {
+            let chan::Endpoint::Tcp { addr } = &hello.endpoint else {
+                panic!("a tcp endpoint")
+            };
+            g.forward_to(addr);
+            hello.endpoint = chan::Endpoint::Tcp {
+                addr: g.addr.clone(),
+            };
+        }
         let ctx = zmq::Context::new();
         let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());
         let a =

@@ -17,9 +17,10 @@
 //! is refused before anything is touched.
 
 use super::pingpong::{
-    allocate_pools, ItemOutcome, MicroBatch, PingPongPipeline, PipelineIo, ReadFailure,
+    allocate_pools, choose_depth, ItemOutcome, MicroBatch, PingPongPipeline, PipelineIo,
+    ReadFailure,
 };
-use super::scatter::{ScatterItem, ScatterLane, ScatterTicket};
+use super::scatter::{ScatterItem, ScatterLane, ScatterTicket, SharedCache};
 use super::{KeyFailure, LoadError, LoadOptions, LoadReport};
 use crate::channel::{Completion, DirectRead, PeerId, ReadOp, TransferChannel, TransferOp};
 use crate::kv::{plan, KvCache, ScatterStats};
@@ -114,8 +115,12 @@ struct LoadTally {
 }
 
 impl LoadTally {
-    /// Adds what a direct group's load did.
+    /// Adds what a sender group loaded concurrently with others did (their
+    /// staging pages coexist: the peaks add up).
     fn absorb(&mut self, t: LoadTally) {
+        self.depth = self.depth.max(t.depth);
+        self.pools = self.pools.max(t.pools);
+        self.peak_buffer_bytes += t.peak_buffer_bytes;
         self.loaded.extend(t.loaded);
         self.failed.extend(t.failed);
         self.scatter.bytes += t.scatter.bytes;
@@ -236,13 +241,43 @@ pub(crate) fn load_keys(
         && env.channel().reads_direct(cache.device())
         && distinct_slots(slot_mapping)
         && registered(env.channel(), cache);
+    let shared: SharedCache<'_> = std::sync::Mutex::new(&mut *cache);
     std::thread::scope(|scope| {
-        let mut lane = ScatterLane::new(scope, &mut *cache, slot_mapping);
+        let mut lane = ScatterLane::new(scope, &shared, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
-        if !direct {
+        if direct {
+            return;
+        }
+        // Several senders are read concurrently, each group with its own
+        // ping-pong pools sized to its share of the free pages (and its own
+        // scatter lane; scatters take turns on the cache). With fewer free
+        // pages than groups, one after another, as each needs a page.
+        let share = env.pool().stats().free / groups.len().max(1);
+        if groups.len() < 2 || share == 0 {
             for g in &groups {
                 load_group(env, g, layout, opts, &mut lane, &mut tally);
             }
+            return;
+        }
+        let shared = &shared;
+        let handles: Vec<_> = groups
+            .iter()
+            .map(|g| {
+                let opts = LoadOptions {
+                    max_depth: choose_depth(g.items.len(), share, opts.max_depth),
+                    ..opts.clone()
+                };
+                scope.spawn(move || {
+                    let mut lane = ScatterLane::new(scope, shared, slot_mapping);
+                    let mut t = LoadTally::default();
+                    load_group(env, g, layout, &opts, &mut lane, &mut t);
+                    t
+                })
+            })
+            .collect();
+        for h in handles {
+            let t = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            tally.absorb(t);
         }
     });
     if direct {
@@ -360,7 +395,7 @@ fn check_pieces<'a>(
 
 /// Scatters resident chunks from their own pages, `max_depth` per batch.
 fn scatter_resident(
-    lane: &mut ScatterLane<'_>,
+    lane: &mut ScatterLane<'_, '_>,
     resident: &[(LoadItem, SealedMemObj)],
     opts: &LoadOptions,
     tally: &mut LoadTally,
@@ -401,7 +436,7 @@ fn load_group(
     g: &SenderGroup,
     layout: ChunkLayout,
     opts: &LoadOptions,
-    lane: &mut ScatterLane<'_>,
+    lane: &mut ScatterLane<'_, '_>,
     tally: &mut LoadTally,
 ) {
     let peer = env.peer_of(&g.sender_id).ok_or_else(|| {
@@ -686,7 +721,7 @@ fn load_group_direct(
 
 /// The pipeline's I/O for one sender: proxy pins, channel reads, scatters
 /// through the lane, and consumption once scattered.
-struct ProxyIo<'l, 'a, E: LoadEnv> {
+struct ProxyIo<'l, 'a, 'c, E: LoadEnv> {
     env: &'l E,
     /// The request being loaded (see [`LoadOptions::req_id`]).
     req: Option<&'l str>,
@@ -694,11 +729,11 @@ struct ProxyIo<'l, 'a, E: LoadEnv> {
     items: &'l [(LoadItem, ProxyEntry)],
     /// The proxy as pinned by `begin_proxy_read`, until its read is ended.
     began: Vec<Option<ProxyEntry>>,
-    lane: &'l mut ScatterLane<'a>,
+    lane: &'l mut ScatterLane<'a, 'c>,
     tally: &'l mut LoadTally,
 }
 
-impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, E> {
+impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, '_, E> {
     /// The completion, the batch's lease deadline, and its bytes.
     type Read = (Completion<MemObj>, Instant, u64);
     type Scatter = ScatterTicket;

@@ -6,7 +6,16 @@ use crate::kv::{KvCache, KvFence, ScatterStats};
 use crate::memory::{ChunkMeta, SealedMemObj};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
 use std::thread::Scope;
+
+/// The cache of one load, shared by the lanes of sender groups loaded
+/// concurrently: each scatter (and its fence) runs under the lock.
+pub(crate) type SharedCache<'a> = Mutex<&'a mut KvCache>;
+
+fn locked<'g, 'a>(cache: &'g SharedCache<'a>) -> MutexGuard<'g, &'a mut KvCache> {
+    cache.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// One chunk to scatter: its page, what the page holds (tokens, and the
 /// head piece under heterogeneous TP), and its tokens' range in the
@@ -30,9 +39,9 @@ type Job = Vec<ScatterItem>;
 type JobResult = Result<ScatterStats, String>;
 
 /// The scatter side of a load.
-pub(crate) enum ScatterLane<'a> {
+pub(crate) enum ScatterLane<'a, 'c> {
     Inline {
-        cache: &'a mut KvCache,
+        cache: &'a SharedCache<'c>,
         slots: &'a [i64],
     },
     Worker {
@@ -53,15 +62,15 @@ fn scatter_all(cache: &mut KvCache, slots: &[i64], items: &[ScatterItem]) -> Job
     Ok(total)
 }
 
-impl<'a> ScatterLane<'a> {
+impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
     /// A lane for `cache`: a worker thread in `scope` for a host cache, the
     /// cache's own stream for an NPU cache.
     pub(crate) fn new<'scope>(
         scope: &'scope Scope<'scope, 'a>,
-        cache: &'a mut KvCache,
+        cache: &'a SharedCache<'c>,
         slots: &'a [i64],
-    ) -> ScatterLane<'a> {
-        if cache.is_async() {
+    ) -> ScatterLane<'a, 'c> {
+        if locked(cache).is_async() {
             return ScatterLane::Inline { cache, slots };
         }
         let (jobs, job_rx) = crossbeam_channel::unbounded::<Job>();
@@ -69,7 +78,7 @@ impl<'a> ScatterLane<'a> {
         scope.spawn(move || {
             // Ends when the lane (the job sender) is dropped.
             for job in job_rx {
-                let r = scatter_all(cache, slots, &job);
+                let r = scatter_all(&mut locked(cache), slots, &job);
                 // The source pages go back before the result is reported.
                 drop(job);
                 if res_tx.send(r).is_err() {
@@ -84,7 +93,10 @@ impl<'a> ScatterLane<'a> {
     pub(crate) fn submit(&mut self, items: Vec<ScatterItem>) -> Result<ScatterTicket, String> {
         match self {
             ScatterLane::Inline { cache, slots } => {
-                let stats = scatter_all(cache, slots, &items)?;
+                // One lock for the copies and their fence: the fence takes
+                // exactly this call's source pages.
+                let mut cache = locked(cache);
+                let stats = scatter_all(&mut cache, slots, &items)?;
                 let fence = cache
                     .fence()
                     .map_err(|e| format!("scatter into the KV cache: {e}"))?;
