@@ -9,7 +9,7 @@ mod common;
 use ascend_pd::backend::{MessageKind, Receiver, Sender};
 use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access, GrantTag};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
-use ascend_pd::kv::{KvCache, KvCacheSpec};
+use ascend_pd::kv::{KvCache, KvCacheSpec, KvTensor};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
 use ascend_pd::pipeline::{LoadError, LoadOptions, LoadReport};
@@ -867,6 +867,61 @@ fn an_npu_cache_over_hccl_is_read_directly() {
     assert_no_pages(npu_pool(), "receiver NPU pool");
     assert_eq!(r.stats().store.proxies, 0);
     assert_eq!(r.stats().store.contexts_open, 0);
+}
+
+/// A cache HCCL cannot take (an engine's per-layer tensors, more of them
+/// than a communicator's 256 registrations) is loaded through staging
+/// pages instead, every byte in place.
+#[test]
+fn an_hccl_cache_too_fragmented_to_register_is_staged() {
+    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
+    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
+    let dev = rt.device(0).unwrap();
+    let layers = 130;
+    let mut rc = receiver_config(ChannelKind::Hccl, TransferMode::PullDelay, 8);
+    rc.kv.num_layers = layers;
+    rc.buffer_size = 8 * rc.page_bytes();
+    rc.buffer_device = BufferDevice::Npu(Some(0));
+    let r = Receiver::start(&rc, 0).unwrap();
+    let mut sc = sender_config(ChannelKind::Hccl, TransferMode::PullDelay, 8);
+    sc.kv.num_layers = layers;
+    sc.buffer_size = 8 * sc.page_bytes();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    let ks = put_delay(&s, &rc, "fragmented", 3, 9);
+    let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 8, BLOCK);
+    // One tensor per layer and plane, as an engine allocates them.
+    let tensors: Vec<ascend_sys::DeviceBuffer> = (0..spec.layers * spec.planes())
+        .map(|_| {
+            let b = dev.alloc(spec.plane_bytes()).unwrap();
+            b.fill(0, spec.plane_bytes(), 0).unwrap();
+            b
+        })
+        .collect();
+    let refs: Vec<KvTensor> = tensors
+        .iter()
+        .map(|b| KvTensor {
+            addr: b.addr(),
+            bytes: b.len(),
+        })
+        .collect();
+    // SAFETY: device memory of `dev`, alive until after the cache is dropped.
+    let mut cache = unsafe { KvCache::wrap_npu(&dev, spec, &refs, None) }.unwrap();
+    let slots = slot_mapping(2 * CHUNK + 9, 8, Mapping::Blocks, 60);
+    let report = r
+        .load_with(&ks, &slots, &mut cache, &LoadOptions::default())
+        .unwrap();
+    assert_eq!(report.load_path(), "staged");
+    assert_cache_holds(
+        &mut cache,
+        &rc.chunk_layout(),
+        &ks,
+        &token_counts(3, 9),
+        &slots,
+    );
+    drop(cache);
+    drop(tensors);
+    assert_released(&s, 1);
+    assert_no_pages(r.stats().pools.npu.unwrap(), "receiver NPU pool");
 }
 
 /// Issue 12's direct load: over shm and tcp into a host cache, pull-delay proxies

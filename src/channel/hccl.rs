@@ -170,16 +170,15 @@ impl DirectRegion {
 /// What a [`DirectRegistration`] of this channel holds: dropping it
 /// forgets its regions and deregisters them from every link.
 struct DirectHold {
-    state: Weak<Mutex<DirectState>>,
+    // Strong: links (an abandoned batch's, say) can outlive the channel,
+    // and their registrations must still go with the memory.
+    state: Arc<Mutex<DirectState>>,
     ids: Vec<u64>,
 }
 
 impl Drop for DirectHold {
     fn drop(&mut self) {
-        let Some(state) = self.state.upgrade() else {
-            return;
-        };
-        let mut st = lock(&state);
+        let mut st = lock(&self.state);
         st.regions.retain(|r| !self.ids.contains(&r.id));
         st.links.retain(|l| l.strong_count() > 0);
         for link in st.links.iter().filter_map(Weak::upgrade) {
@@ -492,10 +491,16 @@ impl TransferChannel for HcclChannel {
         Ok(Some(DirectRegistration::new(
             self.id,
             Box::new(DirectHold {
-                state: Arc::downgrade(&self.direct),
+                state: Arc::clone(&self.direct),
                 ids,
             }),
         )))
+    }
+
+    fn prepare_direct(&self, peer: PeerId) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        let link = p.setup.wait(&p.node, self.opts.setup_timeout)?;
+        self.register_on(&link)
     }
 
     /// One `HcclBatchGet` (split at the op limit) straight into registered
@@ -547,6 +552,13 @@ impl TransferChannel for HcclChannel {
                 op: None,
                 detail,
             });
+        }
+        if link.stuck.load(Ordering::SeqCst) {
+            return Err(ChannelError::WorkerLost(format!(
+                "the hccl stream to {} is stuck behind work given up unfinished; direct reads are \
+                 not queued behind it (the peer must reconnect)",
+                p.node
+            )));
         }
         self.register_on(&link)?;
         let context = format!(
@@ -644,6 +656,12 @@ impl HcclChannel {
     /// not yet, and remembers the link for deregistration.
     fn register_on(&self, link: &Arc<Link>) -> Result<(), ChannelError> {
         let mut st = lock(&self.direct);
+        // Known before anything is registered on it, so a failure part-way
+        // leaves nothing a dropped registration cannot find.
+        if !st.links.iter().any(|l| l.as_ptr() == Arc::as_ptr(link)) {
+            st.links.retain(|l| l.strong_count() > 0);
+            st.links.push(Arc::downgrade(link));
+        }
         let mut have = lock(&link.direct);
         for r in &st.regions {
             if have.iter().any(|(id, _)| *id == r.id) {
@@ -661,11 +679,6 @@ impl HcclChannel {
                 r.len, r.addr
             )))?;
             have.push((r.id, reg));
-        }
-        drop(have);
-        if !st.links.iter().any(|l| l.as_ptr() == Arc::as_ptr(link)) {
-            st.links.retain(|l| l.strong_count() > 0);
-            st.links.push(Arc::downgrade(link));
         }
         Ok(())
     }
@@ -872,6 +885,7 @@ impl SetupJob {
             stream,
             _remotes: remotes,
             direct: Mutex::new(Vec::new()),
+            stuck: AtomicBool::new(false),
             _regs: regs,
             comm,
             watch,
@@ -906,6 +920,9 @@ struct Link {
     _remotes: Vec<RemoteMem>,
     /// Direct-read regions registered on this communicator, by region id.
     direct: Mutex<Vec<(u64, RegisteredMem)>>,
+    /// Set once work on the stream was given up unfinished: a direct read
+    /// queued behind it could wait forever, so none is queued any more.
+    stuck: AtomicBool,
     _regs: Vec<RegisteredMem>,
     comm: Comm,
     watch: Arc<Watch>,
@@ -1208,6 +1225,7 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
             }
             Err(error) => {
                 stuck = true;
+                link.stuck.store(true, Ordering::SeqCst);
                 let pages = batch.abandon(Err(error));
                 abandoned.push(Abandoned {
                     done,
@@ -1224,6 +1242,7 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
 /// write into the caller's memory.
 fn settle(link: &Link, context: &str) {
     if let Err(e) = link.stream.synchronize() {
+        link.stuck.store(true, Ordering::SeqCst);
         log::error!(
             "{context}: the stream could not be synchronised ({e}); the KV cache slots of this \
              read may still be written by the device"

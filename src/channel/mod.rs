@@ -489,6 +489,14 @@ pub trait TransferChannel: Send + Sync {
         Ok(None)
     }
 
+    /// Makes `peer`'s connection ready for direct reads into the memory
+    /// registered so far (hccl registers it on the peer's communicator),
+    /// so a load can still choose to stage when that fails.
+    fn prepare_direct(&self, peer: PeerId) -> Result<(), ChannelError> {
+        let _ = peer;
+        Ok(())
+    }
+
     /// Reads every range of `ops` from `peer` straight into caller memory
     /// (host memory, or registered device memory) and returns once each has
     /// landed or failed — never earlier, so no copy

@@ -84,11 +84,16 @@ mod tests {
     #[test]
     fn ports_are_outside_the_ephemeral_range_and_never_repeat() {
         let eph = ephemeral();
+        // A host whose ephemeral range leaves no room gets the kernel's picks.
+        let outside = !candidates(&eph).is_empty();
         let mut seen = std::collections::HashSet::new();
         for _ in 0..200 {
             let p = loopback_port().unwrap() as u32;
-            assert!(!eph.contains(&p), "{p} is in the ephemeral range {eph:?}");
-            assert!(seen.insert(p), "{p} handed out twice");
+            assert!(
+                !outside || !eph.contains(&p),
+                "{p} is in the ephemeral range {eph:?}"
+            );
+            assert!(seen.insert(p) || !outside, "{p} handed out twice");
         }
     }
 

@@ -240,7 +240,8 @@ pub(crate) fn load_keys(
         && opts.direct
         && env.channel().reads_direct(cache.device())
         && distinct_slots(slot_mapping)
-        && registered(env.channel(), cache);
+        && registered(env.channel(), cache)
+        && groups.iter().all(|g| prepared(env, &g.sender_id));
     let shared: SharedCache<'_> = std::sync::Mutex::new(&mut *cache);
     std::thread::scope(|scope| {
         let mut lane = ScatterLane::new(scope, &shared, slot_mapping);
@@ -250,10 +251,13 @@ pub(crate) fn load_keys(
         }
         // Several senders are read concurrently, each group with its own
         // ping-pong pools sized to its share of the free pages (and its own
-        // scatter lane; scatters take turns on the cache). With fewer free
-        // pages than groups, one after another, as each needs a page.
+        // scatter lane; scatters take turns on the cache). One after
+        // another instead when a share could not hold a ping-pong pair (a
+        // group would wait for pages another holds to its end), or when
+        // the slot mapping names a slot twice (the later chunk in request
+        // order must be the one left there, not whichever scatters last).
         let share = env.pool().stats().free / groups.len().max(1);
-        if groups.len() < 2 || share == 0 {
+        if groups.len() < 2 || share < 2 || !distinct_slots(slot_mapping) {
             for g in &groups {
                 load_group(env, g, layout, opts, &mut lane, &mut tally);
             }
@@ -275,9 +279,17 @@ pub(crate) fn load_keys(
                 })
             })
             .collect();
+        // Every group is joined before a panic is passed on, so what the
+        // others did (their Dones went out) is not lost with it.
+        let mut panicked = None;
         for h in handles {
-            let t = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            tally.absorb(t);
+            match h.join() {
+                Ok(t) => tally.absorb(t),
+                Err(p) => panicked = panicked.or(Some(p)),
+            }
+        }
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
         }
     });
     if direct {
@@ -575,6 +587,25 @@ fn registered(channel: &dyn TransferChannel, cache: &mut KvCache) -> bool {
                 "the {} channel cannot read straight into this KV cache ({e}); loading through \
                  staging pages",
                 channel.kind().name()
+            );
+            false
+        }
+    }
+}
+
+/// Whether the connection to `sender_id` is ready for direct reads (see
+/// [`TransferChannel::prepare_direct`]); a refusal is logged and the load
+/// is staged. A sender not attached fails its keys on either path.
+fn prepared(env: &impl LoadEnv, sender_id: &str) -> bool {
+    let Some(peer) = env.peer_of(sender_id) else {
+        return true;
+    };
+    match env.channel().prepare_direct(peer) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!(
+                "sender {sender_id} cannot be read straight into the KV cache ({e}); loading \
+                 through staging pages"
             );
             false
         }
