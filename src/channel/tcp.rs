@@ -887,7 +887,6 @@ impl TransferChannel for TcpChannel {
         deadline: Instant,
     ) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
-        let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             p.table.resolve_direct(i, op)?;
             if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
@@ -897,25 +896,14 @@ impl TransferChannel for TcpChannel {
                     reason: "a direct read past 4 GiB into a page (tcp offsets are 32-bit)".into(),
                 });
             }
-            let mut off = 0;
-            while off < op.len {
-                let len = (op.len - off).min(self.opts.slice_bytes.max(1));
-                slices.push(DirectSlice {
-                    op: i,
-                    remote: op.remote,
-                    offset: op.offset + off,
-                    dst: op.dst + off,
-                    len,
-                });
-                off += len;
-            }
         }
-        let (node, opts) = (self.node.as_str(), &self.opts);
+        let (slices, segs) = direct_slices(ops, self.opts.slice_bytes);
+        let (node, opts, segs) = (self.node.as_str(), &self.opts, segs.as_slice());
         let p = &*p;
         // on_connections returns only after every connection thread ended,
         // so no byte lands after this call.
         on_connections(p, &slices, |conn, mine| {
-            run_direct_on_connection(p, node, conn, mine, opts, deadline)
+            run_direct_on_connection(p, node, conn, mine, segs, opts, deadline)
         })
     }
 
@@ -1171,14 +1159,55 @@ fn connected<'c>(
 }
 
 /// One request of a direct read: `len` bytes at `offset` of op `op`'s
-/// remote page, received straight into host memory at `dst`.
+/// remote page (and of the ops after it that continue that range),
+/// received straight into host memory, in order, at the destinations
+/// `segs` indexes in the read's segment list.
 #[derive(Clone, Copy)]
 struct DirectSlice {
     op: usize,
     remote: BufferRef,
     offset: usize,
-    dst: usize,
     len: usize,
+    segs: (usize, usize),
+}
+
+/// Cuts a direct read into requests of at most `cap` bytes. Ops that
+/// continue the previous one's remote range (a chunk's runs, which lie back
+/// to back in its page) share requests, so a chunk scattered over many
+/// cache blocks still moves in large requests. Returns the requests and
+/// the (destination, bytes) segments they index.
+fn direct_slices(ops: &[DirectRead], cap: usize) -> (Vec<DirectSlice>, Vec<(usize, usize)>) {
+    let cap = cap.max(1);
+    let (mut slices, mut segs): (Vec<DirectSlice>, Vec<(usize, usize)>) = (Vec::new(), Vec::new());
+    for (i, op) in ops.iter().enumerate() {
+        let mut off = 0;
+        while off < op.len {
+            let at = op.offset + off;
+            let room = match slices.last() {
+                Some(l) if l.remote == op.remote && l.offset + l.len == at && l.len < cap => {
+                    cap - l.len
+                }
+                _ => 0,
+            };
+            let take = (op.len - off).min(if room > 0 { room } else { cap });
+            if room > 0 {
+                let l = slices.last_mut().expect("room implies a slice");
+                l.len += take;
+                l.segs.1 += 1;
+            } else {
+                slices.push(DirectSlice {
+                    op: i,
+                    remote: op.remote,
+                    offset: at,
+                    len: take,
+                    segs: (segs.len(), segs.len() + 1),
+                });
+            }
+            segs.push((op.dst + off, take));
+            off += take;
+        }
+    }
+    (slices, segs)
 }
 
 /// A direct read's share of one connection: requests pipelined `window`
@@ -1188,6 +1217,7 @@ fn run_direct_on_connection(
     node: &str,
     conn: &mut Option<Conn>,
     slices: &[DirectSlice],
+    segs: &[(usize, usize)],
     opts: &TcpOptions,
     deadline: Instant,
 ) -> Result<(), ChannelError> {
@@ -1234,14 +1264,17 @@ fn run_direct_on_connection(
         let sl = slices[done];
         arm(stream, sl.op)?;
         read_reply(p, stream, sl.op, opts)?;
-        // SAFETY: read_direct's caller vouched that [dst, dst + len) is
-        // host memory it may write, untouched by anyone else, for the whole
-        // call; read_direct returns only after this thread ended.
-        let dst = unsafe { std::slice::from_raw_parts_mut(sl.dst as *mut u8, sl.len) };
-        arm(stream, sl.op)?;
-        stream
-            .read_exact(dst)
-            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        for &(dst, len) in &segs[sl.segs.0..sl.segs.1] {
+            // SAFETY: read_direct's caller vouched that each op's [dst, dst +
+            // len), which the segments split, is host memory it may write,
+            // untouched by anyone else, for the whole call; read_direct
+            // returns only after this thread ended.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+            arm(stream, sl.op)?;
+            stream
+                .read_exact(dst)
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+        }
         done += 1;
     }
     // The connection is reused: back to the usual timeouts.
@@ -1390,5 +1423,61 @@ pub mod fuzzing {
     /// Reads a connection hello from `bytes`: the node id, or why not.
     pub fn read(bytes: &[u8]) -> Result<String, String> {
         read_hello(&mut std::io::Cursor::new(bytes)).map(|(node, _)| node)
+    }
+}
+
+#[cfg(test)]
+mod direct_slice_tests {
+    use super::*;
+    use uuid::Uuid;
+
+    fn read(page: u32, offset: usize, dst: usize, len: usize) -> DirectRead {
+        DirectRead {
+            remote: BufferRef {
+                uuid: Uuid::nil(),
+                page,
+            },
+            offset,
+            dst,
+            len,
+        }
+    }
+
+    #[test]
+    fn runs_back_to_back_in_a_page_share_requests_up_to_the_cap() {
+        // Three runs of one page back to back (scattered in memory), then a
+        // gap, then another page.
+        let ops = [
+            read(0, 0, 1000, 300),
+            read(0, 300, 5000, 300),
+            read(0, 600, 9000, 300),
+            read(0, 1000, 20000, 100),
+            read(1, 1100, 30000, 100),
+        ];
+        let (slices, segs) = direct_slices(&ops, 512);
+        let got: Vec<_> = slices
+            .iter()
+            .map(|s| {
+                (
+                    s.op,
+                    s.remote.page,
+                    s.offset,
+                    s.len,
+                    segs[s.segs.0..s.segs.1].to_vec(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 0, 0, 512, vec![(1000, 300), (5000, 212)]),
+                (1, 0, 512, 388, vec![(5212, 88), (9000, 300)]),
+                (3, 0, 1000, 100, vec![(20000, 100)]),
+                (4, 1, 1100, 100, vec![(30000, 100)]),
+            ]
+        );
+        // Every byte once, in order.
+        let total: usize = segs.iter().map(|s| s.1).sum();
+        assert_eq!(total, ops.iter().map(|o| o.len).sum::<usize>());
     }
 }
