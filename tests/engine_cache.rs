@@ -9,7 +9,7 @@
 mod common;
 
 use ascend_pd::config::{BufferDevice, ChannelKind, TransferMode};
-use ascend_pd::kv::{KvCache, KvCacheSpec, KvTensor};
+use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::DualStats;
 use ascend_pd::requests::{
@@ -38,20 +38,7 @@ struct EngineCache {
 }
 
 fn engine_cache(dev: &Device, spec: KvCacheSpec, stream: Option<Stream>) -> EngineCache {
-    let tensors: Vec<DeviceBuffer> = (0..spec.layers * spec.planes())
-        .map(|_| {
-            let b = dev.alloc(spec.plane_bytes()).unwrap();
-            b.fill(0, spec.plane_bytes(), 0).unwrap();
-            b
-        })
-        .collect();
-    let refs: Vec<KvTensor> = tensors
-        .iter()
-        .map(|b| KvTensor {
-            addr: b.addr(),
-            bytes: b.len(),
-        })
-        .collect();
+    let (tensors, refs) = npu_tensors(dev, &spec);
     // SAFETY: the tensors are device memory of `dev`, kept alive in the
     // returned struct for as long as the cache.
     let cache = unsafe { KvCache::wrap_npu(dev, spec, &refs, stream) }.unwrap();

@@ -9,7 +9,7 @@ mod common;
 use ascend_pd::backend::{MessageKind, Receiver, Sender};
 use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access, GrantTag};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
-use ascend_pd::kv::{KvCache, KvCacheSpec, KvTensor};
+use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
 use ascend_pd::pipeline::{LoadError, LoadOptions, LoadReport};
@@ -749,10 +749,18 @@ fn concurrent_loads_competing_for_pages_fall_back_to_a_smaller_depth() {
     assert_receiver_idle(&r);
 }
 
+/// NPU 0 of the CANN emulator.
+fn emulated_npu() -> ascend_sys::Device {
+    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
+    AclRuntime::from_dir(&dir)
+        .expect("the emulator loads")
+        .device(0)
+        .unwrap()
+}
+
 #[test]
 fn an_npu_cache_is_loaded_through_the_emulator() {
-    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
-    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
+    let dev = emulated_npu();
     let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 8);
     rc.buffer_device = BufferDevice::Npu(Some(0));
     let r = Receiver::start(&rc, 0).unwrap();
@@ -761,7 +769,7 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
     let ks = put_delay(&s, &rc, "npu", 9, 11);
     let slots = slot_mapping(8 * CHUNK + 11, 20, Mapping::Blocks, 17);
     let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 20, BLOCK);
-    let mut cache = KvCache::npu(&rt.device(0).unwrap(), spec).unwrap();
+    let mut cache = KvCache::npu(&dev, spec).unwrap();
     let report = r
         .load_with(
             &ks,
@@ -796,9 +804,7 @@ fn an_npu_cache_is_loaded_through_the_emulator() {
 /// too; `direct: false` still stages.
 #[test]
 fn an_npu_cache_over_hccl_is_read_directly() {
-    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
-    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
-    let dev = rt.device(0).unwrap();
+    let dev = emulated_npu();
     let mut rc = receiver_config(ChannelKind::Hccl, TransferMode::PullDelay, 8);
     rc.buffer_device = BufferDevice::Npu(Some(0));
     let r = Receiver::start(&rc, 0).unwrap();
@@ -874,9 +880,7 @@ fn an_npu_cache_over_hccl_is_read_directly() {
 /// pages instead, every byte in place.
 #[test]
 fn an_hccl_cache_too_fragmented_to_register_is_staged() {
-    let dir = ascend_emu::install_dir().expect("the emulator is a dev-dependency");
-    let rt = AclRuntime::from_dir(&dir).expect("the emulator loads");
-    let dev = rt.device(0).unwrap();
+    let dev = emulated_npu();
     let layers = 130;
     let mut rc = receiver_config(ChannelKind::Hccl, TransferMode::PullDelay, 8);
     rc.kv.num_layers = layers;
@@ -890,20 +894,7 @@ fn an_hccl_cache_too_fragmented_to_register_is_staged() {
     let ks = put_delay(&s, &rc, "fragmented", 3, 9);
     let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), 8, BLOCK);
     // One tensor per layer and plane, as an engine allocates them.
-    let tensors: Vec<ascend_sys::DeviceBuffer> = (0..spec.layers * spec.planes())
-        .map(|_| {
-            let b = dev.alloc(spec.plane_bytes()).unwrap();
-            b.fill(0, spec.plane_bytes(), 0).unwrap();
-            b
-        })
-        .collect();
-    let refs: Vec<KvTensor> = tensors
-        .iter()
-        .map(|b| KvTensor {
-            addr: b.addr(),
-            bytes: b.len(),
-        })
-        .collect();
+    let (tensors, refs) = npu_tensors(&dev, &spec);
     // SAFETY: device memory of `dev`, alive until after the cache is dropped.
     let mut cache = unsafe { KvCache::wrap_npu(&dev, spec, &refs, None) }.unwrap();
     let slots = slot_mapping(2 * CHUNK + 9, 8, Mapping::Blocks, 60);

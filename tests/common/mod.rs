@@ -208,3 +208,27 @@ pub fn missing_tool(what: &str, fix: &str) -> bool {
     println!("SKIPPED: {what} is missing ({fix}); .ci/run installs it and never skips");
     true
 }
+
+/// An engine's paged NPU cache as vLLM-Ascend allocates it: one zeroed
+/// device tensor per layer and K/V plane of `spec`, and their references
+/// for `KvCache::wrap_npu` (the tensors must outlive the cache).
+pub fn npu_tensors(
+    dev: &ascend_sys::Device,
+    spec: &ascend_pd::kv::KvCacheSpec,
+) -> (Vec<ascend_sys::DeviceBuffer>, Vec<ascend_pd::kv::KvTensor>) {
+    let tensors: Vec<ascend_sys::DeviceBuffer> = (0..spec.layers * spec.planes())
+        .map(|_| {
+            let b = dev.alloc(spec.plane_bytes()).unwrap();
+            b.fill(0, spec.plane_bytes(), 0).unwrap();
+            b
+        })
+        .collect();
+    let refs = tensors
+        .iter()
+        .map(|b| ascend_pd::kv::KvTensor {
+            addr: b.addr(),
+            bytes: b.len(),
+        })
+        .collect();
+    (tensors, refs)
+}
