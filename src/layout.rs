@@ -7,6 +7,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub mod tp;
+
 /// Element type of a KV chunk, named as torch names them on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {

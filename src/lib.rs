@@ -5,7 +5,8 @@
 //! [`Receiver`] (started from a [`PdConfig`]), the pages a sender fills
 //! ([`MemObj`], sealed into [`SealedMemObj`] to send), the decode side's
 //! [`KvCache`] and [`LoadOptions`], and the errors. Everything else is in
-//! the modules, from the bottom up: [`layout`] (what a chunk looks like)
+//! the modules, from the bottom up: [`layout`] (what a chunk looks like,
+//! and which KV heads each TP rank holds)
 //! and the msgpack `wire` reader/writer; [`config`] (LMCache-style YAML)
 //! and [`memory`] (pools, pages and who may touch them); [`channel`]
 //! (one-sided transfers, grants) and [`protocol`] (the side-channel

@@ -72,7 +72,7 @@ pub struct Hello {
 }
 
 /// A side's tensor-parallel split, carried in the hello so a receiver knows
-/// which heads a sender's chunks hold (see [`crate::kv::tp`]).
+/// which heads a sender's chunks hold (see [`crate::layout::tp`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TpInfo {
     /// This side's TP size (`tp_size`).
@@ -102,7 +102,7 @@ impl TpInfo {
 
     /// The heads a sender of `sender` sends a receiver of `self`, or why
     /// the two cannot be paired.
-    pub fn piece_from(&self, sender: &TpInfo) -> Result<crate::kv::tp::HeadRange, String> {
+    pub fn piece_from(&self, sender: &TpInfo) -> Result<crate::layout::tp::HeadRange, String> {
         if sender.tp != self.peer_tp || sender.peer_tp != self.tp {
             return Err(format!(
                 "the sender runs tp_size {} expecting a decode TP of {}; this receiver runs \
@@ -122,7 +122,7 @@ impl TpInfo {
             ));
         }
         let plan =
-            crate::kv::tp::TpPlan::new(sender.tp, self.tp, self.total_heads, self.replicated)?;
+            crate::layout::tp::TpPlan::new(sender.tp, self.tp, self.total_heads, self.replicated)?;
         plan.piece(sender.rank, self.rank).ok_or_else(|| {
             format!(
                 "prefill rank {} (of TP {}) holds none of decode rank {}'s {} (of TP {}): \
@@ -1486,7 +1486,7 @@ mod tests {
         assert!(receiver.agree(&sender).is_ok());
         assert_eq!(
             tp(1, 2, 0).piece_from(&tp(2, 1, 1)).unwrap(),
-            crate::kv::tp::HeadRange { start: 4, end: 8 }
+            crate::layout::tp::HeadRange { start: 4, end: 8 }
         );
         // The receiver thinks the prefill TP is 4.
         let wrong = Hello {

@@ -310,7 +310,7 @@ pub struct PdConfig {
     /// `tp_size`: tensor-parallel ranks this config serves (default 1).
     pub tp_size: usize,
     /// `pd_peer_tp_size`: the other side's TP size (default `tp_size`).
-    /// When it differs, KV heads are split per [`crate::kv::tp::TpPlan`]:
+    /// When it differs, KV heads are split per [`crate::layout::tp::TpPlan`]:
     /// one must be a multiple of the other.
     pub peer_tp_size: Option<usize>,
     /// The KV geometry.
@@ -393,7 +393,7 @@ impl PdConfig {
 
     /// How KV heads split between this side's TP ranks and the peer's.
     /// `kv_num_heads` is per rank of this side; MLA's latent is replicated.
-    pub fn tp_plan(&self) -> Result<crate::kv::tp::TpPlan, String> {
+    pub fn tp_plan(&self) -> Result<crate::layout::tp::TpPlan, String> {
         let (prefill, decode) = match self.role {
             Role::Sender => (self.tp_size, self.peer_tp()),
             Role::Receiver => (self.peer_tp(), self.tp_size),
@@ -403,7 +403,7 @@ impl PdConfig {
         } else {
             self.kv.num_kv_heads.saturating_mul(self.tp_size)
         };
-        crate::kv::tp::TpPlan::new(prefill, decode, total, self.kv.use_mla)
+        crate::layout::tp::TpPlan::new(prefill, decode, total, self.kv.use_mla)
     }
 
     /// Elements of one KV head in a chunk token (the latent for MLA).

@@ -2,9 +2,8 @@
 
 use super::plan::{piece_copies, CopyRun};
 use super::{KvCacheSpec, KvError};
-use crate::channel::DirectRegistration;
 use crate::memory::npu::{read_page, write_page};
-use crate::memory::{ChunkMeta, DeviceKind, MemObj, Page, SealedMemObj};
+use crate::memory::{ChunkMeta, DeviceKind, DirectRegistration, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
 
@@ -579,7 +578,7 @@ impl KvCache {
     }
 
     /// Whether the cache is registered with channel instance `channel`
-    /// (see [`crate::channel::TransferChannel::direct_registry`]).
+    /// (a transfer channel's `direct_registry` id).
     pub fn is_registered_with(&self, channel: u64) -> bool {
         self.direct.iter().any(|r| r.channel() == channel)
     }

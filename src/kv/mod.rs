@@ -22,7 +22,8 @@
 
 mod cache;
 pub mod plan;
-pub mod tp;
+/// The heads each TP rank holds (see [`crate::layout::tp`]).
+pub use crate::layout::tp;
 
 pub use cache::{DirectRun, KvCache, KvFence, KvTensor, ScatterStats};
 

@@ -12,6 +12,7 @@
 //! CANN (ACL) runtime behind NPU pools and pinned CPU pools.
 
 pub mod buffer;
+mod direct;
 pub mod dual;
 pub mod host;
 pub mod npu;
@@ -22,6 +23,7 @@ pub use crate::layout::{ChunkLayout, Dtype, MemFormat, UnknownDtype};
 pub use buffer::{
     BufferRef, DeviceKind, DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer,
 };
+pub use direct::DirectRegistration;
 pub use dual::{CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
 pub use host::HostRegion;
 pub(crate) use pool::PageWatch;
