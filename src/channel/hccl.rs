@@ -528,19 +528,13 @@ impl TransferChannel for HcclChannel {
                     op.dst, op.len
                 )));
             }
-            if op.len == 0 {
-                continue;
-            }
-            let base = p
-                .table
-                .get(&op.remote.uuid)
-                .expect("resolve_direct found it")
-                .base;
-            batch.push(OneSidedOp {
-                local_addr: op.dst as u64,
-                remote_addr: base + page + op.offset as u64,
-                len: op.len as u64,
-            });
+            batch.extend(one_sided(
+                &p.table,
+                op.remote,
+                op.dst as u64,
+                page + op.offset as u64,
+                op.len,
+            ));
         }
         if batch.is_empty() {
             return Ok(());
@@ -703,19 +697,13 @@ impl HcclChannel {
                         .into(),
                 });
             }
-            if op.len == 0 {
-                continue;
-            }
-            let base = p
-                .table
-                .get(&op.remote.uuid)
-                .expect("check_ops resolved it")
-                .base;
-            batch.push(OneSidedOp {
-                local_addr: op.local.addr(),
-                remote_addr: base + off,
-                len: op.len as u64,
-            });
+            batch.extend(one_sided(
+                &p.table,
+                op.remote,
+                op.local.addr(),
+                *off,
+                op.len,
+            ));
         }
         if batch.is_empty() {
             return Ok(Completion::ready(Ok(()), pages_of(ops)));
@@ -1235,6 +1223,27 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
             }
         }
     }
+}
+
+/// The op moving `len` bytes between `local` and byte `off` of the peer's
+/// buffer `remote` names (already resolved against `table`); none for an
+/// empty range.
+fn one_sided(
+    table: &PeerTable,
+    remote: BufferRef,
+    local: u64,
+    off: u64,
+    len: usize,
+) -> Option<OneSidedOp> {
+    if len == 0 {
+        return None;
+    }
+    let base = table.get(&remote.uuid).expect("resolved before").base;
+    Some(OneSidedOp {
+        local_addr: local,
+        remote_addr: base + off,
+        len: len as u64,
+    })
 }
 
 /// Waits for everything queued on `link`'s stream: a direct read whose
