@@ -2745,3 +2745,111 @@ fn a_failed_read_of_a_shared_proxy_leaves_it_to_the_other_request() {
     assert_eq!(ks.state("k"), None);
     drop(sp);
 }
+
+/// The shell allocates a plan's pages outside the core's lock, so the last
+/// holder of a key a plan found present can let go before that plan is
+/// committed. The key must stay for the newcomer, whose reply says it is
+/// already here: kept when the plan commits, dropped after all (page back,
+/// Done out) when it is given up. For a resident key and a proxy alike.
+#[test]
+fn a_key_found_present_stays_until_the_plan_that_found_it_ends() {
+    for commit in [true, false] {
+        let t0 = Instant::now();
+        let pool = pool(8);
+        let mut ks = receiver();
+        // r1 holds resident "k"; r2's AllocRequest finds it present.
+        let r1 = push(&mut ks, &alloc_for("r1", &["k"]), t0, &pool);
+        notice(
+            &mut ks,
+            ROUTE,
+            ROUTE,
+            PushOutcome::Landed,
+            &refs_of(&r1.response),
+            t0,
+        );
+        let plan = ks
+            .plan_push(t0, ROUTE_NEXT, &alloc_for("r2", &["k", "b"]))
+            .expect("b is new: pages to allocate");
+        // Meanwhile r1's load ends and lets go of "k".
+        assert!(ks.release("r1", "k").unwrap().page.is_none(), "kept");
+        assert!(matches!(ks.get("k", t0), Lookup::Resident(_)));
+        if commit {
+            let pages = plan.check_pages(pool.allocate_batch(plan.metas()));
+            let r2 = ks.commit_push(t0, plan, pages.map(|p| (p, Some(GRANT))));
+            assert_eq!(r2.response.already_sent_indexes, vec![0]);
+            assert_eq!(ks.holders("k"), 1, "r2 holds it now");
+            notice(
+                &mut ks,
+                ROUTE_NEXT,
+                ROUTE_NEXT,
+                PushOutcome::Landed,
+                &refs_of(&r2.response),
+                t0,
+            );
+            assert!(ks.release("r2", "k").unwrap().page.is_some());
+            assert!(ks.release("r2", "b").unwrap().page.is_some());
+        } else {
+            // r2's pages are not free yet: its plan is given up, and "k",
+            // which nobody holds or claims any more, goes.
+            assert!(ks.shelve_push(plan).is_empty());
+            assert_eq!(ks.state("k"), None);
+        }
+        assert!(ks.is_empty(), "commit {commit}");
+        assert_idle(&pool);
+    }
+
+    for commit in [true, false] {
+        let t0 = Instant::now();
+        let sender_pool = pool(4);
+        let pool = pool(4);
+        let mut ks = receiver();
+        let sp = alloc(&sender_pool, 2);
+        let p1 = lease_id(t0 + LEASE);
+        delay(
+            &mut ks,
+            &PullReadyNotif {
+                req_id: Some("r1".into()),
+                ..notif(&p1, &["k"], &sp[..1])
+            },
+            t0,
+        );
+        // r2's eager pull finds "k" present and waits for a page for "b".
+        let p2 = lease_id(t0 + LEASE + Duration::from_millis(1));
+        let n2 = PullReadyNotif {
+            req_id: Some("r2".into()),
+            ..notif(&p2, &["k", "b"], &sp)
+        };
+        let plan = ks.plan_pull(t0, SENDER_ROUTE, &n2, Some(LEASE)).unwrap();
+        // r1 reads "k" and lets go: the proxy is kept, p1's Done waits.
+        let p = ks.begin_proxy_read("k", t0).unwrap();
+        assert!(ks
+            .end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some("r1"))
+            .is_none());
+        assert!(ks.release("r1", "k").unwrap().done.is_none());
+        assert_eq!(ks.state("k"), Some(KeyState::Proxy));
+        if commit {
+            let pages = pool.allocate_batch(plan.metas());
+            let reply = ks.commit_pull_eager(plan, pages);
+            assert_eq!(reply.ack.already_sent_indexes, vec![0]);
+            assert_eq!(ks.holders("k"), 1, "r2 holds it now");
+            let p = ks.begin_proxy_read("k", t0).unwrap();
+            let done = ks.end_proxy_read_for(&p.handle, ReadOutcome::Consumed, Some("r2"));
+            assert_eq!(done.map(|d| d.signal.pull_id), Some(p1.clone()));
+            let read = reply.read.expect("b is read");
+            assert!(ks
+                .on_read_complete(&read.pull_id, Some(read.pages))
+                .is_some());
+            ks.release("r2", "k");
+            ks.release("r2", "b");
+        } else {
+            let done = ks.shelve_pull(plan);
+            let ids: Vec<String> = done.into_iter().map(|d| d.signal.pull_id).collect();
+            assert_eq!(ids, vec![p1.clone()], "the proxy goes with its Done");
+            assert_eq!(ks.state("k"), None);
+        }
+        assert!(ks.is_empty(), "commit {commit}");
+        assert_eq!(ks.counters().proxies, 0);
+        assert_idle(&pool);
+        drop(sp);
+    }
+}

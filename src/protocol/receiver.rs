@@ -186,7 +186,11 @@ pub enum Verdict {
 pub struct AllocId(pub u64);
 
 /// An `AllocRequest` checked and partitioned, waiting for its pages.
+/// It claims the keys it found present: end it with
+/// [`ReceiverCore::commit_push`], [`ReceiverCore::refuse_push`] or
+/// [`ReceiverCore::shelve_push`], never by dropping it.
 #[derive(Debug)]
+#[must_use = "a plan claims keys: commit, refuse or shelve it"]
 pub struct PushPlan {
     route: String,
     keys: Vec<String>,
@@ -201,12 +205,6 @@ impl PushPlan {
     /// One chunk per page the shell must allocate (all or nothing).
     pub fn metas(&self) -> &[ChunkMeta] {
         &self.metas
-    }
-
-    /// Gives the plan up (its pages are not free yet; the shell plans the
-    /// request again later), keeping the Done signals planning freed.
-    pub fn into_done(self) -> Vec<SendPullDone> {
-        self.done
     }
 
     /// The allocator's answer, checked to be one page per chunk before the
@@ -251,8 +249,11 @@ pub struct Settled {
 }
 
 /// A `PullReadyNotif` checked, with its read window, waiting for pages
-/// (pull-eager) or to be stored (pull-delay).
+/// (pull-eager) or to be stored (pull-delay). Like a [`PushPlan`], it
+/// claims the keys it found present: end it with a commit or
+/// [`ReceiverCore::shelve_pull`].
 #[derive(Debug)]
+#[must_use = "a plan claims keys: commit or shelve it"]
 pub struct PullPlan {
     notif: PullReadyNotif,
     checked: CheckedPull,
@@ -267,11 +268,6 @@ impl PullPlan {
     /// The pages a pull-eager read needs (one per new key).
     pub fn metas(&self) -> &[ChunkMeta] {
         &self.metas
-    }
-
-    /// Gives the plan up (see [`PushPlan::into_done`]).
-    pub fn into_done(self) -> Vec<SendPullDone> {
-        self.done
     }
 
     #[cfg(test)]
@@ -520,6 +516,12 @@ pub struct ReceiverCore {
     /// deduplicated prefix) stays until each named request released it;
     /// the same request announcing it again counts once.
     holders: HashMap<String, HashSet<String>>,
+    /// Keys a plan found present, by the number of such plans not yet
+    /// committed or given up. A request told "already sent" must find the
+    /// key when it loads, so a claimed key outlives its last holder's
+    /// release until the claim ends: kept for the claimant on commit,
+    /// dropped after all if every claimant gave up.
+    claims: HashMap<String, u32>,
     /// Senders whose chunks are head pieces (heterogeneous TP): their
     /// chunk width and where it starts in a token of this side's chunks,
     /// by sender node. Absent: whole chunks of [`ReceiverConfig::layout`].
@@ -611,6 +613,7 @@ impl ReceiverCore {
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
             holders: HashMap::new(),
+            claims: HashMap::new(),
             pieces: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
@@ -784,13 +787,61 @@ impl ReceiverCore {
     /// holders (the decode side names its requests differently from the
     /// prefill side), one hold goes anyway, an anonymous one first: with
     /// one release per request, a key still goes after its last request.
+    ///
+    /// A key an uncommitted plan claimed also stays, even with no hold
+    /// left: the claimant's reply says it is already here. Its holders
+    /// are then an empty set until the claim ends ([`ReceiverCore::unclaim`]).
     fn let_go(&mut self, key: &str, req: &str) -> bool {
-        if self.holders.get(key).is_some_and(|h| h.len() > 1) {
+        let claimed = self.claims.contains_key(key) && self.entries.contains_key(key);
+        if claimed {
+            // A key stored without a named hold has one anonymous hold;
+            // make it explicit so dropping it leaves an empty set.
+            self.holders
+                .entry(key.to_string())
+                .or_insert_with(|| HashSet::from([String::new()]));
+        }
+        if claimed || self.holders.get(key).is_some_and(|h| h.len() > 1) {
             self.drop_hold(key, req);
             true
         } else {
             false
         }
+    }
+
+    /// A plan found `part.present` of `keys` stored: they stay until the
+    /// plan is committed or given up, whoever else lets go meanwhile
+    /// (the shell allocates the plan's pages outside the core's lock).
+    fn claim(&mut self, keys: &[String], part: &Partition) {
+        for &i in &part.present {
+            *self.claims.entry(keys[i].clone()).or_default() += 1;
+        }
+    }
+
+    /// Ends a plan's claim on `part.present` of `keys`. With `kept`, the
+    /// plan was committed and its request now holds them. Without, the
+    /// plan was given up: a key nobody holds or claims any more goes now
+    /// (a resident page back to the pool, a proxy discarded, whose Done is
+    /// returned; a key still landing is dropped when it lands).
+    fn unclaim(&mut self, keys: &[String], part: &Partition, kept: bool) -> Vec<SendPullDone> {
+        let mut done = Vec::new();
+        for &i in &part.present {
+            let key = &keys[i];
+            if let Some(n) = self.claims.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.claims.remove(key);
+                }
+            }
+            let orphan = !kept
+                && !self.claims.contains_key(key)
+                && self.holders.get(key).is_some_and(HashSet::is_empty);
+            if orphan {
+                let mut out = Cancelled::default();
+                self.drop_key(key, "", &mut out);
+                done.extend(out.removed.into_iter().filter_map(|(_, r)| r.done));
+            }
+        }
+        done
     }
 
     /// Removes `req`'s hold on `key` (or, if it has none by that name, one
@@ -857,28 +908,35 @@ impl ReceiverCore {
             if self.let_go(key, req) {
                 continue;
             }
-            let pending = match self.entries.get(key) {
-                Some(Entry::PendingPush { alloc }) => Some(Pending::Push(*alloc)),
-                Some(Entry::PendingRead { pull_id }) => Some(Pending::Read(pull_id.clone())),
-                _ => None,
-            };
-            match pending {
-                Some(p) => {
-                    // Its hold goes now: a request that claims the key
-                    // before it lands keeps it (see `hold`).
-                    self.drop_hold(key, req);
-                    self.cancelled.insert(key.clone(), p);
-                    out.deferred.push(key.clone());
-                }
-                None => {
-                    if let Some(r) = self.remove(key) {
-                        out.removed.push((key.clone(), r));
-                    }
-                }
-            }
+            self.drop_key(key, req, &mut out);
         }
         self.counters.cancelled_keys += (out.removed.len() + out.deferred.len()) as u64;
         out
+    }
+
+    /// Drops `key`, which no request holds any more: a stored one goes now
+    /// (into `out.removed`), one still landing when its transfer ends
+    /// (`out.deferred`).
+    fn drop_key(&mut self, key: &str, req: &str, out: &mut Cancelled) {
+        let pending = match self.entries.get(key) {
+            Some(Entry::PendingPush { alloc }) => Some(Pending::Push(*alloc)),
+            Some(Entry::PendingRead { pull_id }) => Some(Pending::Read(pull_id.clone())),
+            _ => None,
+        };
+        match pending {
+            Some(p) => {
+                // Its hold goes now: a request that claims the key
+                // before it lands keeps it (see `hold`).
+                self.drop_hold(key, req);
+                self.cancelled.insert(key.to_string(), p);
+                out.deferred.push(key.to_string());
+            }
+            None => {
+                if let Some(r) = self.remove(key) {
+                    out.removed.push((key.to_string(), r));
+                }
+            }
+        }
     }
 
     /// Whether `key`, ending its wait for `transfer`, was cancelled meanwhile
@@ -964,6 +1022,7 @@ impl ReceiverCore {
             metas,
             done,
         };
+        self.claim(&plan.keys, &plan.part);
         if plan.metas.is_empty() {
             return Err(Box::new(self.commit_push(
                 now,
@@ -978,7 +1037,26 @@ impl ReceiverCore {
     /// attached, or its route does not name an allocation), before any page
     /// is taken for it.
     pub fn refuse_push(&mut self, plan: PushPlan) -> PushReply {
-        self.refuse_writer(&plan.route, plan.done)
+        let route = plan.route.clone();
+        let done = self.shelve_push(plan);
+        self.refuse_writer(&route, done)
+    }
+
+    /// Gives a push plan up: its pages are not free yet, and the shell
+    /// plans the request again later (or refuses it). Returns the Done
+    /// signals to send: those planning freed, and any of a key that only
+    /// this plan still claimed.
+    pub fn shelve_push(&mut self, plan: PushPlan) -> Vec<SendPullDone> {
+        let mut done = plan.done;
+        done.extend(self.unclaim(&plan.keys, &plan.part, false));
+        done
+    }
+
+    /// Gives a pull plan up (see [`ReceiverCore::shelve_push`]).
+    pub fn shelve_pull(&mut self, plan: PullPlan) -> Vec<SendPullDone> {
+        let mut done = plan.done;
+        done.extend(self.unclaim(&plan.notif.keys, &plan.part, false));
+        done
     }
 
     fn refuse_writer(&mut self, route: &str, done: Vec<SendPullDone>) -> PushReply {
@@ -1011,12 +1089,13 @@ impl ReceiverCore {
             req_id,
             part,
             metas,
-            done,
+            mut done,
         } = plan;
         let (pages, grant) = match pages {
             Ok(p) => p,
             Err(e) => {
                 self.counters.alloc_failures += 1;
+                done.extend(self.unclaim(&keys, &part, false));
                 return PushReply {
                     response: failed_push_response(),
                     verdict: Verdict::AllocFailed(e),
@@ -1038,6 +1117,7 @@ impl ReceiverCore {
         };
         let req = req_id.as_deref().unwrap_or("");
         if pages.is_empty() {
+            self.unclaim(&keys, &part, true);
             let present: Vec<&String> = part.present.iter().map(|&i| &keys[i]).collect();
             self.hold(req, &[], &present);
             return PushReply {
@@ -1051,9 +1131,11 @@ impl ReceiverCore {
             None => {
                 // Unadvertised, so nobody can have written them: free.
                 drop(pages);
+                done.extend(self.unclaim(&keys, &part, false));
                 return self.refuse_writer(&route, done);
             }
         };
+        self.unclaim(&keys, &part, true);
         let id = AllocId(self.next_alloc);
         self.next_alloc += 1;
         let refs: Vec<BufferRef> = pages.iter().map(|p| p.buffer_ref()).collect();
@@ -1392,6 +1474,7 @@ impl ReceiverCore {
         };
         let done = self.replace_expired(&notif.keys, now);
         let part = self.partition(&notif.keys);
+        self.claim(&notif.keys, &part);
         let metas = part.new.iter().map(|&i| checked.metas[i]).collect();
         Ok(PullPlan {
             notif: notif.clone(),
@@ -1425,7 +1508,7 @@ impl ReceiverCore {
                 new,
                 limit,
             };
-            return PullReply::refused(Verdict::Rejected(e), plan.done);
+            return PullReply::refused(Verdict::Rejected(e), self.shelve_pull(plan));
         }
         self.commit_pull_delay(plan)
     }
@@ -1449,6 +1532,7 @@ impl ReceiverCore {
             mut done,
             ..
         } = plan;
+        self.unclaim(&notif.keys, &part, true);
         let mut ctx = TransferContext::new(
             &notif.pull_id,
             &notif.sender_id,
@@ -1516,9 +1600,11 @@ impl ReceiverCore {
             Ok(p) => p,
             Err(e) => {
                 self.counters.alloc_failures += 1;
+                done.extend(self.unclaim(&notif.keys, &part, false));
                 return PullReply::refused(Verdict::AllocFailed(e), done);
             }
         };
+        self.unclaim(&notif.keys, &part, true);
         let items: Vec<ReadItem> = part
             .new
             .iter()
@@ -1676,7 +1762,7 @@ impl ReceiverCore {
             // read that failed for this request leaves the proxy to the
             // others too (if the sender is gone, their reads fail alike).
             (ReadOutcome::Consumed | ReadOutcome::Failed, Some(_), Some(k))
-                if self.holders(&k) > 1 =>
+                if self.holders(&k) > 1 || self.claims.contains_key(&k) =>
             {
                 ReadOutcome::Kept
             }

@@ -481,7 +481,7 @@ fn serve_alloc(s: &Shared, route: &str, req: &AllocRequest, may_wait: bool) -> S
                     // pages nobody reserved.
                     let Some(pages) = admitted_pages(s, batch_of(req), plan.metas(), may_wait)
                     else {
-                        return Served::Wait(plan.into_done());
+                        return Served::Wait(lock(&s.core).shelve_push(plan));
                     };
                     // The writer may touch exactly these pages, from now
                     // until its notice (or the revoke after the deadline);
@@ -551,7 +551,7 @@ fn serve_pull(
             // refused now; other notifications use only unreserved pages.
             let Some(pages) = admitted_pages(s, pull_batch_of(notif), plan.metas(), may_wait)
             else {
-                return Served::Wait(plan.into_done());
+                return Served::Wait(lock(&s.core).shelve_pull(plan));
             };
             lock(&s.core).commit_pull_eager(plan, pages)
         }
