@@ -415,7 +415,9 @@ int32_t apd_sender_start(ApdConfig config, uint32_t rank, ApdSender *out_sender)
  `cache` at `slot_mapping` (one slot per token, vLLM's), then sent to
  `peer` as `keys` (one per chunk of chunk_size tokens). Returns at once;
  `apd_sender_poll` reports the end. `is_last_prefill` != 0 sends the
- proxy its `ProxyNotif` after the save.
+ proxy its `ProxyNotif` after the save. Every decode rank this prefill
+ rank feeds is reached at `peer`'s ports; when it feeds several (decode
+ TP larger than prefill TP), use `apd_sender_submit_save_ranks`.
 
  # Safety
  Strings are NUL-terminated; arrays hold their given lengths; `peer`
@@ -430,6 +432,27 @@ int32_t apd_sender_submit_save(ApdSender sender,
                                uint64_t num_slots,
                                const ApdPeer *peer,
                                int32_t is_last_prefill);
+
+/*
+ `apd_sender_submit_save` to a decode side with several TP ranks:
+ `peers[d]` holds decode rank `d`'s ports (`num_peers` = the decode TP
+ size, `pd_peer_tp_size`), all on one host. Under heterogeneous TP each
+ decode rank this prefill rank feeds gets its head piece at its own
+ ports; a receiver answering as another rank is refused, never written.
+
+ # Safety
+ As `apd_sender_submit_save`; `peers` points to `num_peers` valid records.
+ */
+int32_t apd_sender_submit_save_ranks(ApdSender sender,
+                                     const char *req_id,
+                                     const char *const *keys,
+                                     uint64_t num_keys,
+                                     ApdKvCache cache,
+                                     const int64_t *slot_mapping,
+                                     uint64_t num_slots,
+                                     const ApdPeer *peers,
+                                     uint64_t num_peers,
+                                     int32_t is_last_prefill);
 
 /*
  Writes up to `capacity` finished saves to `out` and their number to

@@ -7,6 +7,7 @@
 
 mod common;
 
+use ascend_pd::backend::TransferSpec;
 use ascend_pd::config::{ChannelKind, PdConfig, PortList, TransferMode};
 use ascend_pd::kv::tp::{HeadRange, TpPlan};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
@@ -558,4 +559,56 @@ fn the_same_tp_keeps_an_explicit_hidden_size() {
     }
     drop(c);
     assert!(s.drain(Duration::from_secs(10)));
+}
+
+/// Decode rank 1's heads sent to a port where decode rank 0 listens (one
+/// port given for every rank, as a single-port spec says): refused by name,
+/// before the first and on every later use of that link, whichever rank's
+/// put came first. Rank 0 holds nothing of rank 1's, and pools settle.
+#[test]
+fn a_piece_sent_to_a_port_where_another_decode_rank_listens_is_refused() {
+    for first in [1, 0] {
+        let dep = deploy(ChannelKind::Shm, TransferMode::Push, 1, 2, false);
+        let s = &dep.senders[0];
+        let rank0 = |ports: &Option<PortList>| {
+            PortList::Single(ports.as_ref().unwrap().for_rank(0).unwrap())
+        };
+        let mut spec = spec_for(&dep.rc, "x", true);
+        spec.receiver_init_port = rank0(&dep.rc.peer_init_port);
+        spec.receiver_alloc_port = rank0(&dep.rc.peer_alloc_port);
+        let put = |d: usize| {
+            let route = s.routes()[d];
+            let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
+            p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
+            let chunks = vec![p.pop().unwrap().seal()];
+            let spec = TransferSpec {
+                receiver_rank: Some(d),
+                ..spec.clone()
+            };
+            s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
+        };
+        let order = if first == 1 { [1, 0, 1] } else { [0, 1, 1] };
+        for d in order {
+            match (d, put(d)) {
+                (0, r) => {
+                    r.unwrap_or_else(|e| panic!("rank 0's own piece: {e}"));
+                }
+                (_, Ok(o)) => panic!("rank 1's piece was delivered to rank 0: {o:?}"),
+                (_, Err(e)) => {
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("is decode TP rank 0") && e.contains("decode rank 1"),
+                        "{e}"
+                    );
+                    assert!(e.contains("one receiver port per decode rank"), "{e}");
+                }
+            }
+        }
+        let r0 = &dep.receivers[0];
+        let h1 = s.routes()[1].heads;
+        assert!(!r0.contains(&piece_key("x", 1, h1)), "first {first}");
+        assert!(r0.contains(&piece_key("x", 0, s.routes()[0].heads)));
+        r0.remove(&piece_key("x", 0, s.routes()[0].heads));
+        finish(dep);
+    }
 }

@@ -93,6 +93,31 @@ impl Default for SenderTimeouts {
 struct PeerLink {
     init_url: String,
     req: ReqClient,
+    /// The decode TP rank of the receiver behind this link, as its hello
+    /// said (`None` before the first handshake, or from a peer that sends
+    /// no TP split).
+    rank: Option<usize>,
+}
+
+impl PeerLink {
+    /// Refuses to use this link for a put or cancel meant for decode rank
+    /// `want` when the receiver behind it is another rank: the chunks would
+    /// land as the wrong rank's heads (or under keys nobody there loads).
+    fn check_rank(&self, peer_key: &str, want: usize) -> Result<(), BackendError> {
+        match self.rank {
+            Some(got) if got != want => Err(wrong_rank(peer_key, got, want)),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn wrong_rank(peer_key: &str, got: usize, want: usize) -> BackendError {
+    BackendError::InvalidInput(format!(
+        "the receiver at {peer_key} is decode TP rank {got}, but this transfer is for decode \
+         rank {want}: give the transfer one receiver port per decode rank (a list for \
+         pd_peer_init_port and pd_peer_alloc_port; through the C ABI, \
+         apd_sender_submit_save_ranks with one ApdPeer per rank)"
+    ))
 }
 
 struct Shared {
@@ -456,6 +481,7 @@ impl Sender {
             &format!("tcp://{host}:{alloc}"),
         );
         let mut link = lock(&link);
+        link.check_rank(&peer_key, rank)?;
         let put_spec = PutSpec {
             peer_key: peer_key.clone(),
             req_id: spec.req_id.clone(),
@@ -468,7 +494,7 @@ impl Sender {
             action = match action {
                 PutAction::Finish(end) => break end,
                 PutAction::Connect => {
-                    let attached = match self.connect(&link) {
+                    let attached = match self.connect(&mut link, &peer_key, rank) {
                         Ok(a) => Some(a),
                         Err(e) => {
                             log::warn!("handshake with {peer_key}: {e}");
@@ -636,6 +662,7 @@ impl Sender {
             &format!("tcp://{host}:{alloc}"),
         );
         let mut link = lock(&link);
+        link.check_rank(&peer_key, rank)?;
         let route = lock(&s.core).route(&peer_key);
         let frame = Message::CancelNotif(CancelNotif {
             req_id: req_id.to_string(),
@@ -685,13 +712,21 @@ impl Sender {
                     Arc::new(Mutex::new(PeerLink {
                         init_url: init_url.to_string(),
                         req: ReqClient::new(&s.ctx, alloc_url, s.timeouts.request),
+                        rank: None,
                     }))
                 }),
         )
     }
 
-    /// The handshake: attaches the receiver and measures its clock.
-    fn connect(&self, link: &PeerLink) -> Result<Attached, BackendError> {
+    /// The handshake: attaches the receiver and measures its clock. A
+    /// receiver that says it is not decode rank `rank` is detached again
+    /// and refused.
+    fn connect(
+        &self,
+        link: &mut PeerLink,
+        peer_key: &str,
+        rank: usize,
+    ) -> Result<Attached, BackendError> {
         let s = &self.shared;
         let hello = Hello::local(
             s.node.as_str(),
@@ -708,6 +743,13 @@ impl Sender {
             &hello,
             s.timeouts.handshake,
         )?;
+        if let Some(got) = a.remote.tp.map(|t| t.rank) {
+            if got != rank {
+                s.channel.detach(a.peer);
+                return Err(wrong_rank(peer_key, got, rank));
+            }
+            link.rank = Some(got);
+        }
         let (sent, received) = a
             .exchange
             .expect("the connecting side records its exchange");

@@ -770,7 +770,9 @@ pub unsafe extern "C" fn apd_sender_start(
 /// `cache` at `slot_mapping` (one slot per token, vLLM's), then sent to
 /// `peer` as `keys` (one per chunk of chunk_size tokens). Returns at once;
 /// `apd_sender_poll` reports the end. `is_last_prefill` != 0 sends the
-/// proxy its `ProxyNotif` after the save.
+/// proxy its `ProxyNotif` after the save. Every decode rank this prefill
+/// rank feeds is reached at `peer`'s ports; when it feeds several (decode
+/// TP larger than prefill TP), use `apd_sender_submit_save_ranks`.
 ///
 /// # Safety
 /// Strings are NUL-terminated; arrays hold their given lengths; `peer`
@@ -789,50 +791,149 @@ pub unsafe extern "C" fn apd_sender_submit_save(
     is_last_prefill: i32,
 ) -> i32 {
     call("apd_sender_submit_save", || {
-        let s = handles::sender(sender.id)?;
-        // SAFETY: forwarded to the caller's contract.
-        let (id, keys, slots) = unsafe {
-            (
-                arg_str("req_id", req_id)?,
-                arg_strs("keys", keys, num_keys)?,
-                arg_slice("slot_mapping", slot_mapping, num_slots)?,
-            )
-        };
-        req_id_arg("req_id", id)?;
         if peer.is_null() {
             return Err(Failure::arg(
                 "peer",
                 "is null: pass the receiver's host and ports",
             ));
         }
+        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`).
+        let peers = unsafe { std::slice::from_raw_parts(peer, 1) };
         // SAFETY: forwarded to the caller's contract.
-        let p = unsafe { arg_ref("peer", peer) }?;
-        // SAFETY: forwarded.
-        let host = unsafe { arg_str("peer.host", p.host) }?;
+        unsafe {
+            submit_save(
+                sender,
+                req_id,
+                (keys, num_keys),
+                cache,
+                (slot_mapping, num_slots),
+                ("peer", peers, false),
+                is_last_prefill,
+            )
+        }
+    })
+}
+
+/// `apd_sender_submit_save` to a decode side with several TP ranks:
+/// `peers[d]` holds decode rank `d`'s ports (`num_peers` = the decode TP
+/// size, `pd_peer_tp_size`), all on one host. Under heterogeneous TP each
+/// decode rank this prefill rank feeds gets its head piece at its own
+/// ports; a receiver answering as another rank is refused, never written.
+///
+/// # Safety
+/// As `apd_sender_submit_save`; `peers` points to `num_peers` valid records.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn apd_sender_submit_save_ranks(
+    sender: ApdSender,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+    peers: *const ApdPeer,
+    num_peers: u64,
+    is_last_prefill: i32,
+) -> i32 {
+    call("apd_sender_submit_save_ranks", || {
+        if num_peers == 0 {
+            return Err(Failure::arg(
+                "num_peers",
+                "is 0: pass one ApdPeer per decode TP rank",
+            ));
+        }
+        // SAFETY: forwarded to the caller's contract.
+        let peers = unsafe { arg_slice("peers", peers, num_peers) }?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            submit_save(
+                sender,
+                req_id,
+                (keys, num_keys),
+                cache,
+                (slot_mapping, num_slots),
+                ("peers", peers, true),
+                is_last_prefill,
+            )
+        }
+    })
+}
+
+/// The body of both submit calls. `peers` is (argument name, records,
+/// per rank): per rank, record `d` is decode rank `d`; otherwise the one
+/// record serves every rank.
+///
+/// # Safety
+/// As the callers'.
+unsafe fn submit_save(
+    sender: ApdSender,
+    req_id: *const c_char,
+    (keys, num_keys): (*const *const c_char, u64),
+    cache: ApdKvCache,
+    (slot_mapping, num_slots): (*const i64, u64),
+    (what, peers, per_rank): (&str, &[ApdPeer], bool),
+    is_last_prefill: i32,
+) -> Result<(), Failure> {
+    let s = handles::sender(sender.id)?;
+    // SAFETY: forwarded to the caller's contract.
+    let (id, keys, slots) = unsafe {
+        (
+            arg_str("req_id", req_id)?,
+            arg_strs("keys", keys, num_keys)?,
+            arg_slice("slot_mapping", slot_mapping, num_slots)?,
+        )
+    };
+    req_id_arg("req_id", id)?;
+    let mut host: Option<&str> = None;
+    for (d, p) in peers.iter().enumerate() {
+        let name = |field: &str| match per_rank {
+            true => format!("{what}[{d}]{field}"),
+            false => format!("{what}{field}"),
+        };
+        // SAFETY: forwarded to the caller's contract.
+        let h = unsafe { arg_str(&name(".host"), p.host) }?;
         if p.init_port == 0 || p.alloc_port == 0 {
             return Err(Failure::arg(
-                "peer",
+                &name(""),
                 "has a zero port: pass the receiver's pd_peer_init_port and pd_peer_alloc_port",
             ));
         }
-        let cache = handles::cache(cache.id)?;
-        s.queue.submit(
-            SaveRequest {
-                keys,
-                slot_mapping: slots.to_vec(),
-                spec: TransferSpec {
-                    req_id: id.to_string(),
-                    receiver_host: host.to_string(),
-                    receiver_init_port: PortList::Single(p.init_port),
-                    receiver_alloc_port: PortList::Single(p.alloc_port),
-                    is_last_prefill: is_last_prefill != 0,
-                    receiver_rank: None,
-                },
+        match host {
+            Some(first) if first != h => {
+                return Err(Failure::arg(
+                    &name(".host"),
+                    format!(
+                        "is {h:?}, but {what}[0].host is {first:?}: every decode rank of one \
+                         save must be on one host"
+                    ),
+                ))
+            }
+            _ => host = Some(h),
+        }
+    }
+    let host = host.expect("at least one peer, checked by the callers");
+    let ports = |port: fn(&ApdPeer) -> u16| match per_rank {
+        true => PortList::PerRank(peers.iter().map(port).collect()),
+        false => PortList::Single(port(&peers[0])),
+    };
+    let cache = handles::cache(cache.id)?;
+    s.queue.submit(
+        SaveRequest {
+            keys,
+            slot_mapping: slots.to_vec(),
+            spec: TransferSpec {
+                req_id: id.to_string(),
+                receiver_host: host.to_string(),
+                receiver_init_port: ports(|p| p.init_port),
+                receiver_alloc_port: ports(|p| p.alloc_port),
+                is_last_prefill: is_last_prefill != 0,
+                receiver_rank: None,
             },
-            &cache,
-        )?;
-        Ok(())
-    })
+        },
+        &cache,
+    )?;
+    Ok(())
 }
 
 /// Writes up to `capacity` finished saves to `out` and their number to

@@ -217,6 +217,36 @@ int main(int argc, char **argv) {
         failures++;
     }
 
+    /* ---- saves with bad peers (a push sender; nothing is ever sent) */
+    ApdConfig scfg = {0};
+    expect("sender config",
+           apd_config_from_yaml("enable_pd: True\nlocal_cpu: False\ntransfer_channel: \"tcp\"\n"
+                                "pd_role: \"sender\"\npd_peer_host: \"127.0.0.1\"\n"
+                                "pd_proxy_host: \"127.0.0.1\"\npd_proxy_port: 9\n"
+                                "pd_buffer_size: 1048576\npd_buffer_device: \"cpu\"\nchunk_size: 16\n"
+                                "kv_num_layers: 2\nkv_num_heads: 2\nkv_head_size: 16\n"
+                                "kv_dtype: \"float16\"\n",
+                                &scfg),
+           APD_OK, NULL);
+    ApdSender snd = {0};
+    expect("sender start", apd_sender_start(scfg, 0, &snd), APD_OK, NULL);
+    ApdPeer peers[2] = {{"127.0.0.1", (uint16_t)init_port, (uint16_t)alloc_port},
+                        {"127.0.0.2", (uint16_t)init_port, (uint16_t)alloc_port}};
+    expect("save to no peers", apd_sender_submit_save_ranks(snd, "req-s", keys, 2, cache, slots, 20, peers, 0, 1),
+           APD_ERR_INVALID_ARGUMENT, "`num_peers`");
+    expect("save to null peers", apd_sender_submit_save_ranks(snd, "req-s", keys, 2, cache, slots, 20, NULL, 2, 1),
+           APD_ERR_INVALID_ARGUMENT, "`peers`");
+    expect("save to two hosts", apd_sender_submit_save_ranks(snd, "req-s", keys, 2, cache, slots, 20, peers, 2, 1),
+           APD_ERR_INVALID_ARGUMENT, "`peers[1].host`");
+    peers[1].host = "127.0.0.1";
+    peers[1].alloc_port = 0;
+    expect("save to a zero port", apd_sender_submit_save_ranks(snd, "req-s", keys, 2, cache, slots, 20, peers, 2, 1),
+           APD_ERR_INVALID_ARGUMENT, "`peers[1]`");
+    expect("save to a null peer", apd_sender_submit_save(snd, "req-s", keys, 2, cache, slots, 20, NULL, 1),
+           APD_ERR_INVALID_ARGUMENT, "`peer`");
+    expect("sender close", apd_sender_close(snd), APD_OK, NULL);
+    expect("sender config free", apd_config_free(scfg), APD_OK, NULL);
+
     /* ---- closed handles */
     expect("receiver close", apd_receiver_close(r), APD_OK, NULL);
     expect("closed receiver", apd_receiver_available(r, keys, 2, &ready), APD_ERR_CLOSED, "closed");
