@@ -308,6 +308,42 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
     }
 }
 
+/// Heterogeneous TP through the Python package: prefill TP 2 -> decode
+/// TP 1 and 1 -> 2, each rank with its own numpy cache of its heads, saved
+/// and loaded with the request API under plain keys and per-rank port
+/// lists; every loaded byte must be the decode rank's heads of the model,
+/// and every pool back at its start (tests/python/hetero_tp.py).
+#[test]
+fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
+    let Some(py) = python_with_numpy() else {
+        return;
+    };
+    let lib = common::cdylib();
+    for (a, b, mode) in [
+        (2, 1, "push"),
+        (2, 1, "pull-delay"),
+        (1, 2, "pull-eager"),
+        (1, 2, "pull-delay"),
+    ] {
+        let ports: Vec<String> = (0..2 * b + a + 1)
+            .map(|_| common::free_port().to_string())
+            .collect();
+        let out = Command::new(&py)
+            .arg(root().join("tests/python/hetero_tp.py"))
+            .args([a.to_string(), b.to_string(), mode.to_string()])
+            .args(&ports)
+            .env("ASCEND_PD_LIB", &lib)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("hetero_tp: OK"),
+            "{a} -> {b} {mode}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn bad_input_through_python_raises_the_librarys_message() {
     let Some(py) = python_with_numpy() else {

@@ -173,6 +173,10 @@ _PROTOTYPES = {
         _i32,
         [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _i32],
     ),
+    "apd_sender_submit_save_ranks": (
+        _i32,
+        [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _u64, _i32],
+    ),
     "apd_sender_poll": (_i32, [ApdSender, _P(ApdCompletion), _u64, _P(_u64)]),
     "apd_sender_cancel": (_i32, [ApdSender, _str, _P(_i32)]),
     "apd_sender_pool_stats": (_i32, [ApdSender, _P(ApdPoolStats)]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._config import Config
@@ -216,8 +216,8 @@ class Sender:
         cache: KVCache,
         slot_mapping: Any,
         host: str,
-        init_port: int,
-        alloc_port: int,
+        init_port: Union[int, Sequence[int]],
+        alloc_port: Union[int, Sequence[int]],
         is_last_prefill: bool = True,
     ) -> None:
         """Queues the save of request ``req_id`` and returns at once.
@@ -230,16 +230,49 @@ class Sender:
         notification after the save. :meth:`poll` reports the end; the
         cache is kept alive until then. Raises :class:`Busy` when the queue
         is full (poll, then retry).
+
+        When the decode side runs several TP ranks, pass ``init_port`` and
+        ``alloc_port`` as lists with one port per decode rank (index = its
+        rank): under a larger decode TP each decode rank this rank feeds
+        gets its heads at its own ports. A single int serves every rank.
         """
         key_array, num_keys = _keys(keys)
         # `_keep` holds the slot array alive until the call returned (the library copies it).
         slots, num_slots, _keep = _slots(slot_mapping)
-        peer = _lib.ApdPeer(_encode("host", host), int(init_port), int(alloc_port))
+        host_b = _encode("host", host)
+        per_rank = not isinstance(init_port, int) or not isinstance(alloc_port, int)
+        if per_rank:
+            if isinstance(init_port, int) or isinstance(alloc_port, int):
+                raise TypeError("init_port and alloc_port must both be ints or both be lists of ints")
+            inits, allocs = [int(p) for p in init_port], [int(p) for p in alloc_port]
+            if len(inits) != len(allocs) or not inits:
+                raise ValueError(
+                    f"init_port has {len(inits)} port(s) and alloc_port {len(allocs)}: "
+                    "give one of each per decode rank"
+                )
+            peers = (_lib.ApdPeer * len(inits))(
+                *(_lib.ApdPeer(host_b, i, a) for i, a in zip(inits, allocs))
+            )
+        else:
+            peer = _lib.ApdPeer(host_b, int(init_port), int(alloc_port))
         rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
         self._inflight.add(rid, cache)
         try:
-            check(
-                _lib.lib().apd_sender_submit_save(
+            if per_rank:
+                status = _lib.lib().apd_sender_submit_save_ranks(
+                    self._handle,
+                    _encode("req_id", req_id),
+                    key_array,
+                    num_keys,
+                    _cache_handle(cache),
+                    slots,
+                    num_slots,
+                    peers,
+                    len(inits),
+                    1 if is_last_prefill else 0,
+                )
+            else:
+                status = _lib.lib().apd_sender_submit_save(
                     self._handle,
                     _encode("req_id", req_id),
                     key_array,
@@ -250,7 +283,7 @@ class Sender:
                     ctypes.byref(peer),
                     1 if is_last_prefill else 0,
                 )
-            )
+            check(status)
         except BaseException:
             self._inflight.discard(rid, cache)
             raise

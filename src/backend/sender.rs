@@ -116,7 +116,8 @@ fn wrong_rank(peer_key: &str, got: usize, want: usize) -> BackendError {
         "the receiver at {peer_key} is decode TP rank {got}, but this transfer is for decode \
          rank {want}: give the transfer one receiver port per decode rank (a list for \
          pd_peer_init_port and pd_peer_alloc_port; through the C ABI, \
-         apd_sender_submit_save_ranks with one ApdPeer per rank)"
+         apd_sender_submit_save_ranks with one ApdPeer per rank; in Python, lists for \
+         init_port and alloc_port)"
     ))
 }
 
