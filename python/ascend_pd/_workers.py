@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -164,6 +165,36 @@ class _InFlight:
             return sum(len(c) for c in self._by_id.values())
 
 
+def _port(name: str, value: Any) -> int:
+    try:
+        port = operator.index(value)
+    except TypeError:
+        try:
+            port = int(value)  # "5555", 5555.0
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} is {value!r}: pass a port number (1 to 65535)") from None
+        if port != value and not isinstance(value, (str, bytes)):
+            raise ValueError(f"{name} is {value!r}: not a whole port number")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{name} is {port}: a port is 1 to 65535")
+    return port
+
+
+def _ports(name: str, value: Any) -> Union[int, List[int]]:
+    """One port (an int, numpy integer, 0-d array or numeric string), or a
+    list of them (any other sequence: one per decode rank)."""
+    scalar = isinstance(value, (str, bytes)) or getattr(value, "ndim", None) == 0
+    if not scalar:
+        try:
+            operator.index(value)
+            scalar = True
+        except TypeError:
+            scalar = not isinstance(value, Iterable)
+    if scalar:
+        return _port(name, value)
+    return [_port(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
 def _config_handle(config: Config) -> _lib.ApdConfig:
     if not isinstance(config, Config):
         raise TypeError(
@@ -240,11 +271,11 @@ class Sender:
         # `_keep` holds the slot array alive until the call returned (the library copies it).
         slots, num_slots, _keep = _slots(slot_mapping)
         host_b = _encode("host", host)
-        per_rank = not isinstance(init_port, int) or not isinstance(alloc_port, int)
+        inits, allocs = _ports("init_port", init_port), _ports("alloc_port", alloc_port)
+        per_rank = isinstance(inits, list) or isinstance(allocs, list)
         if per_rank:
-            if isinstance(init_port, int) or isinstance(alloc_port, int):
-                raise TypeError("init_port and alloc_port must both be ints or both be lists of ints")
-            inits, allocs = [int(p) for p in init_port], [int(p) for p in alloc_port]
+            if not isinstance(inits, list) or not isinstance(allocs, list):
+                raise TypeError("init_port and alloc_port must both be ports or both be lists of ports")
             if len(inits) != len(allocs) or not inits:
                 raise ValueError(
                     f"init_port has {len(inits)} port(s) and alloc_port {len(allocs)}: "
@@ -254,7 +285,8 @@ class Sender:
                 *(_lib.ApdPeer(host_b, i, a) for i, a in zip(inits, allocs))
             )
         else:
-            peer = _lib.ApdPeer(host_b, int(init_port), int(alloc_port))
+            assert isinstance(inits, int) and isinstance(allocs, int)
+            peer = _lib.ApdPeer(host_b, inits, allocs)
         rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
         self._inflight.add(rid, cache)
         try:
@@ -268,7 +300,7 @@ class Sender:
                     slots,
                     num_slots,
                     peers,
-                    len(inits),
+                    len(peers),
                     1 if is_last_prefill else 0,
                 )
             else:

@@ -99,18 +99,6 @@ struct PeerLink {
     rank: Option<usize>,
 }
 
-impl PeerLink {
-    /// Refuses to use this link for a put or cancel meant for decode rank
-    /// `want` when the receiver behind it is another rank: the chunks would
-    /// land as the wrong rank's heads (or under keys nobody there loads).
-    fn check_rank(&self, peer_key: &str, want: usize) -> Result<(), BackendError> {
-        match self.rank {
-            Some(got) if got != want => Err(wrong_rank(peer_key, got, want)),
-            _ => Ok(()),
-        }
-    }
-}
-
 fn wrong_rank(peer_key: &str, got: usize, want: usize) -> BackendError {
     BackendError::InvalidInput(format!(
         "the receiver at {peer_key} is decode TP rank {got}, but this transfer is for decode \
@@ -482,7 +470,7 @@ impl Sender {
             &format!("tcp://{host}:{alloc}"),
         );
         let mut link = lock(&link);
-        link.check_rank(&peer_key, rank)?;
+        self.check_rank(&mut link, &peer_key, rank)?;
         let put_spec = PutSpec {
             peer_key: peer_key.clone(),
             req_id: spec.req_id.clone(),
@@ -663,7 +651,7 @@ impl Sender {
             &format!("tcp://{host}:{alloc}"),
         );
         let mut link = lock(&link);
-        link.check_rank(&peer_key, rank)?;
+        self.check_rank(&mut link, &peer_key, rank)?;
         let route = lock(&s.core).route(&peer_key);
         let frame = Message::CancelNotif(CancelNotif {
             req_id: req_id.to_string(),
@@ -719,6 +707,35 @@ impl Sender {
         )
     }
 
+    /// Refuses to use `link` for a put or cancel meant for decode rank
+    /// `want` when the receiver behind it said it is another rank: the
+    /// chunks would land as the wrong rank's heads (or under keys nobody
+    /// there loads). Unless that receiver has restarted since (another
+    /// process answers the probe): then the put goes on, and its new
+    /// handshake says which rank answers now.
+    fn check_rank(
+        &self,
+        link: &mut PeerLink,
+        peer_key: &str,
+        want: usize,
+    ) -> Result<(), BackendError> {
+        let s = &self.shared;
+        let Some(got) = link.rank.filter(|&got| got != want) else {
+            return Ok(());
+        };
+        let attached = lock(&s.core).attached(peer_key).map(|a| a.incarnation);
+        let answering = handshake::probe_incarnation(&s.ctx, &link.init_url, s.timeouts.handshake)
+            .ok()
+            .flatten();
+        match (attached, answering) {
+            (Some(old), Some(new)) if old != new => {
+                link.rank = None;
+                Ok(())
+            }
+            _ => Err(wrong_rank(peer_key, got, want)),
+        }
+    }
+
     /// The handshake: attaches the receiver and measures its clock. A
     /// receiver that says it is not decode rank `rank` is detached again
     /// and refused.
@@ -744,12 +761,11 @@ impl Sender {
             &hello,
             s.timeouts.handshake,
         )?;
-        if let Some(got) = a.remote.tp.map(|t| t.rank) {
-            if got != rank {
-                s.channel.detach(a.peer);
-                return Err(wrong_rank(peer_key, got, rank));
-            }
-            link.rank = Some(got);
+        // What this handshake says replaces what an earlier one said.
+        link.rank = a.remote.tp.map(|t| t.rank);
+        if let Some(got) = link.rank.filter(|&got| got != rank) {
+            s.channel.detach(a.peer);
+            return Err(wrong_rank(peer_key, got, rank));
         }
         let (sent, received) = a
             .exchange

@@ -797,8 +797,9 @@ pub unsafe extern "C" fn apd_sender_submit_save(
                 "is null: pass the receiver's host and ports",
             ));
         }
-        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`).
-        let peers = unsafe { std::slice::from_raw_parts(peer, 1) };
+        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`);
+        // `arg_ref` checks its alignment.
+        let peers = std::slice::from_ref(unsafe { arg_ref("peer", peer) }?);
         // SAFETY: forwarded to the caller's contract.
         unsafe {
             submit_save(

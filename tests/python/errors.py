@@ -75,6 +75,38 @@ def main():
     if receiver.pool_stats() != start:
         print("FAIL bad input changed the pool", file=sys.stderr)
         failures_add()
+    # Ports are checked before anything is queued: one number 1 to 65535
+    # each, or equally long lists (one per decode rank).
+    scfg = apd.Config.from_yaml(
+        yaml.replace('pd_role: "receiver"', 'pd_role: "sender"') + 'pd_proxy_host: "127.0.0.1"\npd_proxy_port: 9\n'
+    )
+    sender = apd.Sender(scfg)
+    for what, exc_type, ports, needle in [
+        ("port out of range", ValueError, (70000, alloc_port), "1 to 65535"),
+        ("not a port", TypeError, ("x", alloc_port), "pass a port number"),
+        ("a list and a port", TypeError, ([init_port], alloc_port), "both be lists"),
+        ("lists of two lengths", ValueError, ([init_port, 1], [alloc_port]), "one of each per decode rank"),
+        ("a zero port in a list", ValueError, ([init_port, 0], [alloc_port, 1]), "init_port[1] is 0"),
+    ]:
+        try:
+            sender.submit_save("py-s", keys, cache, slots, "127.0.0.1", *ports)
+        except exc_type as e:
+            if needle in str(e):
+                print(f"ok   {what}: {type(e).__name__}: {e}")
+            else:
+                print(f"FAIL {what}: {str(e)!r} does not name {needle!r}", file=sys.stderr)
+                failures_add()
+        except Exception as e:  # noqa: BLE001 - report the wrong kind
+            print(f"FAIL {what}: {type(e).__name__}: {e}", file=sys.stderr)
+            failures_add()
+        else:
+            print(f"FAIL {what}: no exception", file=sys.stderr)
+            failures_add()
+    if sender.poll():
+        print("FAIL a refused save was queued", file=sys.stderr)
+        failures_add()
+    sender.close()
+    scfg.close()
     receiver.close()
     expect("closed receiver", apd.ClosedHandle, "closed", lambda: receiver.available(keys))
     cache.close()
