@@ -299,6 +299,45 @@ fn a_receiver_that_dies_mid_pull_has_its_pins_released_at_the_ttl() {
     assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
 }
 
+/// Chunks pushed for requests the decode engine never loads nor cancels
+/// (it dropped them) go back to the pool at `pd_resident_ttl`; a late
+/// fetch says why they are gone. In push and pull-eager alike.
+#[test]
+fn landed_chunks_nobody_loads_go_back_to_the_pool_at_the_resident_ttl() {
+    for mode in [TransferMode::Push, TransferMode::PullEager] {
+        let mut rc = receiver_config(ChannelKind::Shm, mode, 32);
+        rc.resident_ttl = Duration::from_millis(400);
+        let r = Receiver::start(&rc, 0).unwrap();
+        let s = Sender::start(
+            &sender_config(ChannelKind::Shm, mode, 32),
+            0,
+            Default::default(),
+        )
+        .unwrap();
+        let ks = keys("abandoned", 4);
+        let c = chunks(&s, &ks, CHUNK);
+        s.put(&ks, &c, &spec_for(&rc, "abandoned", true)).unwrap();
+        drop(c);
+        assert!(
+            eventually(Duration::from_secs(10), || ks.iter().all(|k| r.contains(k))),
+            "{mode:?}: the chunks landed"
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || !ks
+                .iter()
+                .any(|k| r.contains(k))),
+            "{mode:?}: still held after the TTL: {:?}",
+            r.stats().store
+        );
+        assert_eq!(r.stats().store.expired_resident, 4, "{mode:?}");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
+        let e = r.fetch(&ks).unwrap_err().to_string();
+        assert!(e.contains("pd_resident_ttl"), "{e}");
+        assert!(s.drain(Duration::from_secs(10)));
+        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
+    }
+}
+
 #[test]
 fn a_sender_that_dies_during_delay_pull_fails_the_fetch_without_a_hang() {
     let (r, rc, s) = pair(ChannelKind::Tcp, TransferMode::PullDelay, 32);

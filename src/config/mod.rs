@@ -300,6 +300,11 @@ pub struct PdConfig {
     /// allocated for a push wait for the sender's notice before they are
     /// revoked (and kept quarantined until the sender can no longer write them).
     pub push_landing_timeout: Duration,
+    /// `pd_resident_ttl` (receiver, default 600 s; 0 = never): how long a
+    /// chunk that landed here waits to be loaded or cancelled before its
+    /// page goes back to the pool. A request the engine dropped without
+    /// cancelling would otherwise hold its pages for the receiver's life.
+    pub resident_ttl: Duration,
     /// `pd_pull_read_margin_pct` (receiver, default 10): the last share of
     /// a pull's agreed lease in which no read is started.
     pub pull_read_margin_pct: f64,
@@ -343,6 +348,7 @@ impl PdConfig {
             pull_pending_ttl: Duration::from_secs(360),
             backpressure_reserve_pct: 2.0,
             push_landing_timeout: Duration::from_secs(30),
+            resident_ttl: Duration::from_secs(600),
             pull_read_margin_pct: 10.0,
             chunk_size: 256,
             local_cpu: false,
@@ -870,6 +876,7 @@ impl PdConfig {
             "pd_push_landing_timeout: {}",
             secs(self.push_landing_timeout)
         );
+        let _ = writeln!(s, "pd_resident_ttl: {}", secs(self.resident_ttl));
         let _ = writeln!(
             s,
             "pd_pull_read_margin_pct: {:?}",

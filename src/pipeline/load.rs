@@ -26,7 +26,9 @@ use crate::channel::{Completion, DirectRead, PeerId, ReadOp, TransferChannel, Tr
 use crate::kv::{plan, KvCache, ScatterStats};
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, MemObj, PagePool, SealedMemObj};
-use crate::protocol::{KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone};
+use crate::protocol::{
+    KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone, RESIDENT_EXPIRED,
+};
 use std::ops::Range;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
@@ -202,6 +204,9 @@ pub(crate) fn load_keys(
                     None,
                     "its sender restarted after announcing it; the data is gone (prefill again)",
                 )),
+                Lookup::ResidentExpired => {
+                    tally.failed.push(key_failure(key, None, RESIDENT_EXPIRED))
+                }
                 Lookup::Missing => tally.failed.push(key_failure(key, None, "not stored")),
             }
         }

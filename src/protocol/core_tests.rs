@@ -82,6 +82,7 @@ fn receiver() -> ReceiverCore {
         layout: layout(),
         push_landing_timeout: Duration::from_secs(5),
         read_margin_pct: 10.0,
+        resident_ttl: None,
     })
 }
 
@@ -2852,4 +2853,62 @@ fn a_key_found_present_stays_until_the_plan_that_found_it_ends() {
         assert_idle(&pool);
         drop(sp);
     }
+}
+
+/// A landed chunk nobody loads or cancels goes at `pd_resident_ttl`,
+/// counted from the first sweep that saw it resident: its page is back in
+/// the pool, and a lookup says why it is gone. One loaded in time, or with
+/// no TTL, stays; a chunk still landing is not counted.
+#[test]
+fn a_landed_chunk_nobody_loads_goes_back_to_the_pool_at_the_resident_ttl() {
+    let ttl = Duration::from_secs(600);
+    let t0 = Instant::now();
+    let pool = pool(8);
+    let mut ks = ReceiverCore::new(ReceiverConfig {
+        resident_ttl: Some(ttl),
+        ..*receiver().config()
+    });
+    let r = push(&mut ks, &alloc_for("r1", &["old", "fresh"]), t0, &pool);
+    // Not landed yet: the sweep does not start its clock.
+    assert!(ks.sweep(t0).expired_resident.is_empty());
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r.response),
+        t0 + S,
+    );
+    let t1 = t0 + 2 * S;
+    assert!(ks.sweep(t1).expired_resident.is_empty(), "first seen at t1");
+    // A load takes "fresh" (and releases it) before the TTL.
+    let held = match ks.get("fresh", t1) {
+        Lookup::Resident(m) => m.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert!(ks.release("r1", "fresh").unwrap().page.is_some());
+    assert!(ks.sweep(t1 + ttl - S).expired_resident.is_empty());
+    let report = ks.sweep(t1 + ttl);
+    assert_eq!(report.expired_resident, keys(&["old"]));
+    assert!(matches!(ks.get("old", t1 + ttl), Lookup::ResidentExpired));
+    assert_eq!(ks.counters().expired_resident, 1);
+    assert!(ks.is_empty());
+    drop(held);
+    assert_idle(&pool);
+
+    // Without a TTL nothing expires.
+    let mut ks = receiver();
+    let r = push(&mut ks, &alloc_for("r2", &["k"]), t0, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r.response),
+        t0,
+    );
+    ks.sweep(t0);
+    assert!(ks.sweep(t0 + 1000 * ttl).expired_resident.is_empty());
+    assert!(ks.release("r2", "k").unwrap().page.is_some());
+    assert_idle(&pool);
 }

@@ -79,7 +79,9 @@ pub use validate::InvalidMessage;
 // The sans-IO cores, for the shell (backend).
 pub(crate) use backpressure::Backpressure;
 pub(crate) use pending::{Delivery, DoneOutcome};
-pub(crate) use receiver::{EagerRead, Lookup, ReceiverConfig, ReceiverCore, Verdict};
+pub(crate) use receiver::{
+    EagerRead, Lookup, ReceiverConfig, ReceiverCore, Verdict, RESIDENT_EXPIRED,
+};
 pub(crate) use sender::{
     Attached, PutAction, PutFailure, PutRejected, PutSpec, RequestKind, SenderConfig, SenderCore,
     WriteEnd,

@@ -71,6 +71,10 @@ const ENDED_LIFETIME: Duration = Duration::from_secs(600);
 /// never stored) when it is looked up.
 const EXPIRED_KEY_LIFETIME: Duration = Duration::from_secs(60);
 
+/// Why a load cannot have a chunk dropped at `pd_resident_ttl`.
+pub const RESIDENT_EXPIRED: &str = "it landed but was not loaded within pd_resident_ttl, so its \
+     page went back to the pool (load sooner, or raise pd_resident_ttl)";
+
 /// Fixed parameters of a receiver's core.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ReceiverConfig {
@@ -82,6 +86,9 @@ pub struct ReceiverConfig {
     /// Share of the agreed lease, at its end, within which no read starts
     /// (`pd_pull_read_margin_pct`).
     pub read_margin_pct: f64,
+    /// How long a landed chunk waits to be loaded or cancelled before
+    /// [`ReceiverCore::sweep`] drops it (`pd_resident_ttl`; `None`: never).
+    pub resident_ttl: Option<Duration>,
 }
 
 /// Which state a key is in (see the module docs).
@@ -151,6 +158,9 @@ pub enum Lookup<'a> {
     Expired,
     /// A proxy whose sender restarted: the data it pointed at is gone.
     SenderRestarted,
+    /// A landed chunk nobody loaded or cancelled within `pd_resident_ttl`:
+    /// dropped.
+    ResidentExpired,
     /// Not here.
     Missing,
 }
@@ -373,6 +383,9 @@ pub struct SweepReport {
     pub failed_reads: Vec<String>,
     /// Proxies discarded because their lease passed.
     pub expired_proxies: Vec<String>,
+    /// Landed chunks dropped because nobody loaded or cancelled them within
+    /// `pd_resident_ttl` (their pages are back in the pool).
+    pub expired_resident: Vec<String>,
     /// Done signals to send.
     pub done: Vec<SendPullDone>,
 }
@@ -420,6 +433,8 @@ pub struct ReceiverCounters {
     pub rejected_pull_notifs: u64,
     /// Keys a `CancelNotif` dropped (now, or when their transfer ended).
     pub cancelled_keys: u64,
+    /// Landed chunks dropped at `pd_resident_ttl`, never loaded.
+    pub expired_resident: u64,
 }
 
 #[derive(Debug)]
@@ -522,6 +537,10 @@ pub struct ReceiverCore {
     /// release until the claim ends: kept for the claimant on commit,
     /// dropped after all if every claimant gave up.
     claims: HashMap<String, u32>,
+    /// When [`ReceiverCore::sweep`] first saw each resident key (its
+    /// `pd_resident_ttl` counts from there, so within one sweep interval
+    /// of its landing).
+    resident_since: HashMap<String, Instant>,
     /// Senders whose chunks are head pieces (heterogeneous TP): their
     /// chunk width and where it starts in a token of this side's chunks,
     /// by sender node. Absent: whole chunks of [`ReceiverConfig::layout`].
@@ -548,6 +567,7 @@ const MAX_HOLDERS: usize = 4096;
 enum Gone {
     LeaseExpired,
     SenderRestarted,
+    ResidentTtl,
 }
 
 /// The transfer a pending key waits for.
@@ -614,6 +634,7 @@ impl ReceiverCore {
             cancelled: HashMap::new(),
             holders: HashMap::new(),
             claims: HashMap::new(),
+            resident_since: HashMap::new(),
             pieces: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
@@ -683,6 +704,7 @@ impl ReceiverCore {
             None => match self.expired_keys.get(key, now) {
                 Some(Gone::LeaseExpired) => Lookup::Expired,
                 Some(Gone::SenderRestarted) => Lookup::SenderRestarted,
+                Some(Gone::ResidentTtl) => Lookup::ResidentExpired,
                 None => Lookup::Missing,
             },
             Some(Entry::Resident(p)) => Lookup::Resident(p),
@@ -759,6 +781,7 @@ impl ReceiverCore {
     /// Takes `key` out of the store, with its holders.
     fn unstore(&mut self, key: &str) -> Option<Entry> {
         self.holders.remove(key);
+        self.resident_since.remove(key);
         self.entries.remove(key)
     }
 
@@ -1872,7 +1895,37 @@ impl ReceiverCore {
                 }
             }
         }
+        self.sweep_resident(now, &mut report);
         report
+    }
+
+    /// Drops landed chunks nobody loaded or cancelled within
+    /// `pd_resident_ttl`, counted from the first sweep that saw them
+    /// resident. Whoever holds them (a request that never came to load
+    /// them) finds them gone: a load says so. A load already copying one
+    /// keeps its page until it is done (pages are shared), so only the
+    /// store forgets it.
+    fn sweep_resident(&mut self, now: Instant, report: &mut SweepReport) {
+        let Some(ttl) = self.config.resident_ttl else {
+            return;
+        };
+        let mut late = Vec::new();
+        for (k, e) in &self.entries {
+            if let Entry::Resident(_) = e {
+                let since = *self.resident_since.entry(k.clone()).or_insert(now);
+                if now.saturating_duration_since(since) >= ttl {
+                    late.push(k.clone());
+                }
+            }
+        }
+        for k in late {
+            if let Some(Entry::Resident(page)) = self.unstore(&k) {
+                drop(page);
+            }
+            self.expired_keys.insert(&k, Gone::ResidentTtl, now);
+            self.counters.expired_resident += 1;
+            report.expired_resident.push(k);
+        }
     }
 
     /// The counters.

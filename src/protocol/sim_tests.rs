@@ -220,6 +220,7 @@ impl Sim {
             layout: layout(),
             push_landing_timeout: Duration::from_secs(5),
             read_margin_pct: 10.0,
+            resident_ttl: None,
         });
         let mut sim = Sim {
             rng,

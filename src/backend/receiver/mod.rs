@@ -30,7 +30,7 @@ use crate::pipeline::load::{load_keys, LoadEnv};
 use crate::pipeline::{LoadError, LoadOptions, LoadReport};
 use crate::protocol::{
     HeadPiece, KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore,
-    ReceiverCounters, SendPullDone,
+    ReceiverCounters, SendPullDone, RESIDENT_EXPIRED,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -315,6 +315,7 @@ impl Receiver {
             layout: config.chunk_layout(),
             push_landing_timeout: config.push_landing_timeout,
             read_margin_pct: config.pull_read_margin_pct,
+            resident_ttl: Some(config.resident_ttl).filter(|t| !t.is_zero()),
         });
         let (eager_tx, eager_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
@@ -692,6 +693,7 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
             Lookup::Missing => return Err("not stored".into()),
             Lookup::NotReady => return Err("its data has not landed yet".into()),
             Lookup::Expired => return Err("its pull lease expired".into()),
+            Lookup::ResidentExpired => return Err(RESIDENT_EXPIRED.into()),
             Lookup::SenderRestarted => {
                 return Err("its sender restarted after announcing it; the data is gone".into())
             }

@@ -47,6 +47,16 @@ fn sweep_once(s: &Shared) {
             s.config.push_landing_timeout
         );
     }
+    if let Some(first) = report.expired_resident.first() {
+        log::warn!(
+            "{} landed chunk(s) (first {first}) were not loaded or cancelled within \
+             pd_resident_ttl ({:?}); dropped, their pages back in the pool. If the engine \
+             dropped those requests, cancel them instead; if it loads this late, raise \
+             pd_resident_ttl",
+            report.expired_resident.len(),
+            s.config.resident_ttl
+        );
+    }
     for g in report.revoke {
         s.channel.revoke(g);
     }
