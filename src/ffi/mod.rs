@@ -914,6 +914,27 @@ unsafe fn submit_save(
         }
     }
     let host = host.expect("at least one peer, checked by the callers");
+    // Each decode rank this prefill rank feeds needs its entry now, not a
+    // failure at poll time.
+    if per_rank {
+        if let Some(d) = s
+            .queue
+            .sender()
+            .routes()
+            .iter()
+            .map(|r| r.rank)
+            .find(|&d| d >= peers.len())
+        {
+            return Err(Failure::arg(
+                "num_peers",
+                format!(
+                    "is {}, but this prefill rank sends to decode rank {d}: pass one ApdPeer per \
+                     decode TP rank (pd_peer_tp_size of them, peers[d] for rank d)",
+                    peers.len()
+                ),
+            ));
+        }
+    }
     let ports = |port: fn(&ApdPeer) -> u16| match per_rank {
         true => PortList::PerRank(peers.iter().map(port).collect()),
         false => PortList::Single(port(&peers[0])),

@@ -107,6 +107,20 @@ def main():
         failures_add()
     sender.close()
     scfg.close()
+    # TP rank 1 sends to decode rank 1: a one-entry port list has no port for it.
+    scfg = apd.Config.from_yaml(
+        yaml.replace('pd_role: "receiver"', 'pd_role: "sender"')
+        + 'pd_proxy_host: "127.0.0.1"\npd_proxy_port: 9\ntp_size: 2\n'
+    )
+    sender = apd.Sender(scfg, rank=1)
+    expect(
+        "a port list without the decode rank",
+        apd.InvalidArgument,
+        "decode rank 1",
+        lambda: sender.submit_save("py-s", keys, cache, slots, "127.0.0.1", [init_port], [alloc_port]),
+    )
+    sender.close()
+    scfg.close()
     receiver.close()
     expect("closed receiver", apd.ClosedHandle, "closed", lambda: receiver.available(keys))
     cache.close()
