@@ -616,47 +616,53 @@ fn a_piece_sent_to_a_port_where_another_decode_rank_listens_is_refused() {
 /// The refusal above holds while the process that said "decode rank 0"
 /// answers at that port. Restarted there as decode rank 1 (a redeploy
 /// that moved the ranks), it gets rank 1's pieces: the probe sees another
-/// process, and the new handshake says rank 1.
+/// process (or, never attached, the put's own handshake asks), and the new
+/// handshake says rank 1.
 #[test]
 fn a_receiver_restarted_as_another_rank_at_the_same_port_gets_that_ranks_pieces() {
-    let mut dep = deploy(ChannelKind::Shm, TransferMode::Push, 1, 2, false);
-    let s = Arc::clone(&dep.senders[0]);
-    let port0 = |ports: &Option<PortList>| ports.as_ref().unwrap().for_rank(0).unwrap();
-    let (init0, alloc0) = (
-        port0(&dep.rc.peer_init_port),
-        port0(&dep.rc.peer_alloc_port),
-    );
-    let spec = TransferSpec {
-        receiver_init_port: PortList::Single(init0),
-        receiver_alloc_port: PortList::Single(alloc0),
-        ..spec_for(&dep.rc, "x", true)
-    };
-    let put = |d: usize| {
-        let route = s.routes()[d];
-        let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
-        p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
-        let chunks = vec![p.pop().unwrap().seal()];
+    for attached_first in [true, false] {
+        let mut dep = deploy(ChannelKind::Shm, TransferMode::Push, 1, 2, false);
+        let s = Arc::clone(&dep.senders[0]);
+        let port0 = |ports: &Option<PortList>| ports.as_ref().unwrap().for_rank(0).unwrap();
+        let (init0, alloc0) = (
+            port0(&dep.rc.peer_init_port),
+            port0(&dep.rc.peer_alloc_port),
+        );
         let spec = TransferSpec {
-            receiver_rank: Some(d),
-            ..spec.clone()
+            receiver_init_port: PortList::Single(init0),
+            receiver_alloc_port: PortList::Single(alloc0),
+            ..spec_for(&dep.rc, "x", true)
         };
-        s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
-    };
-    put(0).unwrap();
-    assert!(put(1).is_err(), "rank 0 still answers there");
-    // Decode rank 0 goes; decode rank 1 starts on its ports.
-    let old = Arc::try_unwrap(dep.receivers.remove(0)).ok().unwrap();
-    old.remove(&piece_key("x", 0, s.routes()[0].heads));
-    old.close();
-    let mut moved = dep.rc.clone();
-    moved.peer_init_port = Some(PortList::PerRank(vec![free_port(), init0]));
-    moved.peer_alloc_port = Some(PortList::PerRank(vec![free_port(), alloc0]));
-    let r1 = Receiver::start(&moved, 1).unwrap();
-    put(1).unwrap_or_else(|e| panic!("the restarted receiver is rank 1: {e}"));
-    let k1 = piece_key("x", 1, s.routes()[1].heads);
-    assert!(r1.contains(&k1));
-    r1.remove(&k1);
-    dep.receivers.push(Arc::new(r1));
-    drop(s);
-    finish(dep);
+        let put = |d: usize| {
+            let route = s.routes()[d];
+            let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
+            p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
+            let chunks = vec![p.pop().unwrap().seal()];
+            let spec = TransferSpec {
+                receiver_rank: Some(d),
+                ..spec.clone()
+            };
+            s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
+        };
+        if attached_first {
+            put(0).unwrap();
+        }
+        assert!(put(1).is_err(), "rank 0 still answers there");
+        assert!(put(1).is_err(), "and again");
+        // Decode rank 0 goes; decode rank 1 starts on its ports.
+        let old = Arc::try_unwrap(dep.receivers.remove(0)).ok().unwrap();
+        old.remove(&piece_key("x", 0, s.routes()[0].heads));
+        old.close();
+        let mut moved = dep.rc.clone();
+        moved.peer_init_port = Some(PortList::PerRank(vec![free_port(), init0]));
+        moved.peer_alloc_port = Some(PortList::PerRank(vec![free_port(), alloc0]));
+        let r1 = Receiver::start(&moved, 1).unwrap();
+        put(1).unwrap_or_else(|e| panic!("attached first {attached_first}: now rank 1: {e}"));
+        let k1 = piece_key("x", 1, s.routes()[1].heads);
+        assert!(r1.contains(&k1));
+        r1.remove(&k1);
+        dep.receivers.push(Arc::new(r1));
+        drop(s);
+        finish(dep);
+    }
 }

@@ -166,12 +166,14 @@ class _InFlight:
 
 
 def _port(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}: pass a port number (1 to 65535)")
     try:
         port = operator.index(value)
     except TypeError:
         try:
             port = int(value)  # "5555", 5555.0
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise TypeError(f"{name} is {value!r}: pass a port number (1 to 65535)") from None
         if port != value and not isinstance(value, (str, bytes)):
             raise ValueError(f"{name} is {value!r}: not a whole port number")

@@ -728,10 +728,13 @@ impl Sender {
             .ok()
             .flatten();
         match (attached, answering) {
+            // Not attached: the put's handshake checks the rank first.
+            (None, _) => Ok(()),
             (Some(old), Some(new)) if old != new => {
                 link.rank = None;
                 Ok(())
             }
+            // The same process (or one we cannot ask, which may be it).
             _ => Err(wrong_rank(peer_key, got, want)),
         }
     }

@@ -668,6 +668,14 @@ impl PdConfig {
             );
         }
 
+        if !self.resident_ttl.is_zero() && self.resident_ttl < Duration::from_secs(10) {
+            warnings.push(format!(
+                "pd_resident_ttl: {:?} is shorter than most engines take to schedule a request; \
+                 chunks not loaded by then are dropped (use 0 to keep them until loaded)",
+                self.resident_ttl
+            ));
+        }
+
         let page = self.page_bytes();
         let page_ok = page > 0 && self.chunk_size > 0;
         if page_ok && self.buffer_size > 0 && self.buffer_size < page {

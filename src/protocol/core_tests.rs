@@ -2896,6 +2896,50 @@ fn a_landed_chunk_nobody_loads_goes_back_to_the_pool_at_the_resident_ttl() {
     drop(held);
     assert_idle(&pool);
 
+    // A key another request takes on gets the whole TTL again; one a plan
+    // claimed is kept while the plan's pages are found.
+    let r = push(&mut ks, &alloc_for("r1", &["shared"]), t1, &pool);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r.response),
+        t1,
+    );
+    ks.sweep(t1);
+    let r2 = push(&mut ks, &alloc_for("r2", &["shared"]), t1 + ttl - S, &pool);
+    assert_eq!(r2.response.already_sent_indexes, vec![0]);
+    assert!(
+        ks.sweep(t1 + ttl).expired_resident.is_empty(),
+        "r2 took it on"
+    );
+    let plan = ks
+        .plan_push(t1 + ttl, ROUTE_NEXT, &alloc_for("r3", &["shared", "new"]))
+        .unwrap();
+    assert!(
+        ks.sweep(t1 + 3 * ttl).expired_resident.is_empty(),
+        "claimed"
+    );
+    let pages = plan.check_pages(pool.allocate_batch(plan.metas()));
+    let r3 = ks.commit_push(t1 + 3 * ttl, plan, pages.map(|p| (p, Some(GRANT))));
+    assert_eq!(r3.response.already_sent_indexes, vec![0]);
+    notice(
+        &mut ks,
+        ROUTE_NEXT,
+        ROUTE_NEXT,
+        PushOutcome::Landed,
+        &refs_of(&r3.response),
+        t1 + 3 * ttl,
+    );
+    ks.sweep(t1 + 3 * ttl);
+    assert!(ks.sweep(t1 + 4 * ttl - S).expired_resident.is_empty());
+    let mut gone = ks.sweep(t1 + 4 * ttl).expired_resident;
+    gone.sort();
+    assert_eq!(gone, keys(&["new", "shared"]));
+    assert!(ks.is_empty());
+    assert_idle(&pool);
+
     // Without a TTL nothing expires.
     let mut ks = receiver();
     let r = push(&mut ks, &alloc_for("r2", &["k"]), t0, &pool);

@@ -794,6 +794,9 @@ impl ReceiverCore {
         }
         for k in present {
             if self.entries.contains_key(k.as_str()) {
+                // A request that takes the key on now gets the whole
+                // `pd_resident_ttl` to load it: the next sweep restarts the clock.
+                self.resident_since.remove(k.as_str());
                 let h = self.holders.entry((*k).clone()).or_default();
                 if h.len() < MAX_HOLDERS {
                     h.insert(req.to_string());
@@ -1911,11 +1914,17 @@ impl ReceiverCore {
         };
         let mut late = Vec::new();
         for (k, e) in &self.entries {
-            if let Entry::Resident(_) = e {
-                let since = *self.resident_since.entry(k.clone()).or_insert(now);
-                if now.saturating_duration_since(since) >= ttl {
-                    late.push(k.clone());
+            // A key a plan claimed is about to be announced "already sent"
+            // to a request: it stays (and its clock restarts at the commit).
+            if !matches!(e, Entry::Resident(_)) || self.claims.contains_key(k) {
+                continue;
+            }
+            match self.resident_since.get(k) {
+                None => {
+                    self.resident_since.insert(k.clone(), now);
                 }
+                Some(&since) if now.saturating_duration_since(since) >= ttl => late.push(k.clone()),
+                Some(_) => {}
             }
         }
         for k in late {
