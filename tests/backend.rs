@@ -726,6 +726,68 @@ fn a_sender_process_killed_during_shm_delay_pull_fails_the_fetch_without_a_hang(
     );
     assert_no_pages(r.stats().pools.cpu.unwrap(), "pages returned");
     assert_eq!(r.stats().store.contexts_open, 0);
+    // The dead sender's attachment goes too (its pool unmapped).
+    assert!(
+        eventually(Duration::from_secs(10), || r.stats().peers == 0),
+        "{} sender(s) still attached",
+        r.stats().peers
+    );
+    assert_eq!(r.stats().senders_gone, 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A receiver process that dies holding pull-delay proxies never sends
+/// their Done: the sender sees the death (shm: its pidfd) and releases the
+/// pins at once, not at pd_pull_pending_ttl, and drops the attachment
+/// (unmapping the dead receiver's pool); the next put attaches afresh.
+#[test]
+fn a_receiver_process_that_dies_has_its_pins_released_without_waiting_for_the_ttl() {
+    use std::io::BufRead;
+    let mode = TransferMode::PullDelay;
+    let rc = receiver_config(ChannelKind::Shm, mode, 32);
+    let dir = std::env::temp_dir().join(format!("ascend-pd-recv-dies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let yaml = dir.join("receiver.yaml");
+    std::fs::write(&yaml, rc.to_effective_yaml()).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
+        .args(["receiver", "--config"])
+        .arg(&yaml)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.contains("receiver_ready"), "{line}");
+    let mut sc = sender_config(ChannelKind::Shm, mode, 32);
+    sc.pull_pending_ttl = Duration::from_secs(600);
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    let ks = keys("orphaned-pins", 3);
+    let c = chunks(&s, &ks, CHUNK);
+    let out = s
+        .put(&ks, &c, &spec_for(&rc, "orphaned-pins", false))
+        .unwrap();
+    assert!(
+        matches!(out, PutOutcome::Announced { announced: 3, .. }),
+        "{out:?}"
+    );
+    drop(c);
+    assert_eq!(s.stats().pools.cpu.unwrap().pinned, 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || s
+            .stats()
+            .pools
+            .cpu
+            .unwrap()
+            .pinned
+            == 0),
+        "pins still held: {:?}",
+        s.stats().pulls
+    );
+    assert!(s.drain(Duration::from_secs(10)));
+    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -888,7 +888,20 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
 fn sweep_loop(s: &Shared) {
     while !s.stop.load(Ordering::Acquire) {
         std::thread::sleep(s.timeouts.sweep_every);
+        let gone = s.channel.gone_peers();
         let mut core = lock(&s.core);
+        if !gone.is_empty() {
+            for (peer, pulls) in core.receivers_gone(&gone, Instant::now()) {
+                log::info!(
+                    "receiver {peer} is gone (its process exited or it detached): attachment \
+                     dropped, {pulls} pull(s) announced to it released"
+                );
+            }
+            for p in &gone {
+                s.channel.detach(*p);
+            }
+            s.released.notify_all();
+        }
         let expired = core.sweep(Instant::now());
         for e in &expired {
             log::warn!(

@@ -407,6 +407,10 @@ impl TransferChannel for HcclChannel {
         }
     }
 
+    fn gone_peers(&self) -> Vec<PeerId> {
+        self.peers.select(|p| p.setup.peer_closed())
+    }
+
     fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
         p.setup.wait(&p.node, self.opts.setup_timeout).map(|_| ())
@@ -1080,6 +1084,12 @@ impl SetupCell {
         *s = SetupState::Closed(watch);
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// Whether a set-up peer closed its end of the liveness link (it
+    /// exited, or detached after its last batch).
+    fn peer_closed(&self) -> bool {
+        matches!(&*lock(&self.state), SetupState::Ready(link) if link.watch.peer_closed())
     }
 
     /// Whether the peer can no longer touch our memory: its setup never

@@ -407,6 +407,15 @@ pub trait TransferChannel: Send + Sync {
     /// their own, keeping their pages until they do).
     fn detach(&self, peer: PeerId);
 
+    /// Attached peers known to be gone: their process exited (shm, seen
+    /// through its pidfd) or they closed their side of the pair (hccl's
+    /// liveness link). Nothing of ours is read or written by them any
+    /// more; the caller detaches them, which unmaps (shm) or closes (hccl)
+    /// what the attachment held. tcp cannot tell: none.
+    fn gone_peers(&self) -> Vec<PeerId> {
+        Vec::new()
+    }
+
     /// Starts reading into `ops`' pages; every op is validated before any
     /// byte moves (a refused batch's pages are dropped untouched).
     fn submit_read(
@@ -670,6 +679,15 @@ impl<P> PeerRegistry<P> {
     /// Forgets the peer `id`.
     pub(crate) fn remove(&self, id: PeerId) -> Option<Arc<P>> {
         self.lock().remove(&id).map(|(_, p)| p)
+    }
+
+    /// The peers for which `f` holds.
+    pub(crate) fn select(&self, f: impl Fn(&P) -> bool) -> Vec<PeerId> {
+        self.lock()
+            .iter()
+            .filter(|(_, (_, p))| f(p))
+            .map(|(id, _)| *id)
+            .collect()
     }
 }
 

@@ -290,6 +290,10 @@ impl TransferChannel for ShmChannel {
         self.peers.remove(peer);
     }
 
+    fn gone_peers(&self) -> Vec<PeerId> {
+        self.peers.select(|p| !p.alive())
+    }
+
     fn submit_read(
         &self,
         peer: PeerId,

@@ -202,7 +202,8 @@ pub(crate) fn load_keys(
                 Lookup::SenderRestarted => tally.failed.push(key_failure(
                     key,
                     None,
-                    "its sender restarted after announcing it; the data is gone (prefill again)",
+                    "its sender restarted or exited after announcing it; the data is gone \
+                     (prefill again)",
                 )),
                 Lookup::ResidentExpired => {
                     tally.failed.push(key_failure(key, None, RESIDENT_EXPIRED))

@@ -2956,3 +2956,37 @@ fn a_landed_chunk_nobody_loads_goes_back_to_the_pool_at_the_resident_ttl() {
     assert!(ks.release("r2", "k").unwrap().page.is_some());
     assert_idle(&pool);
 }
+
+/// A receiver whose process is gone never sends its Dones: the pulls
+/// announced to it are released when the channel reports it gone (grant
+/// revoked, pages kept until quiescent), not at the TTL; its attachment
+/// ends, so the next put attaches afresh. Another peer's report leaves it.
+#[test]
+fn a_gone_receivers_pulls_are_released_and_the_next_put_attaches_again() {
+    use crate::channel::PeerId;
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    let mut sc = sender_core(TransferMode::PullDelay, &spool);
+    let (mut p1, _) = sc.begin_put(t0, spec("r"), keys(&["a", "b"]), alloc(&spool, 2));
+    sc.on_connected(&mut p1, t0, Some(attached(t0)));
+    sc.on_granted(&mut p1, t0, Some(GrantId(3)));
+    let end = finish(sc.on_reply(&mut p1, t0, Ok(ack(&[], false).encode())));
+    assert!(matches!(end.result, Ok(PutOutcome::Announced { .. })));
+    assert_eq!(sc.pulls_pending(), 1);
+
+    assert!(sc.receivers_gone(&[PeerId(99)], t0).is_empty(), "not ours");
+    assert_eq!(sc.pulls_pending(), 1);
+    let gone = sc.receivers_gone(&[attached(t0).peer], t0);
+    assert_eq!(gone.len(), 1);
+    assert_eq!(gone[0].1, 1, "one pull released");
+    assert_eq!(sc.pulls_pending(), 0);
+    assert_eq!(sc.take_grant_revokes(), vec![GrantId(3)]);
+    assert_eq!(spool.stats().quarantined, 2);
+    sc.on_quiescent(GrantId(3));
+    assert_eq!(spool.stats().quarantined, 0);
+    assert!(sc.attached(&gone[0].0).is_none());
+    let (_p2, a) = sc.begin_put(t0, spec("r"), keys(&["c"]), alloc(&spool, 1));
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    drop(p1);
+}

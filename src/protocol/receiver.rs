@@ -156,7 +156,7 @@ pub enum Lookup<'a> {
     Proxy(&'a ProxyEntry),
     /// A proxy whose read window has passed: unreadable.
     Expired,
-    /// A proxy whose sender restarted: the data it pointed at is gone.
+    /// A proxy whose sender restarted or exited: the data it pointed at is gone.
     SenderRestarted,
     /// A landed chunk nobody loaded or cancelled within `pd_resident_ttl`:
     /// dropped.
@@ -754,9 +754,10 @@ impl ReceiverCore {
     }
 
     /// Sender `node` is gone (it restarted: a new process of the same
-    /// identity attached). Its proxies point at memory that no longer
-    /// exists: they are discarded now (a load of one says its sender
-    /// restarted) instead of failing their reads until their lease ends.
+    /// identity attached; or its process exited). Its proxies point at
+    /// memory that no longer exists: they are discarded now (a load of one
+    /// says its sender restarted or exited) instead of failing their reads
+    /// until their lease ends.
     /// Returns how many were discarded; their pulls' Dones are dropped
     /// (nobody is left to receive them).
     pub fn forget_sender(&mut self, node: &str, now: Instant) -> usize {

@@ -484,6 +484,30 @@ impl SenderCore {
         self.hold_until_quiescent(&mut gone);
     }
 
+    /// The receivers attached as `gone` are gone (their process exited):
+    /// their attachments end, so the next put to one attaches afresh, and
+    /// the pulls announced to them are released now instead of at the TTL
+    /// (revoked, kept until the channel says they are quiescent). Returns
+    /// the peer keys and how many pulls each lost.
+    pub fn receivers_gone(&mut self, gone: &[PeerId], now: Instant) -> Vec<(String, usize)> {
+        let keys: Vec<String> = self
+            .links
+            .iter()
+            .filter(|(_, l)| l.attached.as_ref().is_some_and(|a| gone.contains(&a.peer)))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.into_iter()
+            .map(|k| {
+                if let Some(l) = self.links.get_mut(&k) {
+                    l.attached = None;
+                }
+                let mut released = self.pending.release_peer(&k, now);
+                self.hold_until_quiescent(&mut released);
+                (k, released.len())
+            })
+            .collect()
+    }
+
     /// Pulls released while a reader may still be inside their pages:
     /// quarantined, their grants revoked, kept until quiescent.
     fn hold_until_quiescent(&mut self, pulls: &mut [ExpiredPull]) {

@@ -62,6 +62,8 @@ pub struct ReceiverStats {
     pub reservations: usize,
     /// Senders found restarted: their old attachment and proxies were dropped.
     pub sender_restarts: u64,
+    /// Senders whose process exited: their attachment and proxies were dropped.
+    pub senders_gone: u64,
     /// Multi-batch requests refused because their whole budget did not fit.
     pub admission_refused: u64,
 }
@@ -103,6 +105,8 @@ struct Shared {
     refused_waiting: AtomicU64,
     /// Senders found restarted (a new process of the same identity attached).
     sender_restarts: AtomicU64,
+    /// Senders whose process exited (their attachment and proxies dropped).
+    senders_gone: AtomicU64,
     /// Reservations of multi-batch requests (see `protocol::admission`).
     admission: Mutex<crate::protocol::admission::Admission>,
     /// This rank's TP split (sent in the hello; pairs senders' head pieces).
@@ -199,6 +203,38 @@ impl Shared {
 }
 
 impl Shared {
+    /// Forgets the senders the channel knows are gone (their process
+    /// exited): their attachment goes, which unmaps (shm) or closes (hccl)
+    /// their memory, and their proxies are discarded. Without this a
+    /// decode worker kept every dead prefill process's pool mapped.
+    pub(super) fn forget_gone_senders(&self) {
+        let gone = self.channel.gone_peers();
+        if gone.is_empty() {
+            return;
+        }
+        let dead: Vec<(String, PeerLink)> = lock(&self.peers)
+            .iter()
+            .filter(|(_, l)| gone.contains(&l.peer))
+            .map(|(n, l)| (n.clone(), *l))
+            .collect();
+        for (node, link) in dead {
+            lock(&self.peers).remove(&node);
+            self.channel.detach(link.peer);
+            let dropped = lock(&self.core).forget_sender(&node, Instant::now());
+            self.senders_gone.fetch_add(1, Ordering::Relaxed);
+            log::info!(
+                "sender {node} is gone (its process exited or it detached): dropped its \
+                 attachment and {dropped} proxy(ies) it announced"
+            );
+        }
+        // Attachments no sender link names any more (a handshake that was
+        // refused after attaching, say) go too.
+        let known: Vec<PeerId> = lock(&self.peers).values().map(|l| l.peer).collect();
+        for p in gone.into_iter().filter(|p| !known.contains(p)) {
+            self.channel.detach(p);
+        }
+    }
+
     /// The head piece sender `a` sends this rank (heterogeneous TP), or
     /// `None` for whole chunks. The hellos' agreement already refused
     /// senders that cannot be paired.
@@ -332,6 +368,7 @@ impl Receiver {
             waiting: AtomicUsize::new(0),
             refused_waiting: AtomicU64::new(0),
             sender_restarts: AtomicU64::new(0),
+            senders_gone: AtomicU64::new(0),
             admission: Mutex::new(crate::protocol::admission::Admission::new(
                 config.push_landing_timeout,
             )),
@@ -641,6 +678,7 @@ impl Receiver {
             reservations,
             admission_refused,
             sender_restarts: s.sender_restarts.load(Ordering::Relaxed),
+            senders_gone: s.senders_gone.load(Ordering::Relaxed),
         }
     }
 
@@ -695,7 +733,9 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
             Lookup::Expired => return Err("its pull lease expired".into()),
             Lookup::ResidentExpired => return Err(RESIDENT_EXPIRED.into()),
             Lookup::SenderRestarted => {
-                return Err("its sender restarted after announcing it; the data is gone".into())
+                return Err(
+                    "its sender restarted or exited after announcing it; the data is gone".into(),
+                )
             }
             Lookup::Proxy(_) => {}
         }

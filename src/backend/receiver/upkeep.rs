@@ -39,6 +39,7 @@ pub(super) fn sweep_loop(s: &Shared) {
 }
 
 fn sweep_once(s: &Shared) {
+    s.forget_gone_senders();
     let report = lock(&s.core).sweep(Instant::now());
     for k in &report.reclaimed_pushes {
         log::warn!(
