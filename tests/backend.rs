@@ -742,16 +742,60 @@ fn a_sender_process_killed_during_shm_delay_pull_fails_the_fetch_without_a_hang(
 /// (unmapping the dead receiver's pool); the next put attaches afresh.
 #[test]
 fn a_receiver_process_that_dies_has_its_pins_released_without_waiting_for_the_ttl() {
-    use std::io::BufRead;
     let mode = TransferMode::PullDelay;
     let rc = receiver_config(ChannelKind::Shm, mode, 32);
     let dir = std::env::temp_dir().join(format!("ascend-pd-recv-dies-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let yaml = dir.join("receiver.yaml");
     std::fs::write(&yaml, rc.to_effective_yaml()).unwrap();
+    let mut child = spawn_receiver(&yaml);
+    let mut sc = sender_config(ChannelKind::Shm, mode, 32);
+    sc.pull_pending_ttl = Duration::from_secs(600);
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    let pinned = || s.stats().pools.cpu.unwrap().pinned;
+    let ks = keys("orphaned-pins", 3);
+    let c = chunks(&s, &ks, CHUNK);
+    let out = s.put(&ks, &c, &spec_for(&rc, "orphaned-pins", false));
+    assert!(
+        matches!(out, Ok(PutOutcome::Announced { announced: 3, .. })),
+        "{out:?}"
+    );
+    drop(c);
+    // A live receiver is never taken for dead: several sweeps later the
+    // pins still wait for its Done.
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(pinned(), 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || pinned() == 0),
+        "pins still held: {:?}",
+        s.stats().pulls
+    );
+    assert!(s.drain(Duration::from_secs(10)));
+    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
+    // A receiver started again on those ports gets the next put: the
+    // sender attaches afresh.
+    let mut child = spawn_receiver(&yaml);
+    let ks = keys("after-death", 2);
+    let c = chunks(&s, &ks, CHUNK);
+    let out = s.put(&ks, &c, &spec_for(&rc, "after-death", false));
+    assert!(
+        matches!(out, Ok(PutOutcome::Announced { announced: 2, .. })),
+        "{out:?}"
+    );
+    drop(c);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An `ascend-bench receiver` process on `yaml`, once it says it is ready.
+fn spawn_receiver(yaml: &std::path::Path) -> std::process::Child {
+    use std::io::BufRead;
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ascend-bench"))
         .args(["receiver", "--config"])
-        .arg(&yaml)
+        .arg(yaml)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -759,36 +803,7 @@ fn a_receiver_process_that_dies_has_its_pins_released_without_waiting_for_the_tt
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert!(line.contains("receiver_ready"), "{line}");
-    let mut sc = sender_config(ChannelKind::Shm, mode, 32);
-    sc.pull_pending_ttl = Duration::from_secs(600);
-    let s = Sender::start(&sc, 0, Default::default()).unwrap();
-    let ks = keys("orphaned-pins", 3);
-    let c = chunks(&s, &ks, CHUNK);
-    let out = s
-        .put(&ks, &c, &spec_for(&rc, "orphaned-pins", false))
-        .unwrap();
-    assert!(
-        matches!(out, PutOutcome::Announced { announced: 3, .. }),
-        "{out:?}"
-    );
-    drop(c);
-    assert_eq!(s.stats().pools.cpu.unwrap().pinned, 3);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || s
-            .stats()
-            .pools
-            .cpu
-            .unwrap()
-            .pinned
-            == 0),
-        "pins still held: {:?}",
-        s.stats().pulls
-    );
-    assert!(s.drain(Duration::from_secs(10)));
-    assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
-    let _ = std::fs::remove_dir_all(dir);
+    child
 }
 
 #[test]

@@ -491,6 +491,49 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
     }
 }
 
+/// `gone_peers` names a peer only once its process is gone: never while
+/// it runs, and, after a kill, within a few seconds where the channel can
+/// tell (shm: the pidfd; hccl: the liveness link). tcp cannot tell.
+#[test]
+fn a_peer_is_reported_gone_only_once_its_process_is() {
+    for kind in KINDS {
+        let mut peer = Peer::spawn(kind, 4, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let l = local(kind, 4);
+        let (id, _) = connect(&ctx, &l, &peer);
+        let live = Instant::now() + Duration::from_millis(600);
+        while Instant::now() < live {
+            assert!(
+                l.channel.gone_peers().is_empty(),
+                "{kind:?}: a live peer reported gone"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        peer.kill();
+        // tcp cannot tell: a short look suffices to show it says nothing.
+        let window = match kind {
+            ChannelKind::Tcp => Duration::from_secs(1),
+            _ => Duration::from_secs(10),
+        };
+        let end = Instant::now() + window;
+        let seen = loop {
+            if l.channel.gone_peers() == vec![id] {
+                break true;
+            }
+            if Instant::now() > end {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        match kind {
+            ChannelKind::Tcp => assert!(!seen, "tcp cannot tell"),
+            _ => assert!(seen, "{kind:?}: the dead peer was not reported"),
+        }
+        l.channel.detach(id);
+        assert!(l.channel.gone_peers().is_empty(), "{kind:?}: detached");
+    }
+}
+
 #[test]
 fn a_mode_mismatch_is_named_on_both_sides() {
     for kind in KINDS {

@@ -889,19 +889,22 @@ fn sweep_loop(s: &Shared) {
     while !s.stop.load(Ordering::Acquire) {
         std::thread::sleep(s.timeouts.sweep_every);
         let gone = s.channel.gone_peers();
-        let mut core = lock(&s.core);
         if !gone.is_empty() {
-            for (peer, pulls) in core.receivers_gone(&gone, Instant::now()) {
+            let ended = lock(&s.core).receivers_gone(&gone, Instant::now());
+            for (peer, pulls) in ended {
                 log::info!(
                     "receiver {peer} is gone (its process exited or it detached): attachment \
                      dropped, {pulls} pull(s) announced to it released"
                 );
             }
+            // Outside the core's lock: dropping the last reference may
+            // unmap a pool or synchronise a stream.
             for p in &gone {
                 s.channel.detach(*p);
             }
             s.released.notify_all();
         }
+        let mut core = lock(&s.core);
         let expired = core.sweep(Instant::now());
         for e in &expired {
             log::warn!(

@@ -81,8 +81,13 @@ impl ShmPeer {
                 // A pidfd becomes readable when the process exits.
                 !(n > 0 && p.revents & libc::POLLIN != 0)
             }
-            // SAFETY: signal 0 only checks existence.
-            None => (unsafe { libc::kill(self.pid as libc::pid_t, 0) }) == 0,
+            None => {
+                // SAFETY: signal 0 only checks existence.
+                let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
+                // Only ESRCH proves the process is gone (EPERM: it runs, as
+                // another user).
+                r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+            }
         }
     }
 }

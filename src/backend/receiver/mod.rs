@@ -212,13 +212,21 @@ impl Shared {
         if gone.is_empty() {
             return;
         }
-        let dead: Vec<(String, PeerLink)> = lock(&self.peers)
-            .iter()
-            .filter(|(_, l)| gone.contains(&l.peer))
-            .map(|(n, l)| (n.clone(), *l))
-            .collect();
+        // Taken out under one lock: a sender that re-attached meanwhile
+        // has a new link, which stays.
+        let dead: Vec<(String, PeerLink)> = {
+            let mut peers = lock(&self.peers);
+            let nodes: Vec<String> = peers
+                .iter()
+                .filter(|(_, l)| gone.contains(&l.peer))
+                .map(|(n, _)| n.clone())
+                .collect();
+            nodes
+                .into_iter()
+                .filter_map(|n| peers.remove(&n).map(|l| (n, l)))
+                .collect()
+        };
         for (node, link) in dead {
-            lock(&self.peers).remove(&node);
             self.channel.detach(link.peer);
             let dropped = lock(&self.core).forget_sender(&node, Instant::now());
             self.senders_gone.fetch_add(1, Ordering::Relaxed);
@@ -227,10 +235,14 @@ impl Shared {
                  attachment and {dropped} proxy(ies) it announced"
             );
         }
-        // Attachments no sender link names any more (a handshake that was
-        // refused after attaching, say) go too.
-        let known: Vec<PeerId> = lock(&self.peers).values().map(|l| l.peer).collect();
-        for p in gone.into_iter().filter(|p| !known.contains(p)) {
+        // Attachments no sender link names (a handshake that was refused
+        // after attaching, say) go too; checked under the lock, so one
+        // registered meanwhile is left to the next sweep.
+        let peers = lock(&self.peers);
+        for p in gone
+            .into_iter()
+            .filter(|p| !peers.values().any(|l| l.peer == *p))
+        {
             self.channel.detach(p);
         }
     }
