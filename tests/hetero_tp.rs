@@ -576,17 +576,7 @@ fn a_piece_sent_to_a_port_where_another_decode_rank_listens_is_refused() {
         let mut spec = spec_for(&dep.rc, "x", true);
         spec.receiver_init_port = rank0(&dep.rc.peer_init_port);
         spec.receiver_alloc_port = rank0(&dep.rc.peer_alloc_port);
-        let put = |d: usize| {
-            let route = s.routes()[d];
-            let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
-            p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
-            let chunks = vec![p.pop().unwrap().seal()];
-            let spec = TransferSpec {
-                receiver_rank: Some(d),
-                ..spec.clone()
-            };
-            s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
-        };
+        let put = |d: usize| put_piece(s, &spec, d);
         let order = if first == 1 { [1, 0, 1] } else { [0, 1, 1] };
         for d in order {
             match (d, put(d)) {
@@ -633,17 +623,7 @@ fn a_receiver_restarted_as_another_rank_at_the_same_port_gets_that_ranks_pieces(
             receiver_alloc_port: PortList::Single(alloc0),
             ..spec_for(&dep.rc, "x", true)
         };
-        let put = |d: usize| {
-            let route = s.routes()[d];
-            let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
-            p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
-            let chunks = vec![p.pop().unwrap().seal()];
-            let spec = TransferSpec {
-                receiver_rank: Some(d),
-                ..spec.clone()
-            };
-            s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
-        };
+        let put = |d: usize| put_piece(&s, &spec, d);
         if attached_first {
             put(0).unwrap();
         }
@@ -665,4 +645,22 @@ fn a_receiver_restarted_as_another_rank_at_the_same_port_gets_that_ranks_pieces(
         drop(s);
         finish(dep);
     }
+}
+
+/// Puts decode rank `d`'s one-chunk piece "x" of prefill sender `s` under
+/// `spec`, naming rank `d`.
+fn put_piece(
+    s: &Sender,
+    spec: &TransferSpec,
+    d: usize,
+) -> Result<ascend_pd::PutOutcome, ascend_pd::BackendError> {
+    let route = s.routes()[d];
+    let mut p = s.allocate_for(Some(&route), &[CHUNK]).unwrap();
+    p[0].host_bytes_mut().unwrap().fill(d as u8 + 1);
+    let chunks = vec![p.pop().unwrap().seal()];
+    let spec = TransferSpec {
+        receiver_rank: Some(d),
+        ..spec.clone()
+    };
+    s.put(&[piece_key("x", d, route.heads)], &chunks, &spec)
 }

@@ -289,35 +289,23 @@ class Sender:
         else:
             assert isinstance(inits, int) and isinstance(allocs, int)
             peer = _lib.ApdPeer(host_b, inits, allocs)
+        request = (
+            self._handle,
+            _encode("req_id", req_id),
+            key_array,
+            num_keys,
+            _cache_handle(cache),
+            slots,
+            num_slots,
+        )
+        last = 1 if is_last_prefill else 0
         rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
         self._inflight.add(rid, cache)
         try:
             if per_rank:
-                status = _lib.lib().apd_sender_submit_save_ranks(
-                    self._handle,
-                    _encode("req_id", req_id),
-                    key_array,
-                    num_keys,
-                    _cache_handle(cache),
-                    slots,
-                    num_slots,
-                    peers,
-                    len(peers),
-                    1 if is_last_prefill else 0,
-                )
+                check(_lib.lib().apd_sender_submit_save_ranks(*request, peers, len(peers), last))
             else:
-                status = _lib.lib().apd_sender_submit_save(
-                    self._handle,
-                    _encode("req_id", req_id),
-                    key_array,
-                    num_keys,
-                    _cache_handle(cache),
-                    slots,
-                    num_slots,
-                    ctypes.byref(peer),
-                    1 if is_last_prefill else 0,
-                )
-            check(status)
+                check(_lib.lib().apd_sender_submit_save(*request, ctypes.byref(peer), last))
         except BaseException:
             self._inflight.discard(rid, cache)
             raise

@@ -387,6 +387,27 @@ unsafe fn out<'a, T>(name: &str, p: *mut T) -> Result<&'a mut T, Failure> {
     Ok(unsafe { &mut *p })
 }
 
+/// A save's or load's `req_id`, `keys` and `slot_mapping`, checked.
+///
+/// # Safety
+/// As `arg_str`, `arg_strs` and `arg_slice` for each.
+unsafe fn request_args<'a>(
+    req_id: *const c_char,
+    (keys, num_keys): (*const *const c_char, u64),
+    (slot_mapping, num_slots): (*const i64, u64),
+) -> Result<(&'a str, Vec<String>, &'a [i64]), Failure> {
+    // SAFETY: forwarded to the caller's contract.
+    let (id, keys, slots) = unsafe {
+        (
+            arg_str("req_id", req_id)?,
+            arg_strs("keys", keys, num_keys)?,
+            arg_slice("slot_mapping", slot_mapping, num_slots)?,
+        )
+    };
+    req_id_arg("req_id", id)?;
+    Ok((id, keys, slots))
+}
+
 fn req_id_arg(name: &str, id: &str) -> Result<(), Failure> {
     if id.is_empty() {
         return Err(Failure::arg(name, "is empty: pass the engine's request id"));
@@ -878,14 +899,8 @@ unsafe fn submit_save(
 ) -> Result<(), Failure> {
     let s = handles::sender(sender.id)?;
     // SAFETY: forwarded to the caller's contract.
-    let (id, keys, slots) = unsafe {
-        (
-            arg_str("req_id", req_id)?,
-            arg_strs("keys", keys, num_keys)?,
-            arg_slice("slot_mapping", slot_mapping, num_slots)?,
-        )
-    };
-    req_id_arg("req_id", id)?;
+    let (id, keys, slots) =
+        unsafe { request_args(req_id, (keys, num_keys), (slot_mapping, num_slots)) }?;
     let mut host: Option<&str> = None;
     for (d, p) in peers.iter().enumerate() {
         let name = |field: &str| match per_rank {
@@ -1127,14 +1142,8 @@ pub unsafe extern "C" fn apd_receiver_submit_load(
     call("apd_receiver_submit_load", || {
         let r = handles::receiver(receiver.id)?;
         // SAFETY: forwarded to the caller's contract.
-        let (id, keys, slots) = unsafe {
-            (
-                arg_str("req_id", req_id)?,
-                arg_strs("keys", keys, num_keys)?,
-                arg_slice("slot_mapping", slot_mapping, num_slots)?,
-            )
-        };
-        req_id_arg("req_id", id)?;
+        let (id, keys, slots) =
+            unsafe { request_args(req_id, (keys, num_keys), (slot_mapping, num_slots)) }?;
         let cache = handles::cache(cache.id)?;
         r.queue.submit(
             LoadRequest {
