@@ -238,6 +238,59 @@ typedef struct {
 } ApdKvCache;
 
 /*
+ How one plane of each layer of an engine's KV cache lays out its
+ elements (for `apd_kv_cache_wrap_strided`, which takes one per plane of
+ a layer: K's then V's, or the MLA latent's): element (block b, token t
+ of the block, head h, element e) of the plane lives at `base +
+ b * block_stride + t * token_stride + h * head_stride + e *
+ elem_stride`. Strides are in bytes; `es` below is the element size.
+
+ - vLLM-Ascend's per-layer K and V `[num_blocks, block_size, heads, head]`
+   (and each half of a stacked `[2, num_blocks, block_size, heads, head]`):
+   `block_stride = block_size * heads * head * es`, `token_stride =
+   heads * head * es`, `head_stride = head * es`, `elem_stride = es`
+   (or 0), the same for K and V;
+ - MLA: `num_heads = 1`, `head_size` = the latent size;
+ - vLLM's CPU backend (ISAs vec and vec16), one `[num_blocks, heads,
+   block_size, 2 * head]` tensor per layer holding, per (block, head), a
+   cell of K's `block_size * head` elements stored transposed (element e
+   of token t at `e * block_size + t`), then V's token-major (at
+   `t * head + e`): both `block_stride = heads * 2 * block_size * head *
+   es`, `head_stride = 2 * block_size * head * es`; K `token_stride =
+   es`, `elem_stride = block_size * es`; V `token_stride = head * es`,
+   `elem_stride = es`. K's base is the tensor's, V's `block_size * head *
+   es` later (host caches only: every element of K is its own copy).
+ */
+typedef struct {
+  /*
+   KV heads per token of a plane (1 for MLA).
+   */
+  uint64_t num_heads;
+  /*
+   Elements per head (the MLA latent size); `num_heads * head_size`
+   must equal `ApdKvCacheDesc.hidden`.
+   */
+  uint64_t head_size;
+  /*
+   Bytes from one block to the next.
+   */
+  uint64_t block_stride;
+  /*
+   Bytes from one token of a block to the next.
+   */
+  uint64_t token_stride;
+  /*
+   Bytes from one head of a token to the next.
+   */
+  uint64_t head_stride;
+  /*
+   Bytes from one element of a head to the next; 0 means the element
+   size (a head's elements contiguous).
+   */
+  uint64_t elem_stride;
+} ApdKvStrides;
+
+/*
  A prefill worker's sender and its save queue.
  */
 typedef struct {
@@ -393,6 +446,40 @@ int32_t apd_config_free(ApdConfig config);
  until `apd_kv_cache_free`; `out` points to writable memory.
  */
 int32_t apd_kv_cache_wrap(const ApdKvCacheDesc *desc, ApdKvCache *out_cache);
+
+/*
+ Wraps an engine's KV cache whose planes are laid out by strides (see
+ `ApdKvStrides`: vLLM's CPU backend with K and V in one tensor per
+ layer, per-layer or stacked K and V, MLA) into `*out_cache`.
+ `strides` holds `num_strides` entries, one per plane of a layer
+ (K's then V's; MLA: the latent's), applied to every layer; for K and V
+ one entry means both planes share it. `desc.tensors` holds exactly one
+ entry per layer and plane, in the order layer0.K, layer0.V, layer1.K,
+ ... (MLA: one latent per layer): that plane's base address and the
+ bytes available from it (to the end of its tensor). `desc.hidden` must
+ equal `num_heads * head_size`.
+
+ Checked before anything moves: no zero dimension, strides multiples of
+ the element size, no two elements of a plane sharing a byte, every
+ element of every slot inside its plane's bytes, and no byte reachable
+ from two planes (planes that share a tensor must keep to disjoint parts
+ of a cell their common strides repeat, as vLLM's CPU layout does). On
+ an NPU each token's elements must be contiguous in every plane
+ (`elem_stride = element size`, `head_stride = head_size * element
+ size`); other layouts are supported in host memory. Failures are
+ `APD_ERR_INVALID_ARGUMENT` (an unreadable argument) or
+ `APD_ERR_KV_CACHE` (a layout the library refuses), with the message in
+ `apd_last_error`.
+
+ # Safety
+ `desc` points to a valid description and `strides` to `num_strides`
+ entries; the planes stay allocated until `apd_kv_cache_free`; `out`
+ points to writable memory.
+ */
+int32_t apd_kv_cache_wrap_strided(const ApdKvCacheDesc *desc,
+                                  const ApdKvStrides *strides,
+                                  uint64_t num_strides,
+                                  ApdKvCache *out_cache);
 
 /*
  Frees a KV cache handle (never the engine's memory). A save or load

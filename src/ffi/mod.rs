@@ -22,7 +22,7 @@ mod log_bridge;
 
 use crate::backend::{lock, BackendError, SenderTimeouts, TransferSpec};
 use crate::config::{PdConfig, PortList, Role};
-use crate::kv::{KvCache, KvCacheSpec, KvTensor};
+use crate::kv::{KvCache, KvCacheSpec, KvStrides, KvTensor};
 use crate::layout::{Dtype, MemFormat};
 use crate::memory::DualStats;
 use crate::requests::{
@@ -185,6 +185,47 @@ pub struct ApdKvCacheDesc {
     /// queued on it, ordered with the engine's kernels. NULL: the cache
     /// uses a stream of its own.
     pub stream: *mut c_void,
+}
+
+/// How one plane of each layer of an engine's KV cache lays out its
+/// elements (for `apd_kv_cache_wrap_strided`, which takes one per plane of
+/// a layer: K's then V's, or the MLA latent's): element (block b, token t
+/// of the block, head h, element e) of the plane lives at `base +
+/// b * block_stride + t * token_stride + h * head_stride + e *
+/// elem_stride`. Strides are in bytes; `es` below is the element size.
+///
+/// - vLLM-Ascend's per-layer K and V `[num_blocks, block_size, heads, head]`
+///   (and each half of a stacked `[2, num_blocks, block_size, heads, head]`):
+///   `block_stride = block_size * heads * head * es`, `token_stride =
+///   heads * head * es`, `head_stride = head * es`, `elem_stride = es`
+///   (or 0), the same for K and V;
+/// - MLA: `num_heads = 1`, `head_size` = the latent size;
+/// - vLLM's CPU backend (ISAs vec and vec16), one `[num_blocks, heads,
+///   block_size, 2 * head]` tensor per layer holding, per (block, head), a
+///   cell of K's `block_size * head` elements stored transposed (element e
+///   of token t at `e * block_size + t`), then V's token-major (at
+///   `t * head + e`): both `block_stride = heads * 2 * block_size * head *
+///   es`, `head_stride = 2 * block_size * head * es`; K `token_stride =
+///   es`, `elem_stride = block_size * es`; V `token_stride = head * es`,
+///   `elem_stride = es`. K's base is the tensor's, V's `block_size * head *
+///   es` later (host caches only: every element of K is its own copy).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdKvStrides {
+    /// KV heads per token of a plane (1 for MLA).
+    pub num_heads: u64,
+    /// Elements per head (the MLA latent size); `num_heads * head_size`
+    /// must equal `ApdKvCacheDesc.hidden`.
+    pub head_size: u64,
+    /// Bytes from one block to the next.
+    pub block_stride: u64,
+    /// Bytes from one token of a block to the next.
+    pub token_stride: u64,
+    /// Bytes from one head of a token to the next.
+    pub head_stride: u64,
+    /// Bytes from one element of a head to the next; 0 means the element
+    /// size (a head's elements contiguous).
+    pub elem_stride: u64,
 }
 
 /// Where a request's KV goes: the decode worker's side-channel ports.
@@ -641,6 +682,180 @@ fn dim(name: &str, v: u64) -> Result<usize, Failure> {
     }
 }
 
+/// The geometry of `desc`, checked.
+fn desc_spec(d: &ApdKvCacheDesc) -> Result<KvCacheSpec, Failure> {
+    let fmt = match MemFormat::from_code(d.fmt as i64) {
+        Some(f) => f,
+        None => {
+            return Err(Failure::arg(
+                "desc.fmt",
+                format!("is {}, not APD_FMT_KV_2LTD (1) or APD_FMT_MLA (6)", d.fmt),
+            ))
+        }
+    };
+    Ok(KvCacheSpec {
+        fmt,
+        layers: dim("desc.layers", d.layers)?,
+        num_blocks: dim("desc.num_blocks", d.num_blocks)?,
+        block_size: dim("desc.block_size", d.block_size)?,
+        hidden: dim("desc.hidden", d.hidden)?,
+        dtype: dtype_of(d.dtype)?,
+    })
+}
+
+/// `strides[i]` read and checked against the geometry's `hidden` (the
+/// rest is [`KvStrides::check`]'s, at wrap); `elem_stride` 0 is the
+/// element size.
+fn strides_of(st: &ApdKvStrides, i: usize, spec: &KvCacheSpec) -> Result<KvStrides, Failure> {
+    let name = |field: &str| format!("strides[{i}].{field}");
+    let bytes = |field: &str, v: u64| {
+        usize::try_from(v).map_err(|_| {
+            Failure::arg(
+                &name(field),
+                format!("is {v}, beyond this platform's addresses"),
+            )
+        })
+    };
+    let strides = KvStrides {
+        num_heads: dim(&name("num_heads"), st.num_heads)?,
+        head_size: dim(&name("head_size"), st.head_size)?,
+        block_stride: bytes("block_stride", st.block_stride)?,
+        token_stride: bytes("token_stride", st.token_stride)?,
+        head_stride: bytes("head_stride", st.head_stride)?,
+        elem_stride: match st.elem_stride {
+            0 => spec.dtype.size(),
+            v => bytes("elem_stride", v)?,
+        },
+    };
+    if strides.num_heads.checked_mul(strides.head_size) != Some(spec.hidden) {
+        return Err(Failure::arg(
+            "desc.hidden",
+            format!(
+                "is {} but strides[{i}].num_heads × strides[{i}].head_size is {} × {}: hidden \
+                 is the elements of one token of a plane, num_heads × head_size",
+                spec.hidden, strides.num_heads, strides.head_size
+            ),
+        ));
+    }
+    Ok(strides)
+}
+
+/// `strides` (one per plane of a layer, or one shared), read and checked
+/// against `spec`.
+fn plane_strides_of(
+    strides: &[ApdKvStrides],
+    spec: &KvCacheSpec,
+) -> Result<Vec<KvStrides>, Failure> {
+    let planes = spec.planes();
+    if strides.len() != 1 && strides.len() != planes {
+        return Err(Failure::arg(
+            "num_strides",
+            format!(
+                "is {}: pass {}",
+                strides.len(),
+                if planes == 2 {
+                    "2 (K's strides, then V's) or 1 (shared by K and V)"
+                } else {
+                    "1 (the MLA latent's strides)"
+                }
+            ),
+        ));
+    }
+    strides
+        .iter()
+        .enumerate()
+        .map(|(i, st)| strides_of(st, i, spec))
+        .collect()
+}
+
+/// Wraps `desc`'s memory (laid out by `strides`, or as `apd_kv_cache_wrap`
+/// describes without them) into a cache handle in `o`.
+///
+/// # Safety
+/// `d.tensors` is null or points to `d.num_tensors` readable entries, each
+/// naming memory that stays allocated until the cache is freed.
+unsafe fn wrap_desc(
+    d: &ApdKvCacheDesc,
+    strides: Option<&[ApdKvStrides]>,
+    o: &mut ApdKvCache,
+) -> Result<(), Failure> {
+    let spec = desc_spec(d)?;
+    let strides = strides.map(|st| plane_strides_of(st, &spec)).transpose()?;
+    // SAFETY: forwarded.
+    let tensors = unsafe { arg_slice("desc.tensors", d.tensors, d.num_tensors) }?;
+    if tensors.is_empty() {
+        return Err(Failure::arg(
+            "desc.tensors",
+            "is empty: pass the cache's tensors",
+        ));
+    }
+    let tensors: Vec<KvTensor> = tensors
+        .iter()
+        .map(|t| KvTensor {
+            addr: t.addr,
+            bytes: usize::try_from(t.bytes).unwrap_or(usize::MAX),
+        })
+        .collect();
+    let kv = |e: crate::KvError| {
+        let arg = match e {
+            crate::KvError::InvalidStrides(_) => "strides",
+            _ => "desc",
+        };
+        Failure::new(APD_ERR_KV_CACHE, format!("{arg}: {e}"))
+    };
+    let cache = match d.device {
+        APD_DEVICE_CPU => {
+            if !d.stream.is_null() {
+                return Err(Failure::arg(
+                    "desc.stream",
+                    "is set for a host cache: streams belong to NPU caches; pass NULL",
+                ));
+            }
+            match strides {
+                // SAFETY: the tensors are the engine's host memory, alive
+                // until the cache is freed (the caller's contract).
+                None => unsafe { KvCache::wrap_host(spec, &tensors) },
+                // SAFETY: as above, one plane each.
+                Some(st) => unsafe { KvCache::wrap_host_strided(spec, &st, &tensors) },
+            }
+            .map_err(kv)?
+        }
+        id if id >= 0 => {
+            let device = crate::memory::npu::AclRuntime::load()
+                .and_then(|rt| rt.device(id as u32))
+                .map_err(|e| Failure::new(APD_ERR_KV_CACHE, e.to_string()))?;
+            let stream = if d.stream.is_null() {
+                None
+            } else {
+                // SAFETY: the engine's live stream on this device, per
+                // the caller's contract; we never destroy it.
+                Some(
+                    unsafe { device.borrow_stream(d.stream.cast()) }
+                        .map_err(|e| Failure::arg("desc.stream", e))?,
+                )
+            };
+            match strides {
+                // SAFETY: device memory of `device`, alive until the cache
+                // is freed (the caller's contract).
+                None => unsafe { KvCache::wrap_npu(&device, spec, &tensors, stream) },
+                // SAFETY: as above, one plane each.
+                Some(st) => unsafe {
+                    KvCache::wrap_npu_strided(&device, spec, &st, &tensors, stream)
+                },
+            }
+            .map_err(kv)?
+        }
+        other => {
+            return Err(Failure::arg(
+                "desc.device",
+                format!("is {other}: pass APD_DEVICE_CPU (-1) or an NPU id (0 or more)"),
+            ))
+        }
+    };
+    o.id = handles::insert(Object::Cache(SharedKvCache::new(cache)));
+    Ok(())
+}
+
 /// Wraps the engine's KV cache described by `desc` (see
 /// `ApdKvCacheDesc`) into `*out`. Every tensor is checked against the
 /// geometry first (non-null, aligned, large enough, no overlap); every
@@ -660,78 +875,54 @@ pub unsafe extern "C" fn apd_kv_cache_wrap(
         let d = unsafe { arg_ref("desc", desc) }?;
         // SAFETY: forwarded.
         let o = unsafe { out("out_cache", out_cache) }?;
-        let fmt = match MemFormat::from_code(d.fmt as i64) {
-            Some(f) => f,
-            None => {
-                return Err(Failure::arg(
-                    "desc.fmt",
-                    format!("is {}, not APD_FMT_KV_2LTD (1) or APD_FMT_MLA (6)", d.fmt),
-                ))
-            }
-        };
-        let spec = KvCacheSpec {
-            fmt,
-            layers: dim("desc.layers", d.layers)?,
-            num_blocks: dim("desc.num_blocks", d.num_blocks)?,
-            block_size: dim("desc.block_size", d.block_size)?,
-            hidden: dim("desc.hidden", d.hidden)?,
-            dtype: dtype_of(d.dtype)?,
-        };
         // SAFETY: forwarded.
-        let tensors = unsafe { arg_slice("desc.tensors", d.tensors, d.num_tensors) }?;
-        if tensors.is_empty() {
-            return Err(Failure::arg(
-                "desc.tensors",
-                "is empty: pass the cache's tensors",
-            ));
-        }
-        let tensors: Vec<KvTensor> = tensors
-            .iter()
-            .map(|t| KvTensor {
-                addr: t.addr,
-                bytes: usize::try_from(t.bytes).unwrap_or(usize::MAX),
-            })
-            .collect();
-        let kv = |e: crate::KvError| Failure::new(APD_ERR_KV_CACHE, format!("desc: {e}"));
-        let cache = match d.device {
-            APD_DEVICE_CPU => {
-                if !d.stream.is_null() {
-                    return Err(Failure::arg(
-                        "desc.stream",
-                        "is set for a host cache: streams belong to NPU caches; pass NULL",
-                    ));
-                }
-                // SAFETY: the tensors are the engine's host memory, alive
-                // until the cache is freed (the caller's contract).
-                unsafe { KvCache::wrap_host(spec, &tensors) }.map_err(kv)?
-            }
-            id if id >= 0 => {
-                let device = crate::memory::npu::AclRuntime::load()
-                    .and_then(|rt| rt.device(id as u32))
-                    .map_err(|e| Failure::new(APD_ERR_KV_CACHE, e.to_string()))?;
-                let stream = if d.stream.is_null() {
-                    None
-                } else {
-                    // SAFETY: the engine's live stream on this device, per
-                    // the caller's contract; we never destroy it.
-                    Some(
-                        unsafe { device.borrow_stream(d.stream.cast()) }
-                            .map_err(|e| Failure::arg("desc.stream", e))?,
-                    )
-                };
-                // SAFETY: device memory of `device`, alive until the cache
-                // is freed (the caller's contract).
-                unsafe { KvCache::wrap_npu(&device, spec, &tensors, stream) }.map_err(kv)?
-            }
-            other => {
-                return Err(Failure::arg(
-                    "desc.device",
-                    format!("is {other}: pass APD_DEVICE_CPU (-1) or an NPU id (0 or more)"),
-                ))
-            }
-        };
-        o.id = handles::insert(Object::Cache(SharedKvCache::new(cache)));
-        Ok(())
+        unsafe { wrap_desc(d, None, o) }
+    })
+}
+
+/// Wraps an engine's KV cache whose planes are laid out by strides (see
+/// `ApdKvStrides`: vLLM's CPU backend with K and V in one tensor per
+/// layer, per-layer or stacked K and V, MLA) into `*out_cache`.
+/// `strides` holds `num_strides` entries, one per plane of a layer
+/// (K's then V's; MLA: the latent's), applied to every layer; for K and V
+/// one entry means both planes share it. `desc.tensors` holds exactly one
+/// entry per layer and plane, in the order layer0.K, layer0.V, layer1.K,
+/// ... (MLA: one latent per layer): that plane's base address and the
+/// bytes available from it (to the end of its tensor). `desc.hidden` must
+/// equal `num_heads * head_size`.
+///
+/// Checked before anything moves: no zero dimension, strides multiples of
+/// the element size, no two elements of a plane sharing a byte, every
+/// element of every slot inside its plane's bytes, and no byte reachable
+/// from two planes (planes that share a tensor must keep to disjoint parts
+/// of a cell their common strides repeat, as vLLM's CPU layout does). On
+/// an NPU each token's elements must be contiguous in every plane
+/// (`elem_stride = element size`, `head_stride = head_size * element
+/// size`); other layouts are supported in host memory. Failures are
+/// `APD_ERR_INVALID_ARGUMENT` (an unreadable argument) or
+/// `APD_ERR_KV_CACHE` (a layout the library refuses), with the message in
+/// `apd_last_error`.
+///
+/// # Safety
+/// `desc` points to a valid description and `strides` to `num_strides`
+/// entries; the planes stay allocated until `apd_kv_cache_free`; `out`
+/// points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_kv_cache_wrap_strided(
+    desc: *const ApdKvCacheDesc,
+    strides: *const ApdKvStrides,
+    num_strides: u64,
+    out_cache: *mut ApdKvCache,
+) -> i32 {
+    call("apd_kv_cache_wrap_strided", || {
+        // SAFETY: forwarded to the caller's contract.
+        let d = unsafe { arg_ref("desc", desc) }?;
+        // SAFETY: forwarded.
+        let st = unsafe { arg_slice("strides", strides, num_strides) }?;
+        // SAFETY: forwarded.
+        let o = unsafe { out("out_cache", out_cache) }?;
+        // SAFETY: forwarded.
+        unsafe { wrap_desc(d, Some(st), o) }
     })
 }
 

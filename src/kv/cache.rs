@@ -1,7 +1,8 @@
 //! The KV cache's memory and the copies in and out of it.
 
-use super::plan::{piece_copies, CopyRun};
-use super::{KvCacheSpec, KvError};
+use super::plan::{strided_copies, PlaneCopy};
+use super::strides::{check_planes, CheckedPlanes};
+use super::{KvCacheSpec, KvError, KvStrides};
 use crate::memory::npu::{read_page, write_page};
 use crate::memory::{ChunkMeta, DeviceKind, DirectRegistration, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
@@ -34,6 +35,8 @@ enum Memory {
 
 /// One engine-owned tensor a [`KvCache`] wraps: its base address (a host
 /// pointer, or a device address for an NPU cache) and its size in bytes.
+/// For [`KvCache::wrap_host_strided`]: one plane's base and the bytes
+/// available from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvTensor {
     /// Base address (`tensor.data_ptr()`).
@@ -53,12 +56,15 @@ pub struct KvCache {
     direct: Vec<DirectRegistration>,
     spec: KvCacheSpec,
     mem: Memory,
-    /// Address of each `(layer, plane)` region, index `layer * planes +
-    /// plane`; each region is `spec.plane_bytes()` long.
+    /// How each plane of a layer lays out its elements (index `plane`).
+    strides: Vec<KvStrides>,
+    /// Base address of each `(layer, plane)`, index `layer * planes +
+    /// plane`; every element its strides reach was checked to be the
+    /// cache's (its own memory, or the engine's tensors).
     planes: Vec<usize>,
-    /// Whether each plane is its own allocation (an engine's per-layer
-    /// tensors), rather than all of them one.
-    separate: bool,
+    /// The memory the planes touch, one region per allocation (or per
+    /// group of planes sharing one): what direct reads register.
+    regions: Vec<(usize, usize)>,
     /// Source pages of copies queued since the last fence.
     pending: Vec<SealedMemObj>,
 }
@@ -82,7 +88,7 @@ pub struct ScatterStats {
 }
 
 impl ScatterStats {
-    fn of(copies: &[CopyRun]) -> ScatterStats {
+    fn of(copies: &[PlaneCopy]) -> ScatterStats {
         ScatterStats {
             copies: copies.len(),
             bytes: copies.iter().map(|c| c.len).sum(),
@@ -164,7 +170,7 @@ fn contiguous_planes(spec: &KvCacheSpec, base: usize) -> Vec<usize> {
 /// each `[num_blocks, block_size, hidden]`. Every tensor must be non-null,
 /// aligned to the element size, at least as large as its geometry needs,
 /// and no two may overlap.
-fn check_tensors(spec: &KvCacheSpec, tensors: &[KvTensor]) -> Result<Vec<usize>, KvError> {
+fn check_tensors(spec: &KvCacheSpec, tensors: &[KvTensor]) -> Result<CheckedPlanes, KvError> {
     spec.validate()?;
     let per_plane = spec.layers * spec.planes();
     let need = if tensors.len() == 1 {
@@ -237,11 +243,103 @@ fn check_tensors(spec: &KvCacheSpec, tensors: &[KvTensor]) -> Result<Vec<usize>,
             )));
         }
     }
+    let strides = vec![KvStrides::contiguous(spec); spec.planes()];
     Ok(if tensors.len() == 1 {
-        contiguous_planes(spec, tensors[0].addr as usize)
+        let base = tensors[0].addr as usize;
+        CheckedPlanes {
+            bases: contiguous_planes(spec, base),
+            strides,
+            regions: vec![(base, spec.bytes())],
+        }
     } else {
-        tensors.iter().map(|t| t.addr as usize).collect()
+        CheckedPlanes {
+            bases: tensors.iter().map(|t| t.addr as usize).collect(),
+            strides,
+            // Each its own allocation: a registration must not span two
+            // even where they happen to be adjacent.
+            regions: tensors
+                .iter()
+                .map(|t| (t.addr as usize, spec.plane_bytes()))
+                .collect(),
+        }
     })
+}
+
+/// Refuses strides on an NPU where copies would be one per head or per
+/// element: every copy is a runtime call there.
+fn check_npu_strides(
+    device: &Device,
+    spec: &KvCacheSpec,
+    strides: &[KvStrides],
+) -> Result<(), KvError> {
+    let es = spec.dtype.size();
+    for (p, st) in strides.iter().enumerate() {
+        if st.token_contiguous(spec) {
+            continue;
+        }
+        let kind = match (spec.planes(), p) {
+            (1, _) => "latent",
+            (_, 0) => "K",
+            _ => "V",
+        };
+        let (what, gap, want) = if st.head_size > 1 && st.elem_stride != es {
+            ("elements", st.elem_stride, format!("elem_stride = {es}"))
+        } else {
+            (
+                "heads",
+                st.head_stride,
+                format!("head_stride = head_size × {es} = {}", st.head_size * es),
+            )
+        };
+        return Err(KvError::DeviceLayout {
+            device: DeviceKind::Npu(device.id()),
+            reason: format!(
+                "its {kind} plane's {what} are {gap} bytes apart, not side by side: every \
+                 {} of every token would be its own device copy. Keep each token's elements \
+                 contiguous on an NPU ({want}); layouts such as vLLM's CPU backend are \
+                 supported in host memory",
+                &what[..what.len() - 1]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Copies `len` bytes from `src` to `dst`. Per-element plans (vLLM's CPU
+/// K) are hundreds of thousands of copies of an element each: those sizes
+/// are single moves here, not calls into `memcpy`.
+///
+/// # Safety
+/// As [`std::ptr::copy_nonoverlapping`]: `src` readable and `dst` writable
+/// for `len` bytes, the ranges disjoint.
+#[inline]
+unsafe fn copy_run(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: each arm reads `src` and writes `dst` for exactly `len`
+    // bytes, which the caller's contract allows; the unaligned reads and
+    // writes need no alignment.
+    unsafe {
+        match len {
+            1 => *dst = *src,
+            2 => dst
+                .cast::<[u8; 2]>()
+                .write_unaligned(src.cast::<[u8; 2]>().read_unaligned()),
+            4 => dst
+                .cast::<[u8; 4]>()
+                .write_unaligned(src.cast::<[u8; 4]>().read_unaligned()),
+            8 => dst
+                .cast::<[u8; 8]>()
+                .write_unaligned(src.cast::<[u8; 8]>().read_unaligned()),
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+        }
+    }
+}
+
+/// Whether a plan is better moved between an NPU page and a host cache
+/// through one host copy of the chunk than copy by copy (each a runtime
+/// call): when its copies are small on average.
+fn stage_through_host(copies: &[PlaneCopy]) -> bool {
+    let bytes: usize = copies.iter().map(|c| c.len).sum();
+    copies.len() > 1 && bytes / copies.len() < 4096
 }
 
 impl KvCache {
@@ -253,11 +351,13 @@ impl KvCache {
         let region = crate::memory::HostRegion::anonymous(bytes)
             .map_err(|source| crate::memory::MemoryError::HostAlloc { bytes, source })?;
         region.prefault();
+        let base = region.as_ptr() as usize;
         Ok(KvCache {
             direct: Vec::new(),
             spec,
-            planes: contiguous_planes(&spec, region.as_ptr() as usize),
-            separate: false,
+            strides: vec![KvStrides::contiguous(&spec); spec.planes()],
+            planes: contiguous_planes(&spec, base),
+            regions: vec![(base, bytes)],
             mem: Memory::Host(Some(region)),
             pending: Vec::new(),
         })
@@ -275,11 +375,13 @@ impl KvCache {
         let stream = device
             .create_stream()
             .map_err(device_err("creating the load stream"))?;
+        let base = buf.addr() as usize;
         Ok(KvCache {
             direct: Vec::new(),
             spec,
-            planes: contiguous_planes(&spec, buf.addr() as usize),
-            separate: false,
+            strides: vec![KvStrides::contiguous(&spec); spec.planes()],
+            planes: contiguous_planes(&spec, base),
+            regions: vec![(base, bytes)],
             mem: Memory::Npu {
                 buf: Some(buf),
                 stream,
@@ -301,15 +403,47 @@ impl KvCache {
     /// reads or read the slots it writes (the engine's usual rule for
     /// blocks of a request in flight).
     pub unsafe fn wrap_host(spec: KvCacheSpec, tensors: &[KvTensor]) -> Result<KvCache, KvError> {
-        let planes = check_tensors(&spec, tensors)?;
-        Ok(KvCache {
+        let checked = check_tensors(&spec, tensors)?;
+        Ok(KvCache::host_planes(spec, checked))
+    }
+
+    /// Wraps a KV cache the engine allocated in host memory, laid out by
+    /// `strides` (see [`KvStrides`]): one per plane of a layer (K's then
+    /// V's; MLA: the latent's), or one shared by all, applied to every
+    /// layer. `planes` holds one entry per `(layer, plane)` in the order
+    /// layer0.K, layer0.V, layer1.K, … (MLA: one latent per layer), each
+    /// that plane's base address and the bytes available from it. Planes
+    /// may share a tensor (vLLM's CPU backend keeps a layer's K and V in
+    /// one: [`KvStrides::vllm_cpu`], [`KvStrides::vllm_cpu_planes`]).
+    /// Checked before the cache is returned: the strides
+    /// ([`KvStrides::check`]); each plane non-null, aligned, with room for
+    /// every element its strides reach; and no byte reachable from two
+    /// planes (planes whose spans overlap must keep to disjoint parts of a
+    /// cell their common strides repeat, or they are refused, naming both).
+    ///
+    /// # Safety
+    /// Each plane must be host memory readable and writable for the bytes
+    /// its strides reach, and stay allocated until the cache is dropped;
+    /// the rule on slots in flight of [`KvCache::wrap_host`] applies.
+    pub unsafe fn wrap_host_strided(
+        spec: KvCacheSpec,
+        strides: &[KvStrides],
+        planes: &[KvTensor],
+    ) -> Result<KvCache, KvError> {
+        let checked = check_planes(&spec, strides, planes)?;
+        Ok(KvCache::host_planes(spec, checked))
+    }
+
+    fn host_planes(spec: KvCacheSpec, checked: CheckedPlanes) -> KvCache {
+        KvCache {
             direct: Vec::new(),
             spec,
-            separate: tensors.len() > 1,
-            planes,
+            strides: checked.strides,
+            planes: checked.bases,
+            regions: checked.regions,
             mem: Memory::Host(None),
             pending: Vec::new(),
-        })
+        }
     }
 
     /// Wraps a KV cache the engine allocated on NPU `device` (see
@@ -327,7 +461,44 @@ impl KvCache {
         tensors: &[KvTensor],
         stream: Option<Stream>,
     ) -> Result<KvCache, KvError> {
-        let planes = check_tensors(&spec, tensors)?;
+        let checked = check_tensors(&spec, tensors)?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { KvCache::npu_planes(device, spec, checked, stream) }
+    }
+
+    /// [`KvCache::wrap_host_strided`] on NPU `device`, with the engine's
+    /// `stream` as in [`KvCache::wrap_npu`]. Each token's elements must be
+    /// contiguous in every plane (`elem_stride` the element size and
+    /// `head_stride = head_size × element size`, or one head): copies on an
+    /// NPU are runtime calls, and other layouts (vLLM's CPU backend) would
+    /// make one per head or element of every token, so they are refused
+    /// here ([`KvError::DeviceLayout`]); they work in host memory.
+    ///
+    /// # Safety
+    /// Each plane must be device memory of `device` for the bytes its
+    /// strides reach, and stay allocated until the cache is dropped; the
+    /// rule on slots in flight of [`KvCache::wrap_host`] applies.
+    pub unsafe fn wrap_npu_strided(
+        device: &Device,
+        spec: KvCacheSpec,
+        strides: &[KvStrides],
+        planes: &[KvTensor],
+        stream: Option<Stream>,
+    ) -> Result<KvCache, KvError> {
+        let checked = check_planes(&spec, strides, planes)?;
+        check_npu_strides(device, &spec, &checked.strides)?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe { KvCache::npu_planes(device, spec, checked, stream) }
+    }
+
+    /// # Safety
+    /// `checked` names device memory of `device` that outlives the cache.
+    unsafe fn npu_planes(
+        device: &Device,
+        spec: KvCacheSpec,
+        checked: CheckedPlanes,
+        stream: Option<Stream>,
+    ) -> Result<KvCache, KvError> {
         let stream = match stream {
             Some(s) if s.device().id() != device.id() => {
                 return Err(KvError::InvalidSpec(format!(
@@ -345,8 +516,9 @@ impl KvCache {
         Ok(KvCache {
             direct: Vec::new(),
             spec,
-            separate: tensors.len() > 1,
-            planes,
+            strides: checked.strides,
+            planes: checked.bases,
+            regions: checked.regions,
             mem: Memory::Npu {
                 buf: None,
                 stream,
@@ -359,6 +531,28 @@ impl KvCache {
     /// The shape.
     pub fn spec(&self) -> &KvCacheSpec {
         &self.spec
+    }
+
+    /// How each plane of a layer lays out its elements, one per plane (K,
+    /// V; MLA: the latent): [`KvStrides::contiguous`] unless wrapped with
+    /// other strides.
+    pub fn strides(&self) -> &[KvStrides] {
+        &self.strides
+    }
+
+    /// The fewest bytes a copy of a whole chunk into or out of this cache
+    /// can move, the contiguous unit of its most scattered plane: the
+    /// element size where a plane's elements are apart (vLLM's CPU K), a
+    /// head or a token where heads or tokens are, at least a block for the
+    /// contiguous layouts. (A chunk's head piece can make copies smaller
+    /// still.) Loads read directly into the cache only when this is large
+    /// enough to be worth a transfer operation per copy.
+    pub fn min_run_bytes(&self) -> usize {
+        self.strides
+            .iter()
+            .map(|st| st.dense_unit(&self.spec))
+            .min()
+            .unwrap_or(0)
     }
 
     /// Where the cache lives.
@@ -379,26 +573,35 @@ impl KvCache {
         matches!(self.mem, Memory::Npu { .. })
     }
 
-    /// The address of `len` bytes at `offset` of the logical
-    /// `[layers][planes][slots][hidden]` cache; the range must lie inside
-    /// one `(layer, plane)` region (every planned copy does).
-    fn addr_of(&self, offset: usize, len: usize) -> usize {
-        let pb = self.spec.plane_bytes();
-        let (plane, within) = (offset / pb, offset % pb);
-        debug_assert!(within + len <= pb, "a copy crosses a plane");
-        self.planes[plane] + within
+    /// The address of a planned copy's bytes in the cache.
+    fn addr_of(&self, c: &PlaneCopy) -> usize {
+        self.planes[c.plane] + c.offset
     }
 
-    /// Splits `[offset, offset + len)` of the logical cache at plane
-    /// boundaries: `(address, position in the range, length)`.
+    /// Maps `[offset, offset + len)` of the logical
+    /// `[layers][planes][slots][hidden]` cache to memory: `(address,
+    /// position in the range, length)` of each contiguous piece (one per
+    /// plane for the contiguous layout; per head or token otherwise).
     fn spans(&self, offset: usize, len: usize) -> Vec<(usize, usize, usize)> {
         let pb = self.spec.plane_bytes();
-        let mut out = Vec::new();
+        let mut out: Vec<(usize, usize, usize)> = Vec::new();
         let mut done = 0;
         while done < len {
             let at = offset + done;
-            let n = (pb - at % pb).min(len - done);
-            out.push((self.addr_of(at, n), done, n));
+            let (plane, within) = (at / pb, at % pb);
+            let n = (pb - within).min(len - done);
+            let base = self.planes[plane];
+            // Merged within a plane only: planes may be separate
+            // allocations, however adjacent.
+            self.strides[plane % self.spec.planes()].for_each_span(
+                &self.spec,
+                within,
+                n,
+                |o, pos, m| match out.last_mut() {
+                    Some(l) if l.1 >= done && l.0 + l.2 == base + o => l.2 += m,
+                    _ => out.push((base + o, done + pos, m)),
+                },
+            );
             done += n;
         }
         out
@@ -411,10 +614,11 @@ impl KvCache {
         page: &Page,
         meta: &ChunkMeta,
         slots: &[i64],
-    ) -> Result<Vec<CopyRun>, KvError> {
+    ) -> Result<Vec<PlaneCopy>, KvError> {
         self.check_page(page, meta)?;
-        piece_copies(
+        strided_copies(
             &self.spec,
+            &self.strides,
             meta.layout.hidden,
             meta.hidden_offset,
             meta.tokens,
@@ -475,23 +679,24 @@ impl KvCache {
         let copies = self.plan_page(page, &meta, slots)?;
         match &self.mem {
             Memory::Host(_) => match page.host_bytes() {
-                Some(src) => {
-                    for c in &copies {
-                        let dst = self.addr_of(c.cache_offset, c.len) as *mut u8;
-                        let src = &src[c.chunk_offset..c.chunk_offset + c.len];
-                        // SAFETY: the plan keeps the run inside one (layer,
-                        // plane) region of the cache, which is ours or the
-                        // engine's (checked at wrap; the engine keeps these
-                        // slots to us while the load runs); the page is
-                        // another allocation, so the ranges do not overlap.
-                        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, c.len) };
-                    }
+                Some(src) => self.scatter_host(&copies, src),
+                // An NPU page into a host cache with small copies: the
+                // chunk comes over in one device-to-host copy, then
+                // scatters on the host.
+                None if stage_through_host(&copies) => {
+                    let mut chunk = vec![0u8; meta.byte_len()];
+                    read_page(page, 0, &mut chunk)?;
+                    self.scatter_host(&copies, &chunk);
                 }
-                // An NPU page into a host cache: device-to-host copies.
+                // Otherwise one device-to-host copy per run.
                 None => {
                     for c in &copies {
-                        let dst = self.addr_of(c.cache_offset, c.len) as *mut u8;
-                        // SAFETY: as above; the slice lives only for the copy.
+                        let dst = self.addr_of(c) as *mut u8;
+                        // SAFETY: the plan keeps the run inside elements of
+                        // one (layer, plane), which are ours or the
+                        // engine's (checked at wrap; the engine keeps these
+                        // slots to us while the load runs); the slice lives
+                        // only for the copy.
                         let dst = unsafe { std::slice::from_raw_parts_mut(dst, c.len) };
                         read_page(page, c.chunk_offset, dst)?;
                     }
@@ -508,9 +713,9 @@ impl KvCache {
                 // fence after them completes.
                 self.pending.push(page.clone());
                 for c in &copies {
-                    let dst = self.addr_of(c.cache_offset, c.len);
-                    // SAFETY: the plan keeps the run inside one (layer,
-                    // plane) region of the cache and [chunk_offset, +len)
+                    let dst = self.addr_of(c);
+                    // SAFETY: the plan keeps the run inside elements of one
+                    // (layer, plane) of the cache and [chunk_offset, +len)
                     // inside the chunk's bytes, which fit the page
                     // (check_page); the page's pool stays alive in `pending`
                     // until a fence completes, and the cache's memory until
@@ -531,6 +736,22 @@ impl KvCache {
         Ok(ScatterStats::of(&copies))
     }
 
+    /// The host copies of a plan from `src`, a chunk's bytes (a host page,
+    /// or a host copy of an NPU page), into this host cache.
+    fn scatter_host(&self, copies: &[PlaneCopy], src: &[u8]) {
+        let planes = &self.planes[..];
+        for c in copies {
+            let src = &src[c.chunk_offset..c.chunk_offset + c.len];
+            let dst = (planes[c.plane] + c.offset) as *mut u8;
+            // SAFETY: the plan keeps the run inside elements of one
+            // (layer, plane), which are ours or the engine's (checked at
+            // wrap; the engine keeps these slots to us while the load
+            // runs); `src` is a page or a copy of one, another allocation,
+            // so the ranges do not overlap.
+            unsafe { copy_run(src.as_ptr(), dst, c.len) };
+        }
+    }
+
     /// Where the chunk `meta` describes lands in this cache at `slots`, as
     /// runs of the cache's memory, for a direct load (a channel reading the
     /// chunk's ranges straight into the cache). Checked like a scatter:
@@ -547,8 +768,9 @@ impl KvCache {
                 page_tokens: meta.layout.tokens,
             });
         }
-        let copies = piece_copies(
+        let copies = strided_copies(
             &self.spec,
+            &self.strides,
             meta.layout.hidden,
             meta.hidden_offset,
             meta.tokens,
@@ -558,7 +780,7 @@ impl KvCache {
             .iter()
             .map(|c| DirectRun {
                 chunk_offset: c.chunk_offset,
-                addr: self.addr_of(c.cache_offset, c.len),
+                addr: self.addr_of(c),
                 len: c.len,
             })
             .collect())
@@ -567,14 +789,12 @@ impl KvCache {
     /// The cache's memory as (address, bytes) regions, one per allocation
     /// (the whole cache, or each of an engine's per-layer tensors; a
     /// registration must not span two allocations even where they happen
-    /// to be adjacent): what a channel registers for direct reads.
+    /// to be adjacent): what a channel registers for direct reads. For a
+    /// strided cache, each plane's span from its base to past its last
+    /// element, planes that overlap (K and V interleaved in one tensor)
+    /// merged into their union; no two regions overlap.
     pub fn regions(&self) -> Vec<(usize, usize)> {
-        let bytes = self.spec.plane_bytes();
-        if self.separate {
-            self.planes.iter().map(|&p| (p, bytes)).collect()
-        } else {
-            vec![(self.planes[0], bytes * self.planes.len())]
-        }
+        self.regions.clone()
     }
 
     /// Whether the cache is registered with channel instance `channel`
@@ -627,18 +847,30 @@ impl KvCache {
     /// into a CPU page is a device-to-host copy (CPU offload). Blocks until
     /// the copies are done; `&mut` keeps the page ours meanwhile.
     pub fn gather(&mut self, slots: &[i64], page: &mut MemObj) -> Result<ScatterStats, KvError> {
-        let copies = self.plan_page(page, &page.meta(), slots)?;
+        let meta = page.meta();
+        let copies = self.plan_page(page, &meta, slots)?;
         match &self.mem {
-            Memory::Host(_) => {
-                for c in &copies {
-                    let src = self.addr_of(c.cache_offset, c.len) as *const u8;
-                    // SAFETY: the run lies inside one region of the cache
-                    // (plan + wrap checks); the engine does not write slots
-                    // being saved, and the slice lives only for the copy.
-                    let src = unsafe { std::slice::from_raw_parts(src, c.len) };
-                    write_page(&mut *page, c.chunk_offset, src)?;
+            Memory::Host(_) => match page.host_bytes_mut() {
+                Some(dst) => self.gather_host(&copies, dst),
+                // A host cache into an NPU page with small copies: gathered
+                // on the host, then one host-to-device copy.
+                None if stage_through_host(&copies) => {
+                    let mut chunk = vec![0u8; meta.byte_len()];
+                    self.gather_host(&copies, &mut chunk);
+                    write_page(&mut *page, 0, &chunk)?;
                 }
-            }
+                None => {
+                    for c in &copies {
+                        let src = self.addr_of(c) as *const u8;
+                        // SAFETY: the run lies inside elements of one plane
+                        // of the cache (plan + wrap checks); the engine does
+                        // not write slots being saved, and the slice lives
+                        // only for the copy.
+                        let src = unsafe { std::slice::from_raw_parts(src, c.len) };
+                        write_page(&mut *page, c.chunk_offset, src)?;
+                    }
+                }
+            },
             Memory::Npu { stream, .. } => {
                 let kind = match page.device() {
                     DeviceKind::Npu(_) => MemcpyKind::DeviceToDevice,
@@ -647,7 +879,7 @@ impl KvCache {
                 let dst = page.addr() as usize;
                 let page_size = page.pool().buffer().page_size();
                 for c in &copies {
-                    let src = self.addr_of(c.cache_offset, c.len);
+                    let src = self.addr_of(c);
                     // SAFETY: both ranges are in bounds (plan, wrap checks,
                     // check_page); `page` is borrowed until the stream is
                     // synchronised below, and the caller owns its bytes
@@ -675,6 +907,21 @@ impl KvCache {
         Ok(ScatterStats::of(&copies))
     }
 
+    /// The host copies of a plan from this host cache into `dst`, a
+    /// chunk's bytes (a host page, or a host buffer for an NPU page).
+    fn gather_host(&self, copies: &[PlaneCopy], dst: &mut [u8]) {
+        let planes = &self.planes[..];
+        for c in copies {
+            let dst = &mut dst[c.chunk_offset..c.chunk_offset + c.len];
+            let src = (planes[c.plane] + c.offset) as *const u8;
+            // SAFETY: the run lies inside elements of one plane of the
+            // cache (plan + wrap checks), which the engine does not write
+            // while they are saved; `dst` is a page we hold exclusively
+            // (or a buffer of ours), another allocation.
+            unsafe { copy_run(src, dst.as_mut_ptr(), c.len) };
+        }
+    }
+
     fn check_range(&self, offset: usize, len: usize) -> Result<(), KvError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.spec.bytes() => Ok(()),
@@ -694,7 +941,7 @@ impl KvCache {
         self.synchronize()?;
         for (addr, at, n) in self.spans(offset, dst.len()) {
             match &self.mem {
-                // SAFETY: the span lies inside one region of the cache.
+                // SAFETY: the span is elements of one plane of the cache.
                 Memory::Host(_) => unsafe {
                     std::ptr::copy_nonoverlapping(addr as *const u8, dst[at..].as_mut_ptr(), n)
                 },
@@ -729,7 +976,7 @@ impl KvCache {
         self.synchronize()?;
         for (addr, at, n) in self.spans(offset, src.len()) {
             match &self.mem {
-                // SAFETY: the span lies inside one region of the cache.
+                // SAFETY: the span is elements of one plane of the cache.
                 Memory::Host(_) => unsafe {
                     std::ptr::copy_nonoverlapping(src[at..].as_ptr(), addr as *mut u8, n)
                 },

@@ -19,13 +19,23 @@
 //!   stream, finished by a [`KvFence`]; on the host they are memcpys.
 //! - [`KvCache::gather`]: the reverse, for the sender side (an NPU cache
 //!   into a CPU page is the device-to-host copy of CPU offload).
+//!
+//! An engine's own cache may be laid out otherwise: [`KvStrides`] describe
+//! a plane layout by byte strides, one per plane of a layer (vLLM's CPU
+//! backend keeps K transposed and V token-major in one tensor per layer),
+//! and [`KvCache::wrap_host_strided`] wraps one plane base per
+//! `(layer, plane)`. The logical layout that [`KvCacheSpec::offset`],
+//! [`KvCache::read`] and [`KvCache::write`] speak stays
+//! `[layers][planes][slots][hidden]` whatever the memory's.
 
 mod cache;
 pub mod plan;
+mod strides;
 /// The heads each TP rank holds (see [`crate::layout::tp`]).
 pub use crate::layout::tp;
 
 pub use cache::{DirectRun, KvCache, KvFence, KvTensor, ScatterStats};
+pub use strides::KvStrides;
 
 use crate::memory::{ChunkLayout, DeviceKind, Dtype, MemFormat};
 
@@ -213,6 +223,28 @@ pub enum KvError {
     /// Copying a page through the memory layer failed.
     #[error("KV cache copy: {0}")]
     Memory(#[from] crate::memory::MemoryError),
+    /// The strides describe no valid plane layout.
+    #[error("invalid KV cache strides: {0}")]
+    InvalidStrides(String),
+    /// Two planes' memory overlaps and the strides do not keep their
+    /// elements apart.
+    #[error("KV cache planes {first} and {second} overlap: {detail}")]
+    PlanesOverlap {
+        /// The first plane (index, layer and kind).
+        first: String,
+        /// The second plane.
+        second: String,
+        /// Where, and what to do.
+        detail: String,
+    },
+    /// The layout is not supported on the cache's device.
+    #[error("a KV cache on {device} cannot use this layout: {reason}")]
+    DeviceLayout {
+        /// The cache's device.
+        device: DeviceKind,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// A byte range outside the cache was asked for.
     #[error("{len} bytes at offset {offset} exceed the {size}-byte KV cache")]
     OutOfBounds {

@@ -8,8 +8,15 @@
 //! slots are consecutive form one run, and a run is one copy per
 //! `(layer, plane)`, so a vLLM block table with whole blocks in order turns
 //! into a handful of large copies instead of one copy per token.
+//!
+//! A cache described by [`KvStrides`] ([`strided_copies`]) gets the same
+//! plan wherever its memory is contiguous, and otherwise one copy per
+//! contiguous piece: with vLLM's CPU layout, one per `(layer, token, head,
+//! element)` of K (stored transposed) and one per `(layer, token, head)` of
+//! V. Copies are merged only where both the chunk's and the cache's bytes
+//! continue.
 
-use super::{KvCacheSpec, KvError};
+use super::{KvCacheSpec, KvError, KvStrides};
 
 /// One contiguous copy between a chunk and the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,6 +25,20 @@ pub struct CopyRun {
     pub chunk_offset: usize,
     /// Byte offset in the cache.
     pub cache_offset: usize,
+    /// Bytes to copy.
+    pub len: usize,
+}
+
+/// One contiguous copy between a chunk and one plane of a cache laid out
+/// by [`KvStrides`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaneCopy {
+    /// Byte offset in the chunk (from the start of its page).
+    pub chunk_offset: usize,
+    /// The plane: `layer * planes + plane` (0 = K, 1 = V; MLA: the layer).
+    pub plane: usize,
+    /// Byte offset from the plane's base.
+    pub offset: usize,
     /// Bytes to copy.
     pub len: usize,
 }
@@ -84,6 +105,41 @@ pub fn piece_copies(
     tokens: usize,
     slots: &[i64],
 ) -> Result<Vec<CopyRun>, KvError> {
+    let plane_bytes = spec.plane_bytes();
+    let copies = strided_copies(
+        spec,
+        &[KvStrides::contiguous(spec)],
+        width,
+        offset,
+        tokens,
+        slots,
+    )?;
+    Ok(copies
+        .into_iter()
+        .map(|c| CopyRun {
+            chunk_offset: c.chunk_offset,
+            cache_offset: c.plane * plane_bytes + c.offset,
+            len: c.len,
+        })
+        .collect())
+}
+
+/// [`piece_copies`] for a cache whose planes are laid out by `strides`
+/// (one per plane of a layer, or one shared by all; each checked with
+/// [`KvStrides::check`]): each copy names its plane and the offset from
+/// that plane's base. A piece is split wherever the plane's memory breaks
+/// (at heads where heads are apart, at every element where elements are,
+/// as in vLLM's CPU K); copies are merged wherever both the chunk's and the
+/// plane's bytes continue, so contiguous strides give exactly the plan of
+/// [`piece_copies`].
+pub fn strided_copies(
+    spec: &KvCacheSpec,
+    strides: &[KvStrides],
+    width: usize,
+    offset: usize,
+    tokens: usize,
+    slots: &[i64],
+) -> Result<Vec<PlaneCopy>, KvError> {
     if slots.len() != tokens {
         return Err(KvError::SlotCount {
             tokens,
@@ -101,36 +157,76 @@ pub fn piece_copies(
             spec.hidden
         )));
     }
+    let planes = spec.planes();
+    if strides.len() != 1 && strides.len() != planes {
+        return Err(KvError::InvalidStrides(format!(
+            "{} strides given for {planes} plane(s) per layer: pass one per plane, or one \
+             shared by all",
+            strides.len()
+        )));
+    }
     let runs = token_runs(slots, spec.slots())?;
     let es = spec.dtype.size();
-    let tb = width * es;
+    let wb = width * es;
+    let tb = spec.token_bytes();
     let whole = width == spec.hidden;
-    let planes = spec.planes();
-    let per_row = if whole {
-        runs.len()
-    } else {
-        runs.iter().map(|r| r.len).sum()
+    let of_plane = |plane: usize| &strides[plane.min(strides.len() - 1)];
+    // Reserved once: per-element layouts plan hundreds of thousands of
+    // copies per chunk.
+    let moved: usize = runs.iter().map(|r| r.len).sum();
+    let per_layer: usize = (0..planes)
+        .map(|p| {
+            let unit = of_plane(p).dense_unit(spec);
+            if unit < tb {
+                moved * (wb / unit + 2)
+            } else if whole {
+                runs.len() + moved * tb / unit
+            } else {
+                moved
+            }
+        })
+        .sum();
+    let mut out: Vec<PlaneCopy> = Vec::with_capacity(per_layer * spec.layers);
+    let mut push = |c: PlaneCopy| match out.last_mut() {
+        Some(l)
+            if l.plane == c.plane
+                && l.chunk_offset + l.len == c.chunk_offset
+                && l.offset + l.len == c.offset =>
+        {
+            l.len += c.len
+        }
+        _ => out.push(c),
     };
-    let mut out = Vec::with_capacity(per_row * planes * spec.layers);
     for plane in 0..planes {
+        let st = of_plane(plane);
         for layer in 0..spec.layers {
+            let index = layer * planes + plane;
             // Chunk: [plane][layer][token][width], `tokens` tokens per row.
             let row = (plane * spec.layers + layer) * tokens;
+            // The chunk's bytes of a run (whole width) or of a token (a
+            // piece) match a range of the plane's logical [slots][hidden]
+            // byte for byte; the strides map that range to memory.
+            let mut copy = |chunk_offset: usize, logical: usize, len: usize| {
+                st.for_each_span(spec, logical, len, |at, pos, n| {
+                    push(PlaneCopy {
+                        chunk_offset: chunk_offset + pos,
+                        plane: index,
+                        offset: at,
+                        len: n,
+                    })
+                })
+            };
             for r in &runs {
                 if whole {
-                    out.push(CopyRun {
-                        chunk_offset: (row + r.token) * tb,
-                        cache_offset: spec.offset(layer, plane, r.slot),
-                        len: r.len * tb,
-                    });
+                    copy((row + r.token) * wb, r.slot * tb, r.len * tb);
                     continue;
                 }
                 for j in 0..r.len {
-                    out.push(CopyRun {
-                        chunk_offset: (row + r.token + j) * tb,
-                        cache_offset: spec.offset(layer, plane, r.slot + j) + offset * es,
-                        len: tb,
-                    });
+                    copy(
+                        (row + r.token + j) * wb,
+                        (r.slot + j) * tb + offset * es,
+                        wb,
+                    );
                 }
             }
         }
@@ -239,5 +335,277 @@ mod tests {
         );
         let e = piece_copies(&s, 4, 6, 1, &[0]).unwrap_err().to_string();
         assert!(e.contains("4 element(s) at element 6"), "{e}");
+    }
+
+    /// vLLM's CPU backend layout: 2 heads of 4 float16 elements, blocks of
+    /// 4 tokens; a (block, head) cell is 2 × 4 × 4 × 2 = 64 bytes, K's 32
+    /// (transposed: element e of token t at (e × 4 + t) × 2) then V's 32
+    /// (token-major: at 32 + (t × 4 + e) × 2). Both planes: block_stride
+    /// 128, head_stride 64; K token_stride 2, elem_stride 8; V token_stride
+    /// 8, elem_stride 2, V's base K's + 32.
+    fn vllm_cpu() -> (KvCacheSpec, [KvStrides; 2]) {
+        let s = KvCacheSpec {
+            layers: 2,
+            hidden: 8,
+            ..spec(MemFormat::Kv2Ltd)
+        };
+        (s, KvStrides::vllm_cpu(&s, 2).unwrap())
+    }
+
+    /// Where the CPU kernel keeps element `e` of head `h` of `slot` of a
+    /// plane (0 = K, 1 = V), in bytes from its layer tensor's base, by the
+    /// kernel's own rule; `V_BASE` is V's plane base in that tensor.
+    fn cpu_kernel_offset(plane: usize, slot: usize, h: usize, e: usize) -> usize {
+        let (heads, bs, hs, es) = (2, 4, 4, 2);
+        let cell = ((slot / bs) * heads + h) * 2 * bs * hs;
+        let t = slot % bs;
+        let within = if plane == 0 {
+            e * bs + t
+        } else {
+            bs * hs + t * hs + e
+        };
+        (cell + within) * es
+    }
+    const V_BASE: usize = 32;
+
+    /// Checks every byte of a plan against the kernel's rule: chunk byte
+    /// `[plane][layer][token][h·hs + e]` must land where the kernel keeps
+    /// `(plane, slot, h, e)`, and every element of every token is copied
+    /// once.
+    fn assert_plan_is_the_kernels(
+        copies: &[PlaneCopy],
+        tokens: usize,
+        slots: &[i64],
+        width: usize,
+        offset: usize,
+    ) {
+        let (layers, hs, es) = (2, 4, 2);
+        let mut seen = std::collections::BTreeMap::new();
+        for c in copies {
+            let (layer, plane) = (c.plane / 2, c.plane % 2);
+            let base = if plane == 0 { 0 } else { V_BASE };
+            for b in 0..c.len {
+                assert!(
+                    seen.insert(c.chunk_offset + b, (layer, plane, base + c.offset + b))
+                        .is_none(),
+                    "chunk byte {} copied twice",
+                    c.chunk_offset + b
+                );
+            }
+        }
+        let mut want = std::collections::BTreeMap::new();
+        for plane in 0..2 {
+            for layer in 0..layers {
+                for (t, &slot) in slots.iter().enumerate().take(tokens) {
+                    if slot < 0 {
+                        continue;
+                    }
+                    for i in 0..width {
+                        let (h, e) = ((offset + i) / hs, (offset + i) % hs);
+                        let chunk = (((plane * layers + layer) * tokens + t) * width + i) * es;
+                        let at = cpu_kernel_offset(plane, slot as usize, h, e);
+                        for b in 0..es {
+                            want.insert(chunk + b, (layer, plane, at + b));
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn a_vllm_cpu_cache_is_one_copy_per_k_element_and_per_v_head() {
+        let (s, st) = vllm_cpu();
+        let [k, v] = st;
+        assert_eq!(
+            (k.block_stride, k.head_stride, k.token_stride, k.elem_stride),
+            (128, 64, 2, 8)
+        );
+        assert_eq!(
+            (v.block_stride, v.head_stride, v.token_stride, v.elem_stride),
+            (128, 64, 8, 2)
+        );
+        // Slots 5 (block 1, token 1), 6 (block 1, token 2), 13 (block 3, token 1).
+        let slots = [5, 6, 13];
+        let copies = strided_copies(&s, &st, 8, 0, 3, &slots).unwrap();
+        // K: per (layer, token, head, element); V: per (layer, token, head).
+        assert_eq!(copies.len(), 2 * 3 * 2 * 4 + 2 * 3 * 2);
+        assert!(copies[..48].iter().all(|c| c.len == 2), "{copies:?}");
+        assert!(copies[48..].iter().all(|c| c.len == 8), "{copies:?}");
+        let at = |chunk_offset, plane, offset, len| PlaneCopy {
+            chunk_offset,
+            plane,
+            offset,
+            len,
+        };
+        // Row (K, layer 0), token 0 = slot 5: element e of head h is chunk
+        // bytes (h × 4 + e) × 2; in the plane 128 (block 1) + 2 (token 1)
+        // + h × 64 + e × 8.
+        assert_eq!(
+            copies[..8],
+            [
+                at(0, 0, 130, 2),
+                at(2, 0, 138, 2),
+                at(4, 0, 146, 2),
+                at(6, 0, 154, 2),
+                at(8, 0, 194, 2),
+                at(10, 0, 202, 2),
+                at(12, 0, 210, 2),
+                at(14, 0, 218, 2),
+            ]
+        );
+        // Token 1 = slot 6 (token 2 of block 1): 2 bytes further in each cell.
+        assert_eq!(copies[8], at(16, 0, 132, 2));
+        // Row (V, layer 0) is the third of the chunk (K rows first): 2 × 3
+        // tokens × 16 bytes in; plane index 1; slot 5's head 0 at 128 +
+        // 8 (token 1 × 4 elements × 2 bytes), its head 1 a cell (64) on.
+        // In the layer tensor that is V's base 32 further: 168 = (cell 2 ×
+        // 32 elements + 16 + 1 × 4 + 0) × 2.
+        assert_eq!(copies[48], at(96, 1, 136, 8));
+        assert_eq!(copies[49], at(104, 1, 200, 8));
+        assert_eq!(copies[48].offset + V_BASE, cpu_kernel_offset(1, 5, 0, 0));
+        // Layer 1's V: plane 3, the last row of the chunk; slot 13 (block
+        // 3, token 1), head 1.
+        assert_eq!(copies[59], at(9 * 16 + 2 * 16 + 8, 3, 3 * 128 + 8 + 64, 8));
+        assert_plan_is_the_kernels(&copies, 3, &slots, 8, 0);
+        // Padding and runs across blocks change nothing of the above.
+        let slots = [2, 3, -1, 4, 5, 15, 0];
+        let copies = strided_copies(&s, &st, 8, 0, 7, &slots).unwrap();
+        assert_eq!(copies.len(), 2 * 6 * 2 * 4 + 2 * 6 * 2);
+        assert_plan_is_the_kernels(&copies, 7, &slots, 8, 0);
+    }
+
+    #[test]
+    fn strided_plans_merge_only_what_is_contiguous_on_both_sides() {
+        // One head of one element: consecutive tokens are contiguous in the
+        // chunk (2 bytes apart) and in both planes (K's token_stride is the
+        // element size, V's the head's): one copy per block piece of a run.
+        let s = KvCacheSpec {
+            layers: 2,
+            hidden: 1,
+            ..spec(MemFormat::Kv2Ltd)
+        };
+        let st = KvStrides::vllm_cpu(&s, 1).unwrap();
+        assert_eq!((st[0].token_stride, st[0].block_stride), (2, 16));
+        let copies = strided_copies(&s, &st, 1, 0, 4, &[2, 3, 4, 5]).unwrap();
+        assert_eq!(copies.len(), 2 * 2 * 2);
+        // Block 0 tokens 2..4, then block 1 (stride 16) tokens 0..2.
+        assert_eq!(
+            copies[..2],
+            [
+                PlaneCopy {
+                    chunk_offset: 0,
+                    plane: 0,
+                    offset: 4,
+                    len: 4
+                },
+                PlaneCopy {
+                    chunk_offset: 4,
+                    plane: 0,
+                    offset: 16,
+                    len: 4
+                },
+            ]
+        );
+        // One head of 4 elements: V's tokens of a block are contiguous, and
+        // so is the chunk's run: one V copy per block piece; K stays one
+        // per element (its tokens are 2 bytes apart, the chunk's 8).
+        let s = KvCacheSpec {
+            layers: 2,
+            hidden: 4,
+            ..spec(MemFormat::Kv2Ltd)
+        };
+        let st = KvStrides::vllm_cpu(&s, 1).unwrap();
+        let copies = strided_copies(&s, &st, 4, 0, 4, &[2, 3, 4, 5]).unwrap();
+        let v: Vec<&PlaneCopy> = copies.iter().filter(|c| c.plane % 2 == 1).collect();
+        assert_eq!(v.len(), 2 * 2);
+        // V's block 0 region: 32 bytes into the 64-byte cell, minus its base.
+        assert_eq!(
+            (v[0].offset, v[0].len, v[1].offset, v[1].len),
+            (2 * 8, 16, 64, 16)
+        );
+        assert_eq!(copies.len() - v.len(), 2 * 4 * 4);
+        // A piece across a head boundary: elements 2..8 are head 0's last 2
+        // and head 1's 4. V: split at the head; K: one copy per element.
+        let (s, st) = vllm_cpu();
+        let copies = strided_copies(&s, &st, 6, 2, 1, &[5]).unwrap();
+        let v: Vec<PlaneCopy> = copies.iter().copied().filter(|c| c.plane == 1).collect();
+        assert_eq!(
+            v,
+            [
+                PlaneCopy {
+                    chunk_offset: 2 * 6 * 2,
+                    plane: 1,
+                    offset: 128 + 8 + 4,
+                    len: 4
+                },
+                PlaneCopy {
+                    chunk_offset: 2 * 6 * 2 + 4,
+                    plane: 1,
+                    offset: 128 + 8 + 64,
+                    len: 8
+                },
+            ]
+        );
+        assert_eq!(copies.iter().filter(|c| c.plane == 0).count(), 6);
+        assert_plan_is_the_kernels(&copies, 1, &[5], 6, 2);
+        // Contiguous strides that name the heads and elements plan as the
+        // contiguous cache.
+        let named = KvStrides {
+            num_heads: 2,
+            head_size: 4,
+            head_stride: 8,
+            ..KvStrides::contiguous(&s)
+        };
+        named.check(&s).unwrap();
+        let slots = [8, 9, 10, 3, -1, 4];
+        let flat: Vec<CopyRun> = strided_copies(&s, &[named, named], 8, 0, 6, &slots)
+            .unwrap()
+            .into_iter()
+            .map(|c| CopyRun {
+                chunk_offset: c.chunk_offset,
+                cache_offset: c.plane * s.plane_bytes() + c.offset,
+                len: c.len,
+            })
+            .collect();
+        assert_eq!(flat, chunk_copies(&s, 6, &slots).unwrap());
+        let e = strided_copies(&s, &[named; 3], 8, 0, 6, &slots)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("3 strides given for 2 plane(s) per layer"),
+            "{e}"
+        );
+    }
+
+    /// A realistic per-element plan: 1024 tokens × 4 layers × 2 heads × 64
+    /// elements of K, one copy each, plus V's one per head, planned in one
+    /// allocation with every byte accounted for.
+    #[test]
+    fn a_large_per_element_plan_is_one_allocation() {
+        let s = KvCacheSpec {
+            fmt: MemFormat::Kv2Ltd,
+            layers: 4,
+            num_blocks: 80,
+            block_size: 16,
+            hidden: 128,
+            dtype: Dtype::Float16,
+        };
+        let st = KvStrides::vllm_cpu(&s, 2).unwrap();
+        let slots: Vec<i64> = (0..1024).collect();
+        let start = std::time::Instant::now();
+        let copies = strided_copies(&s, &st, 128, 0, 1024, &slots).unwrap();
+        let took = start.elapsed();
+        assert_eq!(copies.len(), 1024 * 4 * 128 + 1024 * 4 * 2);
+        assert!(
+            copies.capacity() - copies.len() <= 3 * 1024 * 4 * 2,
+            "one reservation, near exact"
+        );
+        assert_eq!(
+            copies.iter().map(|c| c.len).sum::<usize>(),
+            2 * 4 * 1024 * 128 * 2
+        );
+        eprintln!("planned {} copies in {took:?}", copies.len());
     }
 }

@@ -241,10 +241,13 @@ pub(crate) fn load_keys(
     // NPU's memory registered with hccl): proxies are read straight into
     // it, one transfer per byte, no staging page. (Copies of a direct read
     // run in parallel: a slot mapping naming one slot twice goes through
-    // the sequential staged path instead.)
+    // the sequential staged path instead. A cache whose layout cuts tokens
+    // into small runs, such as vLLM's CPU K with one run per element, is
+    // staged too: see DIRECT_MIN_RUN.)
     let direct = !groups.is_empty()
         && opts.direct
         && env.channel().reads_direct(cache.device())
+        && worth_reading_direct(cache)
         && distinct_slots(slot_mapping)
         && registered(env.channel(), cache)
         && groups.iter().all(|g| prepared(env, &g.sender_id));
@@ -616,6 +619,32 @@ fn prepared(env: &impl LoadEnv, sender_id: &str) -> bool {
             false
         }
     }
+}
+
+/// Runs smaller than this that a cache's layout cuts tokens into (see
+/// [`KvCache::min_run_bytes`]) send its loads through staging pages. Each
+/// run of a direct read is its own operation: a request segment received
+/// with its own system calls on tcp, a resolved piece on shm, a device
+/// operation on hccl. For pieces of a token (heads apart, or elements
+/// apart as in vLLM's CPU K, 2-byte runs: hundreds of thousands per chunk)
+/// under about a kilobyte that costs more than the staged path's extra
+/// copy (one large read into a page, then a host or device scatter).
+/// Layouts whose runs are whole tokens or more load as before: their runs
+/// are as coarse as a slot mapping's.
+const DIRECT_MIN_RUN: usize = 1024;
+
+/// Whether `cache`'s layout keeps runs coarse enough for a direct load
+/// ([`DIRECT_MIN_RUN`]); logged when not.
+fn worth_reading_direct(cache: &KvCache) -> bool {
+    let run = cache.min_run_bytes();
+    if run >= cache.spec().token_bytes() || run >= DIRECT_MIN_RUN {
+        return true;
+    }
+    log::debug!(
+        "this KV cache's layout cuts tokens into runs of {run} bytes (under {DIRECT_MIN_RUN}): \
+         loading through staging pages rather than one direct read per run"
+    );
+    false
 }
 
 /// Whether no slot appears twice in `slots` (padding aside).

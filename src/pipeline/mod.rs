@@ -54,7 +54,10 @@ pub struct LoadOptions {
     pub pieces_per_chunk: usize,
     /// Read pull-delay proxies straight into the KV cache where the
     /// channel can address it (default true; `shm` into a host cache),
-    /// instead of through ping-pong staging pages.
+    /// instead of through ping-pong staging pages. A cache whose layout
+    /// cuts tokens into runs under 1 KiB (vLLM's CPU backend: one per
+    /// element of K) is staged regardless: one transfer operation per
+    /// small run costs more than the staging copy.
     pub direct: bool,
 }
 

@@ -139,6 +139,83 @@ int main(int argc, char **argv) {
     expect("null tensor", apd_kv_cache_wrap(&bad, &cache), APD_ERR_KV_CACHE, "tensor 3 has a null address");
     expect("good cache", apd_kv_cache_wrap(&d, &cache), APD_OK, NULL);
 
+    /* ---- strided caches: vLLM's CPU layout, one [BLOCKS, HEADS, BLOCK, 2 * HEAD]
+     * tensor per layer; per (block, head) a cell of K's BLOCK x HEAD elements
+     * stored transposed (element e of token t at e * BLOCK + t), then V's
+     * token-major (at t * HEAD + e) */
+    enum { HEADS = 2, HEAD = 16 };
+    size_t region = (size_t)BLOCK * HEAD * 2; /* K's (or V's) part of a cell, in bytes */
+    size_t layer_bytes = (size_t)BLOCKS * HEADS * 2 * region;
+    unsigned char *layers_mem = calloc(LAYERS, layer_bytes);
+    ApdKvTensor planes[LAYERS * 2];
+    for (int l = 0; l < LAYERS; l++) {
+        planes[2 * l].addr = (uint64_t)(uintptr_t)(layers_mem + l * layer_bytes);
+        planes[2 * l].bytes = layer_bytes;
+        planes[2 * l + 1].addr = planes[2 * l].addr + region;
+        planes[2 * l + 1].bytes = layer_bytes - region;
+    }
+    ApdKvCacheDesc sd = d;
+    sd.tensors = planes;
+    sd.num_tensors = LAYERS * 2;
+    /* {num_heads, head_size, block_stride, token_stride, head_stride, elem_stride} */
+    ApdKvStrides st[2] = {
+        {HEADS, HEAD, HEADS * 2 * region, 2, 2 * region, BLOCK * 2}, /* K: transposed */
+        {HEADS, HEAD, HEADS * 2 * region, HEAD * 2, 2 * region, 0},  /* V: token-major */
+    };
+    ApdKvCache strided = {0};
+    expect("strided: null strides", apd_kv_cache_wrap_strided(&sd, NULL, 2, &strided), APD_ERR_INVALID_ARGUMENT,
+           "`strides`");
+    expect("strided: no strides", apd_kv_cache_wrap_strided(&sd, st, 0, &strided), APD_ERR_INVALID_ARGUMENT,
+           "`num_strides` is 0: pass 2 (K's strides, then V's) or 1 (shared by K and V)");
+    expect("strided: three strides", apd_kv_cache_wrap_strided(&sd, st, 3, &strided), APD_ERR_INVALID_ARGUMENT,
+           "`num_strides` is 3");
+    expect("strided: null desc", apd_kv_cache_wrap_strided(NULL, st, 2, &strided), APD_ERR_INVALID_ARGUMENT,
+           "`desc`");
+    expect("strided: null out", apd_kv_cache_wrap_strided(&sd, st, 2, NULL), APD_ERR_INVALID_ARGUMENT,
+           "`out_cache`");
+    ApdKvStrides bst[2] = {st[0], st[1]};
+    bst[1].num_heads = 0;
+    expect("strided: zero heads", apd_kv_cache_wrap_strided(&sd, bst, 2, &strided), APD_ERR_INVALID_ARGUMENT,
+           "`strides[1].num_heads`");
+    bst[1] = st[1];
+    bst[0].head_size = 8;
+    expect("strided: heads do not make hidden", apd_kv_cache_wrap_strided(&sd, bst, 2, &strided),
+           APD_ERR_INVALID_ARGUMENT, "`desc.hidden`");
+    bst[0] = st[0];
+    bst[1].token_stride = 3;
+    expect("strided: unaligned stride", apd_kv_cache_wrap_strided(&sd, bst, 2, &strided), APD_ERR_KV_CACHE,
+           "V plane: token_stride 3 is not a multiple of the 2-byte float16 element");
+    bst[1] = st[1];
+    bst[0].elem_stride = 4; /* K's element 1 of token 0 would be its element 0 of token 2 */
+    expect("strided: K's elements alias", apd_kv_cache_wrap_strided(&sd, bst, 2, &strided), APD_ERR_KV_CACHE,
+           "K plane: elem_stride 4 is smaller than the 8 bytes spanned by the dimensions of smaller stride "
+           "(one element, token_stride): two elements of a plane would share bytes");
+    bst[0] = st[0];
+    bst[0].head_stride = region; /* K's head 1 would be V's head 0 */
+    bst[1].head_stride = region;
+    expect("strided: K and V share bytes", apd_kv_cache_wrap_strided(&sd, bst, 2, &strided), APD_ERR_KV_CACHE,
+           "planes 0 (layer 0 K) and 1 (layer 0 V) overlap");
+    ApdKvTensor short_planes[LAYERS * 2];
+    memcpy(short_planes, planes, sizeof planes);
+    short_planes[3].bytes = 8;
+    ApdKvCacheDesc bsd = sd;
+    bsd.tensors = short_planes;
+    expect("strided: plane too small", apd_kv_cache_wrap_strided(&bsd, st, 2, &strided), APD_ERR_KV_CACHE,
+           "plane 3 (layer 1 V) has 8 bytes");
+    bsd = sd;
+    bsd.num_tensors = LAYERS;
+    expect("strided: one tensor per layer", apd_kv_cache_wrap_strided(&bsd, st, 2, &strided), APD_ERR_KV_CACHE,
+           "2 plane(s) given: pass 4");
+    expect("strided: good cache", apd_kv_cache_wrap_strided(&sd, st, 2, &strided), APD_OK, NULL);
+    expect("strided: free", apd_kv_cache_free(strided), APD_OK, NULL);
+    /* vLLM-Ascend's per-layer K and V as strides: one entry for both planes,
+     * elem_stride 0 (contiguous). */
+    ApdKvStrides ascend = {HEADS, HEAD, (uint64_t)BLOCK * HIDDEN * 2, HIDDEN * 2, HEAD * 2, 0};
+    expect("strided: shared contiguous strides", apd_kv_cache_wrap_strided(&d, &ascend, 1, &strided), APD_OK,
+           NULL);
+    expect("strided: free shared", apd_kv_cache_free(strided), APD_OK, NULL);
+    free(layers_mem);
+
     /* ---- handles */
     ApdSender not_a_sender = {cfg.id};
     int32_t state = -1;
