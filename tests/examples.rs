@@ -372,55 +372,151 @@ fn bad_input_through_python_raises_the_librarys_message() {
     );
 }
 
-/// The README's install line works: `pip install ./python` (into a
-/// scratch directory here) gives an importable package that finds the
-/// library through `ASCEND_PD_LIB` and checks its ABI version.
+/// A scratch directory removed when dropped, so a failed assertion
+/// cleans up too.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new(what: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("apd-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `cmd` (with `ASCEND_PD_LIB` and `PYTHONPATH` unset, so nothing
+/// points at the checkout) and returns its stdout; panics with all its
+/// output if it fails.
+fn run_clean(what: &str, cmd: &mut Command) -> String {
+    let started = Instant::now();
+    let out = cmd
+        .env_remove("ASCEND_PD_LIB")
+        .env_remove("PYTHONPATH")
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{what}: {:.1} s", started.elapsed().as_secs_f64());
+    stdout
+}
+
+/// A fresh venv in `dir` made by `py`; its Python.
+fn venv(py: &str, dir: &Path) -> PathBuf {
+    run_clean(
+        &format!("{py} -m venv {}", dir.display()),
+        Command::new(py).args(["-m", "venv"]).arg(dir),
+    );
+    dir.join("bin").join("python")
+}
+
+/// Asserts that the venv's Python, started outside the checkout with
+/// `ASCEND_PD_LIB` unset, loads the library shipped in its own
+/// site-packages/ascend_pd and that it speaks ABI version 1.
+fn assert_loads_shipped_library(venv_python: &Path, cwd: &Path) {
+    let stdout = run_clean(
+        "importing the installed ascend_pd",
+        Command::new(venv_python)
+            .args([
+                "-c",
+                "import ascend_pd, sysconfig\n\
+                 print(ascend_pd.library_path())\n\
+                 print(sysconfig.get_paths()['platlib'])\n\
+                 print(ascend_pd.abi_version())",
+            ])
+            .current_dir(cwd),
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    let [lib, platlib, abi] = lines[..] else {
+        panic!("expected library path, site-packages and ABI version, got:\n{stdout}");
+    };
+    let canon = |p: &str| std::fs::canonicalize(p).unwrap_or_else(|e| panic!("{p}: {e}"));
+    assert_eq!(
+        canon(lib),
+        canon(platlib).join("ascend_pd").join("libascend_pd.so"),
+        "the package loaded another library than the one it ships"
+    );
+    assert_eq!(abi, "1", "{stdout}");
+}
+
+/// The README's install line works: `pip install ./python` into a fresh
+/// venv builds libascend_pd with cargo (release, in the repository's
+/// target/) and ships it inside the package, which then needs neither
+/// `ASCEND_PD_LIB` nor the checkout. `pip wheel` makes a platform wheel
+/// carrying the library that works the same from another fresh venv.
 #[test]
 fn the_python_package_installs_with_pip() {
     let py = python();
-    let has_pip = Command::new(&py)
-        .args(["-m", "pip", "--version"])
+    let has_venv = Command::new(&py)
+        .args(["-c", "import venv, ensurepip"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !has_pip && common::missing_tool(&format!("{py} -m pip"), "install python3-pip") {
+    if !has_venv
+        && common::missing_tool(
+            &format!("{py} -m venv (with ensurepip)"),
+            "install python3-venv, or set ASCEND_PD_PYTHON",
+        )
+    {
         return;
     }
-    let target = std::env::temp_dir().join(format!("apd-pip-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&target);
-    let out = Command::new(&py)
-        .args(["-m", "pip", "install", "-q", "--no-deps", "--target"])
-        .arg(&target)
-        .arg(root().join("python"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "pip install ./python failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let scratch = ScratchDir::new("pip");
+    let elsewhere = scratch.0.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+
+    // As the README says, from the checkout (build isolation fetches
+    // setuptools-rust from the package index).
+    let installed = venv(&py, &scratch.0.join("venv"));
+    run_clean(
+        "pip install ./python",
+        Command::new(&installed)
+            .args(["-m", "pip", "install", "./python"])
+            .current_dir(root()),
     );
-    let out = Command::new(&py)
-        .args([
-            "-c",
-            "import ascend_pd, sys; print(ascend_pd.abi_version(), ascend_pd.__file__)",
-        ])
-        .env("PYTHONPATH", &target)
-        .env("ASCEND_PD_LIB", common::cdylib())
-        .current_dir(std::env::temp_dir())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_loads_shipped_library(&installed, &elsewhere);
+
+    let wheels = scratch.0.join("wheels");
+    run_clean(
+        "pip wheel ./python",
+        Command::new(&installed)
+            .args(["-m", "pip", "wheel", "--no-deps", "./python", "-w"])
+            .arg(&wheels)
+            .current_dir(root()),
     );
-    // The installed copy, not the source tree, answered.
+    let names: Vec<String> = std::fs::read_dir(&wheels)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let [wheel] = &names[..] else {
+        panic!(
+            "expected one wheel in {}, found {names:?}",
+            wheels.display()
+        );
+    };
+    // Any Python 3 (the library does not link libpython), this platform only.
+    let tag = format!("-py3-none-linux_{}.whl", std::env::consts::ARCH);
     assert!(
-        stdout.starts_with("1 ") && stdout.contains(target.to_str().unwrap()),
-        "{stdout}"
+        wheel.starts_with("ascend_pd-0.1.0-") && wheel.ends_with(&tag),
+        "{wheel} is not a platform wheel ending in {tag}"
     );
-    let _ = std::fs::remove_dir_all(&target);
+    let from_wheel = venv(&py, &scratch.0.join("venv-wheel"));
+    run_clean(
+        "pip install the wheel",
+        Command::new(&from_wheel)
+            .args(["-m", "pip", "install", "--no-deps"])
+            .arg(wheels.join(wheel))
+            .current_dir(&elsewhere),
+    );
+    assert_loads_shipped_library(&from_wheel, &elsewhere);
 }

@@ -1,11 +1,14 @@
 """Python bindings (ctypes) for ascend-pd: KV-cache transfer between
 prefill and decode workers.
 
-The library is ``libascend_pd`` (``cargo build --lib``), found through the
-environment variable ``ASCEND_PD_LIB`` (its full path), else in
-``target/release`` or ``target/debug`` of the repository this package sits
-in, else by ``ctypes.util.find_library("ascend_pd")``. It is loaded on
-first use.
+The library is ``libascend_pd``, which ``pip install ./python`` builds
+with cargo and ships inside this package. It is found through the
+environment variable ``ASCEND_PD_LIB`` (its full path, an explicit
+override), else inside the package, else in ``target/release`` or
+``target/debug`` of the repository this package sits in (in-tree
+development, ``cargo build --lib``), else by
+``ctypes.util.find_library("ascend_pd")``. It is loaded on first use;
+:func:`library_path` names the file loaded.
 
 A prefill worker::
 

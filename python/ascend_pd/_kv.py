@@ -163,6 +163,104 @@ def _memory_of(obj: Any, index: int) -> _Memory:
     return _Memory(ctypes.addressof(arr), nbytes, None, (obj, arr))
 
 
+def _plane_memory_of(obj: Any, index: int) -> _Memory:
+    """A plane of a strided cache: its base address and the bytes available
+    from it. A torch view need not be contiguous (a plane of vLLM's CPU
+    layout is not): its bytes run to the end of its storage."""
+    data_ptr = getattr(obj, "data_ptr", None)
+    is_contiguous = getattr(obj, "is_contiguous", None)
+    if callable(data_ptr) and callable(is_contiguous) and not is_contiguous():
+        what = f"tensors[{index}]"
+        storage = getattr(obj, "untyped_storage", None)
+        if not callable(storage):
+            raise _bad(
+                f"{what} is a non-contiguous tensor without untyped_storage(): pass the "
+                "plane as an (address, nbytes) tuple (its base and the bytes available from it)"
+            )
+        st = storage()
+        addr = int(data_ptr())
+        end = int(st.data_ptr()) + int(st.nbytes())
+        if not int(st.data_ptr()) <= addr <= end:
+            raise _bad(f"{what} starts outside its storage: pass an (address, nbytes) tuple")
+        return _Memory(addr, end - addr, _dtype_name_of(obj), obj)
+    ai = getattr(obj, "__array_interface__", None)
+    if isinstance(ai, dict) and ai.get("strides") is not None and not callable(data_ptr):
+        typestr = str(ai.get("typestr", ""))
+        shape = tuple(int(n) for n in ai.get("shape", ()))
+        itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 1
+        if not _c_contiguous(shape, ai.get("strides"), itemsize):
+            raise _bad(
+                f"tensors[{index}] is a non-contiguous array, whose extent the library cannot "
+                "see: pass the plane as an (address, nbytes) tuple (its base and the bytes "
+                "available from it)"
+            )
+    return _memory_of(obj, index)
+
+
+_ITEMSIZE: Dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+
+
+def _plane_strides(value: Any, what: str) -> Tuple[int, int, int, int]:
+    """One plane's strides as ``(block, token, head, element)``; element 0
+    stands for the element size."""
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence)
+        or len(value) not in (3, 4)
+        or not all(_is_int(s) for s in value)
+    ):
+        raise _bad(
+            f"{what} is {value!r}: pass (block_stride, token_stride, head_stride) or "
+            "(block_stride, token_stride, head_stride, elem_stride) in bytes"
+        )
+    if any(s < 0 for s in value):
+        raise _bad(f"{what} {tuple(value)} must not be negative")
+    return (int(value[0]), int(value[1]), int(value[2]), int(value[3]) if len(value) == 4 else 0)
+
+
+def _strides_of(
+    strides: Sequence[Any],
+    num_heads: Optional[int],
+    head_size: Optional[int],
+    hidden: int,
+    planes: int,
+) -> Tuple[List[Tuple[int, int, int, int]], int, int]:
+    """The strides of each plane of a layer given (one tuple shared by all,
+    or one per plane), the KV heads and the elements of a head."""
+    if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence) or len(strides) == 0:
+        raise _bad(
+            f"strides is {strides!r}: pass (block_stride, token_stride, head_stride[, "
+            "elem_stride]) in bytes, or a list of one such tuple per plane of a layer"
+        )
+    if all(_is_int(s) for s in strides):
+        per_plane = [_plane_strides(strides, "strides")]
+    else:
+        per_plane = [_plane_strides(p, f"strides[{i}]") for i, p in enumerate(strides)]
+        if len(per_plane) not in (1, planes):
+            which = "K's, then V's" if planes == 2 else "the MLA latent's"
+            raise _bad(
+                f"strides has {len(per_plane)} entries: pass one per plane of a layer "
+                f"({planes}: {which}), or one shared by all"
+            )
+    if num_heads is None and head_size is None:
+        raise _bad(
+            "strides= needs num_heads= or head_size= (the KV heads of one plane, or the "
+            "elements of one head; the other is hidden divided by it)"
+        )
+    if num_heads is None:
+        assert head_size is not None
+        if head_size <= 0 or hidden % head_size:
+            raise _bad(f"head_size {head_size} does not divide hidden {hidden}")
+        num_heads = hidden // head_size
+    if head_size is None:
+        if num_heads <= 0 or hidden % num_heads:
+            raise _bad(f"num_heads {num_heads} does not divide hidden {hidden}")
+        head_size = hidden // num_heads
+    if num_heads < 0 or head_size < 0:
+        raise _bad(f"num_heads {num_heads} and head_size {head_size} must not be negative")
+    return per_plane, int(num_heads), int(head_size)
+
+
 def _stream_address(stream: Any) -> Optional[int]:
     if stream is None:
         return None
@@ -210,6 +308,33 @@ class KVCache:
     cache alive while one of their requests uses it). Every tensor is
     checked against the geometry when wrapped.
 
+    **Strided layouts.** With ``strides`` (bytes) and ``num_heads`` /
+    ``head_size``, each plane's element (block b, token t, head h, element
+    e) lives at ``base + b*block_stride + t*token_stride + h*head_stride +
+    e*elem_stride``. ``strides`` is one tuple shared by every plane,
+    ``(block_stride, token_stride, head_stride)`` (``elem_stride`` the
+    itemsize: a head's elements contiguous) or ``(block_stride,
+    token_stride, head_stride, elem_stride)``, or a list of one such tuple
+    per plane of a layer (K's, then V's; MLA: the latent's), applied to
+    every layer. ``tensors`` then holds one entry per layer and plane
+    (layer0.K, layer0.V, layer1.K, ...; MLA: one per layer) giving that
+    plane's base: an ``(address, nbytes)`` tuple (the bytes available from
+    the base), or a tensor whose ``data_ptr()`` is the base (a
+    non-contiguous torch view counts the bytes to the end of its storage).
+    Planes may share a tensor: vLLM's CPU backend (its ``vec`` and
+    ``vec16`` kernels) keeps per layer one ``[num_blocks, num_kv_heads,
+    block_size, 2 * head_size]`` tensor in which each (block, head) holds
+    K's ``block_size * head_size`` elements transposed (element e of token
+    t at ``e * block_size + t``), then V's token-major (at ``t * head_size
+    + e``). With ``es`` the itemsize, ``cell = 2 * block_size * head_size *
+    es``: K at the tensor's base with strides ``(num_kv_heads * cell, es,
+    cell, block_size * es)``, V ``block_size * head_size * es`` bytes later
+    with ``(num_kv_heads * cell, head_size * es, cell, es)``. Layouts whose
+    tokens are not one run (that one: every element of K is its own copy)
+    work in host memory; on an NPU each token's elements must be
+    contiguous. The wrap refuses strides under which two elements could
+    share a byte or an element lies outside its plane's bytes.
+
     Args:
         tensors: the tensors (see above).
         fmt: ``"kv"`` (K and V planes) or ``"mla"`` (one latent plane per layer).
@@ -221,6 +346,13 @@ class KVCache:
         hidden: elements per token (num_kv_heads * head_size, or the MLA latent size).
         device: -1 for host memory, or the NPU id of device memory.
         stream: optional ``aclrtStream`` of the engine (NPU caches only).
+        strides: ``(block_stride, token_stride, head_stride[, elem_stride])``
+            in bytes, or a list of one such tuple per plane of a layer, for
+            a cache described by strides (see above); ``None``: the layouts
+            listed first.
+        num_heads: KV heads per plane (1 for MLA); with ``strides``.
+        head_size: elements per head (the MLA latent size); with ``strides``.
+            Either may be omitted: it is ``hidden`` divided by the other.
 
     Usable as a context manager (closes on exit).
     """
@@ -237,12 +369,25 @@ class KVCache:
         hidden: int,
         device: int = _lib.DEVICE_CPU,
         stream: Any = None,
+        strides: Optional[Sequence[Any]] = None,
+        num_heads: Optional[int] = None,
+        head_size: Optional[int] = None,
     ) -> None:
         self._handle = _lib.ApdKvCache(0)
         self._closed = True  # until wrapped
         if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
             raise TypeError("tensors must be a list of tensors (see KVCache's documentation)")
-        memories = [_memory_of(t, i) for i, t in enumerate(tensors)]
+        if strides is None and (num_heads is not None or head_size is not None):
+            raise _bad("num_heads= and head_size= describe a strided cache: pass strides= too")
+        fmt_code = _format_code(fmt)
+        planes = 1 if fmt_code == _lib.FMT_MLA else 2
+        parsed = (
+            None
+            if strides is None
+            else _strides_of(strides, num_heads, head_size, int(hidden), planes)
+        )
+        memory_of = _memory_of if parsed is None else _plane_memory_of
+        memories = [memory_of(t, i) for i, t in enumerate(tensors)]
         if dtype is None:
             inferred = {m.dtype for m in memories}
             if None in inferred or not inferred:
@@ -254,7 +399,6 @@ class KVCache:
                 raise _bad(f"the tensors have different dtypes {sorted(str(d) for d in inferred)}: they must agree")
             dtype = inferred.pop()
         code = dtype_code(dtype)  # type: ignore[arg-type]
-        fmt_code = _format_code(fmt)
         array = (_lib.ApdKvTensor * len(memories))()
         for i, m in enumerate(memories):
             array[i].addr = m.addr
@@ -272,7 +416,34 @@ class KVCache:
             stream=_stream_address(stream),
         )
         out = _lib.ApdKvCache()
-        check(_lib.lib().apd_kv_cache_wrap(ctypes.byref(desc), ctypes.byref(out)))
+        itemsize = _ITEMSIZE[_DTYPE_NAMES[code]]
+        # Each plane's (block, token, head, elem) strides in bytes, or None.
+        resolved: Optional[List[Tuple[int, int, int, int]]] = None
+        if parsed is None:
+            check(_lib.lib().apd_kv_cache_wrap(ctypes.byref(desc), ctypes.byref(out)))
+        else:
+            per_plane, heads, size = parsed
+            c_strides = (_lib.ApdKvStrides * len(per_plane))(
+                *(
+                    _lib.ApdKvStrides(
+                        num_heads=heads,
+                        head_size=size,
+                        block_stride=b,
+                        token_stride=t,
+                        head_stride=h,
+                        elem_stride=e,
+                    )
+                    for b, t, h, e in per_plane
+                )
+            )
+            check(
+                _lib.lib().apd_kv_cache_wrap_strided(
+                    ctypes.byref(desc), c_strides, len(per_plane), ctypes.byref(out)
+                )
+            )
+            resolved = [
+                (b, t, h, e or itemsize) for b, t, h, e in per_plane * (planes // len(per_plane))
+            ]
         self._handle = out
         self._closed = False
         # The library does not own the memory: keep it alive as long as we are.
@@ -285,6 +456,11 @@ class KVCache:
         self.block_size: int = int(block_size)
         self.hidden: int = int(hidden)
         self.device: int = int(device)
+        #: ``(block_stride, token_stride, head_stride, elem_stride)`` in bytes
+        #: of each plane of a layer (K, V; MLA: the latent), or None.
+        self.strides: Optional[List[Tuple[int, int, int, int]]] = resolved
+        self.num_heads: Optional[int] = None if parsed is None else parsed[1]
+        self.head_size: Optional[int] = None if parsed is None else parsed[2]
 
     @classmethod
     def from_vllm(

@@ -111,6 +111,21 @@ class ApdKvCacheDesc(ctypes.Structure):
     ]
 
 
+class ApdKvStrides(ctypes.Structure):
+    """``ApdKvStrides``: how one plane of each layer of a KV cache lays out
+    its elements (KV heads, elements per head, and block/token/head/element
+    strides in bytes; ``elem_stride`` 0 is the element size)."""
+
+    _fields_ = [
+        ("num_heads", ctypes.c_uint64),
+        ("head_size", ctypes.c_uint64),
+        ("block_stride", ctypes.c_uint64),
+        ("token_stride", ctypes.c_uint64),
+        ("head_stride", ctypes.c_uint64),
+        ("elem_stride", ctypes.c_uint64),
+    ]
+
+
 class ApdPeer(ctypes.Structure):
     """``ApdPeer``: a receiver's host and side-channel ports."""
 
@@ -167,6 +182,10 @@ _PROTOTYPES = {
     "apd_config_chunk_size": (_i32, [ApdConfig, _P(_u64)]),
     "apd_config_free": (_i32, [ApdConfig]),
     "apd_kv_cache_wrap": (_i32, [_P(ApdKvCacheDesc), _P(ApdKvCache)]),
+    "apd_kv_cache_wrap_strided": (
+        _i32,
+        [_P(ApdKvCacheDesc), _P(ApdKvStrides), _u64, _P(ApdKvCache)],
+    ),
     "apd_kv_cache_free": (_i32, [ApdKvCache]),
     "apd_sender_start": (_i32, [ApdConfig, _u32, _P(ApdSender)]),
     "apd_sender_submit_save": (
@@ -200,8 +219,9 @@ class LibraryLoadError(OSError):
 
 
 _FIX = (
-    "Build it with `cargo build --lib` (or `cargo build --release --lib`) in the "
-    "ascend-pd repository, or set the environment variable "
+    "Install the package with `pip install ./python` from the ascend-pd repository "
+    "(it builds and ships the library), or build it there with `cargo build --lib` "
+    "(or `cargo build --release --lib`), or set the environment variable "
     f"{ENV_LIB} to the full path of libascend_pd.so."
 )
 
@@ -214,15 +234,16 @@ def _file_names() -> List[str]:
     return ["libascend_pd.so"]
 
 
-def candidates() -> List[str]:
-    """The paths tried, in order, when ``ASCEND_PD_LIB`` is not set.
+def _shipped() -> List[str]:
+    """The library ``pip install`` built and put inside this package."""
+    here = Path(__file__).resolve().parent
+    return [str(here / name) for name in _file_names()]
 
-    ``target/release`` then ``target/debug`` of every directory above this
+
+def _in_tree() -> List[str]:
+    """``target/release`` then ``target/debug`` of every directory above this
     package that holds a ``Cargo.toml`` (the repository root when the
-    package is used from a checkout; of those that exist, the most
-    recently built is loaded), then what
-    ``ctypes.util.find_library("ascend_pd")`` finds.
-    """
+    package is used from a checkout)."""
     found: List[str] = []
     here = Path(__file__).resolve().parent
     for d in [here, *here.parents]:
@@ -234,6 +255,18 @@ def candidates() -> List[str]:
     return found
 
 
+def candidates() -> List[str]:
+    """The paths tried, in order, when ``ASCEND_PD_LIB`` is not set.
+
+    The library shipped inside this package (``pip install ./python``
+    builds it), then ``target/release`` and ``target/debug`` of the
+    repository this package sits in, for in-tree development (of those
+    that exist, the most recently built is loaded); after these, what
+    ``ctypes.util.find_library("ascend_pd")`` finds.
+    """
+    return _shipped() + _in_tree()
+
+
 def _locate() -> str:
     env = os.environ.get(ENV_LIB)
     if env:
@@ -241,14 +274,18 @@ def _locate() -> str:
             raise LibraryLoadError(
                 f"{ENV_LIB} is {env!r}, which is not a file. Set it to the full path of "
                 "libascend_pd.so (built by `cargo build --lib` in target/debug or "
-                "target/release), or unset it to search the repository's target directory."
+                "target/release), or unset it to use the library installed with the "
+                "package or the repository's target directory."
             )
         return env
-    tried = candidates()
+    for shipped in _shipped():
+        if os.path.isfile(shipped):
+            return shipped
     # Both profiles may be built, one of them stale: take the newest.
-    built = [p for p in tried if os.path.isfile(p)]
+    built = [p for p in _in_tree() if os.path.isfile(p)]
     if built:
         return max(built, key=lambda p: os.stat(p).st_mtime)
+    tried = candidates()
     system = ctypes.util.find_library("ascend_pd")
     if system:
         return system
@@ -320,7 +357,10 @@ def lib() -> ctypes.CDLL:
 
 
 def library_path() -> str:
-    """The path of the loaded library (loading it if needed)."""
+    """The path of the library in use: the file loaded (loading it if needed).
+
+    Found through ``ASCEND_PD_LIB``, else in the order of :func:`candidates`.
+    """
     lib()
     assert _path is not None
     return _path

@@ -57,6 +57,67 @@ def main():
     )
     expect("wrong tensor count", apd.KVCacheError, "3 tensor(s)", lambda: apd.KVCache(tensors[:3], **geometry))
     cache = apd.KVCache(tensors, **geometry)
+    # A strided cache: vLLM's CPU layout, one [blocks, heads, block_size,
+    # 2 * head_size] tensor per layer; per (block, head) a cell of K's
+    # elements transposed (e * block_size + t), then V's token-major.
+    layer_tensors = [np.zeros((8, 2, 4, 2 * 16), np.float16) for _ in range(2)]
+    region = 4 * 16 * 2  # K's (or V's) part of a (block, head) cell, in bytes
+    planes = []
+    for t in layer_tensors:
+        base = t.__array_interface__["data"][0]
+        planes += [(base, t.nbytes), (base + region, t.nbytes - region)]
+    k_strides = (2 * 2 * region, 2, 2 * region, 4 * 2)  # block, token, head, element
+    v_strides = (2 * 2 * region, 16 * 2, 2 * region)  # a head's elements contiguous
+    cpu = dict(geometry, dtype="float16", strides=[k_strides, v_strides], num_heads=2)
+    strided = apd.KVCache(planes, **cpu)
+    want = ([(512, 2, 256, 8), (512, 32, 256, 2)], 2, 16)
+    if (strided.strides, strided.num_heads, strided.head_size) != want:
+        print(f"FAIL strided cache geometry {strided.strides!r}", file=sys.stderr)
+        failures_add()
+    else:
+        print("ok   strided cache wrapped: vLLM's CPU layout, K and V strides")
+    strided.close()
+    # vLLM-Ascend's per-layer K and V as one 3-tuple shared by both planes.
+    shared = apd.KVCache(tensors, **dict(geometry, strides=(4 * 32 * 2, 32 * 2, 16 * 2), head_size=16))
+    if shared.strides != [(256, 64, 32, 2)] * 2:
+        print(f"FAIL shared strides {shared.strides!r}", file=sys.stderr)
+        failures_add()
+    else:
+        print("ok   strided cache wrapped: one 3-tuple shared by K and V")
+    shared.close()
+    shifted = [planes[0], (planes[0][0] + 2, planes[1][1]), planes[2], planes[3]]
+    expect("strided: K and V share bytes", apd.KVCacheError, "overlap", lambda: apd.KVCache(shifted, **cpu))
+    expect(
+        "strided: K's elements alias",
+        apd.KVCacheError,
+        "K plane: elem_stride 4 is smaller than the 8 bytes spanned by the dimensions of smaller "
+        "stride (one element, token_stride)",
+        lambda: apd.KVCache(planes, **dict(cpu, strides=[(512, 2, 256, 4), v_strides])),
+    )
+    expect(
+        "strided: unaligned stride",
+        apd.KVCacheError,
+        "V plane: token_stride 3 is not a multiple",
+        lambda: apd.KVCache(planes, **dict(cpu, strides=[k_strides, (512, 3, 256)])),
+    )
+    expect(
+        "strided: no head count",
+        apd.InvalidArgument,
+        "num_heads=",
+        lambda: apd.KVCache(planes, **dict(cpu, num_heads=None)),
+    )
+    expect(
+        "strided: not three or four strides",
+        apd.InvalidArgument,
+        "(block_stride, token_stride, head_stride)",
+        lambda: apd.KVCache(planes, **dict(cpu, strides=(512, 32))),
+    )
+    expect(
+        "strided: one entry per plane",
+        apd.InvalidArgument,
+        "strides has 3 entries: pass one per plane of a layer (2: K's, then V's)",
+        lambda: apd.KVCache(planes, **dict(cpu, strides=[k_strides, v_strides, v_strides])),
+    )
     receiver = apd.Receiver(cfg)
     start = receiver.pool_stats()
     keys = ["py-a@0", "py-a@1"]
