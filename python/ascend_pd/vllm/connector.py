@@ -1,0 +1,221 @@
+"""``AscendPDConnector``: ascend-pd as a vLLM KV connector (``KVConnectorBase_V1``).
+
+A thin facade: vLLM builds one instance in the scheduler process
+(``role=SCHEDULER``) and one in each worker (``role=WORKER``); each
+delegates to :class:`~ascend_pd.vllm.scheduler.ConnectorScheduler` or
+:class:`~ascend_pd.vllm.worker.ConnectorWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from . import settings as settings_mod
+from .keys import model_tag
+from .layout import describe
+from .metadata import AscendPDConnectorMetadata
+from .scheduler import ConnectorScheduler
+from .settings import DTYPES, ModelShape
+from .stats import TransferStats
+from .worker import ConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("vllm.ascend_pd")
+
+
+def _model_shape(vllm_config: Any, tp_rank: int) -> ModelShape:
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
+    dtype = str(mc.dtype) if cache_dtype == "auto" else cache_dtype
+    if dtype not in DTYPES:
+        raise settings_mod._err(
+            f"KV cache dtype {dtype} is not one ascend-pd moves: use float16, bfloat16 or float32 "
+            "(--kv-cache-dtype auto with one of those --dtype)"
+        )
+    use_mla = bool(getattr(mc, "use_mla", False))
+    served = mc.served_model_name
+    return ModelShape(
+        layers=int(mc.get_num_layers(pc)),
+        num_heads=1 if use_mla else int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        dtype=DTYPES[dtype],
+        use_mla=use_mla,
+        tp_size=int(pc.tensor_parallel_size),
+        tp_rank=int(tp_rank),
+        model=str(served[0] if isinstance(served, (list, tuple)) else served),
+    )
+
+
+def _tag(vllm_config: Any, shape: ModelShape, chunk_size: int) -> str:
+    """What both sides must share for their chunks to be interchangeable:
+    the served model name, its layers, total KV heads, head size, dtype,
+    MLA, and the chunk size (not the TP layout: under heterogeneous TP each
+    rank carries its heads under the same keys)."""
+    mc = vllm_config.model_config
+    heads = 1 if shape.use_mla else int(mc.get_total_num_kv_heads())
+    return model_tag(shape.model, shape.layers, heads, shape.head_size, shape.dtype, shape.use_mla, chunk_size)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def _layer_order(name: str) -> Tuple[int, str]:
+    m = _LAYER_INDEX.search(name)
+    return (int(m.group(1)) if m else 1 << 30, name)
+
+
+class AscendPDConnector(KVConnectorBase_V1):
+    """Moves a request's prompt KV from a prefill vLLM to a decode vLLM
+    through ascend-pd (push, pull-eager or pull-delay, as the YAML says)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "Optional[KVCacheConfig]" = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self._settings = settings_mod.load(ktc.kv_role, dict(ktc.kv_connector_extra_config or {}))
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: Optional[ConnectorScheduler] = None
+        self._worker: Optional[ConnectorWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            shape = _model_shape(vllm_config, 0)
+            settings_mod.check_model_keys(self._settings, shape)
+            self._scheduler = ConnectorScheduler(
+                self._settings, _tag(vllm_config, shape, self._settings.chunk_size), self._block_size
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            shape = _model_shape(vllm_config, get_tensor_model_parallel_rank())
+            settings_mod.check_model_keys(self._settings, shape)
+            self._worker = ConnectorWorker(self._settings, shape)
+
+    # ------------------------------------------------------------ scheduler
+
+    def _sched(self) -> ConnectorScheduler:
+        assert self._scheduler is not None, "called on a worker-side connector"
+        return self._scheduler
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = self._kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._sched().request_finished(request, block_ids)
+
+    # --------------------------------------------------------------- worker
+
+    def _work(self) -> ConnectorWorker:
+        assert self._worker is not None, "called on a scheduler-side connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        worker = self._work()
+        names = sorted(kv_caches, key=_layer_order)
+        sfc = self._vllm_config.compilation_config.static_forward_context
+        backends, isas = set(), set()
+        for n in names:
+            layer = sfc.get(n)
+            backend = getattr(layer, "attn_backend", None)
+            backends.add(backend.get_name() if backend is not None else "")
+            isas.add(getattr(layer, "isa", None))
+        if len(backends) != 1:
+            raise settings_mod._err(f"layers use different attention backends {sorted(backends)}: not supported")
+        backend = backends.pop()
+        isa = isas.pop() if len(isas) == 1 else "mixed"
+        first = kv_caches[names[0]]
+        if backend == "CPU_ATTN" and isa is None and not isinstance(first, (tuple, list)):
+            # The kernel the CPU backend picks decides its cache's interior.
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(first.dtype, int(first.shape[2]), worker.shape.head_size)
+        layout = describe(
+            [kv_caches[n] for n in names],
+            backend,
+            worker.shape.num_heads,
+            worker.shape.head_size,
+            worker.shape.use_mla,
+            isa=isa,
+        )
+        if layout.layers != worker.shape.layers:
+            raise settings_mod._err(
+                f"vLLM registered {layout.layers} KV cache layers but the model has {worker.shape.layers}"
+            )
+        worker.start(layout)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, AscendPDConnectorMetadata):
+            self._work().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AscendPDConnectorMetadata)
+        if self._work().receiver is not None:
+            self._work().start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish before their request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole-request saves run from wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AscendPDConnectorMetadata)
+        if meta.saves and self._work().sender is not None:
+            self._work().wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        return self._work().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._work().take_failed_recving(),
+        )
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._work().take_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[TransferStats]:
+        if self._worker is None:
+            return None
+        return self._worker.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[TransferStats]:
+        return TransferStats(data) if data is not None else TransferStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,403 @@
+"""The worker half: one per TP rank. Owns this rank's sender and/or
+receiver and the engine's wrapped KV cache, submits saves and loads, and
+reports what finished. Nothing here waits on the network: the library runs
+saves and loads on its own threads and this side polls."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+from .._config import Config
+from .._errors import Busy
+from .._kv import KVCache
+from .._workers import Completion, Receiver, Sender
+from .layout import CacheLayout
+from .metadata import AscendPDConnectorMetadata, LoadSpec, SaveSpec
+from .settings import ConnectorSettings, ModelShape
+from .stats import TransferStats
+
+log = logging.getLogger("vllm.ascend_pd")
+
+#: If set, each rank appends one JSON line per finished save or load (and
+#: its pools' counters) to this file: what a test or an operator reads to
+#: see what moved. ``{rank}`` in it is replaced by the TP rank.
+ENV_EVENTS = "ASCEND_PD_VLLM_EVENTS"
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Runs the body with this thread allowed on every CPU of the process.
+
+    vLLM's CPU worker pins its thread to the cores its OpenMP threads own
+    and keeps them busy; threads the library starts inherit the pin, and
+    on a small host they then wait behind the engine's own spinning for
+    seconds at a time. Started unpinned, they run wherever a core is free.
+    """
+    getter = getattr(os, "sched_getaffinity", None)
+    setter = getattr(os, "sched_setaffinity", None)
+    if getter is None or setter is None:
+        yield
+        return
+    before = getter(0)
+    try:
+        everything = set(range(os.cpu_count() or 1))
+        try:
+            setter(0, everything)
+        except OSError:
+            pass
+        yield
+    finally:
+        try:
+            setter(0, before)
+        except OSError:
+            pass
+
+
+def _route_library_logs() -> None:
+    """The library's records go to vLLM's logging as ``vllm.ascend_pd.lib``
+    (warnings and errors; ``ASCEND_PD_LOG=info|debug|trace`` for more)."""
+    from .._log import PY_LEVELS, set_log_callback
+
+    lib_log = logging.getLogger("vllm.ascend_pd.lib")
+    names = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
+             "debug": logging.DEBUG, "trace": logging.NOTSET}
+    level = names.get(os.environ.get("ASCEND_PD_LOG", "warning").lower(), logging.WARNING)
+    if level < logging.WARNING:
+        lib_log.setLevel(max(level, logging.DEBUG))
+
+    def emit(lvl: int, target: str, message: str) -> None:
+        lib_log.log(PY_LEVELS.get(lvl, logging.DEBUG), "%s: %s", target, message)
+
+    try:
+        set_log_callback(emit, level=level)
+    except Exception as e:  # the process already has a Rust logger
+        log.debug("ascend-pd library logs not routed: %s", e)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    deadline: float
+    submitted_at: Optional[float] = None
+    received_at: float = 0.0
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    submitted_at: Optional[float] = None
+
+
+@dataclass
+class WorkerState:
+    """What the worker tracks between steps (exposed for tests)."""
+
+    waiting_loads: Dict[str, _Load] = field(default_factory=dict)
+    running_loads: Dict[str, _Load] = field(default_factory=dict)
+    queued_saves: List[_Save] = field(default_factory=list)
+    running_saves: Dict[str, _Save] = field(default_factory=dict)
+    #: Saves that ended, waiting for vLLM to say their request finished.
+    ended_saves: Set[str] = field(default_factory=set)
+    #: Requests vLLM said finished whose save has not ended yet.
+    finished_reqs: Set[str] = field(default_factory=set)
+    #: Loads cancelled because vLLM aborted their request.
+    aborted: Set[str] = field(default_factory=set)
+
+
+class ConnectorWorker:
+    """Worker-side logic of :class:`~ascend_pd.vllm.AscendPDConnector`."""
+
+    def __init__(self, settings: ConnectorSettings, shape: ModelShape) -> None:
+        self.settings = settings
+        self.shape = shape
+        self.rank = shape.tp_rank
+        self.cache: Optional[KVCache] = None
+        self.sender: Optional[Sender] = None
+        self.receiver: Optional[Receiver] = None
+        self.state = WorkerState()
+        self.stats = TransferStats()
+        self._load_errors: Set[int] = set()
+        self._failed_recving: Set[str] = set()
+        self._token_bytes = 0
+        #: Loads that ended without running (refused, or aborted while
+        #: waiting for their keys), reported at the next get_finished.
+        self._recv_ended: Set[str] = set()
+        self._layout: Optional[CacheLayout] = None
+        self._last_pools: Dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- set-up
+
+    def start(self, layout: CacheLayout) -> None:
+        """Wraps the engine's cache and starts this rank's sender/receiver."""
+        _route_library_logs()
+        stream: Any = None
+        if layout.device >= 0:
+            # On an NPU our copies queue on the engine's stream, behind the
+            # kernels that write the KV (torch_npu provides torch.npu).
+            import torch
+
+            npu = getattr(torch, "npu", None)
+            stream = npu.current_stream() if npu is not None else None
+        self.cache = KVCache(
+            [p for p in layout.planes],
+            fmt=layout.fmt,
+            dtype=layout.dtype,
+            layers=layout.layers,
+            num_blocks=layout.num_blocks,
+            block_size=layout.block_size,
+            hidden=layout.hidden,
+            device=layout.device,
+            strides=list(layout.strides),
+            num_heads=layout.num_heads,
+            head_size=layout.head_size,
+            stream=stream,
+        )
+        # The cache holds addresses into the engine's tensors: keep them alive.
+        self._layout = layout
+        planes = 1 if layout.fmt == "mla" else 2
+        es = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}[layout.dtype]
+        self._token_bytes = planes * layout.layers * layout.hidden * es
+        with _unpinned():
+            if self.settings.pd_role in ("sender", "both"):
+                with Config.from_yaml(self.settings.role_yaml("sender", self.shape)) as cfg:
+                    self.sender = Sender(cfg, rank=self.rank)
+            if self.settings.pd_role in ("receiver", "both"):
+                with Config.from_yaml(self.settings.role_yaml("receiver", self.shape)) as cfg:
+                    self.receiver = Receiver(cfg, rank=self.rank)
+        log.info(
+            "ascend-pd connector rank %d: %s, %s mode, cache %d layers x %d blocks x %d tokens, "
+            "%d heads x %d (%s), plane strides (block, token, head, element) %s bytes",
+            self.rank, self.settings.pd_role, self.settings.mode, layout.layers, layout.num_blocks,
+            layout.block_size, layout.num_heads, layout.head_size, layout.dtype,
+            list(layout.strides),
+        )
+
+    def close(self) -> None:
+        """Stops the sender and receiver (saves in flight finish first)."""
+        for w in (self.sender, self.receiver):
+            if w is not None:
+                w.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    # ------------------------------------------------------------------ step
+
+    def start_load_kv(self, meta: AscendPDConnectorMetadata) -> None:
+        """Takes the step's loads and cancels; submits what can start."""
+        now = time.monotonic()
+        for spec in meta.loads:
+            self.state.waiting_loads[spec.req_id] = _Load(spec, now + self.settings.load_timeout_s, received_at=now)
+        for req_id, keys in meta.cancels:
+            self._cancel_load(req_id, keys)
+        for req_id, keys in meta.drops:
+            self._drop_keys(LoadSpec(req_id, keys, (), ()))
+        self._submit_loads(now)
+
+    def wait_for_save(self, meta: AscendPDConnectorMetadata) -> None:
+        """Queues the step's saves (their KV was written by this step's forward)."""
+        for spec in meta.saves:
+            self.state.queued_saves.append(_Save(spec))
+        self._submit_saves()
+
+    def handle_preemptions(self, meta: AscendPDConnectorMetadata, timeout_s: float = 60.0) -> None:
+        """vLLM preempted these requests and may reuse their blocks: a save
+        not started is dropped, a running one is waited for (its gather may
+        still read the blocks)."""
+        if self.sender is None or not meta.preempted:
+            return
+        preempted = set(meta.preempted)
+        for save in [q for q in self.state.queued_saves if q.spec.req_id in preempted]:
+            self.state.queued_saves.remove(save)
+            self.state.ended_saves.add(save.spec.req_id)
+            log.warning("ascend-pd: request %s preempted before its save started; not saved", save.spec.req_id)
+        waiting = preempted & set(self.state.running_saves)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for c in self.sender.poll():
+                self._save_ended(c)
+                waiting.discard(c.req_id)
+            if waiting:
+                time.sleep(0.001)
+        if waiting:
+            raise RuntimeError(
+                f"ascend-pd: the saves of preempted requests {sorted(waiting)} did not end within "
+                f"{timeout_s}s; their blocks cannot be handed back safely"
+            )
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """The requests whose save or load ended since the last call."""
+        sending: Set[str] = set()
+        recving: Set[str] = set()
+        if self.sender is not None:
+            self._submit_saves()
+            for c in self.sender.poll():
+                self._save_ended(c)
+            self.state.finished_reqs |= finished_req_ids & self._known_saves()
+            sending = self.state.ended_saves & self.state.finished_reqs
+            self.state.ended_saves -= sending
+            self.state.finished_reqs -= sending
+        if self.receiver is not None:
+            now = time.monotonic()
+            self._submit_loads(now)
+            recving |= self._recv_ended
+            self._recv_ended = set()
+            for c in self.receiver.poll():
+                load = self.state.running_loads.pop(c.req_id, None)
+                if load is None:
+                    continue
+                recving.add(c.req_id)
+                loaded = sum(1 for s in load.spec.slots if s >= 0)
+                self._event(
+                    event="load", req_id=c.req_id, status=c.status, tokens=loaded, message=c.message,
+                    # Seconds waiting for the KV to arrive, then loading it.
+                    wait_s=round((load.submitted_at or now) - load.received_at, 6),
+                    load_s=round(now - (load.submitted_at or now), 6),
+                )
+                if c.req_id in self.state.aborted:
+                    self.state.aborted.discard(c.req_id)
+                    continue
+                took = now - (load.submitted_at or now)
+                if c.status == "done":
+                    self.stats.record("load", loaded * self._token_bytes, took, tokens=loaded)
+                else:
+                    self._fail(load, f"{c.status}: {c.message}")
+            for req_id in list(self.state.waiting_loads):
+                load = self.state.waiting_loads[req_id]
+                if now >= load.deadline:
+                    del self.state.waiting_loads[req_id]
+                    recving.add(req_id)
+                    why = f"its KV did not arrive within load_timeout_s={self.settings.load_timeout_s}"
+                    self._event(event="load", req_id=req_id, status="timeout", tokens=0, message=why)
+                    self._fail(load, why)
+                    self._drop_keys(load.spec)
+        if os.environ.get(ENV_EVENTS):
+            pools = self.pool_stats()
+            if pools != self._last_pools:
+                self._last_pools = pools
+                self._event(event="pools")
+        return (sending or None), (recving or None)
+
+    def take_failed_recving(self) -> Set[str]:
+        """Requests whose load failed since the last call."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
+    def take_load_errors(self) -> Set[int]:
+        """Blocks a failed load was to write, since the last call."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def pool_stats(self) -> Dict[str, Any]:
+        """This rank's pool counters (sender and/or receiver)."""
+        out: Dict[str, Any] = {}
+        if self.sender is not None:
+            out["sender"] = self.sender.pool_stats()._asdict()
+        if self.receiver is not None:
+            out["receiver"] = self.receiver.pool_stats()._asdict()
+        return out
+
+    # -------------------------------------------------------------- internal
+
+    def _event(self, **fields: Any) -> None:
+        path = os.environ.get(ENV_EVENTS)
+        if not path:
+            return
+        fields["rank"] = self.rank
+        fields["t"] = time.time()
+        fields["pools"] = self.pool_stats()
+        with open(path.replace("{rank}", str(self.rank)), "a", encoding="utf-8") as f:
+            f.write(json.dumps(fields) + "\n")
+
+    def _save_ended(self, c: Completion) -> None:
+        save = self.state.running_saves.pop(c.req_id, None)
+        n = len(save.spec.slots) if save is not None else 0
+        took = time.monotonic() - save.submitted_at if save is not None and save.submitted_at else 0.0
+        self._event(event="save", req_id=c.req_id, status=c.status, tokens=n, message=c.message,
+                    save_s=round(took, 6))
+        if c.status == "done":
+            self.stats.record("save", n * self._token_bytes, took)
+        else:
+            self.stats.record_failure("save")
+            log.warning("ascend-pd save of %s %s: %s", c.req_id, c.status, c.message)
+        self.state.ended_saves.add(c.req_id)
+
+    def _known_saves(self) -> Set[str]:
+        known = {s.spec.req_id for s in self.state.queued_saves}
+        known |= set(self.state.running_saves)
+        known |= self.state.ended_saves
+        return known
+
+    def _submit_saves(self) -> None:
+        assert self.sender is not None and self.cache is not None
+        while self.state.queued_saves:
+            save = self.state.queued_saves[0]
+            s = save.spec
+            try:
+                self.sender.submit_save(
+                    s.req_id, list(s.keys), self.cache, list(s.slots), s.to.host,
+                    list(s.to.init_ports), list(s.to.alloc_ports), is_last_prefill=False,
+                )
+            except Busy:
+                return  # the queue is full: retried next step
+            except Exception as e:  # refused: the request's blocks may go
+                log.error("ascend-pd save of %s refused: %s", s.req_id, e)
+                self.stats.record_failure("save")
+                self.state.queued_saves.pop(0)
+                self.state.ended_saves.add(s.req_id)
+                continue
+            save.submitted_at = time.monotonic()
+            self.state.queued_saves.pop(0)
+            self.state.running_saves[s.req_id] = save
+
+    def _submit_loads(self, now: float) -> None:
+        assert self.receiver is not None and self.cache is not None
+        for req_id in list(self.state.waiting_loads):
+            load = self.state.waiting_loads[req_id]
+            s = load.spec
+            if not self.receiver.available(list(s.keys)):
+                continue
+            try:
+                self.receiver.submit_load(req_id, list(s.keys), self.cache, list(s.slots))
+            except Busy:
+                return
+            except Exception as e:
+                del self.state.waiting_loads[req_id]
+                self._fail(load, f"refused: {e}")
+                self._drop_keys(s)
+                self._recv_ended.add(req_id)
+                continue
+            load.submitted_at = now
+            del self.state.waiting_loads[req_id]
+            self.state.running_loads[req_id] = load
+
+    def _fail(self, load: _Load, why: str) -> None:
+        log.warning("ascend-pd load of %s failed (%s); vLLM recomputes its %d block(s)",
+                    load.spec.req_id, why, len(load.spec.block_ids))
+        self.stats.record_failure("load")
+        self._failed_recving.add(load.spec.req_id)
+        self._load_errors.update(load.spec.block_ids)
+
+    def _drop_keys(self, spec: LoadSpec) -> None:
+        """Frees whatever of ``spec``'s keys arrived (or arrive later)."""
+        assert self.receiver is not None
+        try:
+            self.receiver.cancel(spec.req_id, list(spec.keys))
+        except Exception as e:
+            log.warning("ascend-pd cancel of %s: %s", spec.req_id, e)
+
+    def _cancel_load(self, req_id: str, keys: Tuple[str, ...]) -> None:
+        if req_id in self.state.waiting_loads:
+            load = self.state.waiting_loads.pop(req_id)
+            self._drop_keys(load.spec)
+            self._recv_ended.add(req_id)
+            return
+        if req_id in self.state.running_loads:
+            self.state.aborted.add(req_id)
+            assert self.receiver is not None
+            self.receiver.cancel(req_id, list(keys))

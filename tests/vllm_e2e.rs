@@ -1,0 +1,98 @@
+//! ascend-pd as vLLM's KV connector, proven with real vLLM engines.
+//!
+//! Builds (once; reused while `tests/vllm/setup-venv.sh` is unchanged) a
+//! project-local Python environment `.venv-vllm` with vLLM's CPU build,
+//! installs this checkout's Python package into it with `pip install
+//! ./python` (which builds the library with cargo and ships it inside the
+//! package), then runs `tests/vllm/test_e2e.py` (prefill and decode engines
+//! in separate processes, `vllm serve` behind `python -m ascend_pd.proxy`,
+//! a killed prefill) and the proxy's own tests under pytest.
+//!
+//! Nothing is skipped: a missing python3 (or its venv module) fails the
+//! test with the command that installs it. Takes several minutes: each
+//! engine needs about half a minute to start on two cores.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run(what: &str, cmd: &mut Command) {
+    eprintln!("vllm e2e: {what}: {cmd:?}");
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
+    assert!(status.success(), "{what} failed ({status}): {cmd:?}");
+}
+
+fn venv() -> PathBuf {
+    std::env::var_os("ASCEND_PD_VLLM_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv-vllm"))
+}
+
+#[test]
+fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
+    let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_venv = Command::new(&py)
+        .args(["-c", "import venv, ensurepip"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_venv,
+        "{py} with its venv module is needed to build the vLLM test environment: \
+         `apt-get install python3 python3-venv` (or set PYTHON)"
+    );
+    let root = root();
+    let venv = venv();
+    run(
+        "build the vLLM test environment",
+        Command::new("bash")
+            .arg(root.join("tests/vllm/setup-venv.sh"))
+            .env("ASCEND_PD_VLLM_VENV", &venv),
+    );
+    let vpy = venv.join("bin/python");
+    // This checkout's package, as a user installs it.
+    run(
+        "pip install ./python",
+        Command::new(&vpy)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--force-reinstall",
+            ])
+            .arg(root.join("python"))
+            .env_remove("ASCEND_PD_LIB"),
+    );
+    let logs = std::env::temp_dir().join(format!("apd-vllm-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let results = logs.join("results.json");
+    run(
+        "pytest tests/vllm tests/python/test_proxy.py",
+        Command::new(&vpy)
+            .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"])
+            .arg(root.join("tests/vllm/test_e2e.py"))
+            .arg(root.join("tests/python/test_proxy.py"))
+            .current_dir(root.join("tests/vllm"))
+            // The installed package, not the source tree or a stray library.
+            .env_remove("ASCEND_PD_LIB")
+            .env_remove("PYTHONPATH")
+            .env("APD_VLLM_LOG_DIR", &logs)
+            .env("APD_VLLM_RESULTS", &results),
+    );
+    let report = std::fs::read_to_string(&results).unwrap_or_default();
+    eprintln!("vllm e2e results ({}):\n{report}", results.display());
+    for mode in ["push", "pull-eager", "pull-delay", "fault", "serve"] {
+        assert!(
+            report.contains(&format!("\"{mode}\"")),
+            "no result for {mode} in {}",
+            results.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(Path::new(&logs));
+}
