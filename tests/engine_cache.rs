@@ -13,14 +13,14 @@ use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::DualStats;
 use ascend_pd::requests::{
-    Availability, CancelState, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
+    Availability, CancelState, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
     SharedKvCache,
 };
 use ascend_pd::{Receiver, Sender};
 use ascend_sys::{Device, DeviceBuffer, Stream};
 use common::*;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn device() -> Device {
     let dir = ascend_emu::install_dir().expect("the emulator is built as a dev-dependency");
@@ -75,16 +75,6 @@ fn settled(s: &DualStats) -> bool {
         .into_iter()
         .flatten()
         .all(|p| p.free == p.total && p.pinned == 0 && p.quarantined == 0)
-}
-
-fn poll_until(f: impl Fn() -> Vec<Completion>, n: usize) -> Vec<Completion> {
-    let end = Instant::now() + Duration::from_secs(60);
-    let mut got = Vec::new();
-    while got.len() < n && Instant::now() < end {
-        got.extend(f());
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    got
 }
 
 fn run(ch: ChannelKind, mode: TransferMode, offload: bool) {

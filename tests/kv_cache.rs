@@ -16,13 +16,12 @@ use ascend_pd::memory::{
     RegisteredBuffer,
 };
 use ascend_pd::requests::{
-    Availability, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
-    SharedKvCache,
+    Availability, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest, SharedKvCache,
 };
 use ascend_pd::{LoadOptions, Receiver, Sender};
-use common::{eventually, receiver_config, sender_config, spec_for};
+use common::{eventually, poll_until, receiver_config, sender_config, spec_for};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn layout(fmt: MemFormat) -> ChunkLayout {
     ChunkLayout {
@@ -459,16 +458,6 @@ fn counters(s: &DualStats) -> Vec<[usize; 5]> {
         .flatten()
         .map(|p| [p.total, p.free, p.allocated, p.pinned, p.quarantined])
         .collect()
-}
-
-fn poll_until(f: impl Fn() -> Vec<Completion>, n: usize) -> Vec<Completion> {
-    let end = Instant::now() + Duration::from_secs(60);
-    let mut got = Vec::new();
-    while got.len() < n && Instant::now() < end {
-        got.extend(f());
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    got
 }
 
 /// How the decode side loads.

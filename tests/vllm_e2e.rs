@@ -4,7 +4,9 @@
 //! project-local Python environment `.venv-vllm` with vLLM's CPU build,
 //! installs this checkout's Python package into it with `pip install
 //! ./python` (which builds the library with cargo and ships it inside the
-//! package), then runs `tests/vllm/test_e2e.py` (prefill and decode engines
+//! package), then runs `tests/vllm/test_units.py` (the connector's pieces,
+//! the KV layouts against vLLM's own CPU kernel) and
+//! `tests/vllm/test_e2e.py` (prefill and decode engines
 //! in separate processes, `vllm serve` behind `python -m ascend_pd.proxy`,
 //! a killed prefill) and the proxy's own tests under pytest.
 //!
@@ -76,6 +78,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "pytest tests/vllm tests/python/test_proxy.py",
         Command::new(&vpy)
             .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"])
+            .arg(root.join("tests/vllm/test_units.py"))
             .arg(root.join("tests/vllm/test_e2e.py"))
             .arg(root.join("tests/python/test_proxy.py"))
             .current_dir(root.join("tests/vllm"))

@@ -232,3 +232,18 @@ pub fn npu_tensors(
         .collect();
     (tensors, refs)
 }
+
+/// Polls `f` until it has returned `n` completions in all, or 60 s passed;
+/// returns what it got.
+pub fn poll_until(
+    f: impl Fn() -> Vec<ascend_pd::requests::Completion>,
+    n: usize,
+) -> Vec<ascend_pd::requests::Completion> {
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    let mut got = Vec::new();
+    while got.len() < n && std::time::Instant::now() < end {
+        got.extend(f());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    got
+}

@@ -101,6 +101,22 @@ def test_unknown_layouts_are_refused_by_name() -> None:
         describe([torch.zeros(2, 2, 32, 128)], "CPU_ATTN", 2, 64, False, isa="amx")
 
 
+def test_stacked_and_permuted_and_mla_layouts_read_their_strides() -> None:
+    es = 4
+    # Stacked [2, num_blocks, block_size, heads, head] (NHD).
+    t = torch.zeros(2, 8, 16, 2, 64)
+    lay = describe([t, torch.zeros_like(t)], "FLASH_ATTN", 2, 64, False)
+    assert lay.planes[1][0] - lay.planes[0][0] == 8 * 16 * 2 * 64 * es
+    assert lay.strides == ((16 * 128 * es, 128 * es, 64 * es, es),) * 2
+    # The same logical shape with heads outside tokens (HND) is read, not assumed.
+    hnd = torch.zeros(2, 8, 2, 16, 64).permute(0, 1, 3, 2, 4)
+    lay = describe([hnd], "FLASH_ATTN", 2, 64, False)
+    assert lay.strides[0] == (2 * 16 * 64 * es, 64 * es, 16 * 64 * es, es)
+    # MLA: one latent plane per layer.
+    lay = describe([torch.zeros(8, 16, 576)], "MLA", 1, 576, True)
+    assert lay.fmt == "mla" and len(lay.planes) == 1 and lay.num_heads == 1 and lay.head_size == 576
+
+
 # ------------------------------------------------------- layouts, for real
 
 NB, H, BS, HS, L = 6, 2, 128, 64, 3
@@ -180,6 +196,45 @@ def test_cpu_attention_cache_written_by_vllms_kernel_lands_in_a_vllm_ascend_cach
         while not (rx.pool_stats().free == rx.pool_stats().total and tx.pool_stats().free == tx.pool_stats().total):
             assert time.monotonic() < deadline, (rx.pool_stats(), tx.pool_stats())
             time.sleep(0.01)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_permuted_stacked_cache_lands_in_the_cpu_backends_cache() -> None:
+    """From a GPU-style stacked cache with heads outside tokens (HND, read
+    off its strides) into the CPU backend's cache (K transposed): every
+    element lands where vLLM's CPU kernel reads it."""
+    n = 200
+    g = torch.Generator().manual_seed(5)
+    src_blocks, dst_blocks = [2, 5], [1, 3]
+    stacked = [torch.randn(2, NB, H, BS, HS, generator=g).permute(0, 1, 3, 2, 4) for _ in range(L)]
+    cpu = [torch.full((NB, H, BS, 2 * HS), 7.0) for _ in range(L)]
+    rx, tx, init, alloc = _pair("shm")
+    try:
+        lay = describe(stacked, "FLASH_ATTN", H, HS, False)
+        src = KVCache(list(lay.planes), fmt="kv", dtype=lay.dtype, layers=lay.layers, num_blocks=lay.num_blocks,
+                      block_size=lay.block_size, hidden=lay.hidden, strides=list(lay.strides),
+                      num_heads=lay.num_heads, head_size=lay.head_size)
+        dst = _wrap(cpu, "CPU_ATTN")
+        ks = ["x"]
+        tx.submit_save("s", ks, src, [src_blocks[t // BS] * BS + t % BS for t in range(n)],
+                       "127.0.0.1", init, alloc, is_last_prefill=False)
+        assert [c.status for c in _wait(tx.poll)] == ["done"]
+        while not rx.available(ks):
+            time.sleep(0.005)
+        rx.submit_load("s", ks, dst, [dst_blocks[t // BS] * BS + t % BS for t in range(n)])
+        assert [c.status for c in _wait(rx.poll)] == ["done"]
+        for layer in range(L):
+            cell = cpu[layer].view(NB, H, 2 * BS * HS)
+            for t in range(n):
+                sb, db, o = src_blocks[t // BS], dst_blocks[t // BS], t % BS
+                for h in range(H):
+                    k_want = stacked[layer][0, sb, o, h]
+                    v_want = stacked[layer][1, sb, o, h]
+                    k_got = cell[db, h, : BS * HS].view(HS, BS)[:, o]  # K transposed
+                    v_got = cell[db, h, BS * HS :].view(BS, HS)[o]
+                    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want), (layer, t, h)
     finally:
         tx.close()
         rx.close()

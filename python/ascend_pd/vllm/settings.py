@@ -23,17 +23,6 @@ from .. import _lib
 #: ``kv_role`` -> the ``pd_role`` it needs.
 ROLE_OF = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 
-#: Model keys the connector fills from vLLM.
-MODEL_KEYS = (
-    "kv_num_layers",
-    "kv_num_heads",
-    "kv_head_size",
-    "kv_hidden_size",
-    "kv_dtype",
-    "use_mla",
-    "tp_size",
-)
-
 #: Extra-config keys the connector reads (besides ``config``).
 EXTRA_KEYS = ("config", "load_timeout_s")
 
