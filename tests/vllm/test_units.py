@@ -238,3 +238,20 @@ def test_a_permuted_stacked_cache_lands_in_the_cpu_backends_cache() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def test_connector_stats_add_up_and_reduce_for_vllms_logger() -> None:
+    from ascend_pd.vllm.stats import TransferStats
+
+    a = TransferStats()
+    assert a.is_empty() and a.take() is None
+    a.record("load", 2 << 20, 0.010, tokens=300)
+    a.record("save", 1 << 20, 0.004)
+    a.record_failure("load")
+    b = TransferStats(a.take().data)  # type: ignore[union-attr]
+    assert a.is_empty()  # take() resets the interval
+    b.aggregate(TransferStats({"loads": 1, "load_bytes": 2 << 20, "load_s": 0.030, "load_tokens": 100}))
+    r = b.reduce()
+    assert r["loads"] == 2 and r["load_tokens"] == 400 and r["load_failures"] == 1
+    assert r["load_MiB"] == 4.0 and r["load_ms_avg"] == 20.0
+    assert r["saves"] == 1 and r["save_MiB"] == 1.0 and r["save_ms_avg"] == 4.0
