@@ -144,12 +144,14 @@ impl Shared {
         for g in core.take_grant_revokes() {
             self.channel.revoke(g);
         }
+        let mut freed = !grants.is_empty();
         for g in core.awaiting_quiescence() {
             if self.channel.is_quiescent(g) {
                 core.on_quiescent(g);
+                freed = true;
             }
         }
-        if !grants.is_empty() {
+        if freed {
             self.released.notify_all();
         }
     }
@@ -802,13 +804,16 @@ impl Sender {
         }
     }
 
-    /// Waits until no pull is pending (every Done arrived or the TTL released
-    /// it), up to `timeout`. Returns whether none is left.
+    /// Waits until no pull is pending (every Done arrived, or the TTL or
+    /// the receiver's end released it) and every page a pull pinned is
+    /// back, up to `timeout`. Returns whether none is left.
     pub fn drain(&self, timeout: Duration) -> bool {
         let s = &self.shared;
         let deadline = Instant::now() + timeout;
         let mut core = lock(&s.core);
-        while core.pulls_pending() > 0 {
+        // A pull released without its Done keeps its pages until its
+        // revoked grant is quiescent: wait for those too (the sweep settles them).
+        while !core.is_drained() {
             let now = Instant::now();
             if now >= deadline {
                 return false;
@@ -890,7 +895,14 @@ fn sweep_loop(s: &Shared) {
         std::thread::sleep(s.timeouts.sweep_every);
         let gone = s.channel.gone_peers();
         if !gone.is_empty() {
-            let ended = lock(&s.core).receivers_gone(&gone, Instant::now());
+            let ended = {
+                let mut core = lock(&s.core);
+                let ended = core.receivers_gone(&gone, Instant::now());
+                // Revoked, and freed if quiescent, under the same lock: a
+                // waiter that sees the pulls gone sees their pages back.
+                s.apply_releases(&mut core);
+                ended
+            };
             for (peer, pulls) in ended {
                 log::info!(
                     "receiver {peer} is gone (its process exited or it detached): attachment \

@@ -2990,3 +2990,54 @@ fn a_gone_receivers_pulls_are_released_and_the_next_put_attaches_again() {
     assert!(matches!(a, PutAction::Connect), "{a:?}");
     drop(p1);
 }
+
+/// CI soak finding: a receiver process killed before its Done left; the
+/// sweep released its pull (`receivers_gone`) and `Sender::drain`, which
+/// waited for no pull pending, returned while the pages still waited for
+/// their revoked grant to be quiescent: the soak found them out of the
+/// pool. The same holds for a pull that expires at its TTL. A sender is
+/// drained only once those pages are back.
+#[test]
+fn a_sender_is_drained_only_once_the_pages_of_released_pulls_are_back() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(8);
+    let mut sc = sender_core(TransferMode::PullDelay, &spool);
+    assert!(sc.is_drained());
+    let announce = |sc: &mut SenderCore, grant: u64, n: usize| {
+        let (mut p, _) = sc.begin_put(t0, spec("r"), keys(&["a", "b", "c"][..n]), alloc(&spool, n));
+        if sc.attached("r").is_none() {
+            sc.on_connected(&mut p, t0, Some(attached(t0)));
+        }
+        sc.on_granted(&mut p, t0, Some(GrantId(grant)));
+        let end = finish(sc.on_reply(&mut p, t0, Ok(ack(&[], false).encode())));
+        assert!(matches!(end.result, Ok(PutOutcome::Announced { .. })));
+    };
+
+    // The receiver's process is gone: its pull ends at once, its pages
+    // only when its grant, revoked, is quiescent.
+    announce(&mut sc, 3, 3);
+    assert_eq!(stats(&spool), (3, 3));
+    assert!(!sc.is_drained());
+    assert_eq!(sc.receivers_gone(&[attached(t0).peer], t0)[0].1, 1);
+    assert_eq!(sc.pulls_pending(), 0);
+    assert!(!sc.is_drained(), "the pages are still out of the pool");
+    assert_eq!(sc.take_grant_revokes(), vec![GrantId(3)]);
+    assert_eq!((stats(&spool), spool.stats().quarantined), ((3, 0), 3));
+    sc.on_quiescent(GrantId(3));
+    assert!(sc.is_drained());
+    assert_idle(&spool);
+
+    // A pull with no Done by its TTL: the same until the channel says
+    // nobody reads its pages any more.
+    announce(&mut sc, 4, 2);
+    assert!(sc.sweep(t0 + TTL - S).is_empty());
+    assert_eq!(sc.sweep(t0 + TTL).len(), 1);
+    assert_eq!(sc.pulls_pending(), 0);
+    assert!(!sc.is_drained(), "a read may still be served from them");
+    assert_eq!(sc.take_grant_revokes(), vec![GrantId(4)]);
+    assert_eq!(stats(&spool), (2, 0));
+    sc.on_quiescent(GrantId(4));
+    assert!(sc.is_drained());
+    assert_idle(&spool);
+}

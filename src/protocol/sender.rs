@@ -909,6 +909,15 @@ impl SenderCore {
         self.pending.len()
     }
 
+    /// Whether every pull has ended with its pages back: none pending, and
+    /// none released without a Done (expired, or its receiver gone or
+    /// restarted) whose pages still wait for their grant to be quiescent.
+    /// [`SenderCore::pulls_pending`] reaching 0 is not enough: those pages
+    /// leave the pull before they leave this core.
+    pub fn is_drained(&self) -> bool {
+        self.pulls_pending() == 0 && self.expired.is_empty()
+    }
+
     /// The counters.
     pub fn counters(&self) -> SenderCounters {
         SenderCounters {
