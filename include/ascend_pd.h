@@ -138,6 +138,12 @@
 #define APD_MESSAGE_MAX 1024
 
 /*
+ Ids of released saves that wait for `apd_sender_poll_released` before
+ the oldest are dropped.
+ */
+#define APD_RELEASED_MAX 16384
+
+/*
  Receives one log record: its level (1 error … 5 trace), its module and
  its message (NUL-terminated, valid during the call), and the
  `user_data` given to `apd_set_log_callback`. NULL means none.
@@ -335,6 +341,17 @@ typedef struct {
    */
   char message[APD_MESSAGE_MAX];
 } ApdCompletion;
+
+/*
+ The id of a save that no longer reads the engine's cache
+ (`apd_sender_poll_released`).
+ */
+typedef struct {
+  /*
+   The request id (NUL-terminated).
+   */
+  char req_id[APD_REQ_ID_MAX];
+} ApdReqId;
 
 /*
  Page counters of a worker's pools (CPU and NPU summed).
@@ -544,7 +561,8 @@ int32_t apd_sender_submit_save_ranks(ApdSender sender,
 /*
  Writes up to `capacity` finished saves to `out` and their number to
  `*count`; the others wait for the next poll. A done save's KV blocks
- may be freed by the engine.
+ may be freed by the engine (any save's may once
+ `apd_sender_poll_released` reported it, usually sooner).
 
  # Safety
  `out` points to `capacity` writable records (may be NULL if 0);
@@ -554,6 +572,32 @@ int32_t apd_sender_poll(ApdSender sender,
                         ApdCompletion *out_completions,
                         uint64_t capacity,
                         uint64_t *count);
+
+/*
+ Writes up to `capacity` ids of saves that no longer read the engine's
+ cache to `out`, and their number to `*count`; the others wait for the
+ next call. Once a save's id is reported here the engine may reuse the
+ KV blocks of its slot mapping, though its transfer may still run: the
+ final outcome (done, failed, cancelled) still comes from
+ `apd_sender_poll`. Each submitted save is reported once: when its
+ gather from the cache completed (for an NPU cache, when the device
+ copies have run); if it failed or was cancelled before or during its
+ gather, once no copy of it reads the cache any more (at the latest when
+ it ends); if cancelled before it started (or failed by
+ `apd_sender_close` before it started), at once. Ids wait until this
+ is called (`apd_sender_poll` does not take them); if more than
+ `APD_RELEASED_MAX` wait, the oldest are dropped (with a warning in the
+ log) — call this every step, or treat a save's final outcome as its
+ release too.
+
+ # Safety
+ `out` points to `capacity` writable records (may be NULL if 0);
+ `count` points to writable memory.
+ */
+int32_t apd_sender_poll_released(ApdSender sender,
+                                 ApdReqId *out,
+                                 uint64_t capacity,
+                                 uint64_t *count);
 
 /*
  Cancels request `req_id`; `*state` tells what was found

@@ -3,17 +3,20 @@
 //! through ascend-sys (as vLLM-Ascend allocates its own), the sender's save
 //! gathers from it by slot mapping and the receiver's load scatters into
 //! it. Every byte is checked, one request is cancelled after its save, and
-//! every pool is back at its start. Nothing here has run on Ascend
-//! hardware: the NPU is the CANN emulator of ascend-sys.
+//! every pool is back at its start. A save says when it no longer reads
+//! the prefill cache, before its transfer ends. Nothing here has run on
+//! Ascend hardware: the NPU is the CANN emulator of ascend-sys.
 
 mod common;
 
+use ascend_pd::backend::SenderTimeouts;
 use ascend_pd::config::{BufferDevice, ChannelKind, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::DualStats;
+use ascend_pd::protocol::KeyState;
 use ascend_pd::requests::{
-    Availability, CancelState, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
+    Availability, CancelState, Completion, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest,
     SharedKvCache,
 };
 use ascend_pd::{Receiver, Sender};
@@ -68,6 +71,28 @@ fn req_keys(q: usize) -> Vec<String> {
     (0..TOKENS[q].div_ceil(CHUNK))
         .map(|i| format!("npu-req-{q}@{i}"))
         .collect()
+}
+
+/// Asserts the decode engine's tensors hold request `q` at its decode
+/// slots, every byte, and zeros everywhere else.
+fn assert_holds_only(decode: &EngineCache, spec: &KvCacheSpec, q: usize, what: &str) {
+    let (tb, bs) = (spec.token_bytes(), spec.block_size);
+    for layer in 0..spec.layers {
+        for plane in 0..spec.planes() {
+            let mut got = vec![0u8; spec.plane_bytes()];
+            decode.tensors[layer * spec.planes() + plane]
+                .copy_to_host(0, &mut got)
+                .unwrap();
+            let mut want = vec![0u8; spec.plane_bytes()];
+            for t in 0..TOKENS[q] {
+                let slot = decode_slot(q, t, bs) as usize;
+                for b in 0..tb {
+                    want[slot * tb + b] = byte(q, layer, plane, t, b);
+                }
+            }
+            assert!(got == want, "{what}: layer {layer} plane {plane} differs");
+        }
+    }
 }
 
 fn settled(s: &DualStats) -> bool {
@@ -163,23 +188,7 @@ fn run(ch: ChannelKind, mode: TransferMode, offload: bool) {
     assert_eq!(done.len(), 1, "{what}");
     assert_eq!(done[0].outcome, Outcome::Done, "{what}: {done:?}");
 
-    // Every byte of the decode tensors: request 0 at its slots, zero elsewhere.
-    for layer in 0..spec.layers {
-        for plane in 0..spec.planes() {
-            let mut got = vec![0u8; spec.plane_bytes()];
-            decode.tensors[layer * spec.planes() + plane]
-                .copy_to_host(0, &mut got)
-                .unwrap();
-            let mut want = vec![0u8; spec.plane_bytes()];
-            for t in 0..TOKENS[0] {
-                let slot = decode_slot(0, t, bs) as usize;
-                for b in 0..tb {
-                    want[slot * tb + b] = byte(0, layer, plane, t, b);
-                }
-            }
-            assert!(got == want, "{what}: layer {layer} plane {plane} differs");
-        }
-    }
+    assert_holds_only(&decode, &spec, 0, &what);
 
     // Request 1's chunks were dropped by the cancel; every pool comes back.
     assert!(
@@ -225,4 +234,232 @@ fn engine_owned_npu_caches_save_and_load_in_every_mode_over_hccl() {
 #[test]
 fn an_offloading_sender_gathers_its_npu_cache_into_host_pages() {
     run(ChannelKind::Tcp, TransferMode::PullDelay, true);
+}
+
+/// The engine learns that a save no longer reads its cache as soon as the
+/// save's gather has run, while the push still waits for receiver pages
+/// (another request holds them), and reuses the blocks at once: what
+/// arrives is what the blocks held at the gather. The gather's copies
+/// queue on the engine's stream behind a long kernel: were the release
+/// reported when they were queued rather than when they ran, the engine's
+/// overwrite (from the host, not ordered by the stream) would reach the
+/// receiver. A save cancelled during its gather is released once it
+/// stopped, reported as cancelled and sends nothing; one to a receiver
+/// nobody runs is released and fails. Every pool comes back to its start.
+#[test]
+fn a_save_releases_the_engine_cache_once_gathered_before_its_push_lands() {
+    let dev = device();
+    let mut rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    // The push waits for pages as long as the test holds them.
+    rc.alloc_fail_backoff_ttl = Duration::from_secs(30);
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 16);
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let timeouts = SenderTimeouts {
+        handshake: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let sender = Arc::new(Sender::start(&sc, 0, timeouts).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+    assert!(settled(&sender.stats().pools) && settled(&receiver.stats().pools));
+
+    // Another request holds 6 of the receiver's 8 pages: request 0's three
+    // chunks wait for them.
+    let fill = keys("fill", 6);
+    let held = chunks(&sender, &fill, CHUNK);
+    sender
+        .put(&fill, &held, &spec_for(&rc, "fill", true))
+        .unwrap();
+    drop(held);
+    assert!(eventually(Duration::from_secs(10), || fill
+        .iter()
+        .all(|k| receiver.state(k) == Some(KeyState::Resident))));
+
+    let bs = 8;
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, bs);
+    let tb = spec.token_bytes();
+    let engine_stream = dev.create_stream().unwrap();
+    // SAFETY: the stream is live and outlives the cache (dropped after it).
+    let borrowed = unsafe { dev.borrow_stream(engine_stream.as_raw()) }.unwrap();
+    let prefill = engine_cache(&dev, spec, Some(borrowed));
+    let decode = engine_cache(&dev, spec, None);
+
+    // The engine's prefill writes request 0's KV, then a long kernel runs,
+    // all queued on its stream; the save is submitted right behind them, so
+    // its gather's copies run only after the long kernel.
+    let planes = spec.layers * spec.planes();
+    let mut kv = dev.alloc_host(planes * TOKENS[0] * tb).unwrap();
+    for (p, plane_kv) in kv.as_mut_slice().chunks_mut(TOKENS[0] * tb).enumerate() {
+        let (layer, plane) = (p / spec.planes(), p % spec.planes());
+        for (t, token) in plane_kv.chunks_mut(tb).enumerate() {
+            for (b, v) in token.iter_mut().enumerate() {
+                *v = byte(0, layer, plane, t, b);
+            }
+        }
+    }
+    for p in 0..planes {
+        for t in 0..TOKENS[0] {
+            let slot = prefill_slot(0, t, bs) as usize;
+            // SAFETY: `kv` and the tensors outlive the copies (the gather
+            // waits for the stream, and the cache's Drop synchronises it).
+            unsafe {
+                engine_stream
+                    .copy_host_to_device(
+                        &prefill.tensors[p],
+                        slot * tb,
+                        &kv,
+                        (p * TOKENS[0] + t) * tb,
+                        tb,
+                    )
+                    .unwrap()
+            };
+        }
+    }
+    const SCRATCH: usize = 32 << 20;
+    let scratch = [dev.alloc(SCRATCH).unwrap(), dev.alloc(SCRATCH).unwrap()];
+    for i in 0..16 {
+        // SAFETY: as above.
+        unsafe {
+            engine_stream
+                .copy_device_to_device(&scratch[i % 2], 0, &scratch[1 - i % 2], 0, SCRATCH)
+                .unwrap()
+        };
+    }
+    saves
+        .submit(
+            SaveRequest {
+                keys: req_keys(0),
+                slot_mapping: (0..TOKENS[0]).map(|t| prefill_slot(0, t, bs)).collect(),
+                spec: spec_for(&rc, "npu-req-0", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    let mut released = Vec::new();
+    assert!(eventually(Duration::from_secs(30), || {
+        released.extend(saves.poll_cache_released());
+        !released.is_empty()
+    }));
+    assert_eq!(released, ["npu-req-0"]);
+    // The engine frees the blocks and writes another request into them.
+    for t in &prefill.tensors {
+        t.fill(0, spec.plane_bytes(), 0xee).unwrap();
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || receiver
+            .stats()
+            .waiting_for_pages
+            == 1),
+        "the push never waited for receiver pages"
+    );
+    assert_eq!(saves.poll(), vec![], "the save ended while its push waited");
+
+    // The other request's pages go back: the push lands, the save ends.
+    for k in &fill {
+        assert!(receiver.remove(k), "{k}");
+    }
+    let done = poll_until(|| saves.poll(), 1);
+    assert_eq!(
+        done,
+        vec![Completion {
+            req_id: "npu-req-0".into(),
+            outcome: Outcome::Done
+        }]
+    );
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new(), "once");
+    let k0 = req_keys(0);
+    assert!(eventually(Duration::from_secs(30), || loads.available(&k0)
+        == Availability::Ready));
+    loads
+        .submit(
+            LoadRequest {
+                req_id: "npu-req-0".into(),
+                keys: k0,
+                slot_mapping: (0..TOKENS[0]).map(|t| decode_slot(0, t, bs)).collect(),
+            },
+            &decode.cache,
+        )
+        .unwrap();
+    let done = poll_until(|| loads.poll(), 1);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].outcome, Outcome::Done, "{done:?}");
+    assert_holds_only(&decode, &spec, 0, "the KV as gathered, not as overwritten");
+
+    // Cancelled in its gather (held at the cache's lock, as while another
+    // worker copies): not released while it may still copy, released once
+    // the gather ran, reported as cancelled, and nothing sent.
+    let sent_before = sender.stats().messages;
+    let engine_holds = prefill.cache.lock();
+    saves
+        .submit(
+            SaveRequest {
+                keys: req_keys(1),
+                slot_mapping: (0..TOKENS[1]).map(|t| prefill_slot(1, t, bs)).collect(),
+                spec: spec_for(&rc, "npu-req-1", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    assert!(eventually(Duration::from_secs(10), || saves.in_flight() == (0, 1)));
+    assert_eq!(saves.cancel("npu-req-1"), CancelState::Cancelling);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
+    assert_eq!(saves.poll(), vec![]);
+    drop(engine_holds);
+    let done = poll_until(|| saves.poll(), 1);
+    assert_eq!(
+        done,
+        vec![Completion {
+            req_id: "npu-req-1".into(),
+            outcome: Outcome::Cancelled
+        }]
+    );
+    assert_eq!(saves.poll_cache_released(), ["npu-req-1"]);
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
+    assert_eq!(
+        sender.stats().messages,
+        sent_before,
+        "a save cancelled in its gather sends nothing"
+    );
+
+    // A receiver nobody runs: the save is released and fails, each reported once.
+    let nobody = receiver_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    saves
+        .submit(
+            SaveRequest {
+                keys: req_keys(1),
+                slot_mapping: (0..TOKENS[1]).map(|t| prefill_slot(1, t, bs)).collect(),
+                spec: spec_for(&nobody, "npu-req-2", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    let done = poll_until(|| saves.poll(), 1);
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].req_id, "npu-req-2");
+    let Outcome::Failed(why) = &done[0].outcome else {
+        panic!("a save to nobody: {done:?}");
+    };
+    let port = nobody.peer_init_port.as_ref().unwrap().for_rank(0).unwrap();
+    assert!(why.contains(&port.to_string()), "{why}");
+    assert_eq!(saves.poll_cache_released(), ["npu-req-2"]);
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
+
+    assert!(
+        eventually(Duration::from_secs(20), || settled(&receiver.stats().pools)),
+        "receiver pools {:?}",
+        receiver.stats().pools
+    );
+    assert!(sender.drain(Duration::from_secs(20)));
+    assert!(
+        eventually(Duration::from_secs(20), || settled(&sender.stats().pools)),
+        "sender pools {:?}",
+        sender.stats().pools
+    );
+    drop(saves);
+    drop(loads);
+    drop(decode);
+    drop(prefill);
+    drop(scratch);
+    drop(engine_stream);
 }

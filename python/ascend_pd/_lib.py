@@ -146,6 +146,12 @@ class ApdCompletion(ctypes.Structure):
     ]
 
 
+class ApdReqId(ctypes.Structure):
+    """``ApdReqId``: the id of a save that no longer reads the engine's cache."""
+
+    _fields_ = [("req_id", ctypes.c_char * REQ_ID_MAX)]
+
+
 class ApdPoolStats(ctypes.Structure):
     """``ApdPoolStats``: page counters of a worker's pools."""
 
@@ -197,6 +203,7 @@ _PROTOTYPES = {
         [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _u64, _i32],
     ),
     "apd_sender_poll": (_i32, [ApdSender, _P(ApdCompletion), _u64, _P(_u64)]),
+    "apd_sender_poll_released": (_i32, [ApdSender, _P(ApdReqId), _u64, _P(_u64)]),
     "apd_sender_cancel": (_i32, [ApdSender, _str, _P(_i32)]),
     "apd_sender_pool_stats": (_i32, [ApdSender, _P(ApdPoolStats)]),
     "apd_sender_drain": (_i32, [ApdSender, _u64, _P(_i32)]),

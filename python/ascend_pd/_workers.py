@@ -113,6 +113,18 @@ def _completions(poll_fn: Callable[..., int], handle: Any) -> List[Completion]:
             return done
 
 
+def _released(handle: Any) -> List[str]:
+    """Every id ``apd_sender_poll_released`` has now (several calls if needed)."""
+    ids: List[str] = []
+    while True:
+        buf = (_lib.ApdReqId * _POLL_BATCH)()
+        count = ctypes.c_uint64()
+        check(_lib.lib().apd_sender_poll_released(handle, buf, _POLL_BATCH, ctypes.byref(count)))
+        ids.extend(rec.req_id.decode("utf-8", "replace") for rec in buf[: count.value])
+        if count.value < _POLL_BATCH:
+            return ids
+
+
 def _pool_stats(fn: Callable[..., int], handle: Any) -> PoolStats:
     out = _lib.ApdPoolStats()
     check(fn(handle, ctypes.byref(out)))
@@ -319,6 +331,23 @@ class Sender:
         for c in done:
             self._inflight.remove(c.req_id)
         return done
+
+    def poll_released(self) -> List[str]:
+        """The ids of saves that no longer read the engine's KV cache, since the last call.
+
+        Once a save's id is here, the engine may reuse the KV blocks of its
+        slot mapping, though its transfer to the receiver may still run:
+        :meth:`poll` still reports how it ends. Each submitted save is
+        reported once — when its gather from the cache completed (on an
+        NPU, once the device copies ran), or, if it failed or was
+        cancelled before or during its gather, once no copy of it reads
+        the cache any more (a save cancelled before it started: at once).
+        Ids wait until asked for (:meth:`poll` does not take them); past
+        ``APD_RELEASED_MAX`` (16384) the oldest are dropped, so call this
+        every step, or treat a save's end from :meth:`poll` as its release
+        too.
+        """
+        return _released(self._handle)
 
     def cancel(self, req_id: str) -> str:
         """Cancels request ``req_id``; the receiver is told to drop what it holds.

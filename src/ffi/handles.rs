@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct SenderObj {
     pub(crate) queue: SaveQueue,
     pub(crate) backlog: Mutex<VecDeque<Completion>>,
+    /// Ids of saves no longer reading the cache, not yet polled.
+    pub(crate) released_backlog: Mutex<VecDeque<String>>,
 }
 
 impl SenderObj {
@@ -20,6 +22,7 @@ impl SenderObj {
         SenderObj {
             queue,
             backlog: Mutex::new(VecDeque::new()),
+            released_backlog: Mutex::new(VecDeque::new()),
         }
     }
 }

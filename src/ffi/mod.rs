@@ -108,6 +108,10 @@ pub const APD_CANCEL_UNKNOWN: i32 = 3;
 pub const APD_REQ_ID_MAX: usize = 256;
 /// Bytes of `ApdCompletion::message`, NUL included (longer messages are cut).
 pub const APD_MESSAGE_MAX: usize = 1024;
+/// Ids of released saves that wait for `apd_sender_poll_released` before
+/// the oldest are dropped.
+pub const APD_RELEASED_MAX: usize = 16384;
+const _: () = assert!(APD_RELEASED_MAX == crate::requests::RELEASED_MEMORY);
 
 /// A parsed configuration.
 #[repr(C)]
@@ -250,6 +254,15 @@ pub struct ApdCompletion {
     pub status: i32,
     /// Why it failed (NUL-terminated; empty otherwise; cut at `APD_MESSAGE_MAX - 1` bytes).
     pub message: [c_char; APD_MESSAGE_MAX],
+}
+
+/// The id of a save that no longer reads the engine's cache
+/// (`apd_sender_poll_released`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApdReqId {
+    /// The request id (NUL-terminated).
+    pub req_id: [c_char; APD_REQ_ID_MAX],
 }
 
 /// Page counters of a worker's pools (CPU and NPU summed).
@@ -499,15 +512,59 @@ fn fill(dst: &mut [c_char], s: &str) {
     dst[n] = 0;
 }
 
-/// Writes up to `capacity` completions of `backlog` (plus newly finished
-/// ones) to `out`; the rest wait for the next poll.
+/// A C record a poll writes, one per queued item.
+trait PollRecord {
+    /// What the queue reports.
+    type Item;
+    /// The record's C name, for errors.
+    const NAME: &'static str;
+    /// The record of `item`.
+    fn of(item: &Self::Item) -> Self;
+}
+
+impl PollRecord for ApdCompletion {
+    type Item = Completion;
+    const NAME: &'static str = "ApdCompletion";
+
+    fn of(c: &Completion) -> ApdCompletion {
+        let (status, message) = match &c.outcome {
+            Outcome::Done => (APD_REQ_DONE, ""),
+            Outcome::Failed(m) => (APD_REQ_FAILED, m.as_str()),
+            Outcome::Cancelled => (APD_REQ_CANCELLED, ""),
+        };
+        let mut rec = ApdCompletion {
+            req_id: [0; APD_REQ_ID_MAX],
+            status,
+            message: [0; APD_MESSAGE_MAX],
+        };
+        fill(&mut rec.req_id, &c.req_id);
+        fill(&mut rec.message, message);
+        rec
+    }
+}
+
+impl PollRecord for ApdReqId {
+    type Item = String;
+    const NAME: &'static str = "ApdReqId";
+
+    fn of(id: &String) -> ApdReqId {
+        let mut rec = ApdReqId {
+            req_id: [0; APD_REQ_ID_MAX],
+        };
+        fill(&mut rec.req_id, id);
+        rec
+    }
+}
+
+/// Writes up to `capacity` items of `backlog` (plus new ones from `fresh`)
+/// to `out`; the rest wait for the next poll.
 ///
 /// # Safety
-/// `out` is null or points to `capacity` writable completions.
-unsafe fn poll_into(
-    backlog: &Mutex<std::collections::VecDeque<Completion>>,
-    fresh: impl FnOnce() -> Vec<Completion>,
-    out_ptr: *mut ApdCompletion,
+/// `out` is null or points to `capacity` writable records.
+unsafe fn poll_into<R: PollRecord>(
+    backlog: &Mutex<std::collections::VecDeque<R::Item>>,
+    fresh: impl FnOnce() -> Vec<R::Item>,
+    out_ptr: *mut R,
     capacity: u64,
     count: *mut u64,
 ) -> Result<(), Failure> {
@@ -521,27 +578,22 @@ unsafe fn poll_into(
             format!("is null but capacity is {capacity}"),
         ));
     }
-    if (out_ptr as usize) % std::mem::align_of::<ApdCompletion>() != 0 {
-        return Err(Failure::arg("out", "is not aligned for ApdCompletion"));
+    if (out_ptr as usize) % std::mem::align_of::<R>() != 0 {
+        return Err(Failure::arg(
+            "out",
+            format!("is not aligned for {}", R::NAME),
+        ));
     }
     let cap = usize::try_from(capacity).unwrap_or(usize::MAX);
     let mut backlog = lock(backlog);
-    backlog.extend(fresh());
+    // Taken from the queue only when needed: what the caller does not
+    // take waits there, within the queue's bounds.
+    if backlog.len() < cap {
+        backlog.extend(fresh());
+    }
     let n = backlog.len().min(cap);
     for i in 0..n {
-        let c = backlog.pop_front().expect("n <= len");
-        let (status, message) = match &c.outcome {
-            Outcome::Done => (APD_REQ_DONE, ""),
-            Outcome::Failed(m) => (APD_REQ_FAILED, m.as_str()),
-            Outcome::Cancelled => (APD_REQ_CANCELLED, ""),
-        };
-        let mut rec = ApdCompletion {
-            req_id: [0; APD_REQ_ID_MAX],
-            status,
-            message: [0; APD_MESSAGE_MAX],
-        };
-        fill(&mut rec.req_id, &c.req_id);
-        fill(&mut rec.message, message);
+        let rec = R::of(&backlog.pop_front().expect("n <= len"));
         // SAFETY: i < capacity; `out_ptr` points to `capacity` records.
         unsafe { out_ptr.add(i).write(rec) };
     }
@@ -1166,7 +1218,8 @@ unsafe fn submit_save(
 
 /// Writes up to `capacity` finished saves to `out` and their number to
 /// `*count`; the others wait for the next poll. A done save's KV blocks
-/// may be freed by the engine.
+/// may be freed by the engine (any save's may once
+/// `apd_sender_poll_released` reported it, usually sooner).
 ///
 /// # Safety
 /// `out` points to `capacity` writable records (may be NULL if 0);
@@ -1186,6 +1239,47 @@ pub unsafe extern "C" fn apd_sender_poll(
                 &s.backlog,
                 || s.queue.poll(),
                 out_completions,
+                capacity,
+                count,
+            )
+        }
+    })
+}
+
+/// Writes up to `capacity` ids of saves that no longer read the engine's
+/// cache to `out`, and their number to `*count`; the others wait for the
+/// next call. Once a save's id is reported here the engine may reuse the
+/// KV blocks of its slot mapping, though its transfer may still run: the
+/// final outcome (done, failed, cancelled) still comes from
+/// `apd_sender_poll`. Each submitted save is reported once: when its
+/// gather from the cache completed (for an NPU cache, when the device
+/// copies have run); if it failed or was cancelled before or during its
+/// gather, once no copy of it reads the cache any more (at the latest when
+/// it ends); if cancelled before it started (or failed by
+/// `apd_sender_close` before it started), at once. Ids wait until this
+/// is called (`apd_sender_poll` does not take them); if more than
+/// `APD_RELEASED_MAX` wait, the oldest are dropped (with a warning in the
+/// log) — call this every step, or treat a save's final outcome as its
+/// release too.
+///
+/// # Safety
+/// `out` points to `capacity` writable records (may be NULL if 0);
+/// `count` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_poll_released(
+    sender: ApdSender,
+    out: *mut ApdReqId,
+    capacity: u64,
+    count: *mut u64,
+) -> i32 {
+    call("apd_sender_poll_released", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            poll_into(
+                &s.released_backlog,
+                || s.queue.poll_cache_released(),
+                out,
                 capacity,
                 count,
             )

@@ -3,8 +3,10 @@
 //!
 //! - Prefill: [`SaveQueue::submit`] a request's save (the queue gathers
 //!   its chunks from the engine's [`KvCache`] by slot mapping, then puts
-//!   them), later [`SaveQueue::poll`] which saves finished — the engine
-//!   may then free those KV blocks.
+//!   them). [`SaveQueue::poll_cache_released`] says which saves no longer
+//!   read the engine's cache — their gather completed, so the engine may
+//!   reuse those KV blocks while the transfer runs — and
+//!   [`SaveQueue::poll`] which saves finished and how.
 //! - Decode: [`LoadQueue::available`] says whether a request's KV has
 //!   arrived, [`LoadQueue::submit`] its load into the engine's cache at its
 //!   slots, [`LoadQueue::poll`] which loads finished or failed and why.
@@ -18,7 +20,7 @@
 
 mod book;
 
-pub use book::{Completion, Outcome};
+pub use book::{Completion, Outcome, RELEASED_MEMORY};
 
 use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
 use crate::kv::KvCache;
@@ -119,9 +121,9 @@ struct State<J> {
 }
 
 impl<J> State<J> {
-    fn new() -> Arc<State<J>> {
+    fn new(book: Book<J>) -> Arc<State<J>> {
         Arc::new(State {
-            book: Mutex::new(Book::new(MAX_QUEUED)),
+            book: Mutex::new(book),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
         })
@@ -225,7 +227,7 @@ impl SaveQueue {
         let (cancels, cancel_rx) = crossbeam_channel::unbounded::<(String, Saved)>();
         let q = SaveQueue {
             sender,
-            state: State::new(),
+            state: State::new(Book::reporting_release(MAX_QUEUED)),
             saved: Arc::new(Mutex::new(VecDeque::new())),
             cancels: Mutex::new(Some(cancels)),
             workers: Mutex::new(Vec::new()),
@@ -262,10 +264,14 @@ impl SaveQueue {
             let cancels = lock(&q.cancels).clone().expect("set above");
             let worker = crate::backend::spawn(&format!("apd-save-{i}"), move || {
                 while let Some((id, job)) = state.next() {
-                    let r = run_save(&sender, &job);
+                    let r = run_save(&sender, &job, || lock(&state.book).cache_released(&id));
                     if let Err(e) = &r {
                         log::warn!("save of request {id:?} failed: {e}");
                     }
+                    // Cancelled between its gather and its first put:
+                    // nothing reached a receiver, nothing to drop there.
+                    let sent = !matches!(r, Ok(SaveRun::StoppedBeforeSending));
+                    let r = r.map(|_| ());
                     let what = (job.req.keys, job.req.spec);
                     // Remembered before the end is published, so a cancel
                     // that follows the poll always finds it.
@@ -284,7 +290,9 @@ impl SaveQueue {
                             s.remove(i);
                         }
                         drop(s);
-                        let _ = cancels.send((id, what));
+                        if sent {
+                            let _ = cancels.send((id, what));
+                        }
                     }
                 }
             });
@@ -324,6 +332,35 @@ impl SaveQueue {
     /// cancelled). A done save's KV blocks may be freed by the engine.
     pub fn poll(&self) -> Vec<Completion> {
         self.state.poll()
+    }
+
+    /// Ids of the saves that stopped reading the engine's cache since the
+    /// last call: the engine may reuse the KV blocks of their slot mapping
+    /// now, though the transfer may still run ([`SaveQueue::poll`] reports
+    /// how each save ends). Each submitted save is reported once:
+    ///
+    /// - gathered: when every copy out of the cache has completed — for an
+    ///   NPU cache, once the device copies have run (the gather waits for
+    ///   them), not when they are queued; usually well before the save ends;
+    /// - failed or cancelled during its gather: once the gather stopped and
+    ///   none of its copies runs any more (at the latest when the save ends);
+    /// - cancelled before it started, or failed at shutdown: at once.
+    ///
+    /// Ids wait until this is called ([`SaveQueue::poll`] does not take
+    /// them), at most one per submitted save; past [`RELEASED_MEMORY`] of
+    /// them the oldest are dropped (logged here), so an engine that never
+    /// asks costs bounded memory. The final outcome of a save whose id was
+    /// dropped also means its cache is no longer read.
+    pub fn poll_cache_released(&self) -> Vec<String> {
+        let (ids, dropped) = lock(&self.state.book).take_released();
+        if dropped > 0 {
+            log::warn!(
+                "{dropped} save(s) stopped reading the KV cache but were not asked for before \
+                 {RELEASED_MEMORY} more did, and are not reported as released: poll for \
+                 released saves every step (their final outcome still comes from poll)"
+            );
+        }
+        ids
     }
 
     /// Cancels request `req_id`. A save not started is dropped; a running
@@ -422,13 +459,31 @@ fn check_request(
     Ok(())
 }
 
-fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
+/// How a save that did not fail ran.
+enum SaveRun {
+    /// Every piece was put.
+    Sent,
+    /// It was cancelled during its gather: nothing was put.
+    StoppedBeforeSending,
+}
+
+/// Gathers every piece of the save from the engine's cache, calls
+/// `gathered` (which says whether the save was cancelled meanwhile), then
+/// puts the pieces.
+fn run_save(
+    sender: &Sender,
+    job: &SaveJob,
+    gathered: impl FnOnce() -> bool,
+) -> Result<SaveRun, String> {
     let req = &job.req;
     let layout = sender.chunk_layout();
     let chunk = layout.tokens;
     let tokens = chunk_tokens(req.slot_mapping.len(), chunk);
     // One put per decode rank this rank feeds (one, unless the decode TP
-    // is larger): each gathers its head piece of every chunk.
+    // is larger), carrying its head piece of every chunk. Every piece is
+    // gathered before the first put: from then on the save reads only its
+    // own pages, and the engine may reuse its blocks during the transfer.
+    let mut puts = Vec::new();
     for (route, keys) in sender.pieces(&req.keys) {
         let offset = sender.piece_offset(&route);
         let metas: Vec<ChunkMeta> = tokens
@@ -443,10 +498,18 @@ fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
             let mut cache = job.cache.lock();
             for (i, page) in pages.iter_mut().enumerate() {
                 let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
+                // Returns once the copies have run (an NPU cache's are
+                // waited for), or failed: none reads the cache after it.
                 cache.gather(slots, page).map_err(err_text)?;
             }
         }
         let sealed: Vec<_> = pages.into_iter().map(|p| p.seal()).collect();
+        puts.push((route, keys, sealed));
+    }
+    if gathered() {
+        return Ok(SaveRun::StoppedBeforeSending);
+    }
+    for (route, keys, sealed) in puts {
         let spec = TransferSpec {
             receiver_rank: Some(route.rank),
             ..req.spec.clone()
@@ -460,7 +523,7 @@ fn run_save(sender: &Sender, job: &SaveJob) -> Result<(), String> {
             ));
         }
     }
-    Ok(())
+    Ok(SaveRun::Sent)
 }
 
 struct LoadJob {
@@ -494,7 +557,7 @@ impl LoadQueue {
     pub fn new(receiver: Arc<Receiver>) -> Result<LoadQueue, BackendError> {
         let q = LoadQueue {
             receiver,
-            state: State::new(),
+            state: State::new(Book::new(MAX_QUEUED)),
             workers: Mutex::new(Vec::new()),
         };
         for i in 0..WORKERS {

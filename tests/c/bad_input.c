@@ -321,7 +321,22 @@ int main(int argc, char **argv) {
            APD_ERR_INVALID_ARGUMENT, "`peers[1]`");
     expect("save to a null peer", apd_sender_submit_save(snd, "req-s", keys, 2, cache, slots, 20, NULL, 1),
            APD_ERR_INVALID_ARGUMENT, "`peer`");
+    ApdReqId released[4];
+    n = 99;
+    expect("poll released null count", apd_sender_poll_released(snd, released, 4, NULL), APD_ERR_INVALID_ARGUMENT,
+           "`count`");
+    expect("poll released null out", apd_sender_poll_released(snd, NULL, 4, &n), APD_ERR_INVALID_ARGUMENT, "`out`");
+    expect("poll released from a config", apd_sender_poll_released(not_a_sender, released, 4, &n), APD_ERR_CLOSED,
+           "is an ApdConfig, not an ApdSender");
+    expect("poll released, nothing out", apd_sender_poll_released(snd, NULL, 0, &n), APD_OK, NULL);
+    expect("poll released", apd_sender_poll_released(snd, released, 4, &n), APD_OK, NULL);
+    if (n != 0) {
+        fprintf(stderr, "FAIL %llu released saves from nothing submitted\n", (unsigned long long)n);
+        failures++;
+    }
     expect("sender close", apd_sender_close(snd), APD_OK, NULL);
+    expect("poll released after close", apd_sender_poll_released(snd, released, 4, &n), APD_ERR_CLOSED,
+           "ApdSender handle");
     expect("sender config free", apd_config_free(scfg), APD_OK, NULL);
 
     /* ---- closed handles */

@@ -166,7 +166,11 @@ def main():
     if sender.poll():
         print("FAIL a refused save was queued", file=sys.stderr)
         failures_add()
+    if sender.poll_released():
+        print("FAIL a refused save was reported as released", file=sys.stderr)
+        failures_add()
     sender.close()
+    expect("poll_released on a closed sender", apd.ClosedHandle, "closed", sender.poll_released)
     scfg.close()
     # TP rank 1 sends to decode rank 1: a one-entry port list has no port for it.
     scfg = apd.Config.from_yaml(
