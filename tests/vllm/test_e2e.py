@@ -169,6 +169,11 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         new = [ev for ev in dec.events_of("load") if _external(ev["req_id"]) == o2[0]["request_id"]]
         assert [(ev["status"], ev["tokens"]) for ev in new] == [("done", len(FOLLOW_UP[0]) - 512)], new
 
+        # The prefill handed each request's blocks back once gathered, apart
+        # from its transfer's end.
+        released = {_external(ev["req_id"]) for ev in pre.events_of("released")}
+        assert len(released) == len(PROMPTS) + len(FOLLOW_UP), pre.events_of("released")
+
         pools = _settle([dec, pre], ["receiver", "sender"])
         RESULTS[mode] = {
             "channel": channel,

@@ -92,6 +92,8 @@ class _Load:
 class _Save:
     spec: SaveSpec
     submitted_at: Optional[float] = None
+    #: The library said the save no longer reads vLLM's blocks.
+    released: bool = False
 
 
 @dataclass
@@ -102,8 +104,9 @@ class WorkerState:
     running_loads: Dict[str, _Load] = field(default_factory=dict)
     queued_saves: List[_Save] = field(default_factory=list)
     running_saves: Dict[str, _Save] = field(default_factory=dict)
-    #: Saves that ended, waiting for vLLM to say their request finished.
-    ended_saves: Set[str] = field(default_factory=set)
+    #: Saves that no longer read vLLM's blocks (gathered, or ended),
+    #: waiting for vLLM to say their request finished.
+    cache_free: Set[str] = field(default_factory=set)
     #: Requests vLLM said finished whose save has not ended yet.
     finished_reqs: Set[str] = field(default_factory=set)
     #: Loads cancelled because vLLM aborted their request.
@@ -207,26 +210,27 @@ class ConnectorWorker:
 
     def handle_preemptions(self, meta: AscendPDConnectorMetadata, timeout_s: float = 60.0) -> None:
         """vLLM preempted these requests and may reuse their blocks: a save
-        not started is dropped, a running one is waited for (its gather may
-        still read the blocks)."""
+        not started is dropped, a running one is waited for until its
+        gather no longer reads them."""
         if self.sender is None or not meta.preempted:
             return
         preempted = set(meta.preempted)
         for save in [q for q in self.state.queued_saves if q.spec.req_id in preempted]:
             self.state.queued_saves.remove(save)
-            self.state.ended_saves.add(save.spec.req_id)
+            self.state.cache_free.add(save.spec.req_id)
             log.warning("ascend-pd: request %s preempted before its save started; not saved", save.spec.req_id)
-        waiting = preempted & set(self.state.running_saves)
         deadline = time.monotonic() + timeout_s
-        while waiting and time.monotonic() < deadline:
+        while True:
+            self._take_released()
             for c in self.sender.poll():
                 self._save_ended(c)
-                waiting.discard(c.req_id)
-            if waiting:
-                time.sleep(0.001)
+            waiting = {r for r in preempted if r in self.state.running_saves and not self.state.running_saves[r].released}
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
         if waiting:
             raise RuntimeError(
-                f"ascend-pd: the saves of preempted requests {sorted(waiting)} did not end within "
+                f"ascend-pd: the saves of preempted requests {sorted(waiting)} still read their blocks after "
                 f"{timeout_s}s; their blocks cannot be handed back safely"
             )
 
@@ -236,11 +240,15 @@ class ConnectorWorker:
         recving: Set[str] = set()
         if self.sender is not None:
             self._submit_saves()
+            self._take_released()
             for c in self.sender.poll():
                 self._save_ended(c)
+            # vLLM may free a request's blocks once it finished and its save
+            # no longer reads them (gathered into our pages), not only once
+            # the save's transfer ended.
             self.state.finished_reqs |= finished_req_ids & self._known_saves()
-            sending = self.state.ended_saves & self.state.finished_reqs
-            self.state.ended_saves -= sending
+            sending = self.state.cache_free & self.state.finished_reqs
+            self.state.cache_free -= sending
             self.state.finished_reqs -= sending
         if self.receiver is not None:
             now = time.monotonic()
@@ -325,12 +333,24 @@ class ConnectorWorker:
         else:
             self.stats.record_failure("save")
             log.warning("ascend-pd save of %s %s: %s", c.req_id, c.status, c.message)
-        self.state.ended_saves.add(c.req_id)
+        if save is not None and not save.released:
+            self.state.cache_free.add(c.req_id)
+
+    def _take_released(self) -> None:
+        """Marks the saves the library says no longer read vLLM's blocks."""
+        assert self.sender is not None
+        for req_id in self.sender.poll_released():
+            save = self.state.running_saves.get(req_id)
+            if save is not None and not save.released:
+                save.released = True
+                self.state.cache_free.add(req_id)
+                self._event(event="released", req_id=req_id,
+                            after_s=round(time.monotonic() - (save.submitted_at or time.monotonic()), 6))
 
     def _known_saves(self) -> Set[str]:
         known = {s.spec.req_id for s in self.state.queued_saves}
         known |= set(self.state.running_saves)
-        known |= self.state.ended_saves
+        known |= self.state.cache_free
         return known
 
     def _submit_saves(self) -> None:
@@ -349,7 +369,7 @@ class ConnectorWorker:
                 log.error("ascend-pd save of %s refused: %s", s.req_id, e)
                 self.stats.record_failure("save")
                 self.state.queued_saves.pop(0)
-                self.state.ended_saves.add(s.req_id)
+                self.state.cache_free.add(s.req_id)
                 continue
             save.submitted_at = time.monotonic()
             self.state.queued_saves.pop(0)
