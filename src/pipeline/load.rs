@@ -222,7 +222,30 @@ pub(crate) fn load_keys(
         .iter()
         .map(|(i, _)| i)
         .chain(groups.iter().flat_map(|g| g.items.iter().map(|(i, _)| i)));
+    let chunks = keys.len() / per;
     for i in items {
+        // Before any byte moves, every found chunk must fill exactly the
+        // slots its position gives it: a short chunk would leave slots
+        // unwritten under a load reported done.
+        let chunk = i.index / per;
+        let first = chunk * layout.tokens;
+        let (expected, detail) = if chunk + 1 < chunks {
+            (layout.tokens, "a chunk before the last must be full")
+        } else {
+            (
+                slot_mapping.len().saturating_sub(first),
+                "the last chunk must cover exactly the slots after the others",
+            )
+        };
+        if i.slots.len() != expected && i.slots.end <= slot_mapping.len() {
+            return Err(LoadError::SlotMappingMismatch {
+                key: i.key.clone(),
+                index: i.index,
+                stored: i.slots.len(),
+                expected,
+                detail,
+            });
+        }
         if i.slots.end > slot_mapping.len() {
             return Err(LoadError::SlotMappingTooShort {
                 key: i.key.clone(),

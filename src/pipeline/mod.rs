@@ -166,6 +166,23 @@ pub enum LoadError {
         /// Entries in the slot mapping.
         len: usize,
     },
+    /// The slot mapping's length does not match the tokens stored under
+    /// the keys: a chunk before the last is not full, or the last does not
+    /// cover exactly the slots after the others. Loading anyway would
+    /// report success with slots left unwritten. Nothing was touched.
+    #[error("key {key} (chunk {index}) holds {stored} token(s) but the slot mapping gives it {expected}: {detail}; the keys must be those the prefill saved for exactly this request's tokens (every chunk but the last holds chunk_size tokens, the last the rest), with one slot per token")]
+    SlotMappingMismatch {
+        /// The key.
+        key: String,
+        /// Its position in the request.
+        index: usize,
+        /// Tokens stored under it.
+        stored: usize,
+        /// Tokens the slot mapping gives its chunk.
+        expected: usize,
+        /// Which rule was broken.
+        detail: &'static str,
+    },
     /// The KV cache cannot take these chunks (geometry, slots). Nothing was touched.
     #[error(transparent)]
     Kv(#[from] KvError),

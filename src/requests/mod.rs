@@ -313,11 +313,13 @@ impl SaveQueue {
     }
 
     /// Queues the save of one request from `cache`. Checked now: the key
-    /// count against the chunks of the slot mapping, and every slot
-    /// against the cache; nothing is copied yet.
+    /// count against the chunks of the slot mapping, every slot against
+    /// the cache, and that no slot is padding (negative: a save sends every
+    /// token); nothing is copied yet.
     pub fn submit(&self, req: SaveRequest, cache: &Arc<SharedKvCache>) -> Result<(), BackendError> {
         let chunk = self.sender.chunk_layout().tokens;
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
+        check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
         let id = req.spec.req_id.clone();
         self.state.submit(
             &id,
@@ -457,6 +459,23 @@ fn check_request(
         )));
     }
     Ok(())
+}
+
+/// A save ships every token of its chunks: a padding slot (negative)
+/// would leave that token's bytes in the page as whatever the pool page
+/// held before (pages are not zeroed), sent as valid KV of another
+/// request. Loads may skip tokens (the engine already holds them); saves
+/// may not.
+fn check_no_padding(req_id: &str, slots: &[i64]) -> Result<(), BackendError> {
+    match slots.iter().position(|&s| s < 0) {
+        None => Ok(()),
+        Some(t) => Err(BackendError::InvalidInput(format!(
+            "request {req_id:?}: `slot_mapping` maps token {t} to slot {}, a padding slot; a \
+             save sends every token it is given, so pass only the slots of the prompt's \
+             computed tokens (drop padding entries and shorten `keys` to match)",
+            slots[t]
+        ))),
+    }
 }
 
 /// How a save that did not fail ran.
