@@ -516,7 +516,8 @@ int32_t apd_sender_start(ApdConfig config, uint32_t rank, ApdSender *out_sender)
 
 /*
  Queues the save of request `req_id`: its chunks are gathered from
- `cache` at `slot_mapping` (one slot per token, vLLM's), then sent to
+ `cache` at `slot_mapping` (one slot per token, vLLM's; no padding
+ slot: a negative one is refused, naming its index), then sent to
  `peer` as `keys` (one per chunk of chunk_size tokens). Returns at once;
  `apd_sender_poll` reports the end. `is_last_prefill` != 0 sends the
  proxy its `ProxyNotif` after the save. Every decode rank this prefill
@@ -657,8 +658,12 @@ int32_t apd_receiver_available(ApdReceiver receiver,
 
 /*
  Queues the load of request `req_id` (`keys`, one per chunk) into
- `cache` at `slot_mapping`. Returns at once; `apd_receiver_poll` reports
- the end. After a done load the request's pages here are free.
+ `cache` at `slot_mapping` (one slot per token the keys hold; a negative
+ slot skips that token). Returns at once; `apd_receiver_poll` reports
+ the end: a mapping that does not match the stored tokens (a chunk
+ before the last not full, or the last not covering exactly the slots
+ left) fails the load before any byte moves. After a done load the
+ request's pages here are free.
 
  # Safety
  As `apd_sender_submit_save`.

@@ -268,7 +268,8 @@ class Sender:
         """Queues the save of request ``req_id`` and returns at once.
 
         Its chunks are gathered from ``cache`` at ``slot_mapping`` (one slot
-        per token: a list of ints or an int64 array) and sent to the
+        per token: a list of ints or an int64 array; no negative padding
+        slot, which is refused naming its index) and sent to the
         receiver at ``host`` (its ``pd_peer_init_port`` ``init_port`` and
         ``pd_peer_alloc_port`` ``alloc_port``) as ``keys``, one per chunk of
         ``chunk_size`` tokens. ``is_last_prefill`` sends the proxy its
@@ -454,9 +455,13 @@ class Receiver:
 
     def submit_load(self, req_id: str, keys: Sequence[str], cache: KVCache, slot_mapping: Any) -> None:
         """Queues the load of request ``req_id`` (``keys``, one per chunk) into
-        ``cache`` at ``slot_mapping`` (one slot per token) and returns at once.
+        ``cache`` at ``slot_mapping`` (one slot per token the keys hold; a
+        negative slot skips its token) and returns at once.
 
-        :meth:`poll` reports the end; the cache is kept alive until then.
+        :meth:`poll` reports the end; the cache is kept alive until then. A
+        mapping that does not match the stored tokens (a chunk before the
+        last not full, or the last not covering exactly the slots left)
+        fails the load before any byte moves.
         After a done load the request's pages here are free. Raises
         :class:`Busy` when the queue is full (poll, then retry).
         """
