@@ -1202,8 +1202,9 @@ fn complete_loop(rx: &Receiver<InFlight>, watch: &Watch, node: &str, opts: &Hccl
     // behind it get no grace.
     let mut stuck = false;
     loop {
-        // Abandoned work that finished frees its pages and its hold on the link.
-        abandoned.retain(|a| !a.done.is_complete().unwrap_or(true));
+        // Abandoned work the device proved finished frees its pages and its
+        // hold on the link; a failed query keeps them quarantined.
+        abandoned.retain(|a| !proven_finished(a.done.is_complete(), node));
         let entry = match rx.recv_timeout(ABANDONED_CHECK) {
             Ok(e) => e,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
@@ -1256,16 +1257,72 @@ fn one_sided(
     })
 }
 
+/// Whether the device proved that abandoned work finished: only its own
+/// word that the work completed counts. A failed query is no proof that
+/// the device stopped writing, so the work's pages stay quarantined (and
+/// are looked at again on the next pass).
+fn proven_finished(query: Result<bool, ascend_sys::Error>, node: &str) -> bool {
+    match query {
+        Ok(done) => done,
+        Err(e) => {
+            log::warn!(
+                "abandoned hccl work to {node}: querying whether it finished failed ({e}); its \
+                 pages stay quarantined until the device says it did"
+            );
+            false
+        }
+    }
+}
+
 /// Waits for everything queued on `link`'s stream: a direct read whose
 /// batch cannot be tracked must not return while the device may still
 /// write into the caller's memory.
 fn settle(link: &Link, context: &str) {
-    if let Err(e) = link.stream.synchronize() {
-        link.stuck.store(true, Ordering::SeqCst);
-        log::error!(
-            "{context}: the stream could not be synchronised ({e}); the KV cache slots of this \
-             read may still be written by the device"
-        );
+    settle_with(
+        || link.stream.synchronize(),
+        context,
+        || link.stuck.store(true, Ordering::SeqCst),
+    );
+}
+
+/// Calls `sync` until it succeeds, `on_error` at its first failure: an
+/// error is never proof that the device stopped, so this does not return
+/// while the device may still write into memory the caller gives back.
+/// Logged at the first failure and then about once a minute.
+fn settle_with<E: std::fmt::Display>(
+    mut sync: impl FnMut() -> Result<(), E>,
+    context: &str,
+    on_error: impl FnOnce(),
+) {
+    let mut on_error = Some(on_error);
+    let mut failures = 0u64;
+    let mut pause = WAIT_SLICE;
+    let mut log_at = Instant::now();
+    loop {
+        let e = match sync() {
+            Ok(()) => {
+                if failures > 0 {
+                    log::warn!(
+                        "{context}: the stream synchronised after {failures} failed attempt(s)"
+                    );
+                }
+                return;
+            }
+            Err(e) => e,
+        };
+        failures += 1;
+        if let Some(f) = on_error.take() {
+            f();
+        }
+        if Instant::now() >= log_at {
+            log::error!(
+                "{context}: the stream could not be synchronised ({e}; attempt {failures}); \
+                 waiting, as the device may still write into the KV cache slots of this read"
+            );
+            log_at = Instant::now() + Duration::from_secs(60);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -1408,6 +1465,80 @@ impl Drop for WatchServer {
         if let Some(t) = self.accept.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod device_word_tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn query_failed() -> ascend_sys::Error {
+        ascend_sys::Error::Timeout {
+            what: "event",
+            timeout: Duration::ZERO,
+        }
+    }
+
+    /// Abandoned work whose completion query fails keeps its pages: the
+    /// old loop took the error for "finished" and freed pages the device
+    /// might still be writing.
+    #[test]
+    fn a_failed_query_never_frees_abandoned_pages() {
+        let pages = Arc::new(());
+        let mut abandoned = vec![Arc::clone(&pages)];
+        for failed in [true, false, true] {
+            let answer = || {
+                if failed {
+                    Err(query_failed())
+                } else {
+                    Ok(false)
+                }
+            };
+            abandoned.retain(|_| !proven_finished(answer(), "peer"));
+            assert_eq!(Arc::strong_count(&pages), 2, "the pages stay held");
+        }
+        abandoned.retain(|_| !proven_finished(Ok(true), "peer"));
+        assert_eq!(
+            Arc::strong_count(&pages),
+            1,
+            "freed once the device said so"
+        );
+    }
+
+    /// A direct read whose stream cannot be synchronised does not return
+    /// (giving the KV cache back to the engine) until it can.
+    #[test]
+    fn a_failed_synchronise_is_retried_until_the_device_answers() {
+        let calls = Cell::new(0);
+        let marked = Cell::new(0);
+        settle_with(
+            || {
+                calls.set(calls.get() + 1);
+                if calls.get() < 4 {
+                    Err(query_failed())
+                } else {
+                    Ok(())
+                }
+            },
+            "test read",
+            || marked.set(marked.get() + 1),
+        );
+        assert_eq!(
+            calls.get(),
+            4,
+            "returned only after the stream synchronised"
+        );
+        assert_eq!(
+            marked.get(),
+            1,
+            "the link is marked stuck at the first failure"
+        );
+        settle_with(
+            || Ok::<(), String>(()),
+            "test read",
+            || panic!("no failure"),
+        );
     }
 }
 
