@@ -809,18 +809,22 @@ impl Sender {
     /// back, up to `timeout`. Returns whether none is left.
     pub fn drain(&self, timeout: Duration) -> bool {
         let s = &self.shared;
-        let deadline = Instant::now() + timeout;
+        // A timeout past what the clock can hold (u64::MAX ms) waits as
+        // long as it takes.
+        let deadline = Instant::now().checked_add(timeout);
         let mut core = lock(&s.core);
         // A pull released without its Done keeps its pages until its
         // revoked grant is quiescent: wait for those too (the sweep settles them).
         while !core.is_drained() {
             let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
+            let left = match deadline {
+                Some(d) if now >= d => return false,
+                Some(d) => d - now,
+                None => Duration::MAX,
+            };
             core = s
                 .released
-                .wait_timeout(core, (deadline - now).min(Duration::from_millis(50)))
+                .wait_timeout(core, left.min(Duration::from_millis(50)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }

@@ -325,13 +325,6 @@ fn set_last_error(msg: &str) {
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
 
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
-}
-
 /// Runs one ABI call: its status, the thread's last error, no unwinding out.
 fn call(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> i32 {
     match catch_unwind(AssertUnwindSafe(f)) {
@@ -346,7 +339,7 @@ fn call(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> i32 {
         Err(p) => {
             let msg = format!(
                 "{name}: internal error (a bug in ascend-pd; please report it): {}",
-                panic_text(&*p)
+                crate::backend::panic_text(&*p)
             );
             log::error!("{msg}");
             set_last_error(&msg);

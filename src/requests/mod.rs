@@ -192,6 +192,29 @@ fn err_text(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// Runs one request's `work` on a worker thread: a panic in it fails that
+/// request (its message reported by `poll`) instead of ending the worker
+/// and leaving the request running forever. Pages the work held return to
+/// their pools as the panic unwinds.
+fn guarded<T>(what: &str, id: &str, work: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    let work = || {
+        #[cfg(test)]
+        tests::panic_if_asked(what, id);
+        work()
+    };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = crate::backend::panic_text(&*p);
+            log::error!("the {what} of request {id:?} panicked: {msg}");
+            Err(format!(
+                "the {what} panicked ({msg}): a bug in ascend-pd, please report it with the log; \
+                 the queue goes on with other requests"
+            ))
+        }
+    }
+}
+
 /// Token counts of the chunks of a request of `tokens` tokens.
 fn chunk_tokens(tokens: usize, chunk: usize) -> Vec<usize> {
     (0..tokens.div_ceil(chunk))
@@ -264,7 +287,9 @@ impl SaveQueue {
             let cancels = lock(&q.cancels).clone().expect("set above");
             let worker = crate::backend::spawn(&format!("apd-save-{i}"), move || {
                 while let Some((id, job)) = state.next() {
-                    let r = run_save(&sender, &job, || lock(&state.book).cache_released(&id));
+                    let r = guarded("save", &id, || {
+                        run_save(&sender, &job, || lock(&state.book).cache_released(&id))
+                    });
                     if let Err(e) = &r {
                         log::warn!("save of request {id:?} failed: {e}");
                     }
@@ -590,13 +615,13 @@ impl LoadQueue {
                         pieces_per_chunk: per,
                         ..LoadOptions::default()
                     };
-                    let r = {
+                    let r = guarded("load", &id, || {
                         let mut cache = job.cache.lock();
                         receiver
                             .load_with(&keys, &job.req.slot_mapping, &mut cache, &opts)
                             .map(|_| ())
                             .map_err(err_text)
-                    };
+                    });
                     if let Err(e) = &r {
                         log::warn!("load of request {id:?} failed: {e}");
                     }
@@ -731,7 +756,136 @@ impl Drop for LoadQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::chunk_tokens;
+    use super::*;
+    use crate::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role};
+    use crate::kv::KvCacheSpec;
+    use std::time::Instant;
+
+    /// `save:<id>` / `load:<id>`: the request's worker panics (test only).
+    static PANIC_IDS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+    pub(super) fn panic_if_asked(what: &str, id: &str) {
+        if lock(&PANIC_IDS)
+            .iter()
+            .any(|x| *x == format!("{what}:{id}"))
+        {
+            panic!("injected panic for {id}");
+        }
+    }
+
+    fn port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn config(role: Role) -> PdConfig {
+        let mut c = PdConfig::with_defaults(role);
+        c.transfer_channel = ChannelKind::Tcp;
+        c.buffer_device = BufferDevice::Cpu;
+        c.chunk_size = 8;
+        c.kv.num_layers = 2;
+        c.kv.num_kv_heads = 2;
+        c.kv.head_size = 8;
+        c.kv.hidden_size = 16;
+        c.buffer_size = 16 * c.page_bytes();
+        c.peer_host = Some("127.0.0.1".into());
+        c
+    }
+
+    fn wait_for(f: impl Fn() -> Vec<Completion>) -> Completion {
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(c) = f().pop() {
+                return c;
+            }
+            assert!(Instant::now() < end, "no completion");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// A panic on a save or load worker fails that request with its
+    /// message; the queues go on with the next, and every page comes back.
+    #[test]
+    fn a_panicking_request_fails_alone_and_the_queues_keep_working() {
+        lock(&PANIC_IDS).extend(["save:save-boom".to_string(), "load:load-boom".to_string()]);
+        let mut rc = config(Role::Receiver);
+        rc.peer_init_port = Some(PortList::Single(port()));
+        rc.peer_alloc_port = Some(PortList::Single(port()));
+        let mut sc = config(Role::Sender);
+        sc.proxy_host = Some("127.0.0.1".into());
+        sc.proxy_port = Some(port());
+        sc.pull_done_port = Some(PortList::Single(port()));
+        let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+        let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+        let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+        let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+        let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 4, 8);
+        let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+        let decode = SharedKvCache::new(KvCache::host(spec).unwrap());
+        let slots: Vec<i64> = (0..12).collect();
+        let keys = |id: &str| vec![format!("{id}@0"), format!("{id}@1")];
+        let save = |id: &str| SaveRequest {
+            keys: keys(id),
+            slot_mapping: slots.clone(),
+            spec: TransferSpec {
+                req_id: id.into(),
+                receiver_host: "127.0.0.1".into(),
+                receiver_init_port: rc.peer_init_port.clone().unwrap(),
+                receiver_alloc_port: rc.peer_alloc_port.clone().unwrap(),
+                is_last_prefill: true,
+                receiver_rank: None,
+            },
+        };
+
+        saves.submit(save("save-boom"), &prefill).unwrap();
+        let c = wait_for(|| saves.poll());
+        match &c.outcome {
+            Outcome::Failed(e) => assert!(e.contains("injected panic for save-boom"), "{e}"),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(saves.poll_cache_released(), vec!["save-boom".to_string()]);
+        for id in ["load-boom", "fine"] {
+            saves.submit(save(id), &prefill).unwrap();
+            assert_eq!(wait_for(|| saves.poll()).outcome, Outcome::Done, "{id}");
+        }
+        for (id, want_done) in [("load-boom", false), ("fine", true)] {
+            let end = Instant::now() + Duration::from_secs(30);
+            while loads.available(&keys(id)) != Availability::Ready {
+                assert!(Instant::now() < end, "{id} never landed");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let req = LoadRequest {
+                req_id: id.into(),
+                keys: keys(id),
+                slot_mapping: slots.clone(),
+            };
+            loads.submit(req, &decode).unwrap();
+            let c = wait_for(|| loads.poll());
+            match (&c.outcome, want_done) {
+                (Outcome::Done, true) => {}
+                (Outcome::Failed(e), false) => {
+                    assert!(e.contains("injected panic for load-boom"), "{e}")
+                }
+                (o, _) => panic!("{id}: {o:?}"),
+            }
+        }
+        assert_eq!(loads.in_flight(), (0, 0));
+        // No timeout the clock cannot hold is an error.
+        assert!(sender.drain(Duration::MAX));
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (r, s) = (receiver.stats().pools.cpu, sender.stats().pools.cpu);
+            let (r, s) = (r.unwrap(), s.unwrap());
+            if r.free == r.total && s.free == s.total && r.quarantined + s.quarantined == 0 {
+                break;
+            }
+            assert!(Instant::now() < end, "pools not back: {r:?} {s:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 
     #[test]
     fn a_request_splits_into_full_chunks_and_a_partial_last() {

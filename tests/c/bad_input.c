@@ -321,6 +321,17 @@ int main(int argc, char **argv) {
            APD_ERR_INVALID_ARGUMENT, "`peers[1]`");
     expect("save to a null peer", apd_sender_submit_save(snd, "req-s", keys, 2, cache, slots, 20, NULL, 1),
            APD_ERR_INVALID_ARGUMENT, "`peer`");
+    peers[1].alloc_port = (uint16_t)alloc_port;
+    slots[5] = -1; /* a padding slot: the save would ship a stale page's bytes */
+    expect("save with a padding slot", apd_sender_submit_save(snd, "req-s", keys, 2, cache, slots, 20, &peers[0], 1),
+           APD_ERR_INVALID_ARGUMENT, "token 5");
+    slots[5] = 5;
+    int32_t drained = -1;
+    expect("drain without a time limit", apd_sender_drain(snd, UINT64_MAX, &drained), APD_OK, NULL);
+    if (drained != 1) {
+        fprintf(stderr, "FAIL drain(UINT64_MAX) with nothing pending says %d\n", drained);
+        failures++;
+    }
     ApdReqId released[4];
     n = 99;
     expect("poll released null count", apd_sender_poll_released(snd, released, 4, NULL), APD_ERR_INVALID_ARGUMENT,

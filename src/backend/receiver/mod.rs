@@ -521,7 +521,8 @@ impl Receiver {
     /// Like [`Receiver::get`], but waits up to `timeout` for a chunk that is
     /// still landing. `None` means missing or not landed in time.
     pub fn get_wait(&self, key: &str, timeout: Duration) -> Option<SealedMemObj> {
-        let deadline = Instant::now() + timeout;
+        // A timeout past what the clock can hold waits as long as it takes.
+        let deadline = Instant::now().checked_add(timeout);
         let mut core = lock(&self.shared.core);
         loop {
             match core.get(key, Instant::now()) {
@@ -530,13 +531,15 @@ impl Receiver {
                 _ => return None,
             }
             let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
+            let left = match deadline {
+                Some(d) if now >= d => return None,
+                Some(d) => d - now,
+                None => Duration::MAX,
+            };
             core = self
                 .shared
                 .landed
-                .wait_timeout(core, (deadline - now).min(Duration::from_millis(100)))
+                .wait_timeout(core, left.min(Duration::from_millis(100)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
