@@ -541,7 +541,9 @@ fn a_two_second_sender_ttl_against_the_receivers_default_loads_or_fails_cleanly(
                         assert!(got.is_some_and(|g| holds(&g, k)), "{what}: {k}");
                     }
                 } else {
-                    let (mut cache, slots) = cfg(ks.len() * CHUNK);
+                    // One slot per token: the last chunk holds 9.
+                    let (mut cache, mut slots) = cfg(ks.len() * CHUNK);
+                    slots.truncate((ks.len() - 1) * CHUNK + 9);
                     let report = r
                         .load(&ks, &slots, &mut cache)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -974,4 +976,86 @@ fn stalled_eager_pulls_never_hold_up_another_senders_read() {
     // Only the good pull's bytes were read; nothing stalled was stored.
     assert_eq!(r.stats().bytes_read, 2 * rc.page_bytes());
     assert_eq!(r.stats().store.resident, 0);
+}
+
+/// One stalled prefill never blocks another request's load into the same
+/// engine cache: the load queue used to hold the cache's lock for a whole
+/// load, network reads included, so every load of this decode worker
+/// waited for the stalled sender's lease. Now the stalled request's load
+/// is still running when the other one is done, every byte in place.
+#[test]
+fn a_stalled_senders_load_does_not_hold_up_another_requests_load() {
+    use ascend_pd::requests::{Availability, LoadQueue, LoadRequest, Outcome, SharedKvCache};
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 16);
+    let r = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let stalling = StallingSender::announce(&rc, keys("stall", 2), Duration::from_secs(60));
+    let s = Sender::start(
+        &sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 16),
+        0,
+        Default::default(),
+    )
+    .unwrap();
+    let good = keys("good", 2);
+    let c = chunks(&s, &good, CHUNK);
+    s.put(&good, &c, &spec_for(&rc, "good", false)).unwrap();
+    drop(c);
+    let loads = LoadQueue::new(Arc::clone(&r)).unwrap();
+    assert!(eventually(Duration::from_secs(30), || loads
+        .available(&good)
+        == Availability::Ready));
+    let (cache, slots) = r_layout_cache(&rc)(4 * CHUNK);
+    let cache = SharedKvCache::new(cache);
+    let load = |id: &str, keys: &[String], slots: &[i64]| {
+        loads
+            .submit(
+                LoadRequest {
+                    req_id: id.into(),
+                    keys: keys.to_vec(),
+                    slot_mapping: slots.to_vec(),
+                },
+                &cache,
+            )
+            .unwrap()
+    };
+    load("stalled", &stalling.keys, &slots[..2 * CHUNK]);
+    wait_until("the stalled read to start", || {
+        stalling.requests.load(std::sync::atomic::Ordering::SeqCst) > 0
+    });
+    load("good", &good, &slots[2 * CHUNK..]);
+    let done = poll_until(|| loads.poll(), 1);
+    assert_eq!(done.len(), 1, "the good load waited for the stalled one");
+    assert_eq!(done[0].req_id, "good");
+    assert_eq!(done[0].outcome, Outcome::Done, "{done:?}");
+    assert_eq!(loads.in_flight(), (0, 1), "the stalled load still runs");
+
+    // The stalled sender answers; its load ends too, and the good
+    // request's bytes are where they belong.
+    stalling.release.send(()).unwrap();
+    let done = poll_until(|| loads.poll(), 1);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].req_id, "stalled");
+    let mut cache = cache.lock();
+    let spec = *cache.spec();
+    let tb = spec.token_bytes();
+    for (i, k) in good.iter().enumerate() {
+        let mut chunk = vec![0u8; rc.chunk_layout().page_bytes()];
+        pattern::fill(&mut chunk, seed_of(k));
+        for t in 0..CHUNK {
+            let slot = slots[(2 + i) * CHUNK + t] as usize;
+            for plane in 0..spec.planes() {
+                for layer in 0..spec.layers {
+                    let at = ((plane * spec.layers + layer) * CHUNK + t) * tb;
+                    let got = cache.token(layer, plane, slot).unwrap();
+                    assert_eq!(got, &chunk[at..at + tb], "{k} token {t}");
+                }
+            }
+        }
+    }
+    drop(cache);
+    let _ = stalling.served.join();
+    wait_until("every page back", || {
+        let st = pool_stats(&r);
+        st.allocated == 0 && st.quarantined == 0
+    });
+    assert!(s.drain(Duration::from_secs(10)));
 }

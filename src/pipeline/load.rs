@@ -142,14 +142,18 @@ pub(crate) fn load_keys(
     env: &impl LoadEnv,
     keys: &[String],
     slot_mapping: &[i64],
-    cache: &mut KvCache,
+    cache: &SharedCache<'_>,
     opts: &LoadOptions,
 ) -> Result<LoadReport, LoadError> {
     let start = Instant::now();
     let layout = env.layout();
-    cache.spec().check_layout(&layout)?;
+    let (spec, device) = {
+        let c = cache.lock();
+        (*c.spec(), c.device())
+    };
+    spec.check_layout(&layout)?;
     // Every slot is checked once here, so no copy can fail on one later.
-    plan::token_runs(slot_mapping, cache.spec().slots())?;
+    plan::token_runs(slot_mapping, spec.slots())?;
     let per = opts.pieces_per_chunk.max(1);
     if keys.len() % per != 0 {
         return Err(LoadError::Pieces {
@@ -217,7 +221,7 @@ pub(crate) fn load_keys(
             .iter()
             .flat_map(|g| g.items.iter().map(|(i, p)| (i, p.meta))),
     );
-    check_pieces(metas, per, cache.spec().hidden)?;
+    check_pieces(metas, per, spec.hidden)?;
     let items = resident
         .iter()
         .map(|(i, _)| i)
@@ -269,14 +273,14 @@ pub(crate) fn load_keys(
     // staged too: see DIRECT_MIN_RUN.)
     let direct = !groups.is_empty()
         && opts.direct
-        && env.channel().reads_direct(cache.device())
-        && worth_reading_direct(cache)
+        && env.channel().reads_direct(device)
+        && worth_reading_direct(&cache.lock())
         && distinct_slots(slot_mapping)
-        && registered(env.channel(), cache)
+        && registered(env.channel(), &mut cache.lock())
         && groups.iter().all(|g| prepared(env, &g.sender_id));
-    let shared: SharedCache<'_> = std::sync::Mutex::new(&mut *cache);
+    let shared = cache;
     std::thread::scope(|scope| {
-        let mut lane = ScatterLane::new(scope, &shared, slot_mapping);
+        let mut lane = ScatterLane::new(scope, shared, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
         if direct {
             return;
@@ -295,7 +299,6 @@ pub(crate) fn load_keys(
             }
             return;
         }
-        let shared = &shared;
         let handles: Vec<_> = groups
             .iter()
             .map(|g| {
@@ -327,7 +330,6 @@ pub(crate) fn load_keys(
     if direct {
         // Each sender's proxies are read concurrently: their runs are
         // disjoint parts of the cache (see load_group_direct).
-        let cache: &KvCache = cache;
         let run = |g: &SenderGroup| {
             let mut t = LoadTally::default();
             load_group_direct(env, g, cache, slot_mapping, opts, &mut t);
@@ -686,7 +688,7 @@ fn distinct_slots(slots: &[i64]) -> bool {
 fn load_group_direct(
     env: &impl LoadEnv,
     g: &SenderGroup,
-    cache: &KvCache,
+    cache: &SharedCache<'_>,
     slot_mapping: &[i64],
     opts: &LoadOptions,
     tally: &mut LoadTally,
@@ -720,7 +722,12 @@ fn load_group_direct(
             };
             // Checked with the layout before anything moved; it cannot fail
             // here except on a proxy whose chunk the cache cannot take.
-            match cache.direct_targets(&p.meta, &slot_mapping[item.slots.clone()]) {
+            // The cache is locked only to plan: the read below runs
+            // unlocked, so other requests' loads go on meanwhile.
+            let targets = cache
+                .lock()
+                .direct_targets(&p.meta, &slot_mapping[item.slots.clone()]);
+            match targets {
                 Ok(runs) => {
                     ops.extend(runs.into_iter().map(|r| DirectRead {
                         remote: p.remote,
@@ -753,13 +760,16 @@ fn load_group_direct(
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         // SAFETY: every destination is a run of this cache's own memory
         // (direct_targets, from its copy plan; registered with the channel
-        // where it needs that), which the load's `&mut`
-        // borrow keeps to it for the whole call (the sender groups reading
-        // concurrently share it only to plan); runs never overlap, within
-        // a group or across groups: each token has
-        // its own slot (distinct_slots, checked before choosing this path)
-        // and a chunk's runs cover distinct (layer, plane, slot) elements
-        // (the head pieces of one chunk distinct elements: check_pieces).
+        // where it needs that), alive while the load borrows the cache.
+        // Nothing else writes those runs during the call: a lent cache is
+        // this load's alone (the sender groups reading concurrently share
+        // it only to plan); a shared engine cache's other loads hold slot
+        // claims disjoint from this request's (SharedKvCache::claim), and
+        // the engine leaves a loading request's slots alone. Runs never
+        // overlap, within a group or across groups: each token has its
+        // own slot (distinct_slots, checked before choosing this path) and
+        // a chunk's runs cover distinct (layer, plane, slot) elements (the
+        // head pieces of one chunk distinct elements: check_pieces).
         let deadline = began
             .iter()
             .map(|(_, p)| p.lease_deadline)

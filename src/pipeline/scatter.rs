@@ -10,11 +10,56 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread::Scope;
 
 /// The cache of one load, shared by the lanes of sender groups loaded
-/// concurrently: each scatter (and its fence) runs under the lock.
-pub(crate) type SharedCache<'a> = Mutex<&'a mut KvCache>;
+/// concurrently and, for an engine's cache shared by a request queue, by
+/// the loads of other requests (whose slots are disjoint from this one's):
+/// each scatter (and its fence) runs under the lock, which is never held
+/// across a network read.
+pub(crate) enum SharedCache<'a> {
+    /// A cache the caller lent to this load alone.
+    Lent(Mutex<&'a mut KvCache>),
+    /// An engine's cache other loads use at the same time.
+    Shared(&'a Mutex<KvCache>),
+}
 
-fn locked<'g, 'a>(cache: &'g SharedCache<'a>) -> MutexGuard<'g, &'a mut KvCache> {
-    cache.lock().unwrap_or_else(|p| p.into_inner())
+/// A locked [`SharedCache`].
+pub(crate) enum CacheGuard<'g, 'a> {
+    Lent(MutexGuard<'g, &'a mut KvCache>),
+    Shared(MutexGuard<'g, KvCache>),
+}
+
+impl<'a> SharedCache<'a> {
+    /// The cache, locked (for a moment: a copy plan, a scatter and its fence).
+    pub(crate) fn lock(&self) -> CacheGuard<'_, 'a> {
+        match self {
+            SharedCache::Lent(m) => CacheGuard::Lent(m.lock().unwrap_or_else(|p| p.into_inner())),
+            SharedCache::Shared(m) => {
+                CacheGuard::Shared(m.lock().unwrap_or_else(|p| p.into_inner()))
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for CacheGuard<'_, '_> {
+    type Target = KvCache;
+    fn deref(&self) -> &KvCache {
+        match self {
+            CacheGuard::Lent(g) => g,
+            CacheGuard::Shared(g) => g,
+        }
+    }
+}
+
+impl std::ops::DerefMut for CacheGuard<'_, '_> {
+    fn deref_mut(&mut self) -> &mut KvCache {
+        match self {
+            CacheGuard::Lent(g) => g,
+            CacheGuard::Shared(g) => g,
+        }
+    }
+}
+
+fn locked<'g, 'a>(cache: &'g SharedCache<'a>) -> CacheGuard<'g, 'a> {
+    cache.lock()
 }
 
 /// One chunk to scatter: its page, what the page holds (tokens, and the

@@ -34,12 +34,48 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// A KV cache shared by the engine and the queues' workers. A worker holds
-/// its lock only while it gathers from it or loads into it; its shape is
-/// readable without the lock, so a submit never waits for a running load.
+/// A KV cache shared by the engine and the queues' workers. A save holds
+/// its lock while it gathers; a load claims its request's slots for its
+/// whole run but takes the lock only to plan and to scatter, never across
+/// a network read, so one stalled sender delays only the requests it
+/// feeds. Its shape is readable without the lock, so a submit never waits
+/// for a running load.
 pub struct SharedKvCache {
     spec: crate::kv::KvCacheSpec,
     cache: Mutex<KvCache>,
+    /// The slots of the loads running now, each sorted.
+    claims: Mutex<Vec<Arc<[i64]>>>,
+    claim_ended: Condvar,
+}
+
+/// A running load's hold on its slots (see [`SharedKvCache`]); let go on drop.
+struct SlotClaim<'c> {
+    cache: &'c SharedKvCache,
+    slots: Arc<[i64]>,
+}
+
+impl Drop for SlotClaim<'_> {
+    fn drop(&mut self) {
+        let mut claims = lock(&self.cache.claims);
+        if let Some(i) = claims.iter().position(|c| Arc::ptr_eq(c, &self.slots)) {
+            claims.swap_remove(i);
+        }
+        drop(claims);
+        self.cache.claim_ended.notify_all();
+    }
+}
+
+/// Whether two sorted slot lists share a slot.
+fn overlap(a: &[i64], b: &[i64]) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => return true,
+        }
+    }
+    false
 }
 
 impl SharedKvCache {
@@ -48,6 +84,8 @@ impl SharedKvCache {
         Arc::new(SharedKvCache {
             spec: *cache.spec(),
             cache: Mutex::new(cache),
+            claims: Mutex::new(Vec::new()),
+            claim_ended: Condvar::new(),
         })
     }
 
@@ -56,9 +94,52 @@ impl SharedKvCache {
         &self.spec
     }
 
-    /// The cache, once no worker copies into or out of it.
+    /// The cache, once no worker copies into or out of it: waits for the
+    /// loads running now to end (a load may be writing its slots without
+    /// the lock), and holds off those that start until the guard drops.
     pub fn lock(&self) -> std::sync::MutexGuard<'_, KvCache> {
+        let mut claims = lock(&self.claims);
+        while !claims.is_empty() {
+            claims = self
+                .claim_ended
+                .wait(claims)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        // Taken before the claims are let go: a load that claims now
+        // cannot plan (or write) until this guard is dropped.
         lock(&self.cache)
+    }
+
+    /// Claims `slots` (padding ignored) for one load, waiting while a
+    /// running load holds any of them: the engine never gives two running
+    /// requests one slot, but if it did, their loads take turns instead
+    /// of writing the slot at once.
+    fn claim(&self, req_id: &str, slots: &[i64]) -> SlotClaim<'_> {
+        let mut mine: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
+        mine.sort_unstable();
+        mine.dedup();
+        let mine: Arc<[i64]> = mine.into();
+        let mut claims = lock(&self.claims);
+        let mut warned = false;
+        while claims.iter().any(|c| overlap(c, &mine)) {
+            if !warned {
+                log::warn!(
+                    "the load of request {req_id:?} waits for another running load that writes \
+                     some of the same KV cache slots (the engine gave two running requests one \
+                     slot?)"
+                );
+                warned = true;
+            }
+            claims = self
+                .claim_ended
+                .wait(claims)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        claims.push(Arc::clone(&mine));
+        SlotClaim {
+            cache: self,
+            slots: mine,
+        }
     }
 }
 
@@ -539,7 +620,9 @@ fn run_save(
             .allocate_batch(&metas)
             .map_err(err_text)?;
         {
-            let mut cache = job.cache.lock();
+            // Gathers only this request's slots, while loads into other
+            // slots may run: the cache's own lock, no wait for them.
+            let mut cache = lock(&job.cache.cache);
             for (i, page) in pages.iter_mut().enumerate() {
                 let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
                 // Returns once the copies have run (an NPU cache's are
@@ -616,9 +699,12 @@ impl LoadQueue {
                         ..LoadOptions::default()
                     };
                     let r = guarded("load", &id, || {
-                        let mut cache = job.cache.lock();
+                        // Its slots for the whole load; the cache's lock
+                        // only to plan and scatter, so a stalled sender
+                        // holds up no other request's load.
+                        let _claim = job.cache.claim(&id, &job.req.slot_mapping);
                         receiver
-                            .load_with(&keys, &job.req.slot_mapping, &mut cache, &opts)
+                            .load_shared(&keys, &job.req.slot_mapping, &job.cache.cache, &opts)
                             .map(|_| ())
                             .map_err(err_text)
                     });
@@ -804,6 +890,38 @@ mod tests {
             assert!(Instant::now() < end, "no completion");
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    /// Loads whose slots overlap (an engine bug) take turns; disjoint
+    /// ones run at once; `lock` waits for every running load.
+    #[test]
+    fn loads_sharing_a_slot_take_turns_and_lock_waits_for_all() {
+        let spec = KvCacheSpec::for_layout(&config(Role::Receiver).chunk_layout(), 4, 8);
+        let cache = SharedKvCache::new(KvCache::host(spec).unwrap());
+        let a = cache.claim("a", &[5, 3, -1, 4]);
+        let b = cache.claim("b", &[6, 7, -1]);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        std::thread::scope(|sc| {
+            let c = Arc::clone(&cache);
+            let tx2 = tx.clone();
+            sc.spawn(move || {
+                let _c = c.claim("c", &[1, 2, 4]);
+                tx2.send("c claimed").unwrap();
+            });
+            let c = Arc::clone(&cache);
+            sc.spawn(move || {
+                let _g = c.lock();
+                tx.send("locked").unwrap();
+            });
+            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+            drop(b);
+            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+            drop(a);
+            let mut got = vec![rx.recv().unwrap(), rx.recv().unwrap()];
+            got.sort_unstable();
+            assert_eq!(got, ["c claimed", "locked"]);
+        });
+        assert!(overlap(&[1, 4, 9], &[2, 4]) && !overlap(&[1, 3], &[2, 4]) && !overlap(&[], &[1]));
     }
 
     /// A panic on a save or load worker fails that request with its

@@ -637,7 +637,23 @@ impl Receiver {
         cache: &mut KvCache,
         opts: &LoadOptions,
     ) -> Result<LoadReport, LoadError> {
-        load_keys(&*self.shared, keys, slot_mapping, cache, opts)
+        let lent = crate::pipeline::scatter::SharedCache::Lent(std::sync::Mutex::new(cache));
+        load_keys(&*self.shared, keys, slot_mapping, &lent, opts)
+    }
+
+    /// [`Receiver::load_with`] into a cache other requests' loads use at
+    /// the same time: it is locked only to plan and to scatter, never
+    /// across a network read. The caller keeps the request's slots to
+    /// this load (see `SharedKvCache::claim`).
+    pub(crate) fn load_shared(
+        &self,
+        keys: &[String],
+        slot_mapping: &[i64],
+        cache: &std::sync::Mutex<KvCache>,
+        opts: &LoadOptions,
+    ) -> Result<LoadReport, LoadError> {
+        let shared = crate::pipeline::scatter::SharedCache::Shared(cache);
+        load_keys(&*self.shared, keys, slot_mapping, &shared, opts)
     }
 
     /// The prefill ranks this decode rank takes its chunks from, and the
