@@ -98,6 +98,58 @@ class _Memory:
         self.keep = keep
 
 
+def _device_of(obj: Any, index: int) -> Optional[int]:
+    """Where a tensor's memory is: -1 (host), an NPU id, or None when the
+    object does not say (an ``(address, nbytes)`` tuple)."""
+    if isinstance(obj, tuple):
+        return None
+    dev = getattr(obj, "device", None)
+    if dev is None:
+        # numpy arrays and buffers are host memory.
+        return _lib.DEVICE_CPU
+    dev_type = str(getattr(dev, "type", dev)).split(":")[0].lower()
+    if dev_type == "cpu":
+        return _lib.DEVICE_CPU
+    if dev_type == "npu":
+        idx = getattr(dev, "index", None)
+        return int(idx) if idx is not None else 0
+    raise _bad(
+        f"tensors[{index}] is on device {dev!r}: ascend-pd reads and writes host memory "
+        "and Ascend NPUs (torch_npu tensors) only"
+    )
+
+
+def _device_for(tensors: Sequence[Any], device: Optional[int]) -> int:
+    """The cache's device: the one the tensors are on, which ``device``
+    (when given) must match; host memory when nothing says otherwise."""
+    seen: Dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        d = _device_of(t, i)
+        if d is not None:
+            seen.setdefault(d, i)
+    if len(seen) > 1:
+        (a, i), (b, j) = sorted(seen.items(), key=lambda kv: kv[1])[:2]
+        raise _bad(
+            f"tensors[{i}] is on {_device_name(a)} but tensors[{j}] on {_device_name(b)}: "
+            "every tensor of a KV cache must be on one device"
+        )
+    if device is None:
+        return next(iter(seen), _lib.DEVICE_CPU)
+    device = int(device)
+    for d, i in seen.items():
+        if d != device:
+            raise _bad(
+                f"device={device} ({_device_name(device)}) but tensors[{i}] is on "
+                f"{_device_name(d)}: leave device= out to take the tensors' device, or pass "
+                "tensors on that device"
+            )
+    return device
+
+
+def _device_name(d: int) -> str:
+    return "host memory" if d == _lib.DEVICE_CPU else f"NPU {d}"
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -344,7 +396,11 @@ class KVCache:
         num_blocks: blocks per tensor.
         block_size: tokens per block.
         hidden: elements per token (num_kv_heads * head_size, or the MLA latent size).
-        device: -1 for host memory, or the NPU id of device memory.
+        device: -1 for host memory, or the NPU id of device memory;
+            inferred from the tensors when omitted (torch tensors'
+            ``device``; numpy arrays and buffers are host memory;
+            ``(address, nbytes)`` tuples say nothing, so host unless given).
+            A device that differs from a tensor's is refused, naming both.
         stream: optional ``aclrtStream`` of the engine (NPU caches only).
         strides: ``(block_stride, token_stride, head_stride[, elem_stride])``
             in bytes, or a list of one such tuple per plane of a layer, for
@@ -367,7 +423,7 @@ class KVCache:
         num_blocks: int,
         block_size: int,
         hidden: int,
-        device: int = _lib.DEVICE_CPU,
+        device: Optional[int] = None,
         stream: Any = None,
         strides: Optional[Sequence[Any]] = None,
         num_heads: Optional[int] = None,
@@ -387,6 +443,9 @@ class KVCache:
             else _strides_of(strides, num_heads, head_size, int(hidden), planes)
         )
         memory_of = _memory_of if parsed is None else _plane_memory_of
+        # Before any address is taken: host copies from device addresses
+        # would crash the process.
+        device = _device_for(tensors, device)
         memories = [memory_of(t, i) for i, t in enumerate(tensors)]
         if dtype is None:
             inferred = {m.dtype for m in memories}
@@ -528,14 +587,6 @@ class KVCache:
         bs = int(block_size) if block_size is not None else shape[1]
         if bs <= 0 or per_block % bs != 0:
             raise _bad(f"block_size {bs} does not divide a block of {per_block} elements (shape {shape})")
-        if device is None:
-            dev = getattr(planes[0], "device", None)
-            dev_type = getattr(dev, "type", "cpu")
-            if dev_type == "cpu" or dev is None:
-                device = _lib.DEVICE_CPU
-            else:
-                index = getattr(dev, "index", None)
-                device = int(index) if index is not None else 0
         return cls(
             planes,
             fmt=kind,

@@ -36,6 +36,44 @@ def expect(what, exc_type, needle, fn):
     failures += 1
 
 
+def report(ok, what):
+    global failures
+    print(f"ok   {what}" if ok else f"FAIL {what}", file=sys.stdout if ok else sys.stderr)
+    if not ok:
+        failures += 1
+
+
+class _FakeDevice:
+    def __init__(self, type_: str, index: int) -> None:
+        self.type = type_
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"device(type='{self.type}', index={self.index})"
+
+
+class _FakeNpuTensor:
+    """What KVCache reads of a torch_npu tensor."""
+
+    dtype = "torch.float16"
+
+    def __init__(self, addr: int, numel: int, device: str = "npu") -> None:
+        self._addr, self._numel = addr, numel
+        self.device = _FakeDevice(device, 0)
+
+    def data_ptr(self) -> int:
+        return self._addr
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return 2
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
 def main():
     init_port, alloc_port = int(sys.argv[1]), int(sys.argv[2])
     expect("invalid config", apd.ConfigError, "pd_role", lambda: apd.Config.from_yaml("enable_pd: True\npd_role: bogus\n"))
@@ -57,6 +95,46 @@ def main():
     )
     expect("wrong tensor count", apd.KVCacheError, "3 tensor(s)", lambda: apd.KVCache(tensors[:3], **geometry))
     cache = apd.KVCache(tensors, **geometry)
+    # torch_npu tensors (their interface, faked: no NPU here). The default
+    # device used to be the host, whatever the tensors: the first save then
+    # took host memcpys from device addresses and crashed the process.
+    npu = [_FakeNpuTensor(0x10000 + i * 0x10000, 8 * 4 * 32) for i in range(4)]
+    expect(
+        "NPU tensors wrapped as host memory",
+        apd.InvalidArgument,
+        "device=-1 (host memory) but tensors[0] is on NPU 0",
+        lambda: apd.KVCache(npu, **geometry, device=-1),
+    )
+    expect(
+        "host and NPU tensors in one cache",
+        apd.InvalidArgument,
+        "tensors[0] is on host memory but tensors[1] on NPU 0",
+        lambda: apd.KVCache([tensors[0]] + npu[1:], **geometry),
+    )
+    expect(
+        "NPU tensors on another NPU than given",
+        apd.InvalidArgument,
+        "device=1 (NPU 1) but tensors[0] is on NPU 0",
+        lambda: apd.KVCache(npu, **geometry, device=1),
+    )
+    expect(
+        "CUDA tensors",
+        apd.InvalidArgument,
+        "host memory and Ascend NPUs",
+        lambda: apd.KVCache([_FakeNpuTensor(0x10000, 8, "cuda")] * 4, **geometry),
+    )
+    # Left out, the device is the tensors': NPU 0, which the library then
+    # wraps as device memory (here, without an NPU runtime, it refuses by
+    # name rather than taking the addresses as host memory).
+    try:
+        wrapped = apd.KVCache(npu, **geometry)
+        ok = wrapped.device == 0
+        detail = f"device {wrapped.device}"
+        wrapped.close()
+    except apd.AscendPdError as e:
+        ok = "host" not in e.message.split(":")[0]
+        detail = e.message
+    report(ok, f"NPU tensors, device inferred: {detail}")
     # A strided cache: vLLM's CPU layout, one [blocks, heads, block_size,
     # 2 * head_size] tensor per layer; per (block, head) a cell of K's
     # elements transposed (e * block_size + t), then V's token-major.
