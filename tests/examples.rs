@@ -251,36 +251,21 @@ fn the_c_worker_pair_moves_cancels_and_verifies_in_every_mode() {
     }
 }
 
-/// The Python the examples run with (numpy installed: `.ci/run` installs it).
-fn python() -> String {
-    std::env::var("ASCEND_PD_PYTHON").unwrap_or_else(|_| "python3".into())
+/// The Python the examples run with: the project's test environment
+/// (numpy, msgspec, pyzmq; see [`common::python`]).
+fn python_with_numpy() -> String {
+    common::python()
 }
 
-/// That Python if it imports numpy; otherwise the test skips (or, under
-/// `.ci/run`, fails) saying what to install.
-fn python_with_numpy() -> Option<String> {
-    let py = python();
-    let ok = Command::new(&py)
-        .args(["-c", "import numpy"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok
-        && common::missing_tool(
-            &format!("{py} with numpy"),
-            "install python3 and `pip install numpy`, or set ASCEND_PD_PYTHON",
-        )
-    {
-        return None;
-    }
-    Some(py)
+/// A system Python that can make virtual environments (for the pip test,
+/// which installs the package into fresh ones).
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 #[test]
 fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
-    let Some(py) = python_with_numpy() else {
-        return;
-    };
+    let py = python_with_numpy();
     let lib = common::cdylib();
     for mode in MODES {
         run_pair(
@@ -315,9 +300,7 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
 /// and every pool back at its start (tests/python/hetero_tp.py).
 #[test]
 fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
-    let Some(py) = python_with_numpy() else {
-        return;
-    };
+    let py = python_with_numpy();
     let lib = common::cdylib();
     for (a, b, mode) in [
         (2, 1, "push"),
@@ -346,9 +329,7 @@ fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
 
 #[test]
 fn bad_input_through_python_raises_the_librarys_message() {
-    let Some(py) = python_with_numpy() else {
-        return;
-    };
+    let py = python_with_numpy();
     let out = Command::new(&py)
         .arg(root().join("tests/python/errors.py"))
         .arg(common::free_port().to_string())
@@ -463,13 +444,11 @@ fn the_python_package_installs_with_pip() {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !has_venv
-        && common::missing_tool(
+    if !has_venv {
+        common::missing_tool(
             &format!("{py} -m venv (with ensurepip)"),
-            "install python3-venv, or set ASCEND_PD_PYTHON",
-        )
-    {
-        return;
+            "install python3-venv (Debian/Ubuntu: apt-get install python3-venv), or set PYTHON",
+        );
     }
     let scratch = ScratchDir::new("pip");
     let elsewhere = scratch.0.join("elsewhere");

@@ -27,7 +27,7 @@ use crate::kv::{plan, KvCache, ScatterStats};
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, MemObj, PagePool, SealedMemObj};
 use crate::protocol::{
-    KeyState, Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone, RESIDENT_EXPIRED,
+    Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone, RESIDENT_EXPIRED,
 };
 use std::ops::Range;
 use std::sync::{Arc, MutexGuard};
@@ -80,18 +80,10 @@ fn key_failure(key: &str, proxy: Option<&ProxyEntry>, reason: impl Into<String>)
 
 /// Discards the proxy of `key` if it is still stored (its pull's Done may
 /// follow); returns whether a Done was sent.
-fn discard_proxy(env: &impl LoadEnv, key: &str, req: Option<&str>) -> bool {
-    let removed = {
-        let mut core = env.core();
-        match (core.state(key) == Some(KeyState::Proxy), req) {
-            // Another request also holds it: it stays for that one (the
-            // caller releases this request's hold after the load).
-            (true, Some(_)) if core.holders(key) > 1 => None,
-            (true, _) => core.remove(key),
-            (false, _) => None,
-        }
-    };
-    match removed.and_then(|r| r.done) {
+pub(crate) fn discard_proxy(env: &impl LoadEnv, key: &str, req: Option<&str>) -> bool {
+    // The core decides whether the key may go (other holders, claims).
+    let done = env.core().give_up_proxy(key, req);
+    match done {
         Some(d) => {
             env.send_done(d);
             true

@@ -3041,3 +3041,97 @@ fn a_sender_is_drained_only_once_the_pages_of_released_pulls_are_back() {
     assert!(sc.is_drained());
     assert_idle(&spool);
 }
+
+// ======================================== one copy of each ownership rule
+
+/// The load shell as far as giving up a proxy goes: the real core, the
+/// Dones it sends, nothing else.
+struct GiveUpEnv {
+    core: std::sync::Mutex<ReceiverCore>,
+    dones: std::sync::Mutex<Vec<SendPullDone>>,
+}
+
+impl crate::pipeline::load::LoadEnv for GiveUpEnv {
+    fn core(&self) -> std::sync::MutexGuard<'_, ReceiverCore> {
+        self.core.lock().unwrap()
+    }
+    fn channel(&self) -> &dyn crate::channel::TransferChannel {
+        unreachable!("giving up a proxy moves no bytes")
+    }
+    fn pool(&self) -> &Arc<PagePool> {
+        unreachable!("giving up a proxy takes no page")
+    }
+    fn layout(&self) -> ChunkLayout {
+        layout()
+    }
+    fn page_wait(&self) -> Duration {
+        Duration::ZERO
+    }
+    fn peer_of(&self, _: &str) -> Option<crate::channel::PeerId> {
+        None
+    }
+    fn send_done(&self, done: SendPullDone) {
+        self.dones.lock().unwrap().push(done);
+    }
+    fn read_bytes(&self, _: u64) {}
+    fn transfer_failed(&self) {}
+}
+
+/// Request "a" holds proxy "k"; request "b"'s announcement of "k" is
+/// planned (so "b"'s sender is told "k" is already here) but not yet
+/// committed.
+fn proxy_claimed_by_a_newcomer(t: Instant) -> (ReceiverCore, receiver::PullPlan) {
+    let mut ks = receiver();
+    let deadline = t + LEASE;
+    let a = PullReadyNotif {
+        req_id: Some("a".into()),
+        ..remote_notif(&lease_id(deadline), &["k"])
+    };
+    let r = delay(&mut ks, &a, t);
+    assert!(r.ack.already_sent_indexes.is_empty(), "{r:?}");
+    let b = PullReadyNotif {
+        req_id: Some("b".into()),
+        ..remote_notif(&lease_id(deadline + S), &["k"])
+    };
+    let plan = ks
+        .plan_pull(t, SENDER_ROUTE, &b, Some(LEASE))
+        .expect("b's announcement is planned");
+    (ks, plan)
+}
+
+/// The load shell used to apply its own copy of the shared-prefix rule
+/// when a load gave a proxy up: it counted holders but not claims, so a
+/// newcomer whose sender had just been told "already here" found the key
+/// dropped. The core decides now, and the key stays for the newcomer.
+#[test]
+fn a_load_giving_up_a_proxy_keeps_it_for_a_plan_that_claimed_it() {
+    let t = Instant::now();
+    let (ks, plan) = proxy_claimed_by_a_newcomer(t);
+    let env = GiveUpEnv {
+        core: std::sync::Mutex::new(ks),
+        dones: Default::default(),
+    };
+    // "a"'s load of "k" failed (its read did): the proxy is given up.
+    assert!(!crate::pipeline::load::discard_proxy(&env, "k", Some("a")));
+    let mut ks = env.core.into_inner().unwrap();
+    assert_eq!(ks.state("k"), Some(KeyState::Proxy), "kept for b");
+    let reply = ks.commit_pull_delay(plan);
+    assert_eq!(reply.ack.already_sent_indexes, vec![0]);
+    assert!(matches!(ks.get("k", t), Lookup::Proxy(_)), "b can load it");
+    assert!(env.dones.into_inner().unwrap().is_empty());
+}
+
+/// An eviction (`Receiver::remove`) used to drop a key an uncommitted plan
+/// had claimed, after its sender was told it need not send it.
+#[test]
+fn removing_a_key_a_plan_claimed_keeps_it_for_the_claimant() {
+    let t = Instant::now();
+    let (mut ks, plan) = proxy_claimed_by_a_newcomer(t);
+    assert!(ks.remove("k").is_none(), "claimed: it stays");
+    let reply = ks.commit_pull_delay(plan);
+    assert_eq!(reply.ack.already_sent_indexes, vec![0]);
+    assert!(matches!(ks.get("k", t), Lookup::Proxy(_)));
+    // Once nobody claims it, an eviction removes it.
+    assert!(ks.remove("k").is_some());
+    assert_eq!(ks.state("k"), None);
+}

@@ -730,7 +730,13 @@ impl ReceiverCore {
     /// flight ends); if that resolves its pull, the Done is returned. A key
     /// still landing or being read stays until its transfer ends (its page
     /// is not ours to give back yet): `None`.
+    ///
+    /// A key an uncommitted plan claimed stays too (`None`): the claimant's
+    /// sender is being told it is already here, so it will not send it.
     pub fn remove(&mut self, key: &str) -> Option<Removed> {
+        if self.claims.contains_key(key) {
+            return None;
+        }
         self.expired_keys.forget(key);
         match self.entries.get(key)? {
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => return None,
@@ -751,6 +757,25 @@ impl ReceiverCore {
             },
             Entry::PendingPush { .. } | Entry::PendingRead { .. } => unreachable!("checked above"),
         })
+    }
+
+    /// A load gave up on the proxy of `key`: its read failed, or its lease
+    /// ended (`req` is the loading request; `None` when the proxy is dead
+    /// for everyone, as after its lease). The proxy goes (its pull's Done
+    /// returned when that resolves the pull) unless another request still
+    /// holds it or an uncommitted plan claimed it: then it stays for them,
+    /// and `req`'s own hold goes when that request is released or
+    /// cancelled, as after any load. Anything but a stored proxy: `None`.
+    pub fn give_up_proxy(&mut self, key: &str, req: Option<&str>) -> Option<SendPullDone> {
+        if self.state(key) != Some(KeyState::Proxy) {
+            return None;
+        }
+        let kept_for_others =
+            req.is_some() && (self.holders(key) > 1 || self.claims.contains_key(key));
+        if kept_for_others {
+            return None;
+        }
+        self.remove(key).and_then(|r| r.done)
     }
 
     /// Sender `node` is gone (it restarted: a new process of the same

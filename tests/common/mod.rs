@@ -197,16 +197,53 @@ pub fn cdylib() -> std::path::PathBuf {
     .clone()
 }
 
-/// Whether a test whose tool is missing must fail rather than skip:
-/// `.ci/run` sets `ASCEND_PD_REQUIRE_TOOLS=1` after installing them, so CI
-/// never skips; a bare `cargo test` on a machine without them says what it
-/// skipped and how to run it.
-pub fn missing_tool(what: &str, fix: &str) -> bool {
-    if std::env::var_os("ASCEND_PD_REQUIRE_TOOLS").is_some() {
-        panic!("{what} is missing: {fix}");
-    }
-    println!("SKIPPED: {what} is missing ({fix}); .ci/run installs it and never skips");
-    true
+/// Fails the test calling it: `what` is missing, and `fix` says how to
+/// get it. A test never passes by skipping what it could not run.
+pub fn missing_tool(what: &str, fix: &str) -> ! {
+    panic!("{what} is missing: {fix}");
+}
+
+/// The project-local Python environment the Python tests run in (numpy,
+/// msgspec, pyzmq), built on first use under `target/py-venv` by
+/// `tests/python/setup-venv.sh` (or `ASCEND_PD_PYTHON`, which must have
+/// them). Fails the test, naming the fix, when it cannot be had.
+pub fn python() -> String {
+    static PY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PY.get_or_init(|| {
+        if let Ok(py) = std::env::var("ASCEND_PD_PYTHON") {
+            let ok = std::process::Command::new(&py)
+                .args(["-c", "import numpy, msgspec, zmq"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                missing_tool(
+                    &format!("numpy, msgspec or pyzmq in ASCEND_PD_PYTHON={py}"),
+                    "install them there, or unset ASCEND_PD_PYTHON to use the project's own \
+                     environment (target/py-venv)",
+                );
+            }
+            return py;
+        }
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/setup-venv.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| missing_tool("bash", &format!("install bash ({e})")));
+        if !out.status.success() {
+            missing_tool(
+                "the Python test environment (target/py-venv)",
+                "see the error above: it needs python3 with venv and the package index (pip)",
+            );
+        }
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .expect("setup-venv.sh prints the python path")
+            .to_string()
+    })
+    .clone()
 }
 
 /// An engine's paged NPU cache as vLLM-Ascend allocates it: one zeroed
