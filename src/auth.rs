@@ -435,7 +435,12 @@ impl Session {
                 .try_into()
                 .expect("8 bytes"),
         );
-        if !self.seen.lock().unwrap_or_else(|p| p.into_inner()).accept(counter) {
+        if !self
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .accept(counter)
+        {
             return Err(OpenError::Replayed);
         }
         Ok(&body[ENVELOPE_HEADER..])
@@ -506,7 +511,6 @@ mod tests {
         assert!(!a.verify(Step::TcpClient, &[b"n1", b"node"], &p[..31]));
     }
 
-
     fn pair() -> (Session, Session) {
         let s = secret(7);
         let (c, v) = ([1u8; 16], [2u8; 16]);
@@ -520,7 +524,10 @@ mod tests {
     fn a_sealed_frame_opens_once_at_the_other_end_only() {
         let (snd, rcv) = pair();
         let f = snd.seal(FrameKind::Request, b"hello");
-        assert_eq!(envelope_header(&f), Some(([2u8; 16], FrameKind::Request as u8)));
+        assert_eq!(
+            envelope_header(&f),
+            Some(([2u8; 16], FrameKind::Request as u8))
+        );
         assert_eq!(rcv.open(FrameKind::Request, &f), Ok(&b"hello"[..]));
         assert_eq!(rcv.open(FrameKind::Request, &f), Err(OpenError::Replayed));
         // Its own frames do not open at the sealing end (keys per direction).
@@ -540,7 +547,10 @@ mod tests {
         for i in 0..f.len() {
             let mut t = f.clone();
             t[i] ^= 0x01;
-            assert!(rcv.open(FrameKind::Request, &t).is_err(), "byte {i} flipped");
+            assert!(
+                rcv.open(FrameKind::Request, &t).is_err(),
+                "byte {i} flipped"
+            );
         }
         assert_eq!(
             rcv.open(FrameKind::Request, &f[..f.len() - 1]),
@@ -550,11 +560,17 @@ mod tests {
             rcv.open(FrameKind::Request, &f[..ENVELOPE_OVERHEAD - 1]),
             Err(OpenError::NotSealed)
         );
-        assert_eq!(rcv.open(FrameKind::Request, b"\x81\xa4type"), Err(OpenError::NotSealed));
+        assert_eq!(
+            rcv.open(FrameKind::Request, b"\x81\xa4type"),
+            Err(OpenError::NotSealed)
+        );
         // Another attachment (other nonces) or another secret.
         let other = Session::derive(&secret(7), End::Sender, &[1; 16], &[3; 16], "snd", "rcv");
         let g = other.seal(FrameKind::Request, b"payload");
-        assert_eq!(rcv.open(FrameKind::Request, &g), Err(OpenError::UnknownAttachment));
+        assert_eq!(
+            rcv.open(FrameKind::Request, &g),
+            Err(OpenError::UnknownAttachment)
+        );
         let wrong = Session::derive(&secret(8), End::Sender, &[1; 16], &[2; 16], "snd", "rcv");
         let h = wrong.seal(FrameKind::Request, b"payload");
         assert_eq!(rcv.open(FrameKind::Request, &h), Err(OpenError::BadMac));

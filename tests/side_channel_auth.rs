@@ -131,7 +131,9 @@ impl Observer {
                         dealer.send_multipart([&[][..], &f], 0).unwrap();
                         *injected2.lock().unwrap() += 1;
                     }
-                    front.send_multipart([&route[..], &[][..], &reply], 0).unwrap();
+                    front
+                        .send_multipart([&route[..], &[][..], &reply], 0)
+                        .unwrap();
                 }
             }
         });
@@ -178,9 +180,10 @@ fn forged_notices_cancels_queries_and_replays_on_the_request_socket_are_dropped_
     let upstream = format!("tcp://127.0.0.1:{}", rc.alloc_port(0).unwrap());
     let forge: Forge = Box::new(|route, request, reply| {
         let route = String::from_utf8(route.to_vec()).unwrap();
-        let (Ok(Message::AllocRequest(req)), Ok(Message::AscendAllocResponse(resp))) =
-            (Message::decode(inner(request)), Message::decode(inner(reply)))
-        else {
+        let (Ok(Message::AllocRequest(req)), Ok(Message::AscendAllocResponse(resp))) = (
+            Message::decode(inner(request)),
+            Message::decode(inner(reply)),
+        ) else {
             return Vec::new();
         };
         // Everything below is learnt from the traffic.
@@ -237,14 +240,21 @@ fn forged_notices_cancels_queries_and_replays_on_the_request_socket_are_dropped_
         assert!(holds(&got, k), "{k}: every byte as written");
     }
     assert!(
-        eventually(WAIT, || count(&r.stats().messages, MessageKind::AuthDropped) == 6),
+        eventually(WAIT, || count(
+            &r.stats().messages,
+            MessageKind::AuthDropped
+        ) == 6),
         "{:?}",
         r.stats().messages
     );
     let m = r.stats().messages;
     assert_eq!(count(&m, MessageKind::CancelNotif), 0, "no cancel acted on");
     assert_eq!(count(&m, MessageKind::CacheQuery), 0, "no query answered");
-    assert_eq!(count(&m, MessageKind::PushNotice), 1, "only the genuine notice");
+    assert_eq!(
+        count(&m, MessageKind::PushNotice),
+        1,
+        "only the genuine notice"
+    );
     assert_eq!(count(&s.stats().messages, MessageKind::AuthDropped), 0);
     drop((observer, c));
     for k in &ks {
@@ -264,10 +274,16 @@ fn forged_notices_cancels_queries_and_replays_on_the_request_socket_are_dropped_
 #[test]
 fn forged_pull_done_signals_are_dropped_and_the_pull_stays_pinned_until_read() {
     let f = secret_file("pull");
-    let rc = with_secret(receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 8), &f);
+    let rc = with_secret(
+        receiver_config(ChannelKind::Tcp, TransferMode::PullDelay, 8),
+        &f,
+    );
     let r = Receiver::start(&rc, 0).unwrap();
     let s = Sender::start(
-        &with_secret(sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 8), &f),
+        &with_secret(
+            sender_config(ChannelKind::Tcp, TransferMode::PullDelay, 8),
+            &f,
+        ),
         0,
         Default::default(),
     )
@@ -297,12 +313,18 @@ fn forged_pull_done_signals_are_dropped_and_the_pull_stays_pinned_until_read() {
     s.put(&ks, &c, &spec).unwrap();
     drop(c);
     assert!(
-        eventually(WAIT, || count(&s.stats().messages, MessageKind::AuthDropped) == 3),
+        eventually(WAIT, || count(
+            &s.stats().messages,
+            MessageKind::AuthDropped
+        ) == 3),
         "{:?}",
         s.stats().messages
     );
     assert!(
-        eventually(WAIT, || count(&r.stats().messages, MessageKind::AuthDropped) == 1),
+        eventually(WAIT, || count(
+            &r.stats().messages,
+            MessageKind::AuthDropped
+        ) == 1),
         "{:?}",
         r.stats().messages
     );

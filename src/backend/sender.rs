@@ -6,10 +6,10 @@
 //! a request on the receiver's socket, a channel write or grant, a wait —
 //! and reports back, plus the PullDoneSignal listener and the TTL sweeper.
 
-use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{self, Hello, TpInfo};
 use crate::channel::{Access, GrantStats, GrantTag, TransferChannel};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
@@ -584,20 +584,21 @@ impl Sender {
                         RequestKind::PullReadyNotif => MessageKind::PullReadyNotif,
                         RequestKind::PushNotice => MessageKind::PushNotice,
                     });
-                    let reply = match link.request(&s.counters, &peer_key, &route, &frame, kind.name()) {
-                        Ok(r) => Ok(r),
-                        Err(f) => {
-                            s.counters.bump(MessageKind::Timeout);
-                            let delivery = match f {
-                                ReqFailure::NotSent(_) => Delivery::NotSent,
-                                ReqFailure::NoReply(_) => Delivery::Unknown,
-                            };
-                            let e = f.into_error();
-                            log::warn!("{e}");
-                            last_io = Some(e);
-                            Err(delivery)
-                        }
-                    };
+                    let reply =
+                        match link.request(&s.counters, &peer_key, &route, &frame, kind.name()) {
+                            Ok(r) => Ok(r),
+                            Err(f) => {
+                                s.counters.bump(MessageKind::Timeout);
+                                let delivery = match f {
+                                    ReqFailure::NotSent(_) => Delivery::NotSent,
+                                    ReqFailure::NoReply(_) => Delivery::Unknown,
+                                };
+                                let e = f.into_error();
+                                log::warn!("{e}");
+                                last_io = Some(e);
+                                Err(delivery)
+                            }
+                        };
                     let mut core = lock(&s.core);
                     let next = core.on_reply(&mut put, Instant::now(), reply);
                     s.apply_releases(&mut core);
@@ -772,10 +773,7 @@ impl Sender {
             return Ok(());
         };
         let attached = lock(&s.core).attached(peer_key).map(|a| a.incarnation);
-        let answering = self
-            .probe(&link.init_url)
-            .ok()
-            .and_then(|p| p.incarnation);
+        let answering = self.probe(&link.init_url).ok().and_then(|p| p.incarnation);
         match (attached, answering) {
             // Not attached: the put's handshake checks the rank first.
             (None, _) => Ok(()),

@@ -992,7 +992,8 @@ pub fn probe(
     let sent = Instant::now();
     let deadline = sent + timeout;
     let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1);
-    sock.set_sndtimeo(ms(timeout)).map_err(zerr("configuring"))?;
+    sock.set_sndtimeo(ms(timeout))
+        .map_err(zerr("configuring"))?;
     sock.send_multipart([&[][..], w.as_bytes()], 0)
         .map_err(|_| timeout_err("to"))?;
     loop {
@@ -1041,7 +1042,9 @@ pub fn probe(
                 })
             }
             _ => {
-                log::debug!("dropped a clock probe answer from {url} that does not prove the secret");
+                log::debug!(
+                    "dropped a clock probe answer from {url} that does not prove the secret"
+                );
                 on_forged();
             }
         }

@@ -18,9 +18,8 @@ mod upkeep;
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use crate::auth::{envelope_header, FrameKind, OpenError, Session};
-use crate::protocol::notice::route_node;
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
 use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
@@ -30,6 +29,7 @@ use crate::layout::ChunkLayout;
 use crate::memory::{DualAllocator, DualStats, PagePool, SealedMemObj};
 use crate::pipeline::load::{load_keys, LoadEnv};
 use crate::pipeline::{LoadError, LoadOptions, LoadReport};
+use crate::protocol::notice::route_node;
 use crate::protocol::{
     HeadPiece, KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore,
     ReceiverCounters, SendPullDone, RESIDENT_EXPIRED,
