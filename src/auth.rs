@@ -21,8 +21,19 @@
 //! Proofs are `HMAC-SHA256(secret, label ‖ parts…)`, each part prefixed by
 //! its length so no two inputs encode alike; labels keep a proof made for
 //! one step from being replayed at another. Nonces are 16 bytes from the
-//! operating system's generator, never reused. Payload bytes after the
-//! handshakes are not authenticated (no per-request MAC); see the README.
+//! operating system's generator, never reused.
+//!
+//! After the channel handshake, every side-channel frame between the two
+//! attached sides is sealed in an envelope ([`Session`]): the handshake's
+//! nonces and both node ids give per-attachment keys, one per direction;
+//! each frame carries the attachment's id, a per-direction counter and a
+//! MAC over both and the message. A frame that does not open (wrong key,
+//! altered byte, replayed counter, other attachment, other socket) is
+//! dropped and counted by the shell, never acted on. Frames before an
+//! attachment (the clock and incarnation probe) carry a fresh challenge
+//! nonce that the answer's proof covers ([`Step::ClockAnswer`]); the hccl
+//! liveness link's opening bytes carry a proof over its session
+//! ([`Step::HcclWatch`]). See the README for what this changes on the wire.
 //!
 //! Without a secret the product runs as before on a trusted fabric, and
 //! says so once at start-up ([`warn_unauthenticated_once`]).
@@ -64,6 +75,14 @@ pub enum Step {
     TcpServer,
     /// A tcp transfer client proving its node.
     TcpClient,
+    /// A clock / incarnation probe's answer, over the probe's nonce.
+    ClockAnswer,
+    /// The opening bytes of an hccl liveness link, over its session.
+    HcclWatch,
+    /// The key of side-channel frames a sender seals for its receiver.
+    SessionToReceiver,
+    /// The key of side-channel frames a receiver seals for its sender.
+    SessionToSender,
 }
 
 impl Step {
@@ -74,6 +93,10 @@ impl Step {
             Step::HandshakeAnswer => b"ascend-pd/handshake/answer",
             Step::TcpServer => b"ascend-pd/tcp/server",
             Step::TcpClient => b"ascend-pd/tcp/client",
+            Step::ClockAnswer => b"ascend-pd/probe/answer",
+            Step::HcclWatch => b"ascend-pd/hccl/watch",
+            Step::SessionToReceiver => b"ascend-pd/session/to-receiver",
+            Step::SessionToSender => b"ascend-pd/session/to-sender",
         }
     }
 }
@@ -209,6 +232,240 @@ pub fn warn_unauthenticated_once() {
     });
 }
 
+/// Bytes of an attachment id (the listening side's handshake nonce).
+pub const ATTACHMENT_ID_LEN: usize = NONCE_LEN;
+/// Which attachment a sealed frame belongs to.
+pub type AttachmentId = [u8; ATTACHMENT_ID_LEN];
+/// First bytes of a sealed frame. A msgpack map (every unsealed
+/// side-channel frame) starts with a byte in `0x80..=0x8f` or `0xde`/`0xdf`,
+/// never `A`, so the two cannot be mistaken for each other.
+pub const ENVELOPE_MAGIC: &[u8; 4] = b"APDS";
+/// The envelope's format version.
+pub const ENVELOPE_VERSION: u8 = 1;
+/// Bytes before the message: magic, version, kind, attachment id, counter.
+pub const ENVELOPE_HEADER: usize = 4 + 1 + 1 + ATTACHMENT_ID_LEN + 8;
+/// Bytes a seal adds to a message (header and MAC).
+pub const ENVELOPE_OVERHEAD: usize = ENVELOPE_HEADER + PROOF_LEN;
+/// How far behind the highest counter seen a frame may arrive and still be
+/// taken (once): frames of one direction travel on several sockets (the
+/// request socket, replaced after a timeout; the done socket; the probe).
+pub const REPLAY_WINDOW: u64 = 1024;
+
+/// Which socket a sealed frame was made for (covered by the MAC, so a frame
+/// captured on one socket is refused on another).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Sender → receiver on the request socket (or the query port).
+    Request = 1,
+    /// Receiver → sender: the answer on the request socket.
+    Reply = 2,
+    /// Receiver → sender on the PullDoneSignal socket.
+    Done = 3,
+}
+
+/// Which end of an attachment holds a [`Session`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// The connecting side (a sender).
+    Sender,
+    /// The listening side (a receiver).
+    Receiver,
+}
+
+/// Why a sealed frame was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    /// Shorter than an envelope, or not an envelope at all.
+    #[error("not a sealed frame (a peer without the deployment secret, or garbage)")]
+    NotSealed,
+    /// Made for another socket.
+    #[error("sealed for another socket")]
+    WrongKind,
+    /// Names no attachment of this side (or another one than expected).
+    #[error("names no attachment of this side")]
+    UnknownAttachment,
+    /// The MAC does not verify: altered, or sealed with another key.
+    #[error("its MAC does not verify (altered, or not sealed by the attached peer)")]
+    BadMac,
+    /// Its counter was seen already, or is too far behind.
+    #[error("replayed (its counter was seen already or is too old)")]
+    Replayed,
+}
+
+/// Counters seen in one direction: the highest, and which of the
+/// [`REPLAY_WINDOW`] below it were seen.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayWindow {
+    highest: u64,
+    /// Bit `d` (word `d / 64`, bit `d % 64`): counter `highest - d` was seen.
+    seen: [u64; (REPLAY_WINDOW / 64) as usize],
+}
+
+impl ReplayWindow {
+    /// Takes `counter` once: false for 0, a counter seen before, or one
+    /// [`REPLAY_WINDOW`] or more behind the highest.
+    pub fn accept(&mut self, counter: u64) -> bool {
+        if counter == 0 {
+            return false;
+        }
+        if counter > self.highest {
+            self.shift(counter - self.highest);
+            self.highest = counter;
+            self.seen[0] |= 1;
+            return true;
+        }
+        let d = self.highest - counter;
+        if d >= REPLAY_WINDOW {
+            return false;
+        }
+        let (w, b) = ((d / 64) as usize, d % 64);
+        if self.seen[w] & (1 << b) != 0 {
+            return false;
+        }
+        self.seen[w] |= 1 << b;
+        true
+    }
+
+    /// Ages every bit by `by` counters.
+    fn shift(&mut self, by: u64) {
+        if by >= REPLAY_WINDOW {
+            self.seen = Default::default();
+            return;
+        }
+        let (ws, bs) = ((by / 64) as usize, (by % 64) as u32);
+        for i in (0..self.seen.len()).rev() {
+            let mut v = 0;
+            if i >= ws {
+                v = self.seen[i - ws] << bs;
+                if bs > 0 && i > ws {
+                    v |= self.seen[i - ws - 1] >> (64 - bs);
+                }
+            }
+            self.seen[i] = v;
+        }
+    }
+}
+
+/// The keys and counters of one attachment, held by each end: frames it
+/// seals for the other end, and frames it opens from it. Derived from the
+/// handshake that made the attachment, so only the two ends of that
+/// handshake hold them; an attacker who saw every byte of it does not.
+pub struct Session {
+    id: AttachmentId,
+    seal_key: Proof,
+    open_key: Proof,
+    sent: std::sync::atomic::AtomicU64,
+    seen: std::sync::Mutex<ReplayWindow>,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Session({})", hex(&self.id))
+    }
+}
+
+impl Session {
+    /// The session of the attachment whose handshake used the connecting
+    /// side's nonce `client` and the listening side's `server`, between
+    /// the nodes `sender` and `receiver`, as `end` holds it. Its id is the
+    /// listening side's nonce (fresh per handshake).
+    pub fn derive(
+        secret: &Secret,
+        end: End,
+        client: &Nonce,
+        server: &Nonce,
+        sender: &str,
+        receiver: &str,
+    ) -> Session {
+        let parts: [&[u8]; 4] = [client, server, sender.as_bytes(), receiver.as_bytes()];
+        let to_receiver = secret.prove(Step::SessionToReceiver, &parts);
+        let to_sender = secret.prove(Step::SessionToSender, &parts);
+        let (seal_key, open_key) = match end {
+            End::Sender => (to_receiver, to_sender),
+            End::Receiver => (to_sender, to_receiver),
+        };
+        Session {
+            id: *server,
+            seal_key,
+            open_key,
+            sent: std::sync::atomic::AtomicU64::new(0),
+            seen: std::sync::Mutex::new(ReplayWindow::default()),
+        }
+    }
+
+    /// The attachment id its frames carry.
+    pub fn id(&self) -> &AttachmentId {
+        &self.id
+    }
+
+    /// `message` sealed for the other end, for the socket `kind`, under the
+    /// next counter of this direction.
+    pub fn seal(&self, kind: FrameKind, message: &[u8]) -> Vec<u8> {
+        let counter = self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let mut out = Vec::with_capacity(ENVELOPE_OVERHEAD + message.len());
+        out.extend_from_slice(ENVELOPE_MAGIC);
+        out.push(ENVELOPE_VERSION);
+        out.push(kind as u8);
+        out.extend_from_slice(&self.id);
+        out.extend_from_slice(&counter.to_be_bytes());
+        out.extend_from_slice(message);
+        let mac = envelope_mac(&self.seal_key, &out).finalize().into_bytes();
+        out.extend_from_slice(&mac);
+        out
+    }
+
+    /// The message of `frame`, a frame the other end sealed for the socket
+    /// `kind` and that this end has not opened before. Nothing is recorded
+    /// unless the MAC verifies (a forged counter cannot shift the window).
+    pub fn open<'f>(&self, kind: FrameKind, frame: &'f [u8]) -> Result<&'f [u8], OpenError> {
+        let (id, got_kind) = envelope_header(frame).ok_or(OpenError::NotSealed)?;
+        if id != self.id {
+            return Err(OpenError::UnknownAttachment);
+        }
+        if got_kind != kind as u8 {
+            return Err(OpenError::WrongKind);
+        }
+        let (body, mac) = frame.split_at(frame.len() - PROOF_LEN);
+        envelope_mac(&self.open_key, body)
+            .verify_slice(mac)
+            .map_err(|_| OpenError::BadMac)?;
+        let counter = u64::from_be_bytes(
+            body[ENVELOPE_HEADER - 8..ENVELOPE_HEADER]
+                .try_into()
+                .expect("8 bytes"),
+        );
+        if !self
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .accept(counter)
+        {
+            return Err(OpenError::Replayed);
+        }
+        Ok(&body[ENVELOPE_HEADER..])
+    }
+}
+
+/// The attachment id and kind byte of a frame shaped like an envelope
+/// (nothing verified: use it only to find the session to open it with).
+pub fn envelope_header(frame: &[u8]) -> Option<(AttachmentId, u8)> {
+    if frame.len() < ENVELOPE_OVERHEAD
+        || &frame[..4] != ENVELOPE_MAGIC
+        || frame[4] != ENVELOPE_VERSION
+    {
+        return None;
+    }
+    let id = frame[6..6 + ATTACHMENT_ID_LEN].try_into().expect("sized");
+    Some((id, frame[5]))
+}
+
+fn envelope_mac(key: &Proof, bytes: &[u8]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
+    m.update(bytes);
+    m
+}
+
 /// Lowercase hex of `bytes`.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -252,6 +509,100 @@ mod tests {
             "parts are framed"
         );
         assert!(!a.verify(Step::TcpClient, &[b"n1", b"node"], &p[..31]));
+    }
+
+    fn pair() -> (Session, Session) {
+        let s = secret(7);
+        let (c, v) = ([1u8; 16], [2u8; 16]);
+        (
+            Session::derive(&s, End::Sender, &c, &v, "snd", "rcv"),
+            Session::derive(&s, End::Receiver, &c, &v, "snd", "rcv"),
+        )
+    }
+
+    #[test]
+    fn a_sealed_frame_opens_once_at_the_other_end_only() {
+        let (snd, rcv) = pair();
+        let f = snd.seal(FrameKind::Request, b"hello");
+        assert_eq!(
+            envelope_header(&f),
+            Some(([2u8; 16], FrameKind::Request as u8))
+        );
+        assert_eq!(rcv.open(FrameKind::Request, &f), Ok(&b"hello"[..]));
+        assert_eq!(rcv.open(FrameKind::Request, &f), Err(OpenError::Replayed));
+        // Its own frames do not open at the sealing end (keys per direction).
+        let g = snd.seal(FrameKind::Request, b"x");
+        assert_eq!(snd.open(FrameKind::Request, &g), Err(OpenError::BadMac));
+        // Another socket's kind is refused, and does not burn the counter.
+        assert_eq!(rcv.open(FrameKind::Done, &g), Err(OpenError::WrongKind));
+        assert_eq!(rcv.open(FrameKind::Request, &g), Ok(&b"x"[..]));
+        let r = rcv.seal(FrameKind::Reply, b"ok");
+        assert_eq!(snd.open(FrameKind::Reply, &r), Ok(&b"ok"[..]));
+    }
+
+    #[test]
+    fn tampered_truncated_foreign_and_wrong_key_frames_are_refused() {
+        let (snd, rcv) = pair();
+        let f = snd.seal(FrameKind::Request, b"payload");
+        for i in 0..f.len() {
+            let mut t = f.clone();
+            t[i] ^= 0x01;
+            assert!(
+                rcv.open(FrameKind::Request, &t).is_err(),
+                "byte {i} flipped"
+            );
+        }
+        assert_eq!(
+            rcv.open(FrameKind::Request, &f[..f.len() - 1]),
+            Err(OpenError::BadMac)
+        );
+        assert_eq!(
+            rcv.open(FrameKind::Request, &f[..ENVELOPE_OVERHEAD - 1]),
+            Err(OpenError::NotSealed)
+        );
+        assert_eq!(
+            rcv.open(FrameKind::Request, b"\x81\xa4type"),
+            Err(OpenError::NotSealed)
+        );
+        // Another attachment (other nonces) or another secret.
+        let other = Session::derive(&secret(7), End::Sender, &[1; 16], &[3; 16], "snd", "rcv");
+        let g = other.seal(FrameKind::Request, b"payload");
+        assert_eq!(
+            rcv.open(FrameKind::Request, &g),
+            Err(OpenError::UnknownAttachment)
+        );
+        let wrong = Session::derive(&secret(8), End::Sender, &[1; 16], &[2; 16], "snd", "rcv");
+        let h = wrong.seal(FrameKind::Request, b"payload");
+        assert_eq!(rcv.open(FrameKind::Request, &h), Err(OpenError::BadMac));
+        // Node ids are bound too.
+        let named = Session::derive(&secret(7), End::Sender, &[1; 16], &[2; 16], "evil", "rcv");
+        let k = named.seal(FrameKind::Request, b"payload");
+        assert_eq!(rcv.open(FrameKind::Request, &k), Err(OpenError::BadMac));
+        // None of that burnt the genuine frame's counter.
+        assert_eq!(rcv.open(FrameKind::Request, &f), Ok(&b"payload"[..]));
+    }
+
+    #[test]
+    fn the_replay_window_takes_late_frames_once_and_refuses_old_ones() {
+        let mut w = ReplayWindow::default();
+        assert!(!w.accept(0));
+        assert!(w.accept(5));
+        assert!(w.accept(3), "late but new");
+        assert!(!w.accept(3));
+        assert!(!w.accept(5));
+        assert!(w.accept(5 + 70), "crosses a word");
+        assert!(w.accept(4));
+        assert!(!w.accept(3), "still remembered after the shift");
+        assert!(w.accept(2000));
+        assert!(!w.accept(2000 - REPLAY_WINDOW), "too old");
+        assert!(w.accept(2000 - REPLAY_WINDOW + 1));
+        assert!(!w.accept(2000 - REPLAY_WINDOW + 1));
+        for c in 1900..2000 {
+            assert!(w.accept(c), "{c}");
+        }
+        for c in 1900..=2000 {
+            assert!(!w.accept(c), "{c} again");
+        }
     }
 
     #[test]

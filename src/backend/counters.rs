@@ -33,9 +33,13 @@ pub enum MessageKind {
     CancelNotif,
     /// `CacheQueryRequest` received.
     CacheQuery,
+    /// With a deployment secret: a side-channel frame (or probe answer)
+    /// that failed authentication — not sealed, altered, replayed, or
+    /// naming what its attachment does not own. Dropped, never acted on.
+    AuthDropped,
 }
 
-const KINDS: usize = 14;
+const KINDS: usize = 15;
 
 impl MessageKind {
     /// Every kind, in counter order.
@@ -54,6 +58,7 @@ impl MessageKind {
         MessageKind::BreakerSkip,
         MessageKind::CancelNotif,
         MessageKind::CacheQuery,
+        MessageKind::AuthDropped,
     ];
 
     /// A snake_case name for metrics.
@@ -73,6 +78,7 @@ impl MessageKind {
             MessageKind::BreakerSkip => "breaker_skip",
             MessageKind::CancelNotif => "cancel_notif",
             MessageKind::CacheQuery => "cache_query",
+            MessageKind::AuthDropped => "auth_dropped",
         }
     }
 }

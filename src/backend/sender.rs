@@ -9,6 +9,7 @@
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{self, Hello, TpInfo};
 use crate::channel::{Access, GrantStats, GrantTag, TransferChannel};
 use crate::config::{PdConfig, PortList, Role, TransferMode};
@@ -97,6 +98,47 @@ struct PeerLink {
     /// said (`None` before the first handshake, or from a peer that sends
     /// no TP split).
     rank: Option<usize>,
+    /// With a deployment secret: the session of the current attachment,
+    /// which seals our requests and opens their replies.
+    session: Option<Arc<Session>>,
+}
+
+/// Sessions of earlier attachments to one receiver kept to open the
+/// PullDoneSignals it sealed under them (queued before a re-attach).
+const SESSIONS_PER_RECEIVER: usize = 4;
+
+impl PeerLink {
+    /// Sends `frame` (sealed, with a secret) on the request socket as
+    /// `route` and returns the reply (opened). A reply that does not open
+    /// is dropped and counted; the request then got no usable reply.
+    fn request(
+        &mut self,
+        counters: &MessageCounters,
+        peer_key: &str,
+        route: &str,
+        frame: &[u8],
+        what: &str,
+    ) -> Result<Vec<u8>, ReqFailure> {
+        let Some(session) = self.session.clone() else {
+            return self.req.request(route, frame, what);
+        };
+        let sealed = session.seal(FrameKind::Request, frame);
+        let reply = self.req.request(route, &sealed, what)?;
+        match session.open(FrameKind::Reply, &reply) {
+            Ok(inner) => Ok(inner.to_vec()),
+            Err(e) => {
+                counters.bump(MessageKind::AuthDropped);
+                log::debug!("dropped the reply to {what} from {peer_key}: {e}");
+                // Whatever the real reply is, it must not be taken for
+                // the next request's.
+                self.req.reset();
+                Err(ReqFailure::NoReply(BackendError::BadReply {
+                    peer: peer_key.to_string(),
+                    detail: format!("the reply to {what} failed authentication: {e}"),
+                }))
+            }
+        }
+    }
 }
 
 fn wrong_rank(peer_key: &str, got: usize, want: usize) -> BackendError {
@@ -120,6 +162,9 @@ struct Shared {
     /// Notified whenever pins are released (waits for backpressure, drain).
     released: Condvar,
     links: Mutex<HashMap<String, Arc<Mutex<PeerLink>>>>,
+    /// With a deployment secret: the sessions of our attachments and the
+    /// receiver (`peer_key`) of each, newest last, a few per receiver.
+    sessions: Mutex<Vec<(String, Arc<Session>)>>,
     proxy: PushPool,
     counters: Arc<MessageCounters>,
     stop: AtomicBool,
@@ -235,6 +280,7 @@ impl Sender {
             core: Mutex::new(core),
             released: Condvar::new(),
             links: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(Vec::new()),
             proxy,
             counters,
             stop: AtomicBool::new(false),
@@ -496,19 +542,19 @@ impl Sender {
                     lock(&s.core).on_connected(&mut put, Instant::now(), attached)
                 }
                 PutAction::ProbeIncarnation => {
-                    let incarnation =
-                        handshake::probe_incarnation(&s.ctx, &link.init_url, s.timeouts.handshake)
-                            .map_err(|e| last_io = Some(e.into()))
-                            .ok()
-                            .flatten();
+                    let incarnation = self
+                        .probe(&link.init_url)
+                        .map_err(|e| last_io = Some(e.into()))
+                        .ok()
+                        .and_then(|p| p.incarnation);
                     lock(&s.core).on_probed(&mut put, Instant::now(), incarnation)
                 }
                 PutAction::SyncClock => {
-                    let clock =
-                        handshake::probe_clock(&s.ctx, &link.init_url, s.timeouts.handshake)
-                            .map(|(sent, received, peer)| ClockMap::measure(sent, received, peer))
-                            .map_err(|e| last_io = Some(e.into()))
-                            .ok();
+                    let clock = self
+                        .probe(&link.init_url)
+                        .map(|p| ClockMap::measure(p.sent, p.received, p.clock_us))
+                        .map_err(|e| last_io = Some(e.into()))
+                        .ok();
                     lock(&s.core).on_clock(&mut put, Instant::now(), clock)
                 }
                 PutAction::WaitForPins { until } => {
@@ -538,20 +584,21 @@ impl Sender {
                         RequestKind::PullReadyNotif => MessageKind::PullReadyNotif,
                         RequestKind::PushNotice => MessageKind::PushNotice,
                     });
-                    let reply = match link.req.request(&route, &frame, kind.name()) {
-                        Ok(r) => Ok(r),
-                        Err(f) => {
-                            s.counters.bump(MessageKind::Timeout);
-                            let delivery = match f {
-                                ReqFailure::NotSent(_) => Delivery::NotSent,
-                                ReqFailure::NoReply(_) => Delivery::Unknown,
-                            };
-                            let e = f.into_error();
-                            log::warn!("{e}");
-                            last_io = Some(e);
-                            Err(delivery)
-                        }
-                    };
+                    let reply =
+                        match link.request(&s.counters, &peer_key, &route, &frame, kind.name()) {
+                            Ok(r) => Ok(r),
+                            Err(f) => {
+                                s.counters.bump(MessageKind::Timeout);
+                                let delivery = match f {
+                                    ReqFailure::NotSent(_) => Delivery::NotSent,
+                                    ReqFailure::NoReply(_) => Delivery::Unknown,
+                                };
+                                let e = f.into_error();
+                                log::warn!("{e}");
+                                last_io = Some(e);
+                                Err(delivery)
+                            }
+                        };
                     let mut core = lock(&s.core);
                     let next = core.on_reply(&mut put, Instant::now(), reply);
                     s.apply_releases(&mut core);
@@ -662,8 +709,7 @@ impl Sender {
         .encode();
         s.counters.bump(MessageKind::CancelNotif);
         let reply = link
-            .req
-            .request(&route, &frame, "CancelNotif")
+            .request(&s.counters, &peer_key, &route, &frame, "CancelNotif")
             .map_err(|f| {
                 s.counters.bump(MessageKind::Timeout);
                 f.into_error()
@@ -704,6 +750,7 @@ impl Sender {
                         init_url: init_url.to_string(),
                         req: ReqClient::new(&s.ctx, alloc_url, s.timeouts.request),
                         rank: None,
+                        session: None,
                     }))
                 }),
         )
@@ -726,9 +773,7 @@ impl Sender {
             return Ok(());
         };
         let attached = lock(&s.core).attached(peer_key).map(|a| a.incarnation);
-        let answering = handshake::probe_incarnation(&s.ctx, &link.init_url, s.timeouts.handshake)
-            .ok()
-            .flatten();
+        let answering = self.probe(&link.init_url).ok().and_then(|p| p.incarnation);
         match (attached, answering) {
             // Not attached: the put's handshake checks the rank first.
             (None, _) => Ok(()),
@@ -768,6 +813,16 @@ impl Sender {
         )?;
         // What this handshake says replaces what an earlier one said.
         link.rank = a.remote.tp.map(|t| t.rank);
+        link.session = a.session.clone();
+        if let Some(session) = &a.session {
+            let mut sessions = lock(&s.sessions);
+            sessions.push((peer_key.to_string(), Arc::clone(session)));
+            let mine = sessions.iter().filter(|(p, _)| p == peer_key).count();
+            if mine > SESSIONS_PER_RECEIVER {
+                let oldest = sessions.iter().position(|(p, _)| p == peer_key);
+                sessions.remove(oldest.expect("counted"));
+            }
+        }
         if let Some(got) = link.rank.filter(|&got| got != rank) {
             s.channel.detach(a.peer);
             return Err(wrong_rank(peer_key, got, rank));
@@ -781,6 +836,21 @@ impl Sender {
             lease: a.lease,
             clock: ClockMap::measure(sent, received, a.remote.clock_us),
         })
+    }
+
+    /// Probes the receiver listening at `init_url` for its clock and
+    /// incarnation; answers that fail authentication are dropped and counted.
+    fn probe(&self, init_url: &str) -> Result<handshake::Probed, crate::channel::ChannelError> {
+        let s = &self.shared;
+        handshake::probe(
+            &s.ctx,
+            init_url,
+            s.timeouts.handshake,
+            s.channel.auth(),
+            &mut || {
+                s.counters.bump(MessageKind::AuthDropped);
+            },
+        )
     }
 
     /// The breaker state towards the receiver at `host:alloc_port`.
@@ -862,14 +932,39 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
                 break;
             }
         };
+        // With a secret, only a signal sealed by the attachment it names
+        // the pull of is acted on.
+        let (frame, from) = match open_done(s, &frame) {
+            Ok(opened) => opened,
+            Err(why) => {
+                s.counters.bump(MessageKind::AuthDropped);
+                log::debug!("dropped a frame on the PullDoneSignal socket: {why}");
+                continue;
+            }
+        };
         match Message::decode(&frame) {
             Ok(Message::PullDoneSignal(d)) => {
-                s.counters.bump(MessageKind::PullDoneSignal);
                 // Released pages go back to the pool while the core lock is
                 // held, so whoever sees the pull gone (drain, backpressure)
                 // also sees its pages free.
                 let mut core = lock(&s.core);
-                if let DoneOutcome::Early = core.on_done_signal(Instant::now(), &d.pull_id) {
+                let now = Instant::now();
+                let outcome = match &from {
+                    None => Some(core.on_done_signal(now, &d.pull_id)),
+                    Some(peer_key) => core.on_done_signal_from(now, &d.pull_id, peer_key),
+                };
+                let Some(outcome) = outcome else {
+                    drop(core);
+                    s.counters.bump(MessageKind::AuthDropped);
+                    log::debug!(
+                        "dropped a PullDoneSignal for pull {} from {}, which it was not announced to",
+                        d.pull_id,
+                        from.as_deref().unwrap_or("?")
+                    );
+                    continue;
+                };
+                s.counters.bump(MessageKind::PullDoneSignal);
+                if let DoneOutcome::Early = outcome {
                     log::debug!("PullDoneSignal for unknown pull {}", d.pull_id);
                 }
                 s.apply_releases(&mut core);
@@ -892,6 +987,23 @@ fn done_loop(s: &Shared, sock: zmq::Socket) {
             }
         }
     }
+}
+
+/// A frame of the PullDoneSignal socket as it may be acted on: as it came,
+/// without a secret; with one, opened by the session it names, with the
+/// receiver (`peer_key`) of that session.
+fn open_done(s: &Shared, frame: &[u8]) -> Result<(Vec<u8>, Option<String>), OpenError> {
+    if s.channel.auth().is_none() {
+        return Ok((frame.to_vec(), None));
+    }
+    let (id, _) = envelope_header(frame).ok_or(OpenError::NotSealed)?;
+    let found = lock(&s.sessions)
+        .iter()
+        .find(|(_, session)| *session.id() == id)
+        .map(|(p, session)| (p.clone(), Arc::clone(session)));
+    let (peer_key, session) = found.ok_or(OpenError::UnknownAttachment)?;
+    let inner = session.open(FrameKind::Done, frame)?;
+    Ok((inner.to_vec(), Some(peer_key)))
 }
 
 fn sweep_loop(s: &Shared) {

@@ -72,6 +72,11 @@ impl ReqClient {
         Ok(&self.sock.as_ref().expect("created above").1)
     }
 
+    /// Throws the socket away (the next request makes a new one).
+    pub(crate) fn reset(&mut self) {
+        self.sock = None;
+    }
+
     /// Sends `frame` from a socket named `route` and waits (bounded) for
     /// one reply frame.
     pub(crate) fn request(

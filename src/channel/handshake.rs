@@ -12,11 +12,11 @@
 //! Each hello carries its sender's monotonic clock (`clock_us`, read as it
 //! is sent); with the instants the connecting side sent its hello and got
 //! the answer, that bounds the two clocks' offset (the pull lease's
-//! deadline is converted with it, see `protocol::lease`). [`probe_clock`]
+//! deadline is converted with it, see `protocol::lease`). [`probe`]
 //! measures it again later on the same socket.
 
 use super::{BufferDesc, ChannelError, Endpoint, PeerId, PeerTable, TransferChannel};
-use crate::auth::{self, Nonce, Proof, Secret, Step, SECRET_ENV, SECRET_KEY};
+use crate::auth::{self, End, Nonce, Proof, Secret, Session, Step, SECRET_ENV, SECRET_KEY};
 use crate::config::{ChannelKind, Role, TransferMode};
 use crate::memory::DeviceKind;
 use crate::wire::{RawError, Reader, Writer};
@@ -158,6 +158,9 @@ pub struct Agreement {
     /// Connecting side: when our hello left and when the answer arrived
     /// (the answer's `clock_us` was read in between).
     pub exchange: Option<(Instant, Instant)>,
+    /// With a deployment secret: the keys that seal every later
+    /// side-channel frame of this attachment (see [`crate::auth::Session`]).
+    pub session: Option<Arc<Session>>,
 }
 
 impl Hello {
@@ -890,11 +893,22 @@ pub fn connect(
         channel.detach(peer);
         return Err(e);
     }
+    let session = nonces.map(|(secret, ours, theirs)| {
+        Arc::new(Session::derive(
+            secret,
+            End::Sender,
+            &ours,
+            &theirs,
+            &local.node,
+            &remote.node,
+        ))
+    });
     Ok(Agreement {
         peer,
         remote,
         lease,
         exchange: Some((sent, received)),
+        session,
     })
 }
 
@@ -921,64 +935,141 @@ fn refused_by(url: &str, reply: &[u8], local: &Hello) -> ChannelError {
     }
 }
 
-/// Measures the peer's clock again over its handshake socket at `url`:
-/// returns when our probe left, when the answer arrived, and the peer's
-/// clock read in between (µs, its own epoch).
-pub fn probe_clock(
-    ctx: &zmq::Context,
-    url: &str,
-    timeout: Duration,
-) -> Result<(Instant, Instant, u64), ChannelError> {
-    probe(ctx, url, timeout).map(|(sent, received, clock, _)| (sent, received, clock))
+/// What a clock / incarnation probe of a listening side found.
+#[derive(Clone, Copy, Debug)]
+pub struct Probed {
+    /// When the probe left.
+    pub sent: Instant,
+    /// When the (authentic) answer arrived.
+    pub received: Instant,
+    /// The peer's monotonic clock, read in between (µs, its own epoch).
+    pub clock_us: u64,
+    /// The peer's incarnation (see [`Hello::incarnation`]); `None` when it
+    /// does not say (an older peer).
+    pub incarnation: Option<u64>,
 }
 
-/// The incarnation of the side listening at `url` (see
-/// [`Hello::incarnation`]), asked without attaching: `None` when it does
-/// not say (an older peer). Telling a restarted receiver from a full one
-/// this way leaves the attachment, and reads in flight under it, alone.
-pub fn probe_incarnation(
+/// Asks the side listening at `url` for its clock and incarnation, without
+/// attaching (so an attachment, and reads in flight under it, stay alone).
+///
+/// With `secret`, the probe carries a fresh nonce and only an answer whose
+/// proof covers it ([`Step::ClockAnswer`]) is taken: any other answer is
+/// dropped (`on_forged` is called for each) and the wait goes on, bounded
+/// by `timeout`. Without, the first answer is taken, as before.
+pub fn probe(
     ctx: &zmq::Context,
     url: &str,
     timeout: Duration,
-) -> Result<Option<u64>, ChannelError> {
-    probe(ctx, url, timeout).map(|(_, _, _, incarnation)| incarnation)
-}
-
-fn probe(
-    ctx: &zmq::Context,
-    url: &str,
-    timeout: Duration,
-) -> Result<(Instant, Instant, u64, Option<u64>), ChannelError> {
-    let sock = req_socket(ctx, url, timeout)?;
-    let mut w = Writer::with_capacity(16);
-    w.map_len(1).expect("1");
+    secret: Option<&Secret>,
+    on_forged: &mut dyn FnMut(),
+) -> Result<Probed, ChannelError> {
+    let zerr = |context: &str| {
+        let context = format!("{context} {url}");
+        move |source| ChannelError::Zmq { context, source }
+    };
+    // A DEALER speaks to the REP socket as a REQ would, but can drop a
+    // forged answer and keep waiting for the real one.
+    let sock = ctx
+        .socket(zmq::DEALER)
+        .map_err(zerr("creating the probe socket for"))?;
+    sock.set_linger(0).map_err(zerr("configuring"))?;
+    sock.set_maxmsgsize(MAX_HELLO_BYTES)
+        .map_err(zerr("configuring"))?;
+    sock.connect(url).map_err(zerr("connecting to"))?;
+    let nonce = secret.map(|_| auth::nonce());
+    let mut w = Writer::with_capacity(64);
+    w.map_len(1 + usize::from(nonce.is_some())).expect("small");
     w.str("clock_probe").expect("short");
     w.bool(true);
-    let sent = Instant::now();
+    if let Some(n) = &nonce {
+        w.str("auth_nonce").expect("short");
+        w.str(&auth::hex(n)).expect("short");
+    }
     let timeout_err = |what: &str| ChannelError::Timeout {
         what: format!("clock probe {what} {url}"),
         after: timeout,
     };
-    sock.send(w.into_bytes(), 0)
+    let sent = Instant::now();
+    let deadline = sent + timeout;
+    let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1);
+    sock.set_sndtimeo(ms(timeout))
+        .map_err(zerr("configuring"))?;
+    sock.send_multipart([&[][..], w.as_bytes()], 0)
         .map_err(|_| timeout_err("to"))?;
-    let reply = sock.recv_bytes(0).map_err(|_| timeout_err("answer from"))?;
-    let received = Instant::now();
-    let (clock, incarnation) = decode_clock_answer(&reply).ok_or_else(|| {
-        ChannelError::Handshake(format!("malformed clock probe answer from {url}"))
-    })?;
-    Ok((sent, received, clock, incarnation))
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timeout_err("answer from"));
+        }
+        sock.set_rcvtimeo(ms(left)).map_err(zerr("configuring"))?;
+        let parts = sock
+            .recv_multipart(0)
+            .map_err(|_| timeout_err("answer from"))?;
+        let received = Instant::now();
+        let reply = match <[Vec<u8>; 2]>::try_from(parts) {
+            Ok([empty, reply]) if empty.is_empty() => reply,
+            _ => {
+                on_forged();
+                continue;
+            }
+        };
+        let answer = decode_clock_answer(&reply);
+        let Some(secret) = secret else {
+            let (clock_us, incarnation, _) = answer.ok_or_else(|| {
+                ChannelError::Handshake(format!("malformed clock probe answer from {url}"))
+            })?;
+            return Ok(Probed {
+                sent,
+                received,
+                clock_us,
+                incarnation,
+            });
+        };
+        let nonce = nonce.expect("made with the secret");
+        match answer {
+            Some((clock_us, incarnation, Some(proof)))
+                if secret.verify(
+                    Step::ClockAnswer,
+                    &[&clock_answer_covers(&nonce, clock_us, incarnation)],
+                    &proof,
+                ) =>
+            {
+                return Ok(Probed {
+                    sent,
+                    received,
+                    clock_us,
+                    incarnation,
+                })
+            }
+            _ => {
+                log::debug!(
+                    "dropped a clock probe answer from {url} that does not prove the secret"
+                );
+                on_forged();
+            }
+        }
+    }
 }
 
-/// The peer's clock and incarnation from a clock probe's answer
-/// `{clock_us[, incarnation]}` (older peers send the clock only).
-fn decode_clock_answer(reply: &[u8]) -> Option<(u64, Option<u64>)> {
+/// What a probe answer's proof covers: the probe's nonce, the clock and the
+/// incarnation (0 for none), each of fixed length.
+fn clock_answer_covers(nonce: &Nonce, clock: u64, incarnation: Option<u64>) -> Vec<u8> {
+    let mut v = nonce.to_vec();
+    v.extend_from_slice(&clock.to_le_bytes());
+    v.extend_from_slice(&incarnation.unwrap_or(0).to_le_bytes());
+    v
+}
+
+/// The peer's clock, incarnation and proof from a clock probe's answer
+/// `{clock_us[, incarnation[, auth_proof]]}` (older peers send the clock only).
+fn decode_clock_answer(reply: &[u8]) -> Option<(u64, Option<u64>, Option<Proof>)> {
     let mut r = Reader::new(reply);
     let n = r.map_len().ok()?;
-    if !(1..=2).contains(&n) || r.str().ok()? != "clock_us" {
+    if !(1..=3).contains(&n) || r.str().ok()? != "clock_us" {
         return None;
     }
     let clock = r.uint().ok()?;
-    let incarnation = if n == 2 {
+    let incarnation = if n >= 2 {
         if r.str().ok()? != "incarnation" {
             return None;
         }
@@ -986,22 +1077,62 @@ fn decode_clock_answer(reply: &[u8]) -> Option<(u64, Option<u64>)> {
     } else {
         None
     };
-    (r.remaining() == 0).then_some((clock, incarnation))
+    let proof = if n == 3 {
+        if r.str().ok()? != "auth_proof" {
+            return None;
+        }
+        Some(auth::unhex(r.str().ok()?)?)
+    } else {
+        None
+    };
+    (r.remaining() == 0).then_some((clock, incarnation, proof))
 }
 
 /// Whether `frame` is a clock probe; the answer to it, which also names
-/// our incarnation.
-fn clock_probe_answer(frame: &[u8], incarnation: u64) -> Option<Vec<u8>> {
+/// our incarnation, and with `secret` proves it over the probe's nonce (a
+/// probe without one is refused: only the same deployment may ask).
+fn clock_probe_answer(frame: &[u8], incarnation: u64, secret: Option<&Secret>) -> Option<Vec<u8>> {
     let mut r = Reader::new(frame);
-    if r.map_len().ok()? != 1 || r.str().ok()? != "clock_probe" {
+    let n = r.map_len().ok()?;
+    if !(1..=2).contains(&n) || r.str().ok()? != "clock_probe" {
         return None;
     }
-    let mut w = Writer::with_capacity(40);
-    w.map_len(2).expect("2");
+    r.bool().ok()?;
+    let nonce = if n == 2 {
+        if r.str().ok()? != "auth_nonce" {
+            return None;
+        }
+        Some(auth::unhex::<{ auth::NONCE_LEN }>(r.str().ok()?)?)
+    } else {
+        None
+    };
+    let clock = crate::wire::micros(Instant::now());
+    let proof = match (secret, nonce) {
+        (None, _) => None,
+        (Some(secret), Some(nonce)) => Some(secret.prove(
+            Step::ClockAnswer,
+            &[&clock_answer_covers(&nonce, clock, Some(incarnation))],
+        )),
+        (Some(_), None) => {
+            return Some(refusal(
+                None,
+                &format!(
+                    "this side requires the deployment secret: a clock probe must carry a nonce \
+                     (set {SECRET_KEY} on the probing side)"
+                ),
+            ))
+        }
+    };
+    let mut w = Writer::with_capacity(128);
+    w.map_len(2 + usize::from(proof.is_some())).expect("small");
     w.str("clock_us").expect("short");
-    w.uint(crate::wire::micros(Instant::now()));
+    w.uint(clock);
     w.str("incarnation").expect("short");
     w.uint(incarnation);
+    if let Some(p) = proof {
+        w.str("auth_proof").expect("short");
+        w.str(&auth::hex(&p)).expect("short");
+    }
     Some(w.into_bytes())
 }
 
@@ -1122,7 +1253,7 @@ fn serve(
         let Ok(frame) = sock.recv_bytes(0) else {
             continue;
         };
-        if let Some(answer) = clock_probe_answer(&frame, local.incarnation) {
+        if let Some(answer) = clock_probe_answer(&frame, local.incarnation, channel.auth()) {
             let _ = sock.send(answer, 0);
             continue;
         }
@@ -1238,6 +1369,16 @@ fn answer_frame(
                 remote: remote.clone(),
                 lease,
                 exchange: None,
+                session: nonces.map(|(secret, ours, theirs)| {
+                    Arc::new(Session::derive(
+                        secret,
+                        End::Receiver,
+                        &theirs,
+                        &ours,
+                        &remote.node,
+                        &local.node,
+                    ))
+                }),
             })?;
         if let Err(e) = on_attach(&a) {
             channel.detach(a.peer);
@@ -1297,12 +1438,12 @@ pub mod fuzzing {
 
     /// Whether the listening side takes `frame` for a clock probe.
     pub fn is_clock_probe(frame: &[u8]) -> bool {
-        clock_probe_answer(frame, 0).is_some()
+        clock_probe_answer(frame, 0, None).is_some()
     }
 
     /// The clock of a clock probe's answer.
     pub fn decode_clock_answer(reply: &[u8]) -> Option<u64> {
-        super::decode_clock_answer(reply).map(|(clock, _)| clock)
+        super::decode_clock_answer(reply).map(|(clock, ..)| clock)
     }
 }
 

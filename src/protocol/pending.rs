@@ -439,6 +439,11 @@ impl PullPending {
         }
     }
 
+    /// The receiver (`peer`) pull `pull_id` was announced to, while it is pending.
+    pub fn peer_of(&self, pull_id: &str) -> Option<&str> {
+        self.entries.get(pull_id).map(|e| e.peer.as_str())
+    }
+
     /// A `PullDoneSignal` for `pull_id` arrived.
     pub fn on_done(&mut self, pull_id: &str, now: Instant) -> DoneOutcome {
         if let Some(entry) = self.entries.get(pull_id) {

@@ -859,6 +859,27 @@ impl SenderCore {
 
     /// A `PullDoneSignal` for `pull_id` arrived at `now`.
     pub fn on_done_signal(&mut self, now: Instant, pull_id: &str) -> DoneOutcome {
+        self.done_signal(now, pull_id)
+    }
+
+    /// A `PullDoneSignal` for `pull_id` that the receiver `peer_key`
+    /// authenticated (it came sealed by that attachment): acted on like
+    /// [`SenderCore::on_done_signal`], unless the pull is pending towards
+    /// another receiver — then `None`, and nothing changes (one receiver
+    /// cannot free the pages another still reads).
+    pub fn on_done_signal_from(
+        &mut self,
+        now: Instant,
+        pull_id: &str,
+        peer_key: &str,
+    ) -> Option<DoneOutcome> {
+        match self.pending.peer_of(pull_id) {
+            Some(p) if p != peer_key => None,
+            _ => Some(self.done_signal(now, pull_id)),
+        }
+    }
+
+    fn done_signal(&mut self, now: Instant, pull_id: &str) -> DoneOutcome {
         let outcome = self.pending.on_done(pull_id, now);
         if let DoneOutcome::Released(r) = &outcome {
             self.releases.extend(r.grant);

@@ -19,6 +19,7 @@ mod upkeep;
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
 use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
@@ -28,6 +29,7 @@ use crate::layout::ChunkLayout;
 use crate::memory::{DualAllocator, DualStats, PagePool, SealedMemObj};
 use crate::pipeline::load::{load_keys, LoadEnv};
 use crate::pipeline::{LoadError, LoadOptions, LoadReport};
+use crate::protocol::notice::route_node;
 use crate::protocol::{
     HeadPiece, KeyState, Lookup, Message, ReadOutcome, ReceiverConfig, ReceiverCore,
     ReceiverCounters, SendPullDone, RESIDENT_EXPIRED,
@@ -77,12 +79,15 @@ pub struct FetchError {
 }
 
 /// An attached sender: its channel id and the agreed lease.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct PeerLink {
     peer: PeerId,
     lease: Duration,
     /// Pages in its buffer table (the most proxies it may hold here).
     pages: usize,
+    /// With a deployment secret: the session of this attachment. Only
+    /// frames it opens act for this sender; our frames to it are sealed by it.
+    session: Option<Arc<Session>>,
 }
 
 struct Shared {
@@ -137,16 +142,56 @@ impl Shared {
     }
 
     fn send_done(&self, d: SendPullDone) {
+        let frame = Message::PullDoneSignal(d.signal).encode();
+        let Some(frame) = self.seal_for(&d.sender_id, FrameKind::Done, frame) else {
+            // Its attachment is gone: the sender's lease frees the pages.
+            log::debug!(
+                "no PullDoneSignal to {}: it is no longer attached, so nothing can seal one",
+                d.sender_id
+            );
+            return;
+        };
         self.counters.bump(MessageKind::PullDoneSignal);
-        self.dones
-            .send(&d.done_url, Message::PullDoneSignal(d.signal).encode());
+        self.dones.send(&d.done_url, frame);
+    }
+
+    /// `message` as sender `node` takes it: as it is without a deployment
+    /// secret; with one, sealed by its attachment's session (`None` when
+    /// it has none: not attached).
+    fn seal_for(&self, node: &str, kind: FrameKind, message: Vec<u8>) -> Option<Vec<u8>> {
+        if self.channel.auth().is_none() {
+            return Some(message);
+        }
+        let session = self.attached(node)?.session?;
+        Some(session.seal(kind, &message))
+    }
+
+    /// A request frame as it may be acted on: as it came without a
+    /// deployment secret; with one, opened by the session of the attached
+    /// sender it names — whose node the frame's `route`, when it has one,
+    /// must name too (a route is bound to its attachment, not trusted).
+    fn open_request(&self, route: Option<&str>, frame: Vec<u8>) -> Result<Vec<u8>, OpenError> {
+        if self.channel.auth().is_none() {
+            return Ok(frame);
+        }
+        let (id, _) = envelope_header(&frame).ok_or(OpenError::NotSealed)?;
+        let found = lock(&self.peers)
+            .iter()
+            .find(|(_, l)| l.session.as_ref().is_some_and(|s| *s.id() == id))
+            .map(|(n, l)| (n.clone(), l.session.clone().expect("found by it")));
+        let (node, session) = found.ok_or(OpenError::UnknownAttachment)?;
+        let inner = session.open(FrameKind::Request, &frame)?.to_vec();
+        if route.is_some_and(|r| route_node(r) != node) {
+            return Err(OpenError::UnknownAttachment);
+        }
+        Ok(inner)
     }
 
     /// The link of sender `node`. Links are registered before the
     /// handshake's answer goes out, so a sender that heard it is known:
     /// no waiting here (an unknown node cannot stall the request loop).
     fn attached(&self, node: &str) -> Option<PeerLink> {
-        lock(&self.peers).get(node).copied()
+        lock(&self.peers).get(node).cloned()
     }
 
     /// Records an attached sender (run by the handshake server before it
@@ -159,7 +204,7 @@ impl Shared {
             Some(id) => lock(&self.peers)
                 .iter()
                 .filter(|(n, _)| **n != a.remote.node && sender_identity(n) == Some(id))
-                .map(|(n, l)| (n.clone(), *l))
+                .map(|(n, l)| (n.clone(), l.clone()))
                 .collect(),
             None => Vec::new(),
         };
@@ -197,6 +242,7 @@ impl Shared {
                     .iter()
                     .map(|b| b.len.checked_div(b.page_size).unwrap_or(0) as usize)
                     .fold(0usize, usize::saturating_add),
+                session: a.session.clone(),
             },
         );
     }

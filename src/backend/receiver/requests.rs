@@ -15,6 +15,7 @@ use super::super::counters::MessageKind;
 use super::super::lock;
 use super::super::zmq_io::{router_reply, router_try_recv, Received};
 use super::Shared;
+use crate::auth::{FrameKind, OpenError};
 use crate::channel::{Access, GrantTag, ReadOp, TransferOp};
 use crate::config::TransferMode;
 use crate::memory::{ChunkMeta, MemObj, MemoryError};
@@ -109,8 +110,28 @@ pub(super) fn request_loop(s: &Arc<Shared>, sock: zmq::Socket) {
             Parked::Alloc(_) => failed_reply(),
             Parked::Frame(frame, _) => failure_for(frame, "the receiver is stopping"),
         };
-        router_reply(&sock, &w.route, &reply).ok();
+        reply_to(s, &sock, &w.route, reply);
     }
+}
+
+/// Sends `reply` to `route` (sealed for its sender, with a secret: when its
+/// attachment is gone, nothing is sent and the requester times out).
+fn reply_to(s: &Shared, sock: &zmq::Socket, route: &[u8], reply: Vec<u8>) {
+    let name = String::from_utf8_lossy(route);
+    let Some(reply) = s.seal_for(route_node(&name), FrameKind::Reply, reply) else {
+        log::debug!("no reply to {name:?}: its sender is no longer attached");
+        return;
+    };
+    if let Err(e) = router_reply(sock, route, &reply) {
+        log::warn!("could not reply on the request socket to {name:?}: {e}");
+    }
+}
+
+/// Counts and logs (at debug: a flood must not flood the log) a frame that
+/// failed authentication; it is dropped unanswered and never acted on.
+fn auth_dropped(s: &Shared, socket: &str, from: &str, e: OpenError) {
+    s.counters.bump(MessageKind::AuthDropped);
+    log::debug!("dropped a frame on the {socket} from {from:?}: {e}");
 }
 
 /// Answers upstream LMCache's `CacheQueryRequest` on `pd_peer_query_port`
@@ -124,6 +145,17 @@ pub(super) fn query_loop(s: &Shared, sock: zmq::Socket) {
             Err(e) => {
                 log::warn!("query socket: {e}; it stops answering");
                 return;
+            }
+        };
+        // With a secret, only an attached sender may ask (the answer says
+        // which prompts this worker holds); anyone else gets an empty frame
+        // (the REP socket must answer something) and nothing is looked up.
+        let frame = match s.open_request(None, frame) {
+            Ok(f) => f,
+            Err(e) => {
+                auth_dropped(s, "query socket", "?", e);
+                let _ = sock.send(Vec::new(), 0);
+                continue;
             }
         };
         let answer = match Message::decode(&frame) {
@@ -241,6 +273,10 @@ fn on_frame(
 ) {
     let deadline = Instant::now() + s.config.alloc_fail_backoff_ttl;
     let name = String::from_utf8_lossy(&route).into_owned();
+    let frame = match s.open_request(Some(&name), frame) {
+        Ok(f) => f,
+        Err(e) => return auth_dropped(s, "request socket", &name, e),
+    };
     if waiting.holds(&route) {
         if let Err(Parked::Frame(frame, _)) = waiting.park(
             route.clone(),
@@ -317,12 +353,7 @@ fn refuse_full(s: &Shared, route: &str) {
 }
 
 fn send(s: &Shared, sock: &zmq::Socket, route: &[u8], reply: Vec<u8>, after: AfterReply) {
-    if let Err(e) = router_reply(sock, route, &reply) {
-        log::warn!(
-            "could not reply on the request socket to {:?}: {e}",
-            String::from_utf8_lossy(route)
-        );
-    }
+    reply_to(s, sock, route, reply);
     send_dones(s, after.dones);
     if let Some(read) = after.read {
         start_eager_read(s, read);
@@ -390,6 +421,14 @@ fn read_frame(s: &Shared, route: &str, frame: &[u8], arrived: Instant) -> Result
         Message::AllocRequest(req) if s.mode == TransferMode::Push => {
             s.counters.bump(MessageKind::AllocRequest);
             Ok(Parked::Alloc(req))
+        }
+        // With a secret the route is bound to an attachment: a notification
+        // naming another sender (whose pages it would have us read) is refused.
+        Message::PullReadyNotif(notif)
+            if s.channel.auth().is_some() && notif.sender_id != route_node(route) =>
+        {
+            auth_dropped(s, "request socket", route, OpenError::UnknownAttachment);
+            Err(failed_ack())
         }
         Message::PullReadyNotif(notif) if s.mode.is_pull() => {
             s.counters.bump(MessageKind::PullReadyNotif);
@@ -520,7 +559,7 @@ fn serve_pull(
     may_wait: bool,
 ) -> Served {
     let link = s.attached(&notif.sender_id);
-    let lease = link.map(|l| l.lease);
+    let lease = link.as_ref().map(|l| l.lease);
     let mut core = lock(&s.core);
     // The lease is counted from the notification's arrival, however long
     // it then waited for pages.
