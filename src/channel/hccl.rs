@@ -207,10 +207,15 @@ impl HcclChannel {
         let mut device: Option<Device> = None;
         for p in pools {
             let b = p.buffer();
-            let mem = if let Some(d) = device_buffer(b) {
+            // SAFETY: registered with a peer's communicator, which reads or
+            // writes a page only under a grant of it (or in a batch holding
+            // its handle); revoked grants wait for quiescence before the
+            // page goes back to its pool.
+            let mem = if let Some(d) = unsafe { device_buffer(b) } {
                 LocalMem::Device(Arc::clone(d))
-            } else if let Some(h) = pinned_buffer(b) {
-                LocalMem::Host(Arc::clone(h.buffer()))
+            } else if let Some(h) = unsafe { pinned_buffer(b) } {
+                // SAFETY: as above.
+                LocalMem::Host(Arc::clone(unsafe { h.buffer() }))
             } else {
                 return Err(ChannelError::Unsupported(format!(
                     "the hccl channel registers pools allocated by the ACL runtime, but pool {} on {} \

@@ -51,7 +51,7 @@ use super::{
 };
 use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
-use crate::memory::npu::device_buffer;
+use crate::memory::npu::{device_buffer, is_acl_device};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
@@ -232,7 +232,10 @@ impl TcpChannel {
         let mut served = HashMap::new();
         for p in pools {
             let b = p.buffer();
-            let (ptr, device) = match (b.host_ptr(), device_buffer(b)) {
+            // SAFETY: the server copies into or out of a page of this pool
+            // only while a live grant of the requesting peer covers it (the
+            // owner lent or sealed it and waits for the grant to settle).
+            let (ptr, device) = match (b.host_ptr(), unsafe { device_buffer(b) }) {
                 (Some(ptr), _) => (ptr as usize, None),
                 (None, Some(dev)) => (0, Some(Arc::clone(dev))),
                 (None, None) => {
@@ -966,7 +969,7 @@ impl TcpChannel {
         check_ops(&p.table, &ops, false)?;
         for (i, op) in ops.iter().enumerate() {
             let b = op.local.pool().buffer();
-            if op.local.device() != DeviceKind::Cpu && device_buffer(b).is_none() {
+            if op.local.device() != DeviceKind::Cpu && !is_acl_device(b) {
                 return Err(ChannelError::BadLocal {
                     op: i,
                     local: op.local.buffer_ref(),
@@ -1094,7 +1097,9 @@ fn gone(p: &TcpPeer, op: Option<usize>, e: &io::Error, timeout: Duration) -> Cha
 /// NPU page (`None` for host pages; submit refused NPU pages without one).
 fn local_device<P: LocalPage>(op: &TransferOp<P>, offset: usize) -> Option<(&DeviceBuffer, usize)> {
     let b = op.local.pool().buffer();
-    let dev = device_buffer(b)?;
+    // SAFETY: used only at `op.local`'s page, which the batch owns (a
+    // `MemObj` to read into, a sealed page to write from) until it ends.
+    let dev = unsafe { device_buffer(b) }?;
     Some((dev, op.local.page() as usize * b.page_size() + offset))
 }
 
