@@ -9,7 +9,7 @@ mod common;
 use ascend_pd::channel::tcp::{fuzzing, TcpChannel, TcpOptions};
 use ascend_pd::channel::{Access, Endpoint, GrantTag, PeerId, TransferChannel};
 use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
-use ascend_pd::memory::{pattern, BufferRef, ChunkMeta, PagePool, RegisteredBuffer};
+use ascend_pd::memory::{pattern, ChunkMeta, PagePool, RegisteredBuffer};
 use common::eventually;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -95,4 +95,90 @@ fn releasing_a_page_while_a_tcp_read_of_it_is_in_flight_does_not_free_it() {
     drop(page);
     let s = pool.stats();
     assert_eq!((s.allocated, s.quarantined), (0, 0), "{s:?}");
+}
+
+/// Item 8: a connection held a serving slot as long as it sent a byte
+/// now and then (timeouts counted per read call), and an idle one until
+/// its read timeout, so 256 of them kept every client out. Now a request
+/// has one deadline in all, and at the cap a new client takes the slot of
+/// the connection idle longest.
+#[test]
+fn a_legitimate_client_is_served_while_256_idle_and_trickling_connections_are_open() {
+    const PAGE: usize = 4096;
+    let opts = TcpOptions {
+        // Short, so the tricklers' requests run out within the test.
+        io_timeout: Duration::from_secs(2),
+        ..TcpOptions::default()
+    };
+    assert_eq!(opts.max_server_connections, 256);
+    let (pool, owner) = owner(PAGE, 1, opts.clone());
+    let mut page = pool.allocate(ChunkMeta::full(layout(PAGE))).unwrap();
+    pattern::fill(page.host_bytes_mut().unwrap(), 42);
+    let page = page.seal();
+    let at = page.buffer_ref();
+    let addr = owner.local_addr();
+    // 128 connections that said hello and then nothing ...
+    let idle: Vec<TcpStream> = (0..128).map(|_| hello(addr, "idler")).collect();
+    // ... and 128 that trickle a request, a byte at a time.
+    let mut tricklers: Vec<TcpStream> = (0..128).map(|_| hello(addr, "trickler")).collect();
+    let request = fuzzing::request(false, at, 0, PAGE as u64, None);
+    for c in &mut tricklers {
+        c.write_all(&request[..1]).unwrap();
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickle = {
+        let stop = Arc::clone(&stop);
+        let mut conns: Vec<TcpStream> = tricklers.iter().map(|c| c.try_clone().unwrap()).collect();
+        std::thread::spawn(move || {
+            // One more header byte each, every 100 ms: each read call
+            // makes progress, the request never completes.
+            for i in 1..request.len() - 1 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                for c in &mut conns {
+                    let _ = c.write_all(&request[i..i + 1]);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+
+    // The legitimate client: a tcp channel granted the page.
+    let client = TcpChannel::bind("127.0.0.1", "reader", &[], opts).unwrap();
+    let peer_at_owner = owner
+        .attach("reader", &client.local_table(), &client.endpoint())
+        .unwrap();
+    owner
+        .grant(peer_at_owner, Access::Read, GrantTag::UNTAGGED, &[at])
+        .unwrap();
+    let peer = client
+        .attach("owner", &owner.local_table(), &owner.endpoint())
+        .unwrap();
+    let dst = PagePool::new(RegisteredBuffer::host(PAGE, PAGE, false).unwrap());
+    let obj = dst.allocate(ChunkMeta::full(layout(PAGE))).unwrap();
+    let got = client
+        .read(peer, vec![ascend_pd::channel::ReadOp::chunk(obj, at)])
+        .expect("the legitimate client is served");
+    assert!(pattern::first_mismatch(got[0].host_bytes().unwrap(), 42).is_none());
+    assert_eq!(owner.grant_stats().busy, 0, "nobody was refused");
+
+    // Every trickler is cut off at its request's deadline, whatever it sends.
+    for (i, c) in tricklers.iter_mut().enumerate() {
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut rest = Vec::new();
+        let cut = match c.read_to_end(&mut rest) {
+            Ok(_) => true,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        };
+        assert!(cut, "trickler {i} still held its slot");
+        assert!(rest.is_empty(), "trickler {i} was served: {rest:?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickle.join().unwrap();
+    drop((idle, got, page));
+    assert_eq!(dst.stats().allocated, 0);
 }
