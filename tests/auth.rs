@@ -372,7 +372,7 @@ fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
                 .unwrap();
             let mut answer = [0u8; 5];
             c.read_exact(&mut answer).unwrap();
-            c.write_all(&[b'A', b'P', b'D']).unwrap();
+            c.write_all(b"APD").unwrap();
             c
         })
         .collect();

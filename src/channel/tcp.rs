@@ -482,7 +482,10 @@ impl Deadline<'_> {
     }
 
     fn late(&self) -> io::Error {
-        io::Error::new(io::ErrorKind::TimedOut, format!("{} (past its deadline)", self.what))
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{} (past its deadline)", self.what),
+        )
     }
 
     fn timed_out(&self, e: io::Error) -> io::Error {
