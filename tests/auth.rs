@@ -334,9 +334,9 @@ fn workers_with_the_same_secret_file_push_and_a_stranger_is_refused() {
 }
 
 /// The tcp transfer server serves at most `max_server_connections` at once
-/// (a thread each): connections that hold a slot without a word cannot
-/// make it start more; the next client is refused with a message naming
-/// the cap, counted, and served once a slot is free.
+/// (a thread each): connections inside a request cannot make it start
+/// more; the next client is refused with a message naming the cap,
+/// counted, and served once a slot is free.
 #[test]
 fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
     use ascend_pd::channel::tcp::{TcpChannel, TcpOptions};
@@ -362,11 +362,20 @@ fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
     owner
         .grant(a_at_owner, Access::Read, GrantTag::UNTAGGED, &[r0])
         .unwrap();
-    // Three connections that never say a word take every slot.
+    // Three connections inside a request (half a header sent) take every
+    // slot: idle connections would give theirs up to a new client.
     let squatters: Vec<std::net::TcpStream> = (0..3)
-        .map(|_| std::net::TcpStream::connect(owner.local_addr()).unwrap())
+        .map(|_| {
+            use std::io::{Read, Write};
+            let mut c = std::net::TcpStream::connect(owner.local_addr()).unwrap();
+            c.write_all(&chan::tcp::fuzzing::hello("squatter", [1; 16]))
+                .unwrap();
+            let mut answer = [0u8; 5];
+            c.read_exact(&mut answer).unwrap();
+            c.write_all(b"APD").unwrap();
+            c
+        })
         .collect();
-    std::thread::sleep(Duration::from_millis(200));
     let peer = a
         .channel
         .attach("owner", &owner.local_table(), &owner.endpoint())

@@ -73,7 +73,7 @@ pub fn allocator_for(config: &PdConfig, device_index: u32) -> Result<DualAllocat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
+    use crate::memory::npu::{device_of, is_acl_device, is_acl_pinned};
     use crate::memory::DeviceKind;
 
     #[test]
@@ -134,13 +134,13 @@ mod tests {
         let cfg = |extra: &str| cfg(&format!("{base}{extra}"));
         let a = allocator_for(&cfg("pd_buffer_device: npu:1\ntransfer_channel: tcp\n"), 0).unwrap();
         let npu = a.pool(PoolKind::Npu).unwrap().buffer();
-        assert!(device_buffer(npu).is_some());
+        assert!(is_acl_device(npu));
         assert_eq!(npu.device(), DeviceKind::Npu(1));
         let a = allocator_for(&cfg("pd_buffer_device: cpu\ntransfer_channel: hccl\n"), 3).unwrap();
         let cpu = a.primary().buffer();
-        assert!(pinned_buffer(cpu).is_some());
+        assert!(is_acl_pinned(cpu));
         assert_eq!(device_of(cpu).map(|d| d.id()), Some(3));
         let a = allocator_for(&cfg("pd_buffer_device: cpu\ntransfer_channel: tcp\n"), 0).unwrap();
-        assert!(pinned_buffer(a.primary().buffer()).is_none());
+        assert!(!is_acl_pinned(a.primary().buffer()));
     }
 }

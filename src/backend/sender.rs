@@ -182,10 +182,9 @@ impl Shared {
     /// Releases the grants of pulls the core released, revokes those of
     /// pulls that expired, frees what is quiescent, and wakes waiters.
     fn apply_releases(&self, core: &mut SenderCore) {
-        let grants = core.take_grant_releases();
-        for g in &grants {
-            self.channel.release(*g);
-        }
+        // A grant still serving a read keeps its pages (quarantined)
+        // until it is quiescent, below.
+        let grants = core.release_grants(|g| self.channel.release(g));
         for g in core.take_grant_revokes() {
             self.channel.revoke(g);
         }

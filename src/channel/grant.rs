@@ -247,15 +247,16 @@ impl<S> GrantTable<S> {
 
     /// The peer reported it is done with the pages: forget the grant (at
     /// once, or when the requests still being served end). Returns whether
-    /// the pages are free of the peer now: true unless write access is
-    /// still being served (then [`GrantTable::settle`] says when).
+    /// the pages are free of the peer now: true unless a request is still
+    /// being served in them (then [`GrantTable::settle`] says when). A read
+    /// counts as much as a write: the server still copies out of the page,
+    /// and the page must not go to a new owner (who writes it) meanwhile.
     pub(crate) fn release(&self, id: GrantId) -> bool {
         let mut g = self.lock();
-        let (pages, free) = match g.by_id.get_mut(&id) {
+        let pages = match g.by_id.get_mut(&id) {
             Some(e) if e.inflight > 0 => {
                 e.revoked = true;
-                // A read still served only copies out of our page.
-                (std::mem::take(&mut e.pages), e.read_only())
+                std::mem::take(&mut e.pages)
             }
             Some(_) => {
                 g.remove(id);
@@ -272,7 +273,7 @@ impl<S> GrantTable<S> {
                 }
             }
         }
-        free
+        false
     }
 
     /// Ends the grant without the peer's report: no new request may start
@@ -429,13 +430,17 @@ mod tests {
         let g = t.add("a", Access::Read, GrantTag::UNTAGGED, &[page(1)], ());
         let h = t.add("b", Access::Read, GrantTag::UNTAGGED, &[page(1)], ());
         let serving = t.begin("a", page(1), false, GrantTag::UNTAGGED).unwrap();
-        assert!(t.release(g), "a read being served only copies out");
+        assert!(
+            !t.release(g),
+            "a read being served still copies out of the page: not free yet"
+        );
         assert!(t.begin("a", page(1), false, GrantTag::UNTAGGED).is_err());
         assert!(
             t.begin("b", page(1), false, GrantTag::UNTAGGED).is_ok(),
             "the other grant stands"
         );
         drop(serving);
+        assert!(t.settle(g, |_| false), "released: the peer's word suffices");
         assert!(t.release(h));
         assert_eq!(t.stats().live + t.stats().revoked, 0);
     }

@@ -68,7 +68,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -207,10 +207,15 @@ impl HcclChannel {
         let mut device: Option<Device> = None;
         for p in pools {
             let b = p.buffer();
-            let mem = if let Some(d) = device_buffer(b) {
+            // SAFETY: registered with a peer's communicator, which reads or
+            // writes a page only under a grant of it (or in a batch holding
+            // its handle); revoked grants wait for quiescence before the
+            // page goes back to its pool.
+            let mem = if let Some(d) = unsafe { device_buffer(b) } {
                 LocalMem::Device(Arc::clone(d))
-            } else if let Some(h) = pinned_buffer(b) {
-                LocalMem::Host(Arc::clone(h.buffer()))
+            } else if let Some(h) = unsafe { pinned_buffer(b) } {
+                // SAFETY: as above.
+                LocalMem::Host(Arc::clone(unsafe { h.buffer() }))
             } else {
                 return Err(ChannelError::Unsupported(format!(
                     "the hccl channel registers pools allocated by the ACL runtime, but pool {} on {} \
@@ -1411,12 +1416,32 @@ impl WatchServer {
         let accept = std::thread::Builder::new()
             .name("pd-hccl-watch".into())
             .spawn(move || {
+                // Hellos are read off this thread, each by its deadline: a
+                // connection that says nothing holds up no other.
+                let reading = Arc::new(AtomicUsize::new(0));
                 for s in listener.incoming() {
                     if stop2.load(Ordering::Acquire) {
                         break;
                     }
-                    if let Ok(s) = s {
-                        route_watch(s, &waiting2);
+                    let Ok(s) = s else { continue };
+                    if reading.fetch_add(1, Ordering::AcqRel) >= MAX_WATCH_HELLOS {
+                        // Closing refuses it; the dialer's setup reports it.
+                        reading.fetch_sub(1, Ordering::AcqRel);
+                        log::warn!(
+                            "hccl liveness listener: {MAX_WATCH_HELLOS} connections are still \
+                             to say their hello; refused another"
+                        );
+                        continue;
+                    }
+                    let (waiting, reading2) = (Arc::clone(&waiting2), Arc::clone(&reading));
+                    let spawned = std::thread::Builder::new()
+                        .name("pd-hccl-hello".into())
+                        .spawn(move || {
+                            route_watch(s, &waiting);
+                            reading2.fetch_sub(1, Ordering::AcqRel);
+                        });
+                    if spawned.is_err() {
+                        reading.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })
@@ -1440,10 +1465,34 @@ impl WatchServer {
     }
 }
 
+/// Most liveness-link hellos read at once (a thread each, for at most
+/// [`WATCH_HELLO_TIMEOUT`]); connections beyond are closed.
+const MAX_WATCH_HELLOS: usize = 128;
+/// How long a liveness link may take, in all, to send its hello.
+const WATCH_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Fills `buf` from `s` by `deadline`, however the bytes trickle in.
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn route_watch(mut s: TcpStream, waiting: &Mutex<HashMap<u64, Sender<TcpStream>>>) {
     let mut hello = [0u8; 16];
-    if s.set_read_timeout(Some(Duration::from_secs(5))).is_err()
-        || s.read_exact(&mut hello).is_err()
+    if read_by(&mut s, &mut hello, Instant::now() + WATCH_HELLO_TIMEOUT).is_err()
         || &hello[..4] != WATCH_MAGIC
     {
         return;
@@ -1552,6 +1601,29 @@ mod watch_tests {
         let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (theirs, _) = l.accept().unwrap();
         (Watch::new(ours).unwrap(), theirs)
+    }
+
+    /// Issue 25 item 8: the listener read each hello on its accept thread,
+    /// for up to 5 s per connection, so connections that said nothing
+    /// held up every good peer's liveness link behind them (ten of them:
+    /// 50 s, past any setup). Hellos are now read off the accept thread.
+    #[test]
+    fn a_good_peers_hello_is_accepted_while_silent_connections_are_open() {
+        let server = WatchServer::bind("127.0.0.1").unwrap();
+        let delivered = server.expect(41);
+        let silent: Vec<TcpStream> = (0..10)
+            .map(|_| TcpStream::connect(server.addr).unwrap())
+            .collect();
+        let ours = dial_watch(server.addr, 41, Instant::now() + Duration::from_secs(20))
+            .expect("the good peer's hello is accepted");
+        let theirs = delivered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("its link is handed to the setup waiting for it");
+        assert_eq!(ours.local_addr().unwrap(), theirs.peer_addr().unwrap());
+        // A wrong session is still refused (closed without the ack).
+        let e = dial_watch(server.addr, 42, Instant::now() + Duration::from_secs(20)).unwrap_err();
+        assert!(e.contains("refused"), "{e}");
+        drop(silent);
     }
 
     #[test]

@@ -525,9 +525,10 @@ pub trait TransferChannel: Send + Sync {
     /// The peer reported it is done with the grant's pages (its write
     /// landed or failed quiescently, its reads ended, its lease passed).
     /// Returns whether nobody can touch the pages through this grant any
-    /// more; false while requests of the peer are still being served
-    /// under a write grant (tcp), and then [`TransferChannel::is_quiescent`]
-    /// says when they ended.
+    /// more; false while requests of the peer are still being served in
+    /// them (tcp; reads as much as writes: a page still being sent out
+    /// must not go to a new owner), and then
+    /// [`TransferChannel::is_quiescent`] says when they ended.
     fn release(&self, grant: GrantId) -> bool;
 
     /// Ends a grant without the peer's report: tcp refuses its later

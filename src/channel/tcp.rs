@@ -33,8 +33,13 @@
 //! per node) and the connection closed. The tag is what refuses a write
 //! the client queued under an earlier grant of the same page (on a
 //! connection it gave up on) once the page is granted to it again. A revoked grant is
-//! quiescent once the requests it was serving have ended; served sockets
-//! have read and write timeouts, so that is bounded.
+//! quiescent once the requests it was serving have ended, and each
+//! request has one deadline (`io_timeout`) for its header, payload and
+//! reply together, so that is bounded however a peer trickles bytes. At
+//! its cap of connections the server makes room for a new one by cutting
+//! the connection idle longest (still saying its hello, or between
+//! requests; clients reconnect when they find a pooled connection cut),
+//! so idle connections cannot keep a client out either.
 //!
 //! Request (48 bytes, little-endian): magic `APDT`, op (1 write, 2 read),
 //! flags (bit 0: tagged), 2 pad bytes, buffer uuid (16), page (u32),
@@ -51,7 +56,7 @@ use super::{
 };
 use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
-use crate::memory::npu::device_buffer;
+use crate::memory::npu::{device_buffer, is_acl_device};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
@@ -91,13 +96,19 @@ pub struct TcpOptions {
     pub slice_bytes: usize,
     /// Requests in flight per connection.
     pub window: usize,
-    /// A socket that makes no progress for this long fails the batch.
+    /// A socket that makes no progress for this long fails the batch. The
+    /// server gives each request this long in all (its header, payload and
+    /// reply, however the bytes trickle) and an idle connection this long
+    /// between requests.
     pub io_timeout: Duration,
     /// The deployment secret: peers prove they hold it on every
     /// connection, and we prove it to them. `None`: unauthenticated.
     pub auth: Option<Secret>,
     /// Most connections the transfer server serves at once (one thread
-    /// each); the next is refused with a message saying so, and counted.
+    /// each). At the cap a new connection takes the slot of the one idle
+    /// longest (saying its hello, or between requests); when every slot
+    /// is inside a request, it is refused with a message saying so, and
+    /// counted.
     pub max_server_connections: usize,
 }
 
@@ -189,23 +200,61 @@ struct ServerHandle {
     conns: Arc<Mutex<ServedConns>>,
 }
 
-/// A handle on each connection being served (to cut it at shutdown),
-/// removed when its serving thread ends.
-type ServedConns = HashMap<u64, TcpStream>;
+/// A handle on each connection being served (to cut it at shutdown, or
+/// to make room at the cap), removed when its serving thread ends.
+type ServedConns = HashMap<u64, ServedConn>;
+
+/// A connection being served, and since when it has been idle (`None`:
+/// inside a request).
+struct ServedConn {
+    stream: TcpStream,
+    idle_since: Option<Instant>,
+}
+
+/// Lets a serving thread tell the accept loop whether its connection is
+/// idle (evictable at the cap) or inside a request.
+struct IdleMark {
+    conns: Arc<Mutex<ServedConns>>,
+    id: u64,
+}
+
+impl IdleMark {
+    fn set(&self, idle: bool) {
+        if let Some(c) = lock_conns(&self.conns).get_mut(&self.id) {
+            c.idle_since = idle.then(Instant::now);
+        }
+    }
+}
+
+fn lock_conns(conns: &Mutex<ServedConns>) -> std::sync::MutexGuard<'_, ServedConns> {
+    conns.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// At the cap: cuts the connection idle longest (its thread then ends),
+/// so idle connections cannot keep a client out. False when every
+/// connection is inside a request.
+fn evict_idlest(conns: &Mutex<ServedConns>) -> bool {
+    let mut conns = lock_conns(conns);
+    let idlest = conns
+        .iter()
+        .filter_map(|(id, c)| c.idle_since.map(|t| (t, *id)))
+        .min();
+    match idlest.and_then(|(_, id)| conns.remove(&id)) {
+        Some(c) => {
+            let _ = c.stream.shutdown(Shutdown::Both);
+            true
+        }
+        None => false,
+    }
+}
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Wake the accept loop, then cut every served connection.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-        for c in self
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .map(|(_, c)| c)
-        {
-            let _ = c.shutdown(Shutdown::Both);
+        for (_, c) in lock_conns(&self.conns).drain() {
+            let _ = c.stream.shutdown(Shutdown::Both);
         }
         if let Some(t) = self.accept.take() {
             let _ = t.join();
@@ -232,7 +281,10 @@ impl TcpChannel {
         let mut served = HashMap::new();
         for p in pools {
             let b = p.buffer();
-            let (ptr, device) = match (b.host_ptr(), device_buffer(b)) {
+            // SAFETY: the server copies into or out of a page of this pool
+            // only while a live grant of the requesting peer covers it (the
+            // owner lent or sealed it and waits for the grant to settle).
+            let (ptr, device) = match (b.host_ptr(), unsafe { device_buffer(b) }) {
                 (Some(ptr), _) => (ptr as usize, None),
                 (None, Some(dev)) => (0, Some(Arc::clone(dev))),
                 (None, None) => {
@@ -324,33 +376,42 @@ fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         workers.retain(|h| !h.is_finished());
-        if workers.len() >= served.max_connections {
+        // Idle connections give way; an evicted one's thread ends at once
+        // (its socket is cut), so the cap is exceeded only while it winds down.
+        if workers.len() >= served.max_connections && !evict_idlest(&conns) {
             refuse_busy(stream, &served);
             continue;
         }
         if let Ok(c) = stream.try_clone() {
-            conns
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id, c);
+            lock_conns(&conns).insert(
+                id,
+                ServedConn {
+                    stream: c,
+                    idle_since: Some(Instant::now()),
+                },
+            );
         }
         let (served, conns2) = (Arc::clone(&served), Arc::clone(&conns));
         let spawned = std::thread::Builder::new()
             .name("pd-tcp-serve".into())
             .spawn(move || {
-                serve_connection(stream, &served);
+                let mark = IdleMark {
+                    conns: Arc::clone(&conns2),
+                    id,
+                };
+                serve_connection(stream, &served, &mark);
                 // Our handle goes too, so the socket really closes.
-                conns2.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                lock_conns(&conns2).remove(&id);
             });
         match spawned {
             Ok(h) => workers.push(h),
-            Err(_) => drop(conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)),
+            Err(_) => drop(lock_conns(&conns).remove(&id)),
         }
         workers.retain(|h| !h.is_finished());
     }
     // Pools must outlive every serving thread: wait for them before returning.
-    for c in conns.lock().unwrap_or_else(|p| p.into_inner()).values() {
-        let _ = c.shutdown(Shutdown::Both);
+    for c in lock_conns(&conns).values() {
+        let _ = c.stream.shutdown(Shutdown::Both);
     }
     for h in workers {
         let _ = h.join();
@@ -376,12 +437,13 @@ fn refuse_busy(mut stream: TcpStream, served: &Served) {
     let _ = read_hello(&mut Deadline {
         stream: &mut stream,
         deadline: Instant::now() + Duration::from_millis(100),
+        what: HELLO_LATE,
     });
     let _ = stream.write_all(&answer);
     let _ = stream.shutdown(Shutdown::Write);
 }
 
-fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
+fn reply(stream: &mut impl Write, status: u8, msg: &str) -> io::Result<()> {
     let mut h = [0u8; REPLY_LEN];
     h[0] = status;
     let m = &msg.as_bytes()[..msg.len().min(MAX_ERROR_LEN as usize)];
@@ -395,39 +457,58 @@ fn reply(stream: &mut TcpStream, status: u8, msg: &str) -> io::Result<()> {
 /// slot longer.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A stream whose reads must all end by `deadline` (each read waits at
-/// most what is left), unlike a socket timeout, which counts per read.
+/// What a peer that missed its hello deadline is told.
+const HELLO_LATE: &str = "the peer took too long to say who it is";
+/// What a peer that missed a request's deadline is told (in the log).
+const REQUEST_LATE: &str = "the peer took too long over one request";
+
+/// A stream whose reads and writes must all end by `deadline` (each call
+/// waits at most what is left), unlike a socket timeout, which counts per
+/// call: a peer that trickles bytes gains nothing.
 struct Deadline<'a> {
     stream: &'a mut TcpStream,
     deadline: Instant,
+    /// What missing the deadline means, for the error.
+    what: &'static str,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.late());
+        }
+        Ok(left)
+    }
+
+    fn late(&self) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{} (past its deadline)", self.what),
+        )
+    }
+
+    fn timed_out(&self, e: io::Error) -> io::Error {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => self.late(),
+            _ => e,
+        }
+    }
 }
 
 impl Read for Deadline<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let too_long = || {
-            io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "the peer took too long to say who it is (more than {} s)",
-                    HELLO_TIMEOUT.as_secs()
-                ),
-            )
-        };
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(too_long());
-        }
+        let left = self.left()?;
         self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => too_long(),
-            _ => e,
-        })
+        self.stream.read(buf).map_err(|e| self.timed_out(e))
     }
 }
 
 impl Write for Deadline<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.write(buf)
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream.write(buf).map_err(|e| self.timed_out(e))
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -573,12 +654,13 @@ fn authenticate_server(
 /// Serves one connection until EOF or error. A malformed, out-of-range or
 /// ungranted request gets an error reply and closes the connection (its
 /// payload length cannot be trusted to resynchronise).
-fn serve_connection(mut stream: TcpStream, served: &Served) {
+fn serve_connection(mut stream: TcpStream, served: &Served, idle: &IdleMark) {
     // A stalled client must not hold a grant's request open forever.
     let _ = stream.set_write_timeout(Some(served.io_timeout));
     let mut timed = Deadline {
         stream: &mut stream,
         deadline: Instant::now() + HELLO_TIMEOUT.min(served.io_timeout),
+        what: HELLO_LATE,
     };
     let said = read_hello(&mut timed).and_then(|(node, nonce)| {
         authenticate_client(&mut timed, served, &node, &nonce).map(|()| node)
@@ -603,7 +685,21 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
     let mut req = [0u8; REQ_LEN];
     let mut stagers = Stagers::default();
     loop {
-        if stream.read_exact(&mut req).is_err() {
+        // Idle (evictable at the cap) until a request's first byte; from
+        // then on the whole request has one deadline, however its bytes
+        // trickle in or its reply is read.
+        idle.set(true);
+        let _ = stream.set_read_timeout(Some(served.io_timeout));
+        if !matches!(stream.read(&mut req[..1]), Ok(1)) {
+            return;
+        }
+        idle.set(false);
+        let mut stream = Deadline {
+            stream: &mut stream,
+            deadline: Instant::now() + served.io_timeout,
+            what: REQUEST_LATE,
+        };
+        if stream.read_exact(&mut req[1..]).is_err() {
             return;
         }
         let r = Request::parse(&req);
@@ -658,7 +754,7 @@ fn serve_connection(mut stream: TcpStream, served: &Served) {
 /// Serves one request on an NPU page (byte `at` of `dev`) through staging;
 /// false when the connection must close.
 fn serve_device<S>(
-    stream: &mut TcpStream,
+    stream: &mut Deadline<'_>,
     stagers: &mut Stagers,
     op: u8,
     (dev, at, len): (&DeviceBuffer, usize, usize),
@@ -701,12 +797,12 @@ fn serve_device<S>(
 }
 
 /// A writer that counts what went through it.
-struct Counted<'a> {
-    inner: &'a mut TcpStream,
+struct Counted<'a, W> {
+    inner: &'a mut W,
     written: usize,
 }
 
-impl Write for Counted<'_> {
+impl<W: Write> Write for Counted<'_, W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
         self.written += n;
@@ -966,7 +1062,7 @@ impl TcpChannel {
         check_ops(&p.table, &ops, false)?;
         for (i, op) in ops.iter().enumerate() {
             let b = op.local.pool().buffer();
-            if op.local.device() != DeviceKind::Cpu && device_buffer(b).is_none() {
+            if op.local.device() != DeviceKind::Cpu && !is_acl_device(b) {
                 return Err(ChannelError::BadLocal {
                     op: i,
                     local: op.local.buffer_ref(),
@@ -1094,7 +1190,9 @@ fn gone(p: &TcpPeer, op: Option<usize>, e: &io::Error, timeout: Duration) -> Cha
 /// NPU page (`None` for host pages; submit refused NPU pages without one).
 fn local_device<P: LocalPage>(op: &TransferOp<P>, offset: usize) -> Option<(&DeviceBuffer, usize)> {
     let b = op.local.pool().buffer();
-    let dev = device_buffer(b)?;
+    // SAFETY: used only at `op.local`'s page, which the batch owns (a
+    // `MemObj` to read into, a sealed page to write from) until it ends.
+    let dev = unsafe { device_buffer(b) }?;
     Some((dev, op.local.page() as usize * b.page_size() + offset))
 }
 
@@ -1139,6 +1237,11 @@ fn connected<'c>(
     conn: &'c mut Option<Conn>,
     opts: &TcpOptions,
 ) -> Result<&'c mut Conn, ChannelError> {
+    // The server cuts a connection idle too long, or to make room for
+    // another client at its cap: open a new one rather than fail on it.
+    if conn.as_ref().is_some_and(|c| closed_by_peer(&c.stream)) {
+        *conn = None;
+    }
     if conn.is_none() {
         let s = TcpStream::connect_timeout(&p.addr, opts.io_timeout)
             .map_err(|e| gone(p, None, &e, opts.io_timeout))?;
@@ -1156,6 +1259,18 @@ fn connected<'c>(
         });
     }
     Ok(conn.as_mut().expect("connected above"))
+}
+
+/// Whether the server closed (or broke) a connection between our
+/// requests: it never sends anything unasked, so any readable state
+/// (EOF, an error, stray bytes) means the connection is not usable.
+fn closed_by_peer(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    let usable = matches!(stream.peek(&mut b), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    stream.set_nonblocking(false).is_err() || !usable
 }
 
 /// One request of a direct read: `len` bytes at `offset` of op `op`'s

@@ -8,6 +8,35 @@
 //! [`pinned_buffer`]; [`read_page`] / [`write_page`] move a page's bytes
 //! to and from host memory wherever the page lives.
 //!
+//! The `ascend-sys` handle of a pool reaches every page of it, whoever owns
+//! the page and whatever transfer is using it, so handing it out is
+//! `unsafe`: only the channels, which move the bytes of pages they were
+//! given (or that a live grant lends them), may use it. Everyone else
+//! reaches a page's bytes through its handle ([`read_page`], [`write_page`],
+//! [`Page::host_bytes`](super::Page::host_bytes)):
+//! ```compile_fail,E0133
+//! # use ascend_pd::memory::{npu, RegisteredBuffer};
+//! # fn f(buffer: &RegisteredBuffer) {
+//! // error: a pool-wide handle needs `unsafe` (and a reason no transfer runs)
+//! let bytes = npu::pinned_buffer(buffer).map(|h| h.device().id());
+//! # }
+//! ```
+//! ```compile_fail,E0133
+//! # use ascend_pd::memory::{npu, RegisteredBuffer};
+//! # fn f(buffer: &RegisteredBuffer) {
+//! let dev = npu::device_buffer(buffer); // error: as above
+//! # }
+//! ```
+//! Nor through the pool's memory object:
+//! ```compile_fail,E0133
+//! # use ascend_pd::memory::{npu::AclHostMemory, RegisteredBuffer};
+//! # fn f(buffer: &RegisteredBuffer) {
+//! let any = buffer.pinned_memory().and_then(|m| m.as_any());
+//! let host = any.and_then(|a| a.downcast_ref::<AclHostMemory>());
+//! let bytes = host.map(|h| h.buffer().as_slice()); // error: `buffer` is unsafe
+//! # }
+//! ```
+//!
 //! Nothing here has run on Ascend hardware; it is tested against the CANN
 //! emulator (`ascend-sys/emu`).
 
@@ -114,8 +143,14 @@ pub struct AclDeviceMemory {
 }
 
 impl AclDeviceMemory {
-    /// The ascend-sys buffer.
-    pub fn buffer(&self) -> &Arc<DeviceBuffer> {
+    /// The ascend-sys buffer: every page of the pool.
+    ///
+    /// # Safety
+    /// The buffer reaches pages other handles own and transfers use. The
+    /// caller may copy into or out of a page through it only while it owns
+    /// that page (or serves a live grant of it), and no transfer, peer or
+    /// other owner writes that page meanwhile.
+    pub unsafe fn buffer(&self) -> &Arc<DeviceBuffer> {
         &self.buffer
     }
 }
@@ -147,8 +182,14 @@ pub struct AclHostMemory {
 }
 
 impl AclHostMemory {
-    /// The ascend-sys buffer.
-    pub fn buffer(&self) -> &Arc<HostBuffer> {
+    /// The ascend-sys buffer: every page of the pool (its safe
+    /// `as_slice` included).
+    ///
+    /// # Safety
+    /// As [`AclDeviceMemory::buffer`]: read or write a page through it only
+    /// while you own the page (or serve a live grant of it) and nobody else
+    /// writes it meanwhile.
+    pub unsafe fn buffer(&self) -> &Arc<HostBuffer> {
         &self.buffer
     }
 
@@ -172,31 +213,60 @@ impl PinnedHostMemory for AclHostMemory {
     }
 }
 
-/// The `aclrtMalloc` buffer behind an NPU pool made by [`AclRuntime`]
-/// (`None` for CPU pools and NPU pools of other runtimes).
-pub fn device_buffer(buffer: &RegisteredBuffer) -> Option<&Arc<DeviceBuffer>> {
+fn acl_device(buffer: &RegisteredBuffer) -> Option<&AclDeviceMemory> {
     buffer
         .device_memory()?
         .as_any()?
         .downcast_ref::<AclDeviceMemory>()
-        .map(AclDeviceMemory::buffer)
 }
 
-/// The pinned memory behind a CPU pool made by [`AclRuntime`]
-/// (`None` for mapped CPU pools and NPU pools).
-pub fn pinned_buffer(buffer: &RegisteredBuffer) -> Option<&AclHostMemory> {
+fn acl_host(buffer: &RegisteredBuffer) -> Option<&AclHostMemory> {
     buffer
         .pinned_memory()?
         .as_any()?
         .downcast_ref::<AclHostMemory>()
 }
 
+/// The `aclrtMalloc` buffer behind an NPU pool made by [`AclRuntime`]
+/// (`None` for CPU pools and NPU pools of other runtimes).
+///
+/// # Safety
+/// The buffer reaches every page of the pool: see [`AclDeviceMemory::buffer`].
+/// Copy through it only into or out of pages the caller owns or serves
+/// under a live grant, while nobody else writes them.
+pub unsafe fn device_buffer(buffer: &RegisteredBuffer) -> Option<&Arc<DeviceBuffer>> {
+    // SAFETY: forwarded to our caller's contract.
+    acl_device(buffer).map(|d| unsafe { d.buffer() })
+}
+
+/// The pinned memory behind a CPU pool made by [`AclRuntime`]
+/// (`None` for mapped CPU pools and NPU pools).
+///
+/// # Safety
+/// As [`device_buffer`]: the handle (through [`AclHostMemory::buffer`])
+/// reaches every page of the pool.
+pub unsafe fn pinned_buffer(buffer: &RegisteredBuffer) -> Option<&AclHostMemory> {
+    acl_host(buffer)
+}
+
+/// Whether `buffer` is an NPU pool made by [`AclRuntime`] (whose pages
+/// [`read_page`] / [`write_page`] and the tcp channel can copy).
+pub fn is_acl_device(buffer: &RegisteredBuffer) -> bool {
+    acl_device(buffer).is_some()
+}
+
+/// Whether `buffer` is a CPU pool pinned by [`AclRuntime`] (which the
+/// `hccl` channel can register).
+pub fn is_acl_pinned(buffer: &RegisteredBuffer) -> bool {
+    acl_host(buffer).is_some()
+}
+
 /// The NPU an ACL-backed pool belongs to (device pools) or was pinned for
 /// (pinned CPU pools).
 pub fn device_of(buffer: &RegisteredBuffer) -> Option<Device> {
-    device_buffer(buffer)
-        .map(|b| b.device().clone())
-        .or_else(|| pinned_buffer(buffer).map(|h| h.device().clone()))
+    acl_device(buffer)
+        .map(|d| d.buffer.device().clone())
+        .or_else(|| acl_host(buffer).map(|h| h.device().clone()))
 }
 
 /// Where a page range lives, checked against the page.
@@ -225,7 +295,7 @@ pub fn read_page(obj: &Page, offset: usize, dst: &mut [u8]) -> Result<(), Memory
         dst.copy_from_slice(src);
         return Ok(());
     }
-    let dev = device_buffer(buffer).ok_or_else(|| not_acl(buffer))?;
+    let dev = &acl_device(buffer).ok_or_else(|| not_acl(buffer))?.buffer;
     dev.copy_to_host(at, dst)
         .map_err(|e| device_error(&format!("reading {}", obj.buffer_ref()), &e))
 }
@@ -241,7 +311,7 @@ pub fn write_page(obj: &mut MemObj, offset: usize, src: &[u8]) -> Result<(), Mem
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(at), src.len()) };
         return Ok(());
     }
-    let dev = device_buffer(buffer).ok_or_else(|| not_acl(buffer))?;
+    let dev = &acl_device(buffer).ok_or_else(|| not_acl(buffer))?.buffer;
     dev.copy_from_host(at, src)
         .map_err(|e| device_error(&format!("writing {}", obj.buffer_ref()), &e))
 }
@@ -282,10 +352,11 @@ mod tests {
         let rt = emulator();
         let buf = RegisteredBuffer::npu(&rt, 1, 3 * 4096, 4096).unwrap();
         assert_eq!(buf.device(), DeviceKind::Npu(1));
-        let dev = device_buffer(&buf).expect("ACL device buffer");
+        // SAFETY: only the address and device are looked at; no byte moves.
+        let dev = unsafe { device_buffer(&buf) }.expect("ACL device buffer");
         assert_eq!(dev.addr(), buf.base());
         assert_eq!(dev.device().id(), 1);
-        assert!(pinned_buffer(&buf).is_none() && buf.host_ptr().is_none());
+        assert!(is_acl_device(&buf) && !is_acl_pinned(&buf) && buf.host_ptr().is_none());
         let pool = crate::memory::PagePool::new(buf);
         let mut objs = pool
             .allocate_batch(&[ChunkMeta::full(layout(4096)); 3])
@@ -316,10 +387,11 @@ mod tests {
         let rt = emulator();
         let buf = RegisteredBuffer::pinned_host(&rt, 0, 2 * 1024, 1024).unwrap();
         assert_eq!(buf.device(), DeviceKind::Cpu);
-        let pinned = pinned_buffer(&buf).expect("ACL host buffer");
-        assert_eq!(pinned.buffer().addr(), buf.base());
+        // SAFETY: only the address is looked at; no byte moves.
+        let addr = unsafe { pinned_buffer(&buf).expect("ACL host buffer").buffer() }.addr();
+        assert_eq!(addr, buf.base());
         assert_eq!(Some(buf.base() as *mut u8), buf.host_ptr());
-        assert!(buf.shared_fd().is_none() && device_buffer(&buf).is_none());
+        assert!(buf.shared_fd().is_none() && !is_acl_device(&buf) && is_acl_pinned(&buf));
         assert_eq!(device_of(&buf).map(|d| d.id()), Some(0));
         let pool = crate::memory::PagePool::new(buf);
         let mut o = pool.allocate(ChunkMeta::full(layout(1024))).unwrap();
@@ -341,7 +413,7 @@ mod tests {
         };
         let a = DualAllocator::build(&spec, Some(&rt), CpuBacking::Pinned { device: 2 }).unwrap();
         let cpu = a.pool(PoolKind::Cpu).unwrap().buffer();
-        assert!(pinned_buffer(cpu).is_some());
+        assert!(is_acl_pinned(cpu));
         assert_eq!(device_of(cpu).map(|d| d.id()), Some(2));
         assert_eq!(a.primary_device(), DeviceKind::Npu(2));
         assert_eq!(a.stats().npu.unwrap().total, 8);

@@ -2496,6 +2496,49 @@ fn a_restarted_receiver_gets_the_put_and_its_old_pulls_are_released() {
     drop((p1, p2));
 }
 
+/// Issue 25 item 7: a Done released a pull whose grant the channel still
+/// served a read under (a tcp read the receiver gave up on); the pages went
+/// back to the pool, and a new owner's bytes were sent out of them. A
+/// grant the channel does not report free keeps its pages, quarantined,
+/// until it is quiescent.
+#[test]
+fn a_released_grant_still_serving_a_read_keeps_its_pages_until_quiescent() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let spool = pool(4);
+    let mut sc = sender_core(TransferMode::PullEager, &spool);
+    let (mut put, _) = sc.begin_put(t0, spec("r"), keys(&["a"]), alloc(&spool, 1));
+    sc.on_connected(&mut put, t0, Some(attached(t0)));
+    sc.on_granted(&mut put, t0, Some(GrantId(9)));
+    let end = finish(sc.on_reply(&mut put, t0, Ok(ack(&[], false).encode())));
+    let Ok(PutOutcome::Announced { pull_id, .. }) = end.result else {
+        panic!("{:?}", end.result)
+    };
+    drop(put);
+    let outcome = sc.on_done_signal(t0 + S, &pull_id);
+    assert!(matches!(outcome, DoneOutcome::Released(_)), "{outcome:?}");
+    drop(outcome);
+    // The channel still sends a read out of the page.
+    let mut asked = Vec::new();
+    let released = sc.release_grants(|g| {
+        asked.push(g);
+        false
+    });
+    assert_eq!((released, asked), (vec![GrantId(9)], vec![GrantId(9)]));
+    let s = spool.stats();
+    assert_eq!(
+        (s.allocated, s.quarantined),
+        (1, 1),
+        "the page must not return to the pool under a read: {s:?}"
+    );
+    assert_eq!(sc.awaiting_quiescence(), vec![GrantId(9)]);
+    assert!(!sc.is_drained());
+    // Its read ended: the page returns.
+    sc.on_quiescent(GrantId(9));
+    assert!(sc.is_drained());
+    assert_idle(&spool);
+}
+
 // ============================================================ shared prefixes
 
 fn alloc_for(req: &str, k: &[&str]) -> AllocRequest {

@@ -49,7 +49,7 @@ use super::messages::{
 use super::notice::{decode_reply, PushNotice, PushOutcome};
 use super::pending::{
     AckOutcome, Delivery, DoneOutcome, ExpiredPull, InsertOutcome, PullCounters, PullPending,
-    PullPendingLimits,
+    PullPendingLimits, ReleasedPull,
 };
 use crate::channel::{GrantId, GrantTag, PeerId, WriteOp};
 use crate::config::TransferMode;
@@ -348,7 +348,9 @@ pub struct SenderCore {
     breaker: CircuitBreaker,
     links: HashMap<String, Link>,
     reserved: usize,
-    releases: Vec<GrantId>,
+    /// Grants to release on the channel, each with its pages: they stay
+    /// here until the channel says no request is served in them any more.
+    releases: Vec<(GrantId, Vec<SealedMemObj>)>,
     revokes: Vec<GrantId>,
     /// Pages of pulls that expired without a Done, until their revoked
     /// grant is quiescent (no request of the receiver is still served).
@@ -625,7 +627,7 @@ impl SenderCore {
             return self.finish(put, Err(PutFailure::Io));
         };
         let Some(a) = self.attached(&put.spec.peer_key) else {
-            self.releases.push(grant);
+            self.releases.push((grant, put.chunks.clone()));
             return self.finish(put, Err(PutFailure::Io));
         };
         // The lease starts now, with the pins, before the notification leaves.
@@ -668,7 +670,7 @@ impl SenderCore {
         match inserted {
             Ok(InsertOutcome::Pending) => {}
             Ok(InsertOutcome::AlreadyDone(r)) => {
-                self.releases.extend(r.grant);
+                self.queue_release(&r);
                 return self.finish(
                     put,
                     Err(PutFailure::Rejected(PutRejected::InvalidInput(format!(
@@ -677,7 +679,7 @@ impl SenderCore {
                 );
             }
             Err(e) => {
-                self.releases.push(grant);
+                self.releases.push((grant, put.chunks.clone()));
                 return self.finish(
                     put,
                     Err(PutFailure::Rejected(PutRejected::InvalidInput(
@@ -739,7 +741,7 @@ impl SenderCore {
                     if let super::pending::ReqFailedOutcome::Released(r) =
                         self.pending.on_req_failed(&pull_id, delivery, now)
                     {
-                        self.releases.extend(r.grant);
+                        self.queue_release(&r);
                     }
                 }
                 let failure = match &mut put.state {
@@ -882,7 +884,7 @@ impl SenderCore {
     fn done_signal(&mut self, now: Instant, pull_id: &str) -> DoneOutcome {
         let outcome = self.pending.on_done(pull_id, now);
         if let DoneOutcome::Released(r) = &outcome {
-            self.releases.extend(r.grant);
+            self.queue_release(r);
         }
         outcome
     }
@@ -899,10 +901,42 @@ impl SenderCore {
         expired
     }
 
-    /// Grants whose pulls were released since the last call (the receiver
-    /// reported; release them on the channel).
+    /// Keeps a released pull's pages with its grant until the channel
+    /// released the grant ([`SenderCore::release_grants`]).
+    fn queue_release(&mut self, r: &ReleasedPull) {
+        if let Some(g) = r.grant {
+            self.releases.push((g, r.pages.clone()));
+        }
+    }
+
+    /// Releases on the channel (`release`) the grants of pulls released
+    /// since the last call (the receiver reported). `release` returns
+    /// whether no request is served in the pages any more; when it is not
+    /// (a read of the receiver is still being sent out of them), the pages
+    /// are quarantined and kept until the channel says the grant is
+    /// quiescent ([`SenderCore::awaiting_quiescence`]), as for an expired
+    /// pull: a page a reader is still inside never goes back to its pool.
+    /// Returns the grants released.
+    pub fn release_grants(&mut self, mut release: impl FnMut(GrantId) -> bool) -> Vec<GrantId> {
+        let mut done = Vec::new();
+        for (g, pages) in std::mem::take(&mut self.releases) {
+            done.push(g);
+            if !release(g) {
+                for p in &pages {
+                    p.quarantine();
+                }
+                self.expired.push((g, pages));
+            }
+        }
+        done
+    }
+
+    /// Grants whose pulls were released since the last call, as
+    /// [`SenderCore::release_grants`] with a channel that always reports
+    /// the pages free.
+    #[cfg(test)]
     pub fn take_grant_releases(&mut self) -> Vec<GrantId> {
-        std::mem::take(&mut self.releases)
+        self.release_grants(|_| true)
     }
 
     /// Grants of pulls that expired since the last call (revoke them on the channel).
@@ -910,7 +944,8 @@ impl SenderCore {
         std::mem::take(&mut self.revokes)
     }
 
-    /// Revoked grants whose pages wait for quiescence.
+    /// Revoked grants (and released ones still served) whose pages wait
+    /// for quiescence.
     pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
         self.expired.iter().map(|(g, _)| *g).collect()
     }
@@ -1108,9 +1143,7 @@ impl SenderCore {
         };
         let outcome = self.pending.on_ack(pull_id, &ack, now);
         match &outcome {
-            AckOutcome::AllAlreadySent(r) | AckOutcome::AllocFailed(r) => {
-                self.releases.extend(r.grant)
-            }
+            AckOutcome::AllAlreadySent(r) | AckOutcome::AllocFailed(r) => self.queue_release(r),
             _ => {}
         }
         if outcome.opens_breaker() {
