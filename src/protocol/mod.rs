@@ -52,6 +52,7 @@ pub(crate) mod breaker;
 pub(crate) mod context;
 pub mod lease;
 pub mod notice;
+pub(crate) mod ownership;
 pub(crate) mod pending;
 pub(crate) mod receiver;
 pub(crate) mod recent;

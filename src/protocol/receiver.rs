@@ -48,7 +48,7 @@
 //! `done` — which the shell sends after the reply. So "ack before Done"
 //! is the natural order.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::context::{ProxyReadError, ReadOutcome, SendPullDone, SlotState, TransferContext};
@@ -57,6 +57,7 @@ use super::messages::{
     AllocRequest, AscendAllocResponse, MessageType, PullReadyDoneAck, PullReadyNotif,
 };
 use super::notice::{route_node, PushNotice, PushOutcome};
+use super::ownership::KeyOwnership;
 use super::recent::RecentIds;
 use super::validate::{check_alloc_request, check_pull_notif, CheckedPull, InvalidMessage};
 use crate::channel::GrantId;
@@ -525,22 +526,9 @@ pub struct ReceiverCore {
     /// stored, when it ends. Only keys still pending under that transfer
     /// are kept.
     cancelled: HashMap<String, Pending>,
-    /// The requests holding each stored key, by the `req_id` their
-    /// `AllocRequest` / `PullReadyNotif` carried ("" when it carried none,
-    /// as from LMCache-Ascend peers). A key several requests share (a
-    /// deduplicated prefix) stays until each named request released it;
-    /// the same request announcing it again counts once.
-    holders: HashMap<String, HashSet<String>>,
-    /// Keys a plan found present, by the number of such plans not yet
-    /// committed or given up. A request told "already sent" must find the
-    /// key when it loads, so a claimed key outlives its last holder's
-    /// release until the claim ends: kept for the claimant on commit,
-    /// dropped after all if every claimant gave up.
-    claims: HashMap<String, u32>,
-    /// When [`ReceiverCore::sweep`] first saw each resident key (its
-    /// `pd_resident_ttl` counts from there, so within one sweep interval
-    /// of its landing).
-    resident_since: HashMap<String, Instant>,
+    /// Who holds, claims and keeps the clock of each stored key: the one
+    /// copy of the rule that says when a key may go.
+    own: KeyOwnership,
     /// Senders whose chunks are head pieces (heterogeneous TP): their
     /// chunk width and where it starts in a token of this side's chunks,
     /// by sender node. Absent: whole chunks of [`ReceiverConfig::layout`].
@@ -557,10 +545,6 @@ pub struct HeadPiece {
     /// Where they start in this side's token.
     pub offset: usize,
 }
-
-/// Requests remembered per key; beyond this the key is simply kept until
-/// the others release it or it is removed.
-const MAX_HOLDERS: usize = 4096;
 
 /// Why a proxy left the store before it was read (so a load of it says so).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -632,9 +616,7 @@ impl ReceiverCore {
             given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
-            holders: HashMap::new(),
-            claims: HashMap::new(),
-            resident_since: HashMap::new(),
+            own: KeyOwnership::default(),
             pieces: HashMap::new(),
             contexts: HashMap::new(),
             eager: HashMap::new(),
@@ -734,7 +716,7 @@ impl ReceiverCore {
     /// A key an uncommitted plan claimed stays too (`None`): the claimant's
     /// sender is being told it is already here, so it will not send it.
     pub fn remove(&mut self, key: &str) -> Option<Removed> {
-        if self.claims.contains_key(key) {
+        if self.own.is_claimed(key) {
             return None;
         }
         self.expired_keys.forget(key);
@@ -770,8 +752,7 @@ impl ReceiverCore {
         if self.state(key) != Some(KeyState::Proxy) {
             return None;
         }
-        let kept_for_others =
-            req.is_some() && (self.holders(key) > 1 || self.claims.contains_key(key));
+        let kept_for_others = req.is_some() && self.own.wanted_by_others(key);
         if kept_for_others {
             return None;
         }
@@ -806,8 +787,7 @@ impl ReceiverCore {
 
     /// Takes `key` out of the store, with its holders.
     fn unstore(&mut self, key: &str) -> Option<Entry> {
-        self.holders.remove(key);
-        self.resident_since.remove(key);
+        self.own.forget(key);
         self.entries.remove(key)
     }
 
@@ -815,18 +795,12 @@ impl ReceiverCore {
     /// keys (just stored) and `present` ones (stored before, in any state).
     fn hold(&mut self, req: &str, new: &[&String], present: &[&String]) {
         for k in new {
-            self.holders
-                .insert((*k).clone(), HashSet::from([req.to_string()]));
+            self.own.hold_new(k, req);
         }
         for k in present {
             if self.entries.contains_key(k.as_str()) {
-                // A request that takes the key on now gets the whole
-                // `pd_resident_ttl` to load it: the next sweep restarts the clock.
-                self.resident_since.remove(k.as_str());
-                let h = self.holders.entry((*k).clone()).or_default();
-                if h.len() < MAX_HOLDERS {
-                    h.insert(req.to_string());
-                }
+                // It gets the whole `pd_resident_ttl` to load it.
+                self.own.hold_present(k, req);
                 // Someone wants it again: a cancel mark left by its earlier
                 // sole holder must not drop it when it lands.
                 self.cancelled.remove(k.as_str());
@@ -834,30 +808,11 @@ impl ReceiverCore {
         }
     }
 
-    /// Lets go of `req`'s hold on `key`. Returns whether another hold
-    /// remains (then the key must stay). When `req` is not among the
-    /// holders (the decode side names its requests differently from the
-    /// prefill side), one hold goes anyway, an anonymous one first: with
-    /// one release per request, a key still goes after its last request.
-    ///
-    /// A key an uncommitted plan claimed also stays, even with no hold
-    /// left: the claimant's reply says it is already here. Its holders
-    /// are then an empty set until the claim ends ([`ReceiverCore::unclaim`]).
+    /// Lets go of `req`'s hold on `key` if it must stay for others, and
+    /// returns true; false when it is not stored or `req` is its last
+    /// holder (the caller removes it). See [`KeyOwnership::let_go`].
     fn let_go(&mut self, key: &str, req: &str) -> bool {
-        let claimed = self.claims.contains_key(key) && self.entries.contains_key(key);
-        if claimed {
-            // A key stored without a named hold has one anonymous hold;
-            // make it explicit so dropping it leaves an empty set.
-            self.holders
-                .entry(key.to_string())
-                .or_insert_with(|| HashSet::from([String::new()]));
-        }
-        if claimed || self.holders.get(key).is_some_and(|h| h.len() > 1) {
-            self.drop_hold(key, req);
-            true
-        } else {
-            false
-        }
+        self.entries.contains_key(key) && self.own.let_go(key, req)
     }
 
     /// A plan found `part.present` of `keys` stored: they stay until the
@@ -865,7 +820,7 @@ impl ReceiverCore {
     /// (the shell allocates the plan's pages outside the core's lock).
     fn claim(&mut self, keys: &[String], part: &Partition) {
         for &i in &part.present {
-            *self.claims.entry(keys[i].clone()).or_default() += 1;
+            self.own.claim(&keys[i]);
         }
     }
 
@@ -878,16 +833,7 @@ impl ReceiverCore {
         let mut done = Vec::new();
         for &i in &part.present {
             let key = &keys[i];
-            if let Some(n) = self.claims.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.claims.remove(key);
-                }
-            }
-            let orphan = !kept
-                && !self.claims.contains_key(key)
-                && self.holders.get(key).is_some_and(HashSet::is_empty);
-            if orphan {
+            if self.own.unclaim(key, kept) {
                 let mut out = Cancelled::default();
                 self.drop_key(key, "", &mut out);
                 done.extend(out.removed.into_iter().filter_map(|(_, r)| r.done));
@@ -896,27 +842,10 @@ impl ReceiverCore {
         done
     }
 
-    /// Removes `req`'s hold on `key` (or, if it has none by that name, one
-    /// hold, an anonymous one first).
-    fn drop_hold(&mut self, key: &str, req: &str) {
-        if let Some(h) = self.holders.get_mut(key) {
-            if !h.remove(req) {
-                let any = h
-                    .iter()
-                    .find(|r| r.is_empty())
-                    .or_else(|| h.iter().next())
-                    .cloned();
-                if let Some(a) = any {
-                    h.remove(&a);
-                }
-            }
-        }
-    }
-
     /// The requests holding `key` (0 when it is not stored).
     pub fn holders(&self, key: &str) -> usize {
         match self.entries.contains_key(key) {
-            true => self.holders.get(key).map_or(1, HashSet::len),
+            true => self.own.holders(key),
             false => 0,
         }
     }
@@ -979,7 +908,7 @@ impl ReceiverCore {
             Some(p) => {
                 // Its hold goes now: a request that claims the key
                 // before it lands keeps it (see `hold`).
-                self.drop_hold(key, req);
+                self.own.drop_hold(key, req);
                 self.cancelled.insert(key.to_string(), p);
                 out.deferred.push(key.to_string());
             }
@@ -1814,7 +1743,7 @@ impl ReceiverCore {
             // read that failed for this request leaves the proxy to the
             // others too (if the sender is gone, their reads fail alike).
             (ReadOutcome::Consumed | ReadOutcome::Failed, Some(_), Some(k))
-                if self.holders(&k) > 1 || self.claims.contains_key(&k) =>
+                if self.own.wanted_by_others(&k) =>
             {
                 ReadOutcome::Kept
             }
@@ -1940,17 +1869,8 @@ impl ReceiverCore {
         };
         let mut late = Vec::new();
         for (k, e) in &self.entries {
-            // A key a plan claimed is about to be announced "already sent"
-            // to a request: it stays (and its clock restarts at the commit).
-            if !matches!(e, Entry::Resident(_)) || self.claims.contains_key(k) {
-                continue;
-            }
-            match self.resident_since.get(k) {
-                None => {
-                    self.resident_since.insert(k.clone(), now);
-                }
-                Some(&since) if now.saturating_duration_since(since) >= ttl => late.push(k.clone()),
-                Some(_) => {}
+            if matches!(e, Entry::Resident(_)) && self.own.resident_late(k, now, ttl) {
+                late.push(k.clone());
             }
         }
         for k in late {
@@ -2010,7 +1930,7 @@ impl ReceiverCore {
         self.entries
             .retain(|_, e| !matches!(e, Entry::PendingPush { .. }));
         let entries = &self.entries;
-        self.holders.retain(|k, _| entries.contains_key(k));
+        self.own.retain_stored(|k| entries.contains_key(k));
         kept
     }
 
