@@ -47,6 +47,7 @@ mod error;
 mod messages;
 
 pub(crate) mod admission;
+pub(crate) mod allocations;
 pub(crate) mod backpressure;
 pub(crate) mod breaker;
 pub(crate) mod context;

@@ -64,10 +64,7 @@ use crate::channel::GrantId;
 use crate::layout::ChunkLayout;
 use crate::memory::{BufferRef, ChunkMeta, LentPage, MemObj, MemoryError, SealedMemObj};
 
-/// How many ended allocations are remembered for repeated notices.
-const ENDED_CAPACITY: usize = 4096;
-/// How long an ended allocation's answer is remembered.
-const ENDED_LIFETIME: Duration = Duration::from_secs(600);
+use super::allocations::{AllocState, Allocation, PushAllocations, ENDED_CAPACITY};
 /// How long a key whose proxy expired is reported as expired (not as
 /// never stored) when it is looked up.
 const EXPIRED_KEY_LIFETIME: Duration = Duration::from_secs(60);
@@ -457,33 +454,6 @@ impl Entry {
     }
 }
 
-/// Pages lent to one writer for one `AllocRequest`.
-#[derive(Debug)]
-struct Allocation {
-    route: String,
-    /// Key of each page (in response order).
-    keys: Vec<String>,
-    pages: Vec<LentPage>,
-    refs: Vec<BufferRef>,
-    grant: GrantId,
-    deadline: Instant,
-    state: AllocState,
-}
-
-/// Where an allocation is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum AllocState {
-    /// Lent to the writer, waiting for its notice.
-    Open,
-    /// No notice by the deadline: keys dropped, grant revoked, pages
-    /// quarantined until the writer is quiescent.
-    Revoked,
-    /// The writer's notice came (its transfer is over), but the channel is
-    /// still serving requests under the grant (tcp): the outcome applies
-    /// once they end.
-    Ending(PushOutcome),
-}
-
 #[derive(Debug)]
 struct PullContext {
     ctx: TransferContext,
@@ -504,18 +474,8 @@ struct EagerPull {
 pub struct ReceiverCore {
     config: ReceiverConfig,
     entries: HashMap<String, Entry>,
-    allocs: HashMap<AllocId, Allocation>,
-    /// The pending allocation of each route (a route has at most one: its
-    /// writer sends the notice before its next request).
-    route_alloc: HashMap<String, AllocId>,
-    next_alloc: u64,
-    /// The answer given to each route's last ended allocation, so a notice
-    /// repeated after a lost reply gets the same answer (keyed by route,
-    /// with the allocation's pages).
-    ended: RecentIds<(Vec<BufferRef>, Result<(), String>)>,
-    /// Routes whose writers said they gave them up (an `aborted` notice
-    /// naming no pages): a request still in flight on one is refused.
-    given_up: RecentIds<()>,
+    /// Pages lent to writers (push), by allocation and route.
+    pushes: PushAllocations,
     /// Keys whose proxy the sweep discarded at its lease's end: a load of
     /// one says the lease expired rather than that it was never stored.
     expired_keys: RecentIds<Gone>,
@@ -609,11 +569,7 @@ impl ReceiverCore {
         ReceiverCore {
             config,
             entries: HashMap::new(),
-            allocs: HashMap::new(),
-            route_alloc: HashMap::new(),
-            next_alloc: 0,
-            ended: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
-            given_up: RecentIds::new(ENDED_CAPACITY, ENDED_LIFETIME),
+            pushes: PushAllocations::default(),
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
             own: KeyOwnership::default(),
@@ -970,12 +926,12 @@ impl ReceiverCore {
     ) -> Result<PushPlan, Box<PushReply>> {
         let (layout, offset) = self.layout_from(route_node(route));
         let checked = match check_alloc_request(req, &layout).and_then(|c| {
-            match self.given_up.get(route, now) {
-                Some(()) => Err(InvalidMessage::RouteGivenUp {
+            match self.pushes.is_given_up(route, now) {
+                true => Err(InvalidMessage::RouteGivenUp {
                     msg: MessageType::AllocRequest,
                     route: super::error::shorten(route),
                 }),
-                None => Ok(c),
+                false => Ok(c),
             }
         }) {
             Ok(c) => c,
@@ -1117,8 +1073,7 @@ impl ReceiverCore {
             }
         };
         self.unclaim(&keys, &part, true);
-        let id = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let id = self.pushes.next_id();
         let refs: Vec<BufferRef> = pages.iter().map(|p| p.buffer_ref()).collect();
         let new_keys: Vec<String> = part.new.iter().map(|&i| keys[i].clone()).collect();
         for k in &new_keys {
@@ -1134,8 +1089,7 @@ impl ReceiverCore {
         // A route has one pending allocation: its writer notices before it
         // asks again. One left pending (the writer skipped its notice) waits
         // for its deadline.
-        self.route_alloc.insert(route.clone(), id);
-        self.allocs.insert(
+        self.pushes.open(
             id,
             Allocation {
                 route,
@@ -1194,9 +1148,9 @@ impl ReceiverCore {
         if unanswered {
             // The request may still be on its way (notice and request come
             // on different sockets): it must not allocate when it arrives.
-            self.given_up.insert(&notice.route, (), now);
+            self.pushes.give_up(&notice.route, now);
         }
-        let Some(&id) = self.route_alloc.get(&notice.route) else {
+        let Some(id) = self.pushes.of_route(&notice.route) else {
             if unanswered {
                 // Nothing was allocated on that route (or it already ended).
                 return NoticeReply {
@@ -1204,7 +1158,7 @@ impl ReceiverCore {
                     landed: 0,
                 };
             }
-            if let Some((refs, answer)) = self.ended.get(&notice.route, now) {
+            if let Some((refs, answer)) = self.pushes.ended_answer(&notice.route, now) {
                 if *refs == notice.refs {
                     return NoticeReply {
                         result: answer.clone(),
@@ -1221,9 +1175,9 @@ impl ReceiverCore {
             );
         };
         let a = self
-            .allocs
-            .get(&id)
-            .expect("route_alloc points at a live allocation");
+            .pushes
+            .get(id)
+            .expect("a route's pending allocation is live");
         if !unanswered && a.refs != notice.refs {
             return refused(
                 self,
@@ -1235,9 +1189,9 @@ impl ReceiverCore {
                 ),
             );
         }
-        self.route_alloc.remove(&notice.route);
-        let settled = release(a.grant);
-        let revoked = a.state == AllocState::Revoked;
+        let (grant, revoked) = (a.grant, a.state == AllocState::Revoked);
+        self.pushes.close_route(&notice.route);
+        let settled = release(grant);
         let result = match (revoked, notice.outcome) {
             (true, PushOutcome::Landed) => {
                 self.counters.notices_refused += 1;
@@ -1257,7 +1211,7 @@ impl ReceiverCore {
         let landed = if settled {
             self.end_allocation(id, outcome)
         } else {
-            let a = self.allocs.get_mut(&id).expect("looked up above");
+            let a = self.pushes.get_mut(id).expect("looked up above");
             a.state = AllocState::Ending(outcome);
             for p in &a.pages {
                 p.quarantine();
@@ -1269,8 +1223,8 @@ impl ReceiverCore {
             }
             0
         };
-        self.ended
-            .insert(&notice.route, (notice.refs.clone(), result.clone()), now);
+        self.pushes
+            .remember_end(&notice.route, (notice.refs.clone(), result.clone()), now);
         NoticeReply { result, landed }
     }
 
@@ -1278,12 +1232,9 @@ impl ReceiverCore {
     /// `landed` makes its still-pending keys resident, anything else goes
     /// back to the pool. Returns how many keys became resident.
     fn end_allocation(&mut self, id: AllocId, outcome: PushOutcome) -> usize {
-        let Some(a) = self.allocs.remove(&id) else {
+        let Some(a) = self.pushes.take(id) else {
             return 0;
         };
-        if self.route_alloc.get(&a.route) == Some(&id) {
-            self.route_alloc.remove(&a.route);
-        }
         let mut landed = 0;
         for (key, page) in a.keys.into_iter().zip(a.pages) {
             let ours = matches!(self.entries.get(&key), Some(Entry::PendingPush { alloc }) if *alloc == id);
@@ -1326,26 +1277,17 @@ impl ReceiverCore {
     /// the writer while requests under them were still served): ask the
     /// channel, then call [`ReceiverCore::on_quiescent`].
     pub fn awaiting_quiescence(&self) -> Vec<GrantId> {
-        self.allocs
-            .values()
-            .filter(|a| a.state != AllocState::Open)
-            .map(|a| a.grant)
-            .collect()
+        self.pushes.awaiting_quiescence()
     }
 
     /// The channel says nobody can touch the pages of `grant` any more:
     /// an allocation ended as `landed` becomes resident, any other goes
     /// back to the pool.
     pub fn on_quiescent(&mut self, grant: GrantId) -> Settled {
-        let Some((id, state)) = self
-            .allocs
-            .iter()
-            .find(|(_, a)| a.state != AllocState::Open && a.grant == grant)
-            .map(|(id, a)| (*id, a.state))
-        else {
+        let Some((id, state)) = self.pushes.settling(grant) else {
             return Settled::default();
         };
-        let pages = self.allocs[&id].pages.len();
+        let pages = self.pushes.get(id).map_or(0, |a| a.pages.len());
         let outcome = match state {
             AllocState::Ending(o) => o,
             _ => PushOutcome::Aborted,
@@ -1773,14 +1715,8 @@ impl ReceiverCore {
     ///   are all resolved emits its Done.
     pub fn sweep(&mut self, now: Instant) -> SweepReport {
         let mut report = SweepReport::default();
-        let late: Vec<AllocId> = self
-            .allocs
-            .iter()
-            .filter(|(_, a)| a.state == AllocState::Open && now >= a.deadline)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            let a = self.allocs.get_mut(&id).expect("listed above");
+        for id in self.pushes.late(now) {
+            let a = self.pushes.get_mut(id).expect("listed above");
             a.state = AllocState::Revoked;
             for p in &a.pages {
                 p.quarantine();
@@ -1901,12 +1837,7 @@ impl ReceiverCore {
         c.contexts_open = self.contexts.len();
         c.proxies_outstanding = self.contexts.values().map(|c| c.ctx.outstanding()).sum();
         c.eager_reads_open = self.eager.len();
-        c.allocations_quarantined = self
-            .allocs
-            .values()
-            .filter(|a| a.state != AllocState::Open)
-            .count();
-        c.allocations_pending = self.allocs.len() - c.allocations_quarantined;
+        (c.allocations_pending, c.allocations_quarantined) = self.pushes.counts();
         c
     }
 
@@ -1918,7 +1849,7 @@ impl ReceiverCore {
     /// dropped. Returns how many pages stayed quarantined.
     pub fn shut_down(&mut self, mut revoke_quiescent: impl FnMut(GrantId) -> bool) -> usize {
         let mut kept = 0;
-        for (_, a) in self.allocs.drain() {
+        for a in self.pushes.drain() {
             if revoke_quiescent(a.grant) {
                 a.pages.into_iter().for_each(LentPage::release_quiescent);
             } else {
@@ -1926,7 +1857,6 @@ impl ReceiverCore {
                 a.pages.into_iter().for_each(LentPage::abandon);
             }
         }
-        self.route_alloc.clear();
         self.entries
             .retain(|_, e| !matches!(e, Entry::PendingPush { .. }));
         let entries = &self.entries;
