@@ -55,6 +55,7 @@ pub mod lease;
 pub mod notice;
 pub(crate) mod ownership;
 pub(crate) mod pending;
+pub(crate) mod pulls;
 pub(crate) mod receiver;
 pub(crate) mod recent;
 pub(crate) mod sender;

@@ -58,6 +58,7 @@ use super::messages::{
 };
 use super::notice::{route_node, PushNotice, PushOutcome};
 use super::ownership::KeyOwnership;
+use super::pulls::{DelayContexts, EagerPull, EagerPulls};
 use super::recent::RecentIds;
 use super::validate::{check_alloc_request, check_pull_notif, CheckedPull, InvalidMessage};
 use crate::channel::GrantId;
@@ -454,21 +455,6 @@ impl Entry {
     }
 }
 
-#[derive(Debug)]
-struct PullContext {
-    ctx: TransferContext,
-    /// Key of each slot.
-    keys: Vec<String>,
-}
-
-#[derive(Debug)]
-struct EagerPull {
-    sender_id: String,
-    done_url: String,
-    deadline: Instant,
-    keys: Vec<String>,
-}
-
 /// The receiver's keys, lent pages, pull contexts and counters.
 #[derive(Debug)]
 pub struct ReceiverCore {
@@ -479,8 +465,10 @@ pub struct ReceiverCore {
     /// Keys whose proxy the sweep discarded at its lease's end: a load of
     /// one says the lease expired rather than that it was never stored.
     expired_keys: RecentIds<Gone>,
-    contexts: HashMap<String, PullContext>,
-    eager: HashMap<String, EagerPull>,
+    /// Pull-delay notifications whose proxies are stored.
+    contexts: DelayContexts,
+    /// Pull-eager notifications being read.
+    eager: EagerPulls,
     /// Keys a `CancelNotif` named while their data was still landing: the
     /// transfer they wait for (its allocation or pull) is dropped, not
     /// stored, when it ends. Only keys still pending under that transfer
@@ -574,8 +562,8 @@ impl ReceiverCore {
             cancelled: HashMap::new(),
             own: KeyOwnership::default(),
             pieces: HashMap::new(),
-            contexts: HashMap::new(),
-            eager: HashMap::new(),
+            contexts: DelayContexts::default(),
+            eager: EagerPulls::default(),
             counters: ReceiverCounters::default(),
         }
     }
@@ -660,7 +648,7 @@ impl ReceiverCore {
     #[cfg(test)]
     /// The pull-delay context of `pull_id`, while open.
     pub fn context(&self, pull_id: &str) -> Option<&TransferContext> {
-        self.contexts.get(pull_id).map(|c| &c.ctx)
+        self.contexts.get(pull_id)
     }
 
     /// Removes `key` (eviction, or the load path is done with a resident
@@ -1352,9 +1340,7 @@ impl ReceiverCore {
                 }
             })
             .and_then(|c| {
-                if self.contexts.contains_key(&notif.pull_id)
-                    || self.eager.contains_key(&notif.pull_id)
-                {
+                if self.contexts.contains(&notif.pull_id) || self.eager.contains(&notif.pull_id) {
                     Err(InvalidMessage::PullIdInUse {
                         msg,
                         pull_id: short(&notif.pull_id),
@@ -1438,11 +1424,7 @@ impl ReceiverCore {
 
     /// Proxies of `sender_id` not yet consumed or discarded.
     pub fn proxies_of(&self, sender_id: &str) -> usize {
-        self.contexts
-            .values()
-            .filter(|c| c.ctx.sender_id() == sender_id)
-            .map(|c| c.ctx.outstanding())
-            .sum()
+        self.contexts.outstanding_of(sender_id)
     }
 
     pub fn commit_pull_delay(&mut self, plan: PullPlan) -> PullReply {
@@ -1495,8 +1477,7 @@ impl ReceiverCore {
             self.counters.dones_emitted += 1;
             done.push(d);
         } else {
-            self.contexts
-                .insert(notif.pull_id.clone(), PullContext { ctx, keys });
+            self.contexts.open(notif.pull_id.clone(), ctx, keys);
         }
         PullReply::accepted(&part, None, done)
     }
@@ -1559,7 +1540,7 @@ impl ReceiverCore {
             done.push(done_for(&notif));
             None
         } else {
-            self.eager.insert(
+            self.eager.start(
                 notif.pull_id.clone(),
                 EagerPull {
                     sender_id: notif.sender_id.clone(),
@@ -1592,7 +1573,7 @@ impl ReceiverCore {
         pull_id: &str,
         pages: Option<Vec<MemObj>>,
     ) -> Option<SendPullDone> {
-        let pull = self.eager.remove(pull_id)?;
+        let pull = self.eager.end(pull_id)?;
         let mut pages = pages.map(Vec::into_iter);
         for k in &pull.keys {
             let page = pages.as_mut().and_then(Iterator::next);
@@ -1642,12 +1623,9 @@ impl ReceiverCore {
             Some(Entry::Proxy(p)) => p.clone(),
             Some(_) => return Err(ProxyReadError::NotAProxy(key.to_owned())),
         };
-        let ctx = self
-            .contexts
-            .get_mut(&proxy.handle.pull_id)
-            .ok_or_else(|| ProxyReadError::Missing(key.to_owned()))?;
-        ctx.ctx
-            .begin_read(proxy.handle.slot, now, proxy.read_by)
+        self.contexts
+            .begin_read(&proxy.handle, now, proxy.read_by)
+            .ok_or_else(|| ProxyReadError::Missing(key.to_owned()))?
             .map_err(|e| match e {
                 ProxyReadError::LeaseExpired(_) => ProxyReadError::LeaseExpired(key.to_owned()),
                 ProxyReadError::Resolved(_) => ProxyReadError::Resolved(key.to_owned()),
@@ -1696,7 +1674,7 @@ impl ReceiverCore {
 
     /// The key of proxy `handle`, while it is the stored proxy of that key.
     fn key_of(&self, handle: &ProxyHandle) -> Option<String> {
-        let k = self.contexts.get(&handle.pull_id)?.keys.get(handle.slot)?;
+        let k = self.contexts.key_at(handle)?;
         self.is_proxy_of(k, handle).then(|| k.clone())
     }
 
@@ -1729,18 +1707,8 @@ impl ReceiverCore {
             self.counters.reclaimed_pushes += 1;
         }
 
-        let late: Vec<String> = self
-            .eager
-            .iter()
-            .filter(|(_, p)| now >= p.deadline)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in late {
-            let keys = self
-                .eager
-                .get(&id)
-                .map(|p| p.keys.clone())
-                .unwrap_or_default();
+        for id in self.eager.late(now) {
+            let keys = self.eager.keys_of(&id);
             for k in &keys {
                 if matches!(self.entries.get(k), Some(Entry::PendingRead { pull_id }) if *pull_id == id)
                 {
@@ -1752,16 +1720,9 @@ impl ReceiverCore {
             }
         }
 
-        let expired: Vec<String> = self
-            .contexts
-            .iter()
-            .filter(|(_, c)| c.ctx.is_expired(now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
-            let keys = match self.contexts.get(&id) {
-                Some(c) => c.keys.clone(),
-                None => continue,
+        for id in self.contexts.expired(now) {
+            let Some(keys) = self.contexts.keys_of(&id) else {
+                continue;
             };
             for (slot, key) in keys.iter().enumerate() {
                 let handle = ProxyHandle {
@@ -1769,7 +1730,7 @@ impl ReceiverCore {
                     slot,
                 };
                 let outstanding = matches!(
-                    self.contexts.get(&id).and_then(|c| c.ctx.slot(slot)),
+                    self.contexts.slot(&handle),
                     Some(SlotState::Outstanding {
                         discard_pending: false,
                         ..
@@ -1834,8 +1795,7 @@ impl ReceiverCore {
                 KeyState::Proxy => c.proxies += 1,
             }
         }
-        c.contexts_open = self.contexts.len();
-        c.proxies_outstanding = self.contexts.values().map(|c| c.ctx.outstanding()).sum();
+        (c.contexts_open, c.proxies_outstanding) = self.contexts.counts();
         c.eager_reads_open = self.eager.len();
         (c.allocations_pending, c.allocations_quarantined) = self.pushes.counts();
         c
@@ -1877,24 +1837,13 @@ impl ReceiverCore {
     where
         F: FnOnce(&mut TransferContext, usize) -> Option<SendPullDone>,
     {
-        let pc = self.contexts.get_mut(&handle.pull_id)?;
-        let done = f(&mut pc.ctx, handle.slot);
-        let resolved = !matches!(
-            pc.ctx.slot(handle.slot),
-            Some(SlotState::Outstanding { .. }) | None
-        );
-        let finished = pc.ctx.is_finished();
-        let key = pc.keys.get(handle.slot).cloned();
-        if resolved {
-            if let Some(k) = key {
-                if self.is_proxy_of(&k, handle) {
-                    self.unstore(&k);
-                }
+        let r = self.contexts.resolve(handle, f)?;
+        if let Some(k) = r.resolved_key {
+            if self.is_proxy_of(&k, handle) {
+                self.unstore(&k);
             }
         }
-        if finished {
-            self.contexts.remove(&handle.pull_id);
-        }
+        let done = r.done;
         if done.is_some() {
             self.counters.dones_emitted += 1;
         }
