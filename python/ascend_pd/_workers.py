@@ -371,14 +371,15 @@ class Sender:
 
         In pull modes, every receiver's PullDoneSignal has then arrived, so
         every pinned page is free. Returns True if none is left. Call it
-        before :meth:`close` for a clean stop.
+        before :meth:`close` for a clean stop. ``float("inf")`` waits as long
+        as it takes.
         """
-        if timeout_s < 0:
+        if not timeout_s >= 0:  # also refuses NaN
             raise _bad(f"timeout_s is {timeout_s}: pass 0 or more seconds")
+        forever = 2**64 - 1
+        ms = forever if timeout_s * 1000 >= forever else int(round(timeout_s * 1000))
         drained = ctypes.c_int32()
-        check(
-            _lib.lib().apd_sender_drain(self._handle, int(round(timeout_s * 1000)), ctypes.byref(drained))
-        )
+        check(_lib.lib().apd_sender_drain(self._handle, ms, ctypes.byref(drained)))
         return drained.value != 0
 
     def close(self) -> None:

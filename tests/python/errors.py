@@ -247,6 +247,14 @@ def main():
     if sender.poll_released():
         print("FAIL a refused save was reported as released", file=sys.stderr)
         failures_add()
+    expect(
+        "save with a padding slot",
+        apd.InvalidArgument,
+        "token 5",
+        lambda: sender.submit_save("py-s", keys, cache, slots[:5] + [-1] + slots[6:], "127.0.0.1", init_port, alloc_port),
+    )
+    expect("drain NaN", apd.InvalidArgument, "timeout_s", lambda: sender.drain(float("nan")))
+    report(sender.drain(float("inf")), "drain(inf) with nothing pending returns True")
     sender.close()
     expect("poll_released on a closed sender", apd.ClosedHandle, "closed", sender.poll_released)
     scfg.close()
