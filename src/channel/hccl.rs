@@ -54,7 +54,7 @@ use super::grant::GrantTable;
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
     ChannelError, Completion, CompletionSender, DirectRead, DirectRegistration, Endpoint, GrantId,
-    GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry, PeerTable, ReadOp,
+    GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp,
     TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::{Proof, Secret, Step, PROOF_LEN};
@@ -666,6 +666,20 @@ impl TransferChannel for HcclChannel {
         self.auth.as_ref()
     }
 
+    /// The pages of the peer's table once setup proved every buffer inside
+    /// memory the peer registered with HCCL, no two overlapping; pending
+    /// until then (a table alone is only what the peer says).
+    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+        let Ok(p) = self.peer(peer) else {
+            return PeerPages::Verified(0);
+        };
+        match p.setup.ready() {
+            None => PeerPages::Pending,
+            Some(true) => PeerPages::Verified(super::table_pages(p.table.descs())),
+            Some(false) => PeerPages::Verified(0),
+        }
+    }
+
     fn grant_stats(&self) -> GrantStats {
         GrantStats {
             unauthenticated: self.watch.shared.unproven.load(Ordering::Relaxed),
@@ -875,7 +889,19 @@ impl SetupJob {
             .map(|d| comm.enable_access(d))
             .collect::<Result<_, _>>()
             .map_err(e("enabling access to the peer's memory"))?;
-        // The peer's table (what ops address) must lie inside what it registered.
+        // The peer's table (what ops address) must lie inside what it
+        // registered, each byte in one buffer only: the table's pages are
+        // then memory the peer holds (a pull-delay receiver's proxy cap).
+        let mut descs: Vec<&BufferDesc> = self.table.descs().collect();
+        descs.sort_by_key(|d| d.base);
+        if let Some(w) = descs.windows(2).find(|w| w[0].base + w[0].len > w[1].base) {
+            return Err(format!(
+                "peer buffers {} and {} overlap (at {:#x}); each buffer is its own memory",
+                w[0].uuid.simple(),
+                w[1].uuid.simple(),
+                w[1].base
+            ));
+        }
         for d in self.table.descs() {
             let covered = remotes
                 .iter()
@@ -1145,6 +1171,16 @@ impl SetupCell {
         *s = SetupState::Closed(watch);
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// `None` while setup runs; then whether it completed (and the peer
+    /// is still attached).
+    fn ready(&self) -> Option<bool> {
+        match &*lock(&self.state) {
+            SetupState::Pending => None,
+            SetupState::Ready(_) => Some(true),
+            SetupState::Failed(_) | SetupState::Closed(_) => Some(false),
+        }
     }
 
     /// Whether a set-up peer closed its end of the liveness link (it
