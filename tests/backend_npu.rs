@@ -122,3 +122,41 @@ fn an_offloading_npu_sender_is_read_from_host_memory_into_npu_pages() {
         assert_no_pages(r.stats().pools.npu.unwrap(), "receiver NPU pool");
     }
 }
+
+/// With a deployment secret the hccl liveness link's hello carries a proof
+/// (issue 25): the genuine links of both sides are still taken, so every
+/// mode moves every byte and no hello was refused.
+#[test]
+fn every_mode_over_hccl_with_a_secret_moves_every_byte() {
+    emulator();
+    let dir = std::env::temp_dir().join(format!("apd-npu-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "the hccl deployment's secret\n").unwrap();
+    for mode in [TransferMode::Push, TransferMode::PullDelay] {
+        let mut rc = receiver_config(ChannelKind::Hccl, mode, 32);
+        rc.auth_secret_file = Some(secret.clone());
+        let r = Receiver::start(&rc, 0).unwrap();
+        let mut sc = sender_config(ChannelKind::Hccl, mode, 32);
+        sc.auth_secret_file = Some(secret.clone());
+        let s = Sender::start(&sc, 0, Default::default()).unwrap();
+        let ks = keys(&format!("hccl-auth-{}", mode.name()), 5);
+        let c = chunks(&s, &ks, 11);
+        let out = s.put(&ks, &c, &spec_for(&rc, "h", true)).unwrap();
+        assert!(
+            matches!(
+                out,
+                PutOutcome::Pushed { written: 5, .. } | PutOutcome::Announced { announced: 5, .. }
+            ),
+            "{mode:?}: {out:?}"
+        );
+        drop(c);
+        verify(&r, mode, &ks);
+        assert!(s.drain(Duration::from_secs(10)), "{mode:?}");
+        assert_eq!(r.stats().grants.unauthenticated, 0, "{mode:?}");
+        assert_eq!(s.stats().grants.unauthenticated, 0, "{mode:?}");
+        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

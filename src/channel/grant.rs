@@ -115,8 +115,9 @@ pub struct GrantStats {
     /// Peer requests refused because no live grant of that peer covered
     /// the page (tcp only: the other channels cannot see requests).
     pub refused: u64,
-    /// Transfer connections refused because the peer did not prove it
-    /// holds the deployment secret (tcp only).
+    /// Connections refused because the peer did not prove it holds the
+    /// deployment secret: tcp transfer connections, and hccl liveness
+    /// links opened for a waiting session without a valid proof.
     pub unauthenticated: u64,
     /// Transfer connections refused because the server already served
     /// its maximum (tcp only; `TcpOptions::max_server_connections`).

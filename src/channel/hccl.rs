@@ -33,7 +33,9 @@
 //! closed, and a batch that completes after the link closed is reported as
 //! [`ChannelError::PeerGone`]. Waits on the stream are sliced and bounded
 //! ([`HcclOptions::batch_timeout`], and [`HcclOptions::gone_grace`] after
-//! the peer is seen gone). A batch abandoned while the device may still be
+//! the peer is seen gone). With a deployment secret the link's hello
+//! carries a proof over its session and root info, and the listener takes
+//! no link without it (see `route_watch`). A batch abandoned while the device may still be
 //! copying is reported failed at once, but keeps its pages, quarantined,
 //! until the stream finishes them (never freed under DMA).
 //!
@@ -52,10 +54,10 @@ use super::grant::GrantTable;
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
     ChannelError, Completion, CompletionSender, DirectRead, DirectRegistration, Endpoint, GrantId,
-    GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerRegistry, PeerTable, ReadOp,
+    GrantStats, GrantTag, LocalPage, OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp,
     TransferChannel, TransferOp, WriteOp,
 };
-use crate::auth::Secret;
+use crate::auth::{Proof, Secret, Step, PROOF_LEN};
 use crate::config::ChannelKind;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
@@ -76,8 +78,15 @@ use uuid::Uuid;
 
 /// Most peer descriptors accepted in one exchange (a worker has two pools).
 const MAX_REMOTE_DESCS: usize = 64;
-/// First bytes on a liveness link: magic, 4 pad bytes, the session.
+/// First bytes on a liveness link: magic, a flag byte, 3 pad bytes, the
+/// session; with a deployment secret the flag is [`WATCH_PROVEN`] and the
+/// proof ([`watch_proof`]) follows. Without one the flag is 0 and nothing
+/// follows (the wire of before).
 const WATCH_MAGIC: &[u8; 4] = b"APDW";
+/// Bytes of a liveness link's hello before its proof.
+const WATCH_HELLO: usize = 16;
+/// The flag byte of a hello whose proof follows.
+const WATCH_PROVEN: u8 = 1;
 /// How often a waiting batch looks at the liveness link.
 const WAIT_SLICE: Duration = Duration::from_millis(20);
 
@@ -363,18 +372,26 @@ impl TransferChannel for HcclChannel {
                 .ok_or_else(|| {
                     ChannelError::Handshake(format!("peer {node}: bad liveness address {watch:?}"))
                 })?;
+            // With a secret the link's hello proves it is ours: nobody
+            // else can take the link the peer will trust as our liveness.
+            let proof = self
+                .auth
+                .as_ref()
+                .map(|s| watch_proof(s, *session, root.as_bytes(), watch));
             SetupRole::Root {
                 root,
                 watch: addr,
                 session: *session,
+                proof,
             }
         } else {
             let root = RootInfo::from_bytes(root_info).map_err(|e| {
                 ChannelError::Handshake(format!("peer {node} sent a bad root info: {e}"))
             })?;
+            let proof = self.auth.clone().map(|s| (s, root_info.clone()));
             SetupRole::Joiner {
                 root,
-                watch: self.watch.expect(*session),
+                watch: self.watch.expect(*session, proof),
             }
         };
         let setup = Arc::new(SetupCell::new());
@@ -649,8 +666,25 @@ impl TransferChannel for HcclChannel {
         self.auth.as_ref()
     }
 
+    /// The pages of the peer's table once setup proved every buffer inside
+    /// memory the peer registered with HCCL, no two overlapping; pending
+    /// until then (a table alone is only what the peer says).
+    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+        let Ok(p) = self.peer(peer) else {
+            return PeerPages::Verified(0);
+        };
+        match p.setup.ready() {
+            None => PeerPages::Pending,
+            Some(true) => PeerPages::Verified(super::table_pages(p.table.descs())),
+            Some(false) => PeerPages::Verified(0),
+        }
+    }
+
     fn grant_stats(&self) -> GrantStats {
-        self.grants.stats()
+        GrantStats {
+            unauthenticated: self.watch.shared.unproven.load(Ordering::Relaxed),
+            ..self.grants.stats()
+        }
     }
 }
 
@@ -792,6 +826,8 @@ enum SetupRole {
         root: RootInfo,
         watch: SocketAddr,
         session: u64,
+        /// With a deployment secret: the proof the hello carries.
+        proof: Option<Proof>,
     },
     /// The listening side: the liveness link arrives through the watch server.
     Joiner {
@@ -818,7 +854,8 @@ impl SetupJob {
                 root,
                 watch,
                 session,
-            } => (root, 0, dial_watch(watch, session, deadline)?),
+                proof,
+            } => (root, 0, dial_watch(watch, session, proof, deadline)?),
             SetupRole::Joiner { root, watch } => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let s = watch.recv_timeout(left).map_err(|_| {
@@ -852,7 +889,19 @@ impl SetupJob {
             .map(|d| comm.enable_access(d))
             .collect::<Result<_, _>>()
             .map_err(e("enabling access to the peer's memory"))?;
-        // The peer's table (what ops address) must lie inside what it registered.
+        // The peer's table (what ops address) must lie inside what it
+        // registered, each byte in one buffer only: the table's pages are
+        // then memory the peer holds (a pull-delay receiver's proxy cap).
+        let mut descs: Vec<&BufferDesc> = self.table.descs().collect();
+        descs.sort_by_key(|d| d.base);
+        if let Some(w) = descs.windows(2).find(|w| w[0].base + w[0].len > w[1].base) {
+            return Err(format!(
+                "peer buffers {} and {} overlap (at {:#x}); each buffer is its own memory",
+                w[0].uuid.simple(),
+                w[1].uuid.simple(),
+                w[1].base
+            ));
+        }
         for d in self.table.descs() {
             let covered = remotes
                 .iter()
@@ -890,20 +939,53 @@ impl SetupJob {
     }
 }
 
-fn dial_watch(addr: SocketAddr, session: u64, deadline: Instant) -> Result<TcpStream, String> {
+/// The proof a liveness link's hello carries with a deployment secret: over
+/// the session and the offer's root info (both fresh per connection, and
+/// exchanged only in the authenticated handshake) and the listener's
+/// address as its answer named it. Good for that one link only.
+fn watch_proof(secret: &Secret, session: u64, root_info: &[u8], listener: &str) -> Proof {
+    secret.prove(
+        Step::HcclWatch,
+        &[&session.to_le_bytes(), root_info, listener.as_bytes()],
+    )
+}
+
+/// The opening bytes of a liveness link: the 16-byte hello, and with a
+/// deployment secret the flag and the proof.
+fn watch_hello(session: u64, proof: Option<&Proof>) -> Vec<u8> {
+    let mut hello = vec![0u8; WATCH_HELLO];
+    hello[..4].copy_from_slice(WATCH_MAGIC);
+    hello[8..].copy_from_slice(&session.to_le_bytes());
+    if let Some(p) = proof {
+        hello[4] = WATCH_PROVEN;
+        hello.extend_from_slice(p);
+    }
+    hello
+}
+
+fn dial_watch(
+    addr: SocketAddr,
+    session: u64,
+    proof: Option<Proof>,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     let io = |e: io::Error| format!("liveness link to {addr}: {e}");
     let mut s =
         TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))).map_err(io)?;
     s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
         .map_err(io)?;
-    let mut hello = [0u8; 16];
-    hello[..4].copy_from_slice(WATCH_MAGIC);
-    hello[8..].copy_from_slice(&session.to_le_bytes());
-    s.write_all(&hello).map_err(io)?;
+    s.write_all(&watch_hello(session, proof.as_ref()))
+        .map_err(io)?;
     let mut ack = [0u8; 1];
-    s.read_exact(&mut ack)
-        .map_err(|e| format!("the peer refused the liveness link for this session: {e}"))?;
+    s.read_exact(&mut ack).map_err(|e| {
+        let why = if proof.is_some() {
+            " (or did not take its proof: is its pd_auth_secret_file the same?)"
+        } else {
+            ""
+        };
+        format!("the peer refused the liveness link for this session{why}: {e}")
+    })?;
     Ok(s)
 }
 
@@ -1089,6 +1171,16 @@ impl SetupCell {
         *s = SetupState::Closed(watch);
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// `None` while setup runs; then whether it completed (and the peer
+    /// is still attached).
+    fn ready(&self) -> Option<bool> {
+        match &*lock(&self.state) {
+            SetupState::Pending => None,
+            SetupState::Ready(_) => Some(true),
+            SetupState::Failed(_) | SetupState::Closed(_) => Some(false),
+        }
     }
 
     /// Whether a set-up peer closed its end of the liveness link (it
@@ -1403,16 +1495,39 @@ fn wait_batch(
 struct WatchServer {
     stop: Arc<AtomicBool>,
     addr: SocketAddr,
-    waiting: Arc<Mutex<HashMap<u64, Sender<TcpStream>>>>,
+    shared: Arc<WatchShared>,
     accept: Option<JoinHandle<()>>,
+}
+
+/// What the liveness listener's threads share.
+struct WatchShared {
+    /// The listener's address as endpoints name it (a proof covers it).
+    addr: String,
+    /// The setups waiting for their link, by session.
+    waiting: Mutex<HashMap<u64, Waiting>>,
+    /// Hellos for a waiting session that carried no valid proof of the
+    /// deployment secret (refused; the session stays for the genuine one).
+    unproven: AtomicU64,
+}
+
+/// A setup waiting for its liveness link.
+struct Waiting {
+    tx: Sender<TcpStream>,
+    /// With a deployment secret: the secret and the offer's root info,
+    /// which the hello must prove (see [`watch_proof`]).
+    proof: Option<(Secret, Vec<u8>)>,
 }
 
 impl WatchServer {
     fn bind(host: &str) -> Result<WatchServer, ChannelError> {
         let (listener, addr) = bind_listener(host, "hccl liveness listener")?;
         let stop = Arc::new(AtomicBool::new(false));
-        let waiting: Arc<Mutex<HashMap<u64, Sender<TcpStream>>>> = Arc::default();
-        let (stop2, waiting2) = (Arc::clone(&stop), Arc::clone(&waiting));
+        let shared = Arc::new(WatchShared {
+            addr: addr.to_string(),
+            waiting: Mutex::default(),
+            unproven: AtomicU64::new(0),
+        });
+        let (stop2, shared2) = (Arc::clone(&stop), Arc::clone(&shared));
         let accept = std::thread::Builder::new()
             .name("pd-hccl-watch".into())
             .spawn(move || {
@@ -1433,11 +1548,11 @@ impl WatchServer {
                         );
                         continue;
                     }
-                    let (waiting, reading2) = (Arc::clone(&waiting2), Arc::clone(&reading));
+                    let (shared, reading2) = (Arc::clone(&shared2), Arc::clone(&reading));
                     let spawned = std::thread::Builder::new()
                         .name("pd-hccl-hello".into())
                         .spawn(move || {
-                            route_watch(s, &waiting);
+                            route_watch(s, &shared);
                             reading2.fetch_sub(1, Ordering::AcqRel);
                         });
                     if spawned.is_err() {
@@ -1452,15 +1567,16 @@ impl WatchServer {
         Ok(WatchServer {
             stop,
             addr,
-            waiting,
+            shared,
             accept: Some(accept),
         })
     }
 
-    /// Where the link for `session` will be delivered.
-    fn expect(&self, session: u64) -> Receiver<TcpStream> {
+    /// Where the link for `session` will be delivered; with `proof` (the
+    /// secret and the offer's root info) only to a hello that proves it.
+    fn expect(&self, session: u64, proof: Option<(Secret, Vec<u8>)>) -> Receiver<TcpStream> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        lock(&self.waiting).insert(session, tx);
+        lock(&self.shared.waiting).insert(session, Waiting { tx, proof });
         rx
     }
 }
@@ -1490,20 +1606,55 @@ fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<(
     Ok(())
 }
 
-fn route_watch(mut s: TcpStream, waiting: &Mutex<HashMap<u64, Sender<TcpStream>>>) {
-    let mut hello = [0u8; 16];
-    if read_by(&mut s, &mut hello, Instant::now() + WATCH_HELLO_TIMEOUT).is_err()
-        || &hello[..4] != WATCH_MAGIC
-    {
+/// Reads a liveness link's hello and hands the link to the setup waiting
+/// for its session. Closing it (every refusal) tells the dialer it was
+/// refused. With a deployment secret, a hello without a valid proof is
+/// refused and counted, and leaves the session waiting for the genuine one:
+/// whoever learnt the session cannot take the link whose closing is proof
+/// that the peer stopped.
+fn route_watch(mut s: TcpStream, shared: &WatchShared) {
+    let deadline = Instant::now() + WATCH_HELLO_TIMEOUT;
+    let mut hello = [0u8; WATCH_HELLO];
+    if read_by(&mut s, &mut hello, deadline).is_err() || &hello[..4] != WATCH_MAGIC {
         return;
     }
     let session = u64::from_le_bytes(hello[8..].try_into().expect("8 bytes"));
-    let Some(tx) = lock(waiting).remove(&session) else {
-        // Unknown session: closing tells the dialer it was refused.
+    // Looked at, not taken: the session is taken only by a proven hello.
+    let wants = match lock(&shared.waiting).get(&session) {
+        Some(w) => w.proof.clone(),
+        None => return,
+    };
+    if let Some((secret, root_info)) = wants {
+        let mut proof = [0u8; PROOF_LEN];
+        let proven = hello[4] == WATCH_PROVEN
+            && read_by(&mut s, &mut proof, deadline).is_ok()
+            && secret.verify(
+                Step::HcclWatch,
+                &[&session.to_le_bytes(), &root_info, shared.addr.as_bytes()],
+                &proof,
+            );
+        if !proven {
+            let from = s
+                .peer_addr()
+                .map_or_else(|_| "?".to_string(), |a| a.to_string());
+            if shared.unproven.fetch_add(1, Ordering::Relaxed) == 0 {
+                log::warn!(
+                    "hccl liveness listener: refused a link from {from} for a waiting session \
+                     that did not prove the deployment secret (counted in \
+                     grants.unauthenticated; logged once)"
+                );
+            } else {
+                log::debug!("hccl liveness listener: refused an unproven link from {from}");
+            }
+            return;
+        }
+    }
+    let Some(w) = lock(&shared.waiting).remove(&session) else {
+        // Taken meanwhile by another proven hello.
         return;
     };
     if s.write_all(&[1]).is_ok() {
-        let _ = tx.send(s);
+        let _ = w.tx.send(s);
     }
 }
 
@@ -1610,20 +1761,92 @@ mod watch_tests {
     #[test]
     fn a_good_peers_hello_is_accepted_while_silent_connections_are_open() {
         let server = WatchServer::bind("127.0.0.1").unwrap();
-        let delivered = server.expect(41);
+        let delivered = server.expect(41, None);
         let silent: Vec<TcpStream> = (0..10)
             .map(|_| TcpStream::connect(server.addr).unwrap())
             .collect();
-        let ours = dial_watch(server.addr, 41, Instant::now() + Duration::from_secs(20))
-            .expect("the good peer's hello is accepted");
+        let ours = dial_watch(
+            server.addr,
+            41,
+            None,
+            Instant::now() + Duration::from_secs(20),
+        )
+        .expect("the good peer's hello is accepted");
         let theirs = delivered
             .recv_timeout(Duration::from_secs(20))
             .expect("its link is handed to the setup waiting for it");
         assert_eq!(ours.local_addr().unwrap(), theirs.peer_addr().unwrap());
         // A wrong session is still refused (closed without the ack).
-        let e = dial_watch(server.addr, 42, Instant::now() + Duration::from_secs(20)).unwrap_err();
+        let e = dial_watch(
+            server.addr,
+            42,
+            None,
+            Instant::now() + Duration::from_secs(20),
+        )
+        .unwrap_err();
         assert!(e.contains("refused"), "{e}");
         drop(silent);
+    }
+
+    /// Issue 25: anyone who saw a session in the handshake could open its
+    /// liveness link first; the link was then theirs, and their closing it
+    /// was taken as proof the peer stopped (its pages freed while it might
+    /// still write). With a secret, hellos without a valid proof are
+    /// refused and counted, and the session stays for the genuine one.
+    #[test]
+    fn with_a_secret_forged_liveness_hellos_are_refused_and_the_genuine_one_attached() {
+        let secret = Secret::from_bytes(&[7; 32]).unwrap();
+        let other = Secret::from_bytes(&[8; 32]).unwrap();
+        let root_info = vec![0x5a; 64];
+        let server = WatchServer::bind("127.0.0.1").unwrap();
+        let listener = server.addr.to_string();
+        let session = 0x1234_5678_9abc_def0;
+        let delivered = server.expect(session, Some((secret.clone(), root_info.clone())));
+        let deadline = || Instant::now() + Duration::from_secs(20);
+        let forged = |bytes: Vec<u8>| {
+            let mut s = TcpStream::connect(server.addr).unwrap();
+            s.write_all(&bytes).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut ack = [0u8; 1];
+            // Closed without the ack: refused.
+            assert_eq!(s.read(&mut ack).unwrap(), 0, "a forged hello was taken");
+        };
+        // The right session and no proof (the wire without a secret).
+        forged(watch_hello(session, None));
+        // A proof under another secret, or for another session or root info.
+        let wrong = [
+            watch_proof(&other, session, &root_info, &listener),
+            watch_proof(&secret, session + 1, &root_info, &listener),
+            watch_proof(&secret, session, &[0x5b; 64], &listener),
+            watch_proof(&secret, session, &root_info, "127.0.0.1:1"),
+        ];
+        for p in &wrong {
+            forged(watch_hello(session, Some(p)));
+        }
+        // The right flag and a truncated proof, then EOF.
+        let mut short = watch_hello(session, Some(&wrong[0]));
+        short.truncate(WATCH_HELLO + 8);
+        let mut s = TcpStream::connect(server.addr).unwrap();
+        s.write_all(&short).unwrap();
+        s.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(s.read(&mut [0u8; 1]).unwrap(), 0);
+        assert_eq!(server.shared.unproven.load(Ordering::Relaxed), 6);
+        assert!(delivered.try_recv().is_err(), "nothing was attached");
+        // The genuine hello still finds its session.
+        let proof = watch_proof(&secret, session, &root_info, &listener);
+        let ours = dial_watch(server.addr, session, Some(proof), deadline())
+            .expect("the genuine hello is accepted");
+        let theirs = delivered
+            .recv_timeout(Duration::from_secs(20))
+            .expect("its link is handed to the setup");
+        assert_eq!(ours.local_addr().unwrap(), theirs.peer_addr().unwrap());
+        assert_eq!(server.shared.unproven.load(Ordering::Relaxed), 6);
+        // Once taken, the session is gone: a replay of that very hello is refused.
+        let e = dial_watch(server.addr, session, Some(proof), deadline()).unwrap_err();
+        assert!(
+            e.contains("refused") && e.contains("pd_auth_secret_file"),
+            "{e}"
+        );
     }
 
     #[test]

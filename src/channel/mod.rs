@@ -545,6 +545,38 @@ pub trait TransferChannel: Send + Sync {
     /// The deployment secret peers must prove they hold (in the handshake,
     /// and on tcp on every transfer connection); `None`: unauthenticated.
     fn auth(&self) -> Option<&Secret>;
+
+    /// How many pages of `peer`'s buffer table this channel verified the
+    /// peer really registered (a table is only what the peer says). A
+    /// pull-delay receiver caps a sender's proxies by it. Conservatively
+    /// [`PeerPages::Unverifiable`] unless the channel checks.
+    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+        let _ = peer;
+        PeerPages::Unverifiable
+    }
+}
+
+/// What a channel verified of the pages a peer registered
+/// ([`TransferChannel::verified_peer_pages`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerPages {
+    /// This many pages of its table are backed by memory the channel saw
+    /// (shm: mapped; hccl: inside regions the peer registered, no two
+    /// buffers overlapping). 0 for an unknown or failed peer.
+    Verified(u64),
+    /// Not known yet (hccl: the peer's setup is still running); ask again.
+    Pending,
+    /// The channel cannot tell (tcp: the peer's own process serves its
+    /// pages, and could answer for pages it never had).
+    Unverifiable,
+}
+
+/// Pages in the buffers of `table`.
+pub(crate) fn table_pages<'a>(table: impl IntoIterator<Item = &'a BufferDesc>) -> u64 {
+    table
+        .into_iter()
+        .map(BufferDesc::pages)
+        .fold(0, u64::saturating_add)
 }
 
 /// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer

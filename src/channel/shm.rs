@@ -14,12 +14,12 @@ use super::grant::GrantTable;
 use super::{
     check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
     Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
-    PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use uuid::Uuid;
@@ -232,6 +232,8 @@ impl TransferChannel for ShmChannel {
         }
         let peer_table = PeerTable::new(table)?;
         let mut maps = HashMap::new();
+        // Each buffer its own memfd: one mapped twice would count twice.
+        let mut files = HashSet::new();
         for (desc, &fd) in table.iter().zip(fds) {
             if desc.device != DeviceKind::Cpu {
                 return Err(ChannelError::Unsupported(format!(
@@ -255,6 +257,11 @@ impl TransferChannel for ShmChannel {
                 ChannelError::Handshake(format!("peer {node}: pool too large for this host"))
             })?;
             check_peer_memfd(node, desc, fd, &file, &st)?;
+            if !files.insert((st.st_dev, st.st_ino)) {
+                return Err(ChannelError::Handshake(format!(
+                    "peer {node} listed one memfd (fd {fd}) for two buffers; each pool is its own"
+                )));
+            }
             // SAFETY: mapping `len` bytes of a memfd of exactly that size,
             // sealed so nobody can shrink it under the mapping.
             let ptr = unsafe {
@@ -395,6 +402,17 @@ impl TransferChannel for ShmChannel {
 
     fn auth(&self) -> Option<&Secret> {
         self.auth.as_ref()
+    }
+
+    /// The pages of the peer's mapped pools: attach mapped each buffer of
+    /// its table from a distinct sealed memfd of exactly its size.
+    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+        let Ok(p) = self.peers.get(peer) else {
+            return PeerPages::Verified(0);
+        };
+        PeerPages::Verified(super::table_pages(
+            p.table.descs().filter(|d| p.maps.contains_key(&d.uuid)),
+        ))
     }
 
     fn grant_stats(&self) -> GrantStats {

@@ -52,7 +52,8 @@ use super::staging::{StageError, Stager};
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
     ChannelError, Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
-    OpKind, PeerId, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp,
+    WriteOp,
 };
 use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
@@ -1047,6 +1048,14 @@ impl TransferChannel for TcpChannel {
 
     fn auth(&self) -> Option<&Secret> {
         self.opts.auth.as_ref()
+    }
+
+    /// Nothing: the peer's own process serves its pages, and would answer
+    /// for pages it never had (a probe proves nothing), so a receiver
+    /// bounds a tcp sender by what it controls itself.
+    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+        let _ = peer;
+        PeerPages::Unverifiable
     }
 }
 

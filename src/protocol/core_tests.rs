@@ -2238,7 +2238,7 @@ fn a_sender_cannot_store_more_proxies_than_it_has_pages() {
     match &over.verdict {
         Verdict::Rejected(e) => {
             let e = e.to_string();
-            assert!(e.contains("2 + 2 proxies") && e.contains("3 pages"), "{e}");
+            assert!(e.contains("2 + 2 proxies") && e.contains("cap of 3"), "{e}");
         }
         other => panic!("{other:?}"),
     }

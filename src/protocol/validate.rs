@@ -167,8 +167,9 @@ pub enum InvalidMessage {
         /// How late, in milliseconds.
         late_ms: u64,
     },
-    /// The sender would hold more proxies here than it has pages.
-    #[error("{msg}: sender {sender:?} would hold {held} + {new} proxies here, more than the {limit} pages it registered; refused until its earlier pulls are loaded or expire")]
+    /// The sender would hold more proxies here than it has pages (that
+    /// the transfer channel verified it registered).
+    #[error("{msg}: sender {sender:?} would hold {held} + {new} proxies here, more than its cap of {limit}: the pages of its pool the transfer channel verified it registered (tcp cannot verify them: its table, but at most this receiver's own pages and at least 1024); refused until its earlier pulls are loaded or expire")]
     TooManyProxies {
         /// Message type.
         msg: MessageType,
@@ -178,7 +179,7 @@ pub enum InvalidMessage {
         held: usize,
         /// Proxies this notification adds.
         new: usize,
-        /// Pages in its buffer table.
+        /// Its cap: pages the channel verified it registered.
         limit: usize,
     },
     /// `sender_done_url` is not `host:port`.

@@ -21,7 +21,7 @@ use super::zmq_io::PushPool;
 use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
 use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
-use crate::channel::{GrantStats, PeerId, TransferChannel, TransferOp};
+use crate::channel::{GrantStats, PeerId, PeerPages, TransferChannel, TransferOp};
 use crate::config::{PdConfig, Role, TransferMode};
 use crate::kv::tp::Route;
 use crate::kv::KvCache;
@@ -83,8 +83,9 @@ pub struct FetchError {
 struct PeerLink {
     peer: PeerId,
     lease: Duration,
-    /// Pages in its buffer table (the most proxies it may hold here).
-    pages: usize,
+    /// Pages in the buffer table it declared (only what it says: see
+    /// [`Shared::proxy_cap`]).
+    table_pages: u64,
     /// With a deployment secret: the session of this attachment. Only
     /// frames it opens act for this sender; our frames to it are sealed by it.
     session: Option<Arc<Session>>,
@@ -116,8 +117,16 @@ struct Shared {
     admission: Mutex<crate::protocol::admission::Admission>,
     /// This rank's TP split (sent in the hello; pairs senders' head pieces).
     tp: Option<TpInfo>,
+    /// The most proxies a sender whose pages the channel cannot verify
+    /// (tcp) may hold here: the pages of this receiver's own pools, at
+    /// least [`MIN_UNVERIFIED_PROXIES`].
+    unverified_cap: u64,
     stop: AtomicBool,
 }
+
+/// The fewest proxies a tcp sender may hold here, however small this
+/// receiver's pools (a pull-delay receiver needs few pages of its own).
+pub const MIN_UNVERIFIED_PROXIES: u64 = 1024;
 
 impl Shared {
     /// Drops what request `req_id` holds of `keys` (see
@@ -187,6 +196,21 @@ impl Shared {
         Ok(inner)
     }
 
+    /// The most proxies `link`'s sender may hold here: each pins a page of
+    /// its pool until its Done, so no more than the pages of its table the
+    /// channel verified it registered (a declared table alone would let a
+    /// sender make us store proxies without bound). Over a channel that
+    /// cannot verify (tcp), its table but at most [`Shared::unverified_cap`].
+    /// `None` while the channel cannot tell yet (hccl: setup still running).
+    fn proxy_cap(&self, link: &PeerLink) -> Option<usize> {
+        let cap = match self.channel.verified_peer_pages(link.peer) {
+            PeerPages::Verified(n) => n.min(link.table_pages),
+            PeerPages::Unverifiable => link.table_pages.min(self.unverified_cap),
+            PeerPages::Pending => return None,
+        };
+        Some(usize::try_from(cap).unwrap_or(usize::MAX))
+    }
+
     /// The link of sender `node`. Links are registered before the
     /// handshake's answer goes out, so a sender that heard it is known:
     /// no waiting here (an unknown node cannot stall the request loop).
@@ -236,12 +260,12 @@ impl Shared {
             PeerLink {
                 peer: a.peer,
                 lease: a.lease,
-                pages: a
+                table_pages: a
                     .remote
                     .buffers
                     .iter()
-                    .map(|b| b.len.checked_div(b.page_size).unwrap_or(0) as usize)
-                    .fold(0usize, usize::saturating_add),
+                    .map(|b| b.len.checked_div(b.page_size).unwrap_or(0))
+                    .fold(0, u64::saturating_add),
                 session: a.session.clone(),
             },
         );
@@ -412,6 +436,7 @@ impl Receiver {
             resident_ttl: Some(config.resident_ttl).filter(|t| !t.is_zero()),
         });
         let (eager_tx, eager_rx) = crossbeam_channel::unbounded();
+        let own_pages = alloc.pools().map(|p| p.stats().total as u64).sum::<u64>();
         let shared = Arc::new(Shared {
             config: config.clone(),
             mode: config.mode(),
@@ -431,6 +456,7 @@ impl Receiver {
                 config.push_landing_timeout,
             )),
             tp: TpInfo::of(config, rank),
+            unverified_cap: own_pages.max(MIN_UNVERIFIED_PROXIES),
             stop: AtomicBool::new(false),
         });
         let hello = Hello::local(

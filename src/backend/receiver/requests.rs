@@ -560,6 +560,11 @@ fn serve_pull(
 ) -> Served {
     let link = s.attached(&notif.sender_id);
     let lease = link.as_ref().map(|l| l.lease);
+    // Asked before the core's lock is taken (the channel has locks of its own).
+    let cap = match (&link, s.mode) {
+        (Some(l), TransferMode::PullDelay) => s.proxy_cap(l),
+        _ => Some(0),
+    };
     let mut core = lock(&s.core);
     // The lease is counted from the notification's arrival, however long
     // it then waited for pages.
@@ -567,10 +572,23 @@ fn serve_pull(
     if s.mode == TransferMode::PullDelay {
         // Checked and stored under one lock: the cap holds however many
         // notifications of one sender arrive.
-        let reply = match (planned, link) {
+        let reply = match (planned, cap) {
             (Err(reply), _) => *reply,
-            (Ok(plan), Some(link)) => core.commit_pull_delay_capped(plan, link.pages),
-            (Ok(plan), None) => core.commit_pull_delay_capped(plan, 0),
+            (Ok(plan), Some(cap)) => core.commit_pull_delay_capped(plan, cap),
+            // The channel has not verified the sender's pages yet (hccl:
+            // its setup, which the sender's side already finished, is
+            // still running here): wait as for pages, never in this loop.
+            (Ok(plan), None) if may_wait => return Served::Wait(core.shelve_pull(plan)),
+            (Ok(plan), None) => {
+                log::warn!(
+                    "the transfer channel did not verify sender {}'s pages within \
+                     pd_alloc_fail_backoff_ttl (its hccl setup is still running): its \
+                     notification is refused, as none of its pages may hold a proxy yet; the \
+                     sender may retry",
+                    notif.sender_id
+                );
+                core.commit_pull_delay_capped(plan, 0)
+            }
         };
         drop(core);
         return pull_reply(s, reply);
