@@ -376,6 +376,11 @@ fn the_tcp_server_refuses_connections_over_its_cap_by_name_and_recovers() {
             c
         })
         .collect();
+    // Each squatter counts as inside a request once its server thread has
+    // read its first byte (before that it is idle, and evictable).
+    assert!(eventually(Duration::from_secs(20), || owner
+        .served_connections()
+        == (0, 3)));
     let peer = a
         .channel
         .attach("owner", &owner.local_table(), &owner.endpoint())

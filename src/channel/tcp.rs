@@ -350,6 +350,15 @@ impl TcpChannel {
         self.server.addr
     }
 
+    /// Connections the transfer server serves now: (idle — saying their
+    /// hello or between requests, so evictable at the cap — and inside a
+    /// request).
+    pub fn served_connections(&self) -> (usize, usize) {
+        let conns = lock_conns(&self.server.conns);
+        let idle = conns.values().filter(|c| c.idle_since.is_some()).count();
+        (idle, conns.len() - idle)
+    }
+
     fn peer(&self, id: PeerId) -> Result<Arc<TcpPeer>, ChannelError> {
         self.peers.get(id)
     }

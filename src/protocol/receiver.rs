@@ -1402,9 +1402,11 @@ impl ReceiverCore {
     /// Like [`ReceiverCore::commit_pull_delay`], but refuses the
     /// notification when its sender would then have more than `limit`
     /// proxies outstanding here. A sender pins a page per proxy until its
-    /// Done, so `limit` is the number of pages in its buffer table: no
-    /// honest sender exceeds it, and nobody can make us store proxies
-    /// without bound.
+    /// Done, so `limit` is the number of pages the transfer channel
+    /// verified it registered (`TransferChannel::verified_peer_pages`; a
+    /// receiver-side bound where the channel cannot verify): no honest
+    /// sender exceeds it, and nobody can make us store proxies without
+    /// bound by declaring a larger table.
     pub fn commit_pull_delay_capped(&mut self, plan: PullPlan, limit: usize) -> PullReply {
         let held = self.proxies_of(&plan.notif.sender_id);
         let new = plan.part.new.len();
