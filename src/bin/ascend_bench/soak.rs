@@ -566,7 +566,8 @@ fn one_request(
         _ => Duration::ZERO,
     };
     let verified_before = tally.verified;
-    settle(seg, &req, &keys, &chunk_tokens, out, tally, fault, stall);
+    let shape = (req.as_str(), &keys[..], &chunk_tokens[..]);
+    settle(seg, shape, out, tally, fault, stall);
     if fault == "forge" {
         let forged = seg.relay.forged.load(Ordering::SeqCst) - forged_before;
         // Forged Dones reach the sender on their own socket: wait for them.
@@ -588,16 +589,8 @@ fn one_request(
     }
     if let Some((hog_req, hk, ht, hout)) = hog {
         let hog_fault = "exhaust_pool (the hog)";
-        settle(
-            seg,
-            &hog_req,
-            &hk,
-            &ht,
-            hout,
-            tally,
-            hog_fault,
-            Duration::ZERO,
-        );
+        let shape = (hog_req.as_str(), &hk[..], &ht[..]);
+        settle(seg, shape, hout, tally, hog_fault, Duration::ZERO);
         // The refused allocation opened the sender's breaker: let it close,
         // so the next requests test more than the skip.
         std::thread::sleep(Duration::from_millis(250));
@@ -670,9 +663,7 @@ pub fn short_reason(e: &str) -> String {
 /// and counts it.
 fn settle(
     seg: &mut Segment<'_>,
-    req: &str,
-    keys: &[String],
-    tokens: &[usize],
+    (req, keys, tokens): (&str, &[String], &[usize]),
     put: Result<(), String>,
     tally: &mut Tally,
     fault: &str,
