@@ -571,15 +571,16 @@ fn one_request(
     if fault == "forge" {
         let forged = seg.relay.forged.load(Ordering::SeqCst) - forged_before;
         // Forged Dones reach the sender on their own socket: wait for them.
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + Duration::from_secs(10);
         let mut dropped = auth_dropped(seg.receiver, seg.sender) - auth_before;
         while dropped < forged && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
             dropped = auth_dropped(seg.receiver, seg.sender) - auth_before;
         }
         tally.forged += forged;
-        tally.forged_dropped += dropped;
-        if forged == 0 || dropped != forged || tally.verified == verified_before {
+        // (A drop beyond the forgeries would be some other frame's.)
+        tally.forged_dropped += dropped.min(forged);
+        if forged == 0 || dropped < forged || tally.verified == verified_before {
             log::warn!(
                 "soak: {req}: {forged} frame(s) forged, {dropped} dropped, verified: {}",
                 tally.verified > verified_before
@@ -711,7 +712,7 @@ fn malformed(seg: &Segment<'_>, rng: &mut fastrand::Rng, tally: &mut Tally) {
         let dropped_before = count(&seg.receiver.stats().messages, MessageKind::AuthDropped);
         let Some(s) = ctx.socket(zmq::REQ).ok().filter(|s| {
             s.set_linger(0).is_ok()
-                && s.set_rcvtimeo(if handshake { 2000 } else { 200 }).is_ok()
+                && s.set_rcvtimeo(if handshake { 10_000 } else { 200 }).is_ok()
                 && s.connect(&format!("tcp://127.0.0.1:{port}")).is_ok()
                 && s.send(&frame, 0).is_ok()
         }) else {
@@ -728,7 +729,8 @@ fn malformed(seg: &Segment<'_>, rng: &mut fastrand::Rng, tally: &mut Tally) {
             }
             continue;
         }
-        let deadline = Instant::now() + Duration::from_secs(2);
+        // Generous for a loaded machine: the wait ends when it is counted.
+        let deadline = Instant::now() + Duration::from_secs(10);
         let counted = loop {
             if count(&seg.receiver.stats().messages, MessageKind::AuthDropped) > dropped_before {
                 break true;
@@ -904,7 +906,8 @@ fn kill_receiver(
             ],
             "receiver",
         )?;
-        match events.recv_timeout(Duration::from_secs(20)) {
+        // Generous for a loaded machine: the wait ends when it is ready.
+        match events.recv_timeout(Duration::from_secs(60)) {
             Ok(v) if v["event"] == "receiver_ready" => Ok((child, events)),
             other => {
                 child.kill().ok();
