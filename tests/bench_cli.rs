@@ -590,8 +590,9 @@ fn an_hccl_batch_above_the_op_limit_moves_every_byte_through_the_channel() {
 }
 
 /// Runs `ascend-bench <args> --json F` and checks what every soak must
-/// show: success, nothing corrupted, leaked or left quarantined, no frame
-/// unanswered, every request counted. The report and the table.
+/// show: success, nothing corrupted, leaked or left quarantined, no
+/// malformed frame mishandled, every forged frame dropped and none acted
+/// on, every request counted. The report and the table.
 fn soak(args: &[&str], name: &str) -> (Value, String) {
     let json = tmp(name);
     let out = bench()
@@ -611,7 +612,9 @@ fn soak(args: &[&str], name: &str) -> (Value, String) {
         (0, 0, 0),
         "{stdout}"
     );
-    assert_eq!(n("unanswered_malformed_frames"), 0, "{stdout}");
+    assert_eq!(n("mishandled_malformed_frames"), 0, "{stdout}");
+    assert_eq!(n("forged"), n("forged_dropped"), "{stdout}");
+    assert_eq!(n("forgeries_acted_on"), 0, "{stdout}");
     assert_eq!(n("verified") + n("failed"), n("requests"), "{stdout}");
     (doc, stdout)
 }
@@ -634,6 +637,7 @@ fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
         "delay",
         "kill_sender",
         "kill_receiver",
+        "forge",
     ] {
         assert!(
             faults.get(kind).and_then(Value::as_u64).unwrap_or(0) > 0,
@@ -645,6 +649,7 @@ fn a_short_soak_with_faults_corrupts_nothing_and_leaks_nothing() {
         assert!(!why.starts_with("[none]"), "a clean request failed: {why}");
     }
     assert_eq!(doc["segments"].as_array().unwrap().len(), 6);
+    assert!(n("forged") > 0, "{stdout}");
 }
 
 /// The soak over hccl on the CANN emulator: every fault kind, every byte

@@ -641,13 +641,23 @@ fn run_save(
             receiver_rank: Some(route.rank),
             ..req.spec.clone()
         };
-        if let crate::PutOutcome::SkippedBreakerOpen =
-            sender.put(&keys, &sealed, &spec).map_err(err_text)?
-        {
-            return Err(format!(
-                "the receiver at {} failed repeatedly and its breaker is open: nothing was sent",
-                req.spec.receiver_host
-            ));
+        match sender.put(&keys, &sealed, &spec).map_err(err_text)? {
+            crate::PutOutcome::SkippedBreakerOpen => {
+                return Err(format!(
+                    "the receiver at {} failed repeatedly and its breaker is open: nothing was \
+                     sent",
+                    req.spec.receiver_host
+                ))
+            }
+            // Not done: the decode side would wait for KV that never comes.
+            crate::PutOutcome::ReceiverAllocFailed => {
+                return Err(format!(
+                    "the receiver at {} had no pages for the request (or refused its \
+                     notification): nothing was sent; the breaker is open for a while",
+                    req.spec.receiver_host
+                ))
+            }
+            crate::PutOutcome::Pushed { .. } | crate::PutOutcome::Announced { .. } => {}
         }
     }
     Ok(SaveRun::Sent)
@@ -1003,6 +1013,45 @@ mod tests {
             assert!(Instant::now() < end, "pools not back: {r:?} {s:?}");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// A save the receiver has no pages for is reported failed, never
+    /// done: the decode side would wait for KV that was never sent.
+    #[test]
+    fn a_save_the_receiver_cannot_allocate_for_fails() {
+        let mut rc = config(Role::Receiver);
+        rc.buffer_size = 4 * rc.page_bytes();
+        rc.peer_init_port = Some(PortList::Single(port()));
+        rc.peer_alloc_port = Some(PortList::Single(port()));
+        let mut sc = config(Role::Sender);
+        sc.proxy_host = Some("127.0.0.1".into());
+        sc.proxy_port = Some(port());
+        sc.pull_done_port = Some(PortList::Single(port()));
+        let receiver = Receiver::start(&rc, 0).unwrap();
+        let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+        let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+        let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 8);
+        let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+        // Eight chunks into a four-page receiver.
+        let req = SaveRequest {
+            keys: (0..8).map(|i| format!("big@{i}")).collect(),
+            slot_mapping: (0..64).collect(),
+            spec: TransferSpec {
+                req_id: "big".into(),
+                receiver_host: "127.0.0.1".into(),
+                receiver_init_port: rc.peer_init_port.clone().unwrap(),
+                receiver_alloc_port: rc.peer_alloc_port.clone().unwrap(),
+                is_last_prefill: true,
+                receiver_rank: None,
+            },
+        };
+        saves.submit(req, &prefill).unwrap();
+        match wait_for(|| saves.poll()).outcome {
+            Outcome::Failed(e) => assert!(e.contains("had no pages"), "{e}"),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(receiver.stats().store.resident, 0);
+        assert!(sender.drain(Duration::from_secs(30)));
     }
 
     #[test]

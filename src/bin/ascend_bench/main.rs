@@ -8,6 +8,7 @@
 mod args;
 mod channel;
 mod check_config;
+mod engine;
 mod metrics;
 mod report;
 mod roles;

@@ -20,11 +20,22 @@
 //!   started; whatever of the killed one's requests landed is verified;
 //! - `kill_receiver`: a receiver process (which loads and verifies what it
 //!   is sent) is killed and started again on the same ports; the driver's
-//!   sender must be whole afterwards.
+//!   sender must be whole afterwards;
+//! - `forge`: the relay, as an on-path observer, learns the ids of the
+//!   request's traffic and forges frames from them (see `forge`); every
+//!   forgery must be dropped and counted, and the request verified.
+//!
+//! Every process runs with a side-channel secret (a file the soak
+//! generates), so every side-channel frame is sealed. The driver's
+//! requests take the path users take: a prefill engine saves each request
+//! from a KV cache it allocated itself through `SaveQueue`, and a decode
+//! engine loads it through `LoadQueue` into its own cache, where every
+//! byte is checked at its slots (see `engine`).
 
+use crate::engine::{DecodeEngine, Loaded, PrefillEngine};
 use crate::roles::{chunk_key, key_seed};
 use anyhow::{anyhow, bail, Context, Result};
-use ascend_pd::backend::{PutOutcome, Receiver, Sender, SenderTimeouts, TransferSpec};
+use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, SenderTimeouts, TransferSpec};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
 use ascend_pd::memory::{pattern, ChunkMeta, MemObj, PoolStats, SealedMemObj};
 use serde_json::{json, Value};
@@ -47,7 +58,7 @@ const MAX_CHUNKS: usize = 6;
 /// The pull lease of the soak (short, so stalls are quick to provoke).
 const LEASE: Duration = Duration::from_secs(2);
 
-const FAULTS: [&str; 10] = [
+const FAULTS: [&str; 11] = [
     "none",
     "malformed",
     "oversized",
@@ -58,7 +69,11 @@ const FAULTS: [&str; 10] = [
     "exhaust_pool",
     "kill_sender",
     "kill_receiver",
+    "forge",
 ];
+
+/// How long a request's chunks may take to become loadable after its save.
+const LAND_WAIT: Duration = Duration::from_secs(10);
 
 /// What the soak found.
 #[derive(Default)]
@@ -69,8 +84,17 @@ struct Tally {
     corrupted_keys: Vec<String>,
     failed: BTreeMap<String, u64>,
     faults: BTreeMap<&'static str, u64>,
-    /// Malformed frames nobody answered (a defect: the socket must reply).
-    unanswered: u64,
+    /// Malformed frames not handled as promised (a defect): the handshake
+    /// socket must answer with a refusal; the request socket, sealed with
+    /// the secret, must drop the frame unanswered and count it.
+    mishandled: u64,
+    /// Frames the observer forged.
+    forged: u64,
+    /// Forged frames the receiver and sender dropped and counted.
+    forged_dropped: u64,
+    /// Forge requests where a forgery was acted on: not every forgery
+    /// dropped and counted, or the request not verified.
+    forged_acted_on: u64,
 }
 
 impl Tally {
@@ -167,6 +191,21 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
         .flat_map(|&c| modes.iter().map(move |&m| (c, m)))
         .collect();
     let dir = tempdir()?;
+    // Every process of the soak holds the same side-channel secret.
+    let secret: String = (0..2)
+        .flat_map(|_| ascend_pd::auth::nonce())
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(dir.join("secret"))?;
+        writeln!(f, "{secret}")?;
+    }
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut tally = Tally::default();
     let mut per_segment = Vec::new();
@@ -199,6 +238,7 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
     std::fs::remove_dir_all(&dir).ok();
     let leaked =
         leftovers.receiver_allocated + leftovers.sender_allocated + leftovers.sender_pinned;
+    let forgeries_ok = tally.forged == tally.forged_dropped && tally.forged_acted_on == 0;
     let report = json!({
         "seed": seed,
         "requests": tally.requests,
@@ -209,7 +249,10 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
         "corrupted_keys": tally.corrupted_keys,
         "pages_leaked": leaked,
         "pages_quarantined": leftovers.receiver_quarantined,
-        "unanswered_malformed_frames": tally.unanswered,
+        "mishandled_malformed_frames": tally.mishandled,
+        "forged": tally.forged,
+        "forged_dropped": tally.forged_dropped,
+        "forgeries_acted_on": tally.forged_acted_on,
         "faults": tally.faults,
         "segments": per_segment,
         "seconds": start.elapsed().as_secs_f64(),
@@ -222,7 +265,8 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
     Ok(tally.corrupted == 0
         && leaked == 0
         && leftovers.receiver_quarantined == 0
-        && tally.unanswered == 0
+        && tally.mishandled == 0
+        && forgeries_ok
         && tally.verified + tally.failed_total() + tally.corrupted == tally.requests)
 }
 
@@ -243,7 +287,10 @@ fn print_table(r: &Value) {
     println!("  corrupted           {}", r["corrupted"]);
     println!("  pages leaked        {}", r["pages_leaked"]);
     println!("  pages quarantined   {}", r["pages_quarantined"]);
-    println!("  unanswered frames   {}", r["unanswered_malformed_frames"]);
+    println!("  mishandled frames   {}", r["mishandled_malformed_frames"]);
+    println!("  forged frames       {}", r["forged"]);
+    println!("  forged, dropped     {}", r["forged_dropped"]);
+    println!("  forgeries acted on  {}", r["forgeries_acted_on"]);
     if let Some(m) = r["faults"].as_object() {
         let f: Vec<String> = m.iter().map(|(k, v)| format!("{k} {v}")).collect();
         println!("  faults              {}", f.join(", "));
@@ -265,8 +312,15 @@ fn free_port() -> Result<u16> {
 }
 
 /// The soak's small model on `channel` in `mode`.
-fn config(role: Role, channel: ChannelKind, mode: TransferMode, pages: u64) -> PdConfig {
+fn config(
+    role: Role,
+    channel: ChannelKind,
+    mode: TransferMode,
+    pages: u64,
+    dir: &Path,
+) -> PdConfig {
     let mut c = PdConfig::with_defaults(role);
+    c.auth_secret_file = Some(dir.join("secret"));
     c.transfer_channel = channel;
     c.buffer_device = BufferDevice::Cpu;
     c.chunk_size = CHUNK;
@@ -284,8 +338,8 @@ fn config(role: Role, channel: ChannelKind, mode: TransferMode, pages: u64) -> P
 }
 
 /// A receiver's config on fresh ports.
-fn receiver_config(channel: ChannelKind, mode: TransferMode) -> Result<PdConfig> {
-    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES);
+fn receiver_config(channel: ChannelKind, mode: TransferMode, dir: &Path) -> Result<PdConfig> {
+    let mut rc = config(Role::Receiver, channel, mode, RECEIVER_PAGES, dir);
     rc.peer_init_port = Some(PortList::Single(free_port()?));
     rc.peer_alloc_port = Some(PortList::Single(free_port()?));
     // How long a request waits for pages on the receiver.
@@ -311,6 +365,10 @@ struct Segment<'a> {
     receiver: &'a Receiver,
     sender: &'a Sender,
     relay: &'a Relay,
+    /// The engines whose caches the driver's requests are saved from and
+    /// loaded into.
+    prefill: PrefillEngine,
+    decode: DecodeEngine,
     rconfig: &'a PdConfig,
     /// Keys that may still be on the receiver (removed at the end).
     keys: Vec<String>,
@@ -326,11 +384,11 @@ fn soak_segment(
     tally: &mut Tally,
     dir: &Path,
 ) -> Result<Leftover> {
-    let rc = receiver_config(channel, mode)?;
-    let receiver = Receiver::start(&rc, 0)?;
+    let rc = receiver_config(channel, mode, dir)?;
+    let receiver = Arc::new(Receiver::start(&rc, 0)?);
     let r_start = receiver_pool(&receiver);
     let relay = Relay::start(rc.alloc_port(0).expect("set"))?;
-    let mut sc = config(Role::Sender, channel, mode, SENDER_PAGES);
+    let mut sc = config(Role::Sender, channel, mode, SENDER_PAGES, dir);
     sc.proxy_host = Some("127.0.0.1".into());
     sc.proxy_port = Some(free_port()?);
     sc.pull_done_port = Some(PortList::Single(free_port()?));
@@ -341,12 +399,14 @@ fn soak_segment(
         request: Duration::from_secs(1),
         sweep_every: Duration::from_millis(100),
     };
-    let sender = Sender::start(&sc, 0, timeouts)?;
+    let sender = Arc::new(Sender::start(&sc, 0, timeouts)?);
     let mut seg = Segment {
         mode,
         receiver: &receiver,
         sender: &sender,
         relay: &relay,
+        prefill: PrefillEngine::start(Arc::clone(&sender), rng.u64(..))?,
+        decode: DecodeEngine::start(Arc::clone(&receiver), rng.u64(..))?,
         rconfig: &rc,
         keys: Vec::new(),
         serial: 0,
@@ -385,13 +445,25 @@ fn soak_segment(
     for k in std::mem::take(&mut seg.keys) {
         receiver.remove(&k);
     }
-    drop(seg);
+    seg.prefill.close();
+    seg.decode.close();
+    // Nothing forged was acted on: the soak sends no cancel and no query.
+    let m = receiver.stats().messages;
+    let acted = count(&m, MessageKind::CancelNotif) + count(&m, MessageKind::CacheQuery);
+    if acted > 0 {
+        log::warn!("soak: the receiver acted on {acted} cancel(s) or query(ies) nobody sent");
+        tally.forged_acted_on += acted;
+    }
     let drained = sender.drain(Duration::from_secs(15));
     let sp = sender_pool(&sender);
     if !drained {
         log::warn!("soak: the sender did not drain: {sp:?}");
     }
-    sender.close(Duration::from_secs(5));
+    // The engines' queues are closed: the driver holds the last handles.
+    match Arc::try_unwrap(sender) {
+        Ok(s) => s.close(Duration::from_secs(5)),
+        Err(_) => log::warn!("soak: the sender is still shared; dropped instead of closed"),
+    }
     relay.stop();
     // Revoked pages wait for their writer to be gone; proxies for their
     // lease. Give both their time, bounded.
@@ -404,7 +476,10 @@ fn soak_segment(
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    receiver.close();
+    match Arc::try_unwrap(receiver) {
+        Ok(r) => r.close(),
+        Err(_) => log::warn!("soak: the receiver is still shared; dropped instead of closed"),
+    }
     Ok(Leftover {
         receiver_allocated: rp.allocated.saturating_sub(r_start.allocated),
         receiver_quarantined: rp.quarantined,
@@ -438,8 +513,8 @@ fn request_shape(req: &str, tokens: usize) -> (Vec<String>, Vec<usize>) {
     (keys, t)
 }
 
-/// Puts one request from the driver's sender under `fault`, then consumes
-/// and verifies it on the receiver.
+/// Saves one request from the driver's engine under `fault`, then loads
+/// it into the decode engine's cache and verifies it.
 fn one_request(
     seg: &mut Segment<'_>,
     fault: &'static str,
@@ -469,24 +544,54 @@ fn one_request(
             let (hk, ht) = request_shape(&hog_req, hog_chunks * CHUNK);
             tally.requests += 1;
             let out = put(seg, &hog_req, &hk, &ht);
-            hog = Some((hog_req, hk, out));
+            hog = Some((hog_req, hk, ht, out));
         }
+        "forge" => seg.relay.forge.store(true, Ordering::SeqCst),
         _ => {}
     }
+    let auth_before = auth_dropped(seg.receiver, seg.sender);
+    let forged_before = seg.relay.forged.load(Ordering::SeqCst);
     tally.requests += 1;
     let out = put(seg, &req, &keys, &chunk_tokens);
     // The relay's faults are one-shot: clear whatever this put left unused.
     seg.relay.drop_requests.store(0, Ordering::SeqCst);
     seg.relay.drop_replies.store(0, Ordering::SeqCst);
     seg.relay.delay_ms.store(0, Ordering::SeqCst);
-    if fault == "stall_reader" {
-        // The decode side comes back after the lease: the load must fail
-        // (and say so), never read pages the sender may have reused.
-        std::thread::sleep(LEASE + Duration::from_millis(300));
+    seg.relay.forge.store(false, Ordering::SeqCst);
+    // stall_reader: the decode side, told the KV is there, loads only
+    // after the lease: the load must fail (and say so), never read pages
+    // the sender may have reused.
+    let stall = match fault {
+        "stall_reader" => LEASE + Duration::from_millis(300),
+        _ => Duration::ZERO,
+    };
+    let verified_before = tally.verified;
+    let shape = (req.as_str(), &keys[..], &chunk_tokens[..]);
+    settle(seg, shape, out, tally, fault, stall);
+    if fault == "forge" {
+        let forged = seg.relay.forged.load(Ordering::SeqCst) - forged_before;
+        // Forged Dones reach the sender on their own socket: wait for them.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut dropped = auth_dropped(seg.receiver, seg.sender) - auth_before;
+        while dropped < forged && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            dropped = auth_dropped(seg.receiver, seg.sender) - auth_before;
+        }
+        tally.forged += forged;
+        // (A drop beyond the forgeries would be some other frame's.)
+        tally.forged_dropped += dropped.min(forged);
+        if forged == 0 || dropped < forged || tally.verified == verified_before {
+            log::warn!(
+                "soak: {req}: {forged} frame(s) forged, {dropped} dropped, verified: {}",
+                tally.verified > verified_before
+            );
+            tally.forged_acted_on += 1;
+        }
     }
-    settle(seg, &keys, out, tally, fault);
-    if let Some((_, hk, hout)) = hog {
-        settle(seg, &hk, hout, tally, "exhaust_pool (the hog)");
+    if let Some((hog_req, hk, ht, hout)) = hog {
+        let hog_fault = "exhaust_pool (the hog)";
+        let shape = (hog_req.as_str(), &hk[..], &ht[..]);
+        settle(seg, shape, hout, tally, hog_fault, Duration::ZERO);
         // The refused allocation opened the sender's breaker: let it close,
         // so the next requests test more than the skip.
         std::thread::sleep(Duration::from_millis(250));
@@ -494,10 +599,21 @@ fn one_request(
     Ok(())
 }
 
-/// Allocates, fills and puts one request; the outcome, or why it failed.
+fn count(messages: &[(MessageKind, u64)], kind: MessageKind) -> u64 {
+    messages.iter().find(|(k, _)| *k == kind).map_or(0, |m| m.1)
+}
+
+/// Frames the driver's receiver and sender dropped for failing
+/// authentication.
+fn auth_dropped(r: &Receiver, s: &Sender) -> u64 {
+    count(&r.stats().messages, MessageKind::AuthDropped)
+        + count(&s.stats().messages, MessageKind::AuthDropped)
+}
+
+/// Saves one request from the prefill engine's cache; its end, or why it
+/// failed.
 fn put(seg: &mut Segment<'_>, req: &str, keys: &[String], tokens: &[usize]) -> Result<(), String> {
     seg.keys.extend(keys.iter().cloned());
-    let chunks = filled_chunks(seg.sender, keys, tokens)?;
     let spec = TransferSpec {
         req_id: req.to_string(),
         receiver_host: "127.0.0.1".into(),
@@ -506,14 +622,7 @@ fn put(seg: &mut Segment<'_>, req: &str, keys: &[String], tokens: &[usize]) -> R
         is_last_prefill: true,
         receiver_rank: None,
     };
-    match seg.sender.put(keys, &chunks, &spec) {
-        Ok(PutOutcome::Pushed { .. } | PutOutcome::Announced { .. }) => Ok(()),
-        Ok(PutOutcome::ReceiverAllocFailed) => Err("put: the receiver had no pages".into()),
-        Ok(PutOutcome::SkippedBreakerOpen) => {
-            Err("put: skipped, the receiver's breaker was open".into())
-        }
-        Err(e) => Err(format!("put: {}", short_reason(&e.to_string()))),
-    }
+    seg.prefill.save(req, keys, tokens, spec)
 }
 
 /// Chunks of `tokens` from the sender's pool, each filled with its key's
@@ -541,7 +650,7 @@ fn filled_chunks(
 
 /// An error's first clause, without the parts that differ per request
 /// (ids, numbers), so the table groups them.
-fn short_reason(e: &str) -> String {
+pub fn short_reason(e: &str) -> String {
     let first = e.split(['(', ';']).next().unwrap_or(e);
     first
         .chars()
@@ -551,13 +660,15 @@ fn short_reason(e: &str) -> String {
         .to_string()
 }
 
-/// Consumes a request on the receiver, verifying every byte, and counts it.
+/// Loads a request into the decode engine's cache, verifying every byte,
+/// and counts it.
 fn settle(
-    seg: &Segment<'_>,
-    keys: &[String],
+    seg: &mut Segment<'_>,
+    (req, keys, tokens): (&str, &[String], &[usize]),
     put: Result<(), String>,
     tally: &mut Tally,
     fault: &str,
+    stall: Duration,
 ) {
     let why_under = |why: String| format!("[{fault}] {why}");
     if let Err(why) = put {
@@ -567,57 +678,25 @@ fn settle(
         }
         return;
     }
-    match consume(seg.receiver, seg.mode, keys) {
-        Consumed::Verified => tally.verified += 1,
-        Consumed::Corrupted(k) => {
+    let loaded = seg.decode.load(req, keys, tokens, LAND_WAIT, stall);
+    count_load(loaded, tally, &why_under);
+}
+
+/// Counts how a load ended.
+fn count_load(loaded: Loaded, tally: &mut Tally, why_under: &dyn Fn(String) -> String) {
+    match loaded {
+        Loaded::Verified => tally.verified += 1,
+        Loaded::Corrupted(k) => {
             tally.corrupted += 1;
             tally.corrupted_keys.push(k);
         }
-        Consumed::Failed(why) => tally.fail(why_under(why)),
+        Loaded::Failed(why) => tally.fail(why_under(why)),
     }
 }
 
-enum Consumed {
-    Verified,
-    Corrupted(String),
-    Failed(String),
-}
-
-/// Takes every key of a request from the receiver (fetching proxies),
-/// checks its bytes against its pattern, and removes it.
-fn consume(r: &Receiver, mode: TransferMode, keys: &[String]) -> Consumed {
-    let got: Result<Vec<(String, SealedMemObj)>, String> = match mode {
-        TransferMode::PullDelay => r
-            .fetch(keys)
-            .map_err(|e| format!("load: {}", short_reason(&e.failed[0].1))),
-        _ => keys
-            .iter()
-            .map(|k| {
-                r.get_wait(k, Duration::from_secs(5))
-                    .map(|o| (k.clone(), o))
-                    .ok_or_else(|| "load: a chunk never landed".to_string())
-            })
-            .collect(),
-    };
-    let result = match &got {
-        Err(why) => Consumed::Failed(why.clone()),
-        Ok(objs) => objs
-            .iter()
-            .find(|(k, o)| {
-                o.host_bytes()
-                    .is_none_or(|b| pattern::first_mismatch(b, key_seed(k)).is_some())
-            })
-            .map_or(Consumed::Verified, |(k, _)| Consumed::Corrupted(k.clone())),
-    };
-    drop(got);
-    for k in keys {
-        r.remove(k);
-    }
-    result
-}
-
-/// Random bytes to the request socket and the handshake socket; each must
-/// be answered (the handshake's with a refusal).
+/// Random bytes to the request socket and the handshake socket. The
+/// handshake's must be answered with a refusal; the request socket's
+/// (not sealed with the secret) dropped unanswered and counted.
 fn malformed(seg: &Segment<'_>, rng: &mut fastrand::Rng, tally: &mut Tally) {
     let ctx = zmq::Context::new();
     let ports = [
@@ -630,25 +709,40 @@ fn malformed(seg: &Segment<'_>, rng: &mut fastrand::Rng, tally: &mut Tally) {
             // A valid message's start, then garbage.
             frame.splice(0..0, *b"\x82\xa4type\xacAllocRequest");
         }
-        let answered = ctx.socket(zmq::REQ).ok().and_then(|s| {
-            s.set_linger(0).ok()?;
-            s.set_rcvtimeo(2000).ok()?;
-            s.connect(&format!("tcp://127.0.0.1:{port}")).ok()?;
-            s.send(&frame, 0).ok()?;
-            s.recv_bytes(0).ok()
-        });
-        match answered {
-            Some(reply) if !handshake => {
-                if ascend_pd::protocol::Message::decode(&reply).is_err() {
-                    tally.unanswered += 1;
-                }
+        let dropped_before = count(&seg.receiver.stats().messages, MessageKind::AuthDropped);
+        let Some(s) = ctx.socket(zmq::REQ).ok().filter(|s| {
+            s.set_linger(0).is_ok()
+                && s.set_rcvtimeo(if handshake { 10_000 } else { 200 }).is_ok()
+                && s.connect(&format!("tcp://127.0.0.1:{port}")).is_ok()
+                && s.send(&frame, 0).is_ok()
+        }) else {
+            tally.mishandled += 1;
+            continue;
+        };
+        if handshake {
+            let refused = s
+                .recv_bytes(0)
+                .ok()
+                .is_some_and(|r| ascend_pd::channel::handshake::refusal_reason(&r).is_some());
+            if !refused {
+                tally.mishandled += 1;
             }
-            Some(reply) => {
-                if ascend_pd::channel::handshake::refusal_reason(&reply).is_none() {
-                    tally.unanswered += 1;
-                }
+            continue;
+        }
+        // Generous for a loaded machine: the wait ends when it is counted.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let counted = loop {
+            if count(&seg.receiver.stats().messages, MessageKind::AuthDropped) > dropped_before {
+                break true;
             }
-            None => tally.unanswered += 1,
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let answered = s.recv_bytes(0).is_ok();
+        if answered || !counted {
+            tally.mishandled += 1;
         }
     }
 }
@@ -733,23 +827,21 @@ fn kill_sender(
                     let landed = matches!(v["outcome"].as_str(), Some("pushed" | "announced"));
                     tally.requests += 1;
                     counted += 1;
-                    let (keys, _) = request_shape(&req, tokens);
+                    let (keys, toks) = request_shape(&req, tokens);
                     seg.keys.extend(keys.iter().cloned());
-                    reported.insert(req, landed);
+                    reported.insert(req.clone(), landed);
                     if !landed {
                         tally.fail("[kill_sender] put (sender process): refused or failed");
                         continue;
                     }
-                    match consume(seg.receiver, seg.mode, &keys) {
-                        Consumed::Verified => tally.verified += 1,
-                        Consumed::Corrupted(k) => {
-                            tally.corrupted += 1;
-                            tally.corrupted_keys.push(k);
-                        }
-                        Consumed::Failed(_) if killed && kill => {
+                    match seg
+                        .decode
+                        .load(&req, &keys, &toks, LAND_WAIT, Duration::ZERO)
+                    {
+                        Loaded::Failed(_) if killed && kill => {
                             tally.fail("[kill_sender] killed before its pull was read")
                         }
-                        Consumed::Failed(why) => tally.fail(format!("[kill_sender] {why}")),
+                        loaded => count_load(loaded, tally, &|why| format!("[kill_sender] {why}")),
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
@@ -797,7 +889,7 @@ fn kill_receiver(
     dir: &Path,
     leftover: &mut (usize, usize),
 ) -> Result<usize> {
-    let rc = receiver_config(channel, mode)?;
+    let rc = receiver_config(channel, mode, dir)?;
     let notify = free_port()?;
     let path = dir.join(format!("receiver-{notify}.yaml"));
     std::fs::write(&path, rc.to_effective_yaml())?;
@@ -814,7 +906,8 @@ fn kill_receiver(
             ],
             "receiver",
         )?;
-        match events.recv_timeout(Duration::from_secs(20)) {
+        // Generous for a loaded machine: the wait ends when it is ready.
+        match events.recv_timeout(Duration::from_secs(60)) {
             Ok(v) if v["event"] == "receiver_ready" => Ok((child, events)),
             other => {
                 child.kill().ok();
@@ -966,15 +1059,29 @@ fn present_and_verified(r: &Receiver, mode: TransferMode, keys: &[String]) -> Re
 }
 
 /// A relay between senders and a receiver's request socket that keeps
-/// each sender's route (the receiver grants pages by it) and drops or
-/// delays frames on command.
+/// each sender's route (the receiver grants pages by it) and drops,
+/// delays or forges frames on command.
 struct Relay {
     port: u16,
     drop_requests: Arc<AtomicU32>,
     drop_replies: Arc<AtomicU32>,
     delay_ms: Arc<AtomicU64>,
+    /// Forge frames from the next request the relay can learn from.
+    forge: Arc<AtomicBool>,
+    /// Frames forged so far.
+    forged: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The relay thread's share of the commands.
+struct Controls {
+    drop_requests: Arc<AtomicU32>,
+    drop_replies: Arc<AtomicU32>,
+    delay_ms: Arc<AtomicU64>,
+    forge: Arc<AtomicBool>,
+    forged: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -989,19 +1096,23 @@ impl Relay {
             drop_requests: Arc::default(),
             drop_replies: Arc::default(),
             delay_ms: Arc::default(),
+            forge: Arc::default(),
+            forged: Arc::default(),
             stop: Arc::default(),
             thread: Mutex::new(None),
         };
-        let (dq, dr, dl, stop) = (
-            Arc::clone(&relay.drop_requests),
-            Arc::clone(&relay.drop_replies),
-            Arc::clone(&relay.delay_ms),
-            Arc::clone(&relay.stop),
-        );
+        let ctl = Controls {
+            drop_requests: Arc::clone(&relay.drop_requests),
+            drop_replies: Arc::clone(&relay.drop_replies),
+            delay_ms: Arc::clone(&relay.delay_ms),
+            forge: Arc::clone(&relay.forge),
+            forged: Arc::clone(&relay.forged),
+            stop: Arc::clone(&relay.stop),
+        };
         let back_url = format!("tcp://127.0.0.1:{receiver_alloc_port}");
         let t = std::thread::Builder::new()
             .name("soak-relay".into())
-            .spawn(move || relay_loop(ctx, front, &back_url, &dq, &dr, &dl, &stop))?;
+            .spawn(move || relay_loop(ctx, front, &back_url, &ctl))?;
         *relay.thread.lock().expect("fresh") = Some(t);
         Ok(relay)
     }
@@ -1019,20 +1130,22 @@ fn take_one(n: &AtomicU32) -> bool {
         .is_ok()
 }
 
-fn relay_loop(
-    ctx: zmq::Context,
-    front: zmq::Socket,
-    back_url: &str,
-    drop_requests: &AtomicU32,
-    drop_replies: &AtomicU32,
-    delay_ms: &AtomicU64,
-    stop: &AtomicBool,
-) {
+/// One route through the relay: its identity, the DEALER that speaks for
+/// it to the receiver, and the last request it forwarded.
+struct Route {
+    id: Vec<u8>,
+    back: zmq::Socket,
+    last_request: Vec<u8>,
+}
+
+fn relay_loop(ctx: zmq::Context, front: zmq::Socket, back_url: &str, ctl: &Controls) {
     // One DEALER per route, named like it, so the receiver sees the route.
-    let mut backs: Vec<(Vec<u8>, zmq::Socket)> = Vec::new();
-    while !stop.load(Ordering::SeqCst) {
+    let mut routes: Vec<Route> = Vec::new();
+    // PUSH sockets to senders' done ports, for forged PullDoneSignals.
+    let mut pushers: Vec<(String, zmq::Socket)> = Vec::new();
+    while !ctl.stop.load(Ordering::SeqCst) {
         let mut items = vec![front.as_poll_item(zmq::POLLIN)];
-        items.extend(backs.iter().map(|(_, s)| s.as_poll_item(zmq::POLLIN)));
+        items.extend(routes.iter().map(|r| r.back.as_poll_item(zmq::POLLIN)));
         if zmq::poll(&mut items, 20).is_err() {
             return;
         }
@@ -1041,14 +1154,14 @@ fn relay_loop(
         if ready[0] {
             if let Ok(parts) = front.recv_multipart(zmq::DONTWAIT) {
                 if let [route, empty, body] = &parts[..] {
-                    let delay = delay_ms.swap(0, Ordering::SeqCst);
+                    let delay = ctl.delay_ms.swap(0, Ordering::SeqCst);
                     if delay > 0 {
                         std::thread::sleep(Duration::from_millis(delay));
                     }
-                    if !take_one(drop_requests) {
-                        if !backs.iter().any(|(r, _)| r == route) {
-                            if backs.len() >= 256 {
-                                backs.remove(0);
+                    if !take_one(&ctl.drop_requests) {
+                        if !routes.iter().any(|r| r.id == *route) {
+                            if routes.len() >= 256 {
+                                routes.remove(0);
                             }
                             let Ok(s) = ctx.socket(zmq::DEALER) else {
                                 continue;
@@ -1058,26 +1171,184 @@ fn relay_loop(
                             if s.connect(back_url).is_err() {
                                 continue;
                             }
-                            backs.push((route.clone(), s));
+                            routes.push(Route {
+                                id: route.clone(),
+                                back: s,
+                                last_request: Vec::new(),
+                            });
                         }
-                        let (_, s) = backs.iter().find(|(r, _)| r == route).expect("added");
-                        s.send_multipart([&empty[..], &body[..]], 0).ok();
+                        let r = routes.iter_mut().find(|r| r.id == *route).expect("added");
+                        r.back.send_multipart([&empty[..], &body[..]], 0).ok();
+                        r.last_request.clone_from(body);
                     }
                 }
             }
         }
-        for (i, (route, s)) in backs.iter().enumerate() {
+        for (i, r) in routes.iter().enumerate() {
             if !ready.get(i + 1).copied().unwrap_or(false) {
                 continue;
             }
-            while let Ok(parts) = s.recv_multipart(zmq::DONTWAIT) {
-                if take_one(drop_replies) {
+            while let Ok(parts) = r.back.recv_multipart(zmq::DONTWAIT) {
+                if take_one(&ctl.drop_replies) {
                     continue;
                 }
-                let mut out = vec![route.clone()];
+                if ctl.forge.load(Ordering::SeqCst) {
+                    if let Some(reply) = parts.last() {
+                        let n = forge::inject(&ctx, r, reply, &mut pushers);
+                        if n > 0 {
+                            ctl.forge.store(false, Ordering::SeqCst);
+                            ctl.forged.fetch_add(n, Ordering::SeqCst);
+                        }
+                    }
+                }
+                let mut out = vec![r.id.clone()];
                 out.extend(parts);
                 front.send_multipart(out, 0).ok();
             }
         }
+    }
+}
+
+/// The `forge` fault: what an on-path observer of the request socket can
+/// make of one request and its reply. The envelope authenticates but does
+/// not encrypt, so the observer reads the messages: the route, the
+/// request's keys and id, the pages a push was granted, a pull's id and
+/// the sender's done port. From them it forges, on the route's own
+/// connection (so the receiver sees the sender's route):
+///
+/// - push (`AllocRequest`, answered with pages): an `aborted` push notice
+///   for exactly those pages, bare and resealed with a made-up MAC; a
+///   resealed `CancelNotif` for the request's keys; a bare
+///   `CacheQueryRequest`; the sealed `AllocRequest` replayed;
+/// - pull (`PullReadyNotif`): to the sender's done port, a bare
+///   `PullDoneSignal` for the pull, one resealed with a made-up MAC, and
+///   the receiver's genuine sealed ack (a frame of another socket); to the
+///   receiver, a resealed `CancelNotif` for the keys and the sealed
+///   notification replayed.
+///
+/// Each, if acted on, would free pages still being written or read,
+/// drop the request's chunks, or answer a stranger.
+mod forge {
+    use super::Route;
+    use ascend_pd::auth::{envelope_header, ENVELOPE_HEADER, PROOF_LEN};
+    use ascend_pd::memory::BufferRef;
+    use ascend_pd::protocol::{
+        CacheQueryRequest, CancelNotif, Message, PullDoneSignal, PushNotice, PushOutcome,
+    };
+
+    /// The message inside a sealed frame (`None`: not sealed).
+    fn inner(frame: &[u8]) -> Option<&[u8]> {
+        envelope_header(frame)?;
+        Some(&frame[ENVELOPE_HEADER..frame.len() - PROOF_LEN])
+    }
+
+    /// `message` in the envelope of `seen` (its counter well ahead), with a
+    /// MAC the observer made up.
+    fn reseal(seen: &[u8], message: &[u8]) -> Vec<u8> {
+        let mut f = seen[..ENVELOPE_HEADER].to_vec();
+        let at = ENVELOPE_HEADER - 8;
+        let counter = u64::from_be_bytes(f[at..].try_into().expect("8 bytes"));
+        f[at..].copy_from_slice(&counter.wrapping_add(100).to_be_bytes());
+        f.extend_from_slice(message);
+        f.extend_from_slice(&[0x5a; PROOF_LEN]);
+        f
+    }
+
+    /// Forges from `route`'s last request and its `reply`, and sends the
+    /// forgeries; the number sent (0: nothing to learn from this pair).
+    pub(super) fn inject(
+        ctx: &zmq::Context,
+        route: &Route,
+        reply: &[u8],
+        pushers: &mut Vec<(String, zmq::Socket)>,
+    ) -> u64 {
+        let request = &route.last_request;
+        let (Some(req_msg), Some(reply_msg)) = (inner(request), inner(reply)) else {
+            return 0;
+        };
+        let (to_receiver, to_sender) = match (Message::decode(req_msg), Message::decode(reply_msg))
+        {
+            (Ok(Message::AllocRequest(req)), Ok(Message::AscendAllocResponse(resp))) => {
+                let refs: Option<Vec<BufferRef>> = resp
+                    .remote_buffer_uuids
+                    .iter()
+                    .zip(&resp.remote_indexes)
+                    .map(|(u, &page)| {
+                        Some(BufferRef {
+                            uuid: uuid::Uuid::parse_str(u).ok()?,
+                            page: u32::try_from(page).ok()?,
+                        })
+                    })
+                    .collect();
+                let Some(refs) = refs.filter(|r| !r.is_empty()) else {
+                    return 0;
+                };
+                let aborted = PushNotice {
+                    route: String::from_utf8_lossy(&route.id).into_owned(),
+                    outcome: PushOutcome::Aborted,
+                    refs,
+                }
+                .encode();
+                let cancel = Message::CancelNotif(CancelNotif {
+                    req_id: req.req_id.clone().unwrap_or_default(),
+                    keys: req.keys.clone(),
+                })
+                .encode();
+                let query = Message::CacheQueryRequest(CacheQueryRequest {
+                    keys: req.keys.clone(),
+                })
+                .encode();
+                let to_receiver = vec![
+                    reseal(request, &aborted),
+                    aborted,
+                    reseal(request, &cancel),
+                    query,
+                    request.clone(),
+                ];
+                (to_receiver, None)
+            }
+            (Ok(Message::PullReadyNotif(n)), _) => {
+                let done = Message::PullDoneSignal(PullDoneSignal {
+                    pull_id: n.pull_id.clone(),
+                })
+                .encode();
+                let cancel = Message::CancelNotif(CancelNotif {
+                    req_id: n.req_id.clone().unwrap_or_default(),
+                    keys: n.keys.clone(),
+                })
+                .encode();
+                let to_sender = vec![reseal(request, &done), done, reply.to_vec()];
+                (
+                    vec![reseal(request, &cancel), request.clone()],
+                    Some((n.sender_done_url, to_sender)),
+                )
+            }
+            _ => return 0,
+        };
+        let mut sent = 0;
+        for f in to_receiver {
+            if route.back.send_multipart([&[][..], &f[..]], 0).is_ok() {
+                sent += 1;
+            }
+        }
+        if let Some((url, frames)) = to_sender {
+            if !pushers.iter().any(|(u, _)| *u == url) {
+                let Ok(push) = ctx.socket(zmq::PUSH) else {
+                    return sent;
+                };
+                push.set_linger(0).ok();
+                if push.connect(&format!("tcp://{url}")).is_err() {
+                    return sent;
+                }
+                pushers.push((url.clone(), push));
+            }
+            let (_, push) = pushers.iter().find(|(u, _)| *u == url).expect("added");
+            for f in frames {
+                if push.send(f, 0).is_ok() {
+                    sent += 1;
+                }
+            }
+        }
+        sent
     }
 }
