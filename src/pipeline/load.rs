@@ -750,6 +750,11 @@ fn load_group_direct(
             continue;
         }
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+        let deadline = began
+            .iter()
+            .map(|(_, p)| p.lease_deadline)
+            .min()
+            .unwrap_or(now);
         // SAFETY: every destination is a run of this cache's own memory
         // (direct_targets, from its copy plan; registered with the channel
         // where it needs that), alive while the load borrows the cache.
@@ -762,11 +767,6 @@ fn load_group_direct(
         // own slot (distinct_slots, checked before choosing this path) and
         // a chunk's runs cover distinct (layer, plane, slot) elements (the
         // head pieces of one chunk distinct elements: check_pieces).
-        let deadline = began
-            .iter()
-            .map(|(_, p)| p.lease_deadline)
-            .min()
-            .unwrap_or(now);
         let read = unsafe { env.channel().read_direct(peer, &ops, deadline) };
         let finished = Instant::now();
         tally.batches += 1;
