@@ -6,7 +6,7 @@
 mod common;
 
 use ascend_pd::backend::{PutOutcome, Receiver, Sender};
-use ascend_pd::config::{BufferDevice, ChannelKind, TransferMode};
+use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, TransferMode};
 use ascend_pd::memory::npu::{read_page, AclRuntime};
 use ascend_pd::memory::{pattern, DeviceKind, Page, SealedMemObj};
 use common::*;
@@ -44,6 +44,24 @@ fn verify(r: &Receiver, mode: TransferMode, ks: &[String]) {
     }
 }
 
+/// Puts five chunks (the last of 11 tokens) named `prefix`, checks every
+/// byte at the receiver, and waits for the sender to drain.
+fn put_and_verify(r: &Receiver, rc: &PdConfig, s: &Sender, mode: TransferMode, prefix: &str) {
+    let ks = keys(prefix, 5);
+    let c = chunks(s, &ks, 11);
+    let out = s.put(&ks, &c, &spec_for(rc, "h", true)).unwrap();
+    assert!(
+        matches!(
+            out,
+            PutOutcome::Pushed { written: 5, .. } | PutOutcome::Announced { announced: 5, .. }
+        ),
+        "{mode:?}: {out:?}"
+    );
+    drop(c);
+    verify(r, mode, &ks);
+    assert!(s.drain(Duration::from_secs(10)), "{mode:?}");
+}
+
 #[test]
 fn every_mode_over_hccl_moves_every_byte() {
     emulator();
@@ -53,19 +71,7 @@ fn every_mode_over_hccl_moves_every_byte() {
         TransferMode::PullDelay,
     ] {
         let (r, rc, s) = pair(ChannelKind::Hccl, mode, 32);
-        let ks = keys(&format!("hccl-{}", mode.name()), 5);
-        let c = chunks(&s, &ks, 11);
-        let out = s.put(&ks, &c, &spec_for(&rc, "h", true)).unwrap();
-        assert!(
-            matches!(
-                out,
-                PutOutcome::Pushed { written: 5, .. } | PutOutcome::Announced { announced: 5, .. }
-            ),
-            "{mode:?}: {out:?}"
-        );
-        drop(c);
-        verify(&r, mode, &ks);
-        assert!(s.drain(Duration::from_secs(10)), "{mode:?}");
+        put_and_verify(&r, &rc, &s, mode, &format!("hccl-{}", mode.name()));
         assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
         assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
     }
@@ -140,19 +146,7 @@ fn every_mode_over_hccl_with_a_secret_moves_every_byte() {
         let mut sc = sender_config(ChannelKind::Hccl, mode, 32);
         sc.auth_secret_file = Some(secret.clone());
         let s = Sender::start(&sc, 0, Default::default()).unwrap();
-        let ks = keys(&format!("hccl-auth-{}", mode.name()), 5);
-        let c = chunks(&s, &ks, 11);
-        let out = s.put(&ks, &c, &spec_for(&rc, "h", true)).unwrap();
-        assert!(
-            matches!(
-                out,
-                PutOutcome::Pushed { written: 5, .. } | PutOutcome::Announced { announced: 5, .. }
-            ),
-            "{mode:?}: {out:?}"
-        );
-        drop(c);
-        verify(&r, mode, &ks);
-        assert!(s.drain(Duration::from_secs(10)), "{mode:?}");
+        put_and_verify(&r, &rc, &s, mode, &format!("hccl-auth-{}", mode.name()));
         assert_eq!(r.stats().grants.unauthenticated, 0, "{mode:?}");
         assert_eq!(s.stats().grants.unauthenticated, 0, "{mode:?}");
         assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");

@@ -221,9 +221,7 @@ class ConnectorWorker:
             log.warning("ascend-pd: request %s preempted before its save started; not saved", save.spec.req_id)
         deadline = time.monotonic() + timeout_s
         while True:
-            self._take_released()
-            for c in self.sender.poll():
-                self._save_ended(c)
+            self._poll_saves()
             waiting = {r for r in preempted if r in self.state.running_saves and not self.state.running_saves[r].released}
             if not waiting or time.monotonic() >= deadline:
                 break
@@ -240,9 +238,7 @@ class ConnectorWorker:
         recving: Set[str] = set()
         if self.sender is not None:
             self._submit_saves()
-            self._take_released()
-            for c in self.sender.poll():
-                self._save_ended(c)
+            self._poll_saves()
             # vLLM may free a request's blocks once it finished and its save
             # no longer reads them (gathered into our pages), not only once
             # the save's transfer ended.
@@ -335,6 +331,18 @@ class ConnectorWorker:
             log.warning("ascend-pd save of %s %s: %s", c.req_id, c.status, c.message)
         if save is not None and not save.released:
             self.state.cache_free.add(c.req_id)
+
+    def _poll_saves(self) -> None:
+        """Takes the saves that ended and those that stopped reading vLLM's
+        blocks. Ends first: the library reports a save's release before its
+        end, so every save that ended has its release taken below before
+        the end is handled (the other order could miss a release that came
+        between the two calls)."""
+        assert self.sender is not None
+        ended = self.sender.poll()
+        self._take_released()
+        for c in ended:
+            self._save_ended(c)
 
     def _take_released(self) -> None:
         """Marks the saves the library says no longer read vLLM's blocks."""
