@@ -205,6 +205,7 @@ fn reads(pages: Vec<MemObj>, uuid: Uuid, page: impl Fn(usize) -> u32) -> Vec<Rea
                 uuid,
                 page: page(i),
             },
+            offset: 0,
             len: PAGE,
         })
         .collect()
@@ -226,6 +227,7 @@ fn writes(
                 uuid,
                 page: page(i),
             },
+            offset: 0,
             len: len(i),
         })
         .collect()
@@ -372,6 +374,7 @@ fn bad_references_are_rejected_and_nothing_is_written() {
         let op = |i: usize, uuid: Uuid, page: u32, len: usize| WriteOp {
             local: src[i].clone(),
             remote: BufferRef { uuid, page },
+            offset: 0,
             len,
         };
         let cases: Vec<(Vec<WriteOp>, &str)> = vec![

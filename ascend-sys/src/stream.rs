@@ -348,6 +348,23 @@ impl Event {
     pub fn as_raw(&self) -> sys::aclrtEvent {
         self.raw
     }
+
+    /// Records this event at the current end of a stream someone else owns
+    /// (an engine's compute stream), without wrapping it: unlike
+    /// [`Device::borrow_stream`], nothing waits for that stream's work.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of this event's device.
+    pub unsafe fn record_on(&self, raw: sys::aclrtStream) -> Result<()> {
+        if raw.is_null() {
+            return Err(Error::InvalidArgument(
+                "the stream handle is null; pass the engine's aclrtStream".into(),
+            ));
+        }
+        self.device.bind()?;
+        // SAFETY: `raw` is live by the caller's contract; the event is ours.
+        unsafe { acl_call!(self.device.libs(), aclrtRecordEvent(self.raw, raw)) }
+    }
 }
 
 impl Drop for Event {

@@ -22,7 +22,7 @@ mod zmq_io;
 pub use crate::protocol::PutOutcome;
 pub use counters::{MessageCounters, MessageKind};
 pub use receiver::{FetchError, Receiver, ReceiverStats};
-pub use sender::{Sender, SenderStats, SenderTimeouts, TransferSpec};
+pub use sender::{LayerSource, Sender, SenderStats, SenderTimeouts, TransferSpec};
 
 use crate::channel::ChannelError;
 use crate::config::ConfigError;
@@ -88,6 +88,17 @@ pub enum BackendError {
         /// Its reason.
         why: String,
     },
+    /// A layer-wise save ended before the engine handed over every layer:
+    /// the receiver dropped what it allocated, nothing of it is loadable.
+    #[error("layer-wise save: layer {layer} of {layers} never came ({why}); the receiver dropped the request's pages")]
+    LayerMissing {
+        /// The first layer not written.
+        layer: usize,
+        /// Layers of the model.
+        layers: usize,
+        /// Why.
+        why: String,
+    },
     /// The backend is shutting down.
     #[error("the backend is closed")]
     Closed,
@@ -100,6 +111,9 @@ impl From<PutRejected> for BackendError {
             PutRejected::Backpressure(m) => BackendError::Backpressure(m),
             PutRejected::BadReply { peer, detail } => BackendError::BadReply { peer, detail },
             PutRejected::NoticeRefused { peer, why } => BackendError::NoticeRefused { peer, why },
+            PutRejected::LayerMissing { layer, layers, why } => {
+                BackendError::LayerMissing { layer, layers, why }
+            }
         }
     }
 }

@@ -17,15 +17,37 @@ use crate::kv::tp::Route;
 use crate::layout::ChunkLayout;
 use crate::memory::{ChunkMeta, DualAllocator, DualStats, MemObj, SealedMemObj};
 use crate::protocol::{
-    Attached, BreakerCounters, BreakerState, CancelNotif, ClockMap, Delivery, DoneOutcome, Message,
-    PullCounters, PutAction, PutFailure, PutOutcome, PutRejected, PutSpec, RequestKind,
-    SenderConfig, SenderCore, WriteEnd,
+    Attached, BreakerCounters, BreakerState, CancelNotif, ChunkDesc, ClockMap, Delivery,
+    DoneOutcome, Message, PullCounters, PutAction, PutFailure, PutOutcome, PutRejected, PutSpec,
+    RequestKind, SenderConfig, SenderCore, WriteEnd,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// Hands a layer-wise push its layers ([`Sender::put_layers`]).
+pub trait LayerSource {
+    /// Waits until the engine wrote layer `layer` of the put's chunks and
+    /// returns the writes of that layer's ranges: for each `(chunk index,
+    /// receiver page)` of `targets`, the chunk's page with that layer's K
+    /// and V rows filled, written to the same ranges of the receiver's page
+    /// ([`ChunkMeta::layer_ranges`]). `Err(why)` when the layer never comes
+    /// (the save was closed early, cancelled, or timed out): the put then
+    /// ends, and the receiver drops what it allocated.
+    fn layer(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, crate::memory::BufferRef)],
+    ) -> Result<Vec<crate::channel::WriteOp>, String>;
+}
+
+/// What a put sends: sealed chunks, or layers from a [`LayerSource`].
+enum Payload<'a> {
+    Whole(&'a [SealedMemObj]),
+    Layers(&'a mut dyn LayerSource),
+}
 
 /// Where one request's KV goes (what the scheduler tells the prefill worker).
 #[derive(Clone, Debug)]
@@ -328,6 +350,11 @@ impl Sender {
         self.shared.done_port
     }
 
+    /// The configuration the sender started with.
+    pub fn config(&self) -> &PdConfig {
+        &self.shared.config
+    }
+
     /// The layout of one full chunk as `put` sends it: this rank's whole
     /// chunk, or — when the decode TP is larger than the prefill TP — one
     /// decode rank's head slice of it (see [`Sender::routes`]).
@@ -469,6 +496,34 @@ impl Sender {
         chunks: &[SealedMemObj],
         spec: &TransferSpec,
     ) -> Result<PutOutcome, BackendError> {
+        let descs: Vec<ChunkDesc> = chunks.iter().map(|c| ChunkDesc::of(c)).collect();
+        self.run_put(keys, &descs, spec, Payload::Whole(chunks))
+    }
+
+    /// A layer-wise push (push mode) of the chunks `descs` describes, one
+    /// per key: the receiver allocates for all of them first, then each
+    /// layer is written as soon as `source` hands it over (it blocks until
+    /// the engine wrote that layer), and the receiver takes the chunks as
+    /// landed only after the last layer. If `source` says a layer never
+    /// comes, the receiver is told to drop the allocation and the put fails
+    /// ([`BackendError::LayerMissing`]).
+    pub fn put_layers(
+        &self,
+        keys: &[String],
+        descs: &[ChunkDesc],
+        spec: &TransferSpec,
+        source: &mut dyn LayerSource,
+    ) -> Result<PutOutcome, BackendError> {
+        self.run_put(keys, descs, spec, Payload::Layers(source))
+    }
+
+    fn run_put(
+        &self,
+        keys: &[String],
+        descs: &[ChunkDesc],
+        spec: &TransferSpec,
+        mut payload: Payload<'_>,
+    ) -> Result<PutOutcome, BackendError> {
         let s = &self.shared;
         let max_keys = s.config.max_keys_per_message();
         if keys.len() as u64 > max_keys {
@@ -484,17 +539,16 @@ impl Sender {
         // pages say where in this rank's token they were taken from.
         if let Some(route) = s.routes.iter().find(|r| r.rank == rank) {
             let want = self.piece_offset(route);
-            if let Some((i, c)) = chunks
+            if let Some((i, c)) = descs
                 .iter()
                 .enumerate()
-                .find(|(_, c)| c.meta().hidden_offset != want)
+                .find(|(_, c)| c.meta.hidden_offset != want)
             {
                 return Err(BackendError::InvalidInput(format!(
                     "chunk {i} holds the heads starting at element {} of this rank's token, but \
                      decode rank {rank} takes {} (starting at element {want}): allocate its \
                      pages with Sender::allocate_for(route) and gather into them",
-                    c.meta().hidden_offset,
-                    route.heads
+                    c.meta.hidden_offset, route.heads
                 )));
             }
         }
@@ -523,8 +577,14 @@ impl Sender {
             req_id: spec.req_id.clone(),
             is_last_prefill: spec.is_last_prefill,
         };
-        let (mut put, mut action) =
-            lock(&s.core).begin_put(Instant::now(), put_spec, keys.to_vec(), chunks.to_vec());
+        let (mut put, mut action) = match &payload {
+            Payload::Whole(chunks) => {
+                lock(&s.core).begin_put(Instant::now(), put_spec, keys.to_vec(), chunks.to_vec())
+            }
+            Payload::Layers(_) => {
+                lock(&s.core).begin_layered_put(Instant::now(), put_spec, keys.to_vec(), descs)
+            }
+        };
         let mut last_io: Option<BackendError> = None;
         let end = loop {
             action = match action {
@@ -604,38 +664,26 @@ impl Sender {
                     next
                 }
                 PutAction::Write { peer, tag, ops } => {
-                    let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
-                    let end = match s.channel.submit_write(peer, tag, ops) {
-                        Err(e) => {
-                            // Refused before any byte moved.
-                            last_io = Some(e.into());
-                            WriteEnd::Failed
-                        }
-                        Ok(c) => {
-                            let done = c.wait();
-                            match done.result {
-                                Ok(()) => {
-                                    s.counters.add_bytes(bytes);
-                                    WriteEnd::Written
-                                }
-                                Err(e) => {
-                                    // The channel gives the pages back only
-                                    // once nothing of the write runs.
-                                    let over = !done.pages.is_empty();
-                                    last_io = Some(e.into());
-                                    if over {
-                                        WriteEnd::Failed
-                                    } else {
-                                        WriteEnd::Abandoned
-                                    }
-                                }
-                            }
-                        }
-                    };
-                    if !matches!(end, WriteEnd::Written) {
-                        s.counters.bump(MessageKind::TransferError);
-                    }
+                    let end = self.write(peer, tag, ops, &mut last_io);
                     lock(&s.core).on_written(&mut put, Instant::now(), end)
+                }
+                PutAction::WriteLayer {
+                    peer,
+                    tag,
+                    layer,
+                    targets,
+                } => {
+                    let ops = match &mut payload {
+                        Payload::Layers(source) => source.layer(layer, &targets),
+                        Payload::Whole(_) => Err("a whole put was asked for a layer".into()),
+                    };
+                    match ops {
+                        Ok(ops) => {
+                            let end = self.write(peer, tag, ops, &mut last_io);
+                            lock(&s.core).on_written(&mut put, Instant::now(), end)
+                        }
+                        Err(why) => lock(&s.core).on_layer_missing(&mut put, Instant::now(), why),
+                    }
                 }
             };
         };
@@ -663,6 +711,50 @@ impl Sender {
                 Err(r.into())
             }
         }
+    }
+
+    /// Runs one push write to the end and says how it ended (its bytes
+    /// counted, its error kept in `last_io`).
+    fn write(
+        &self,
+        peer: crate::channel::PeerId,
+        tag: GrantTag,
+        ops: Vec<crate::channel::WriteOp>,
+        last_io: &mut Option<BackendError>,
+    ) -> WriteEnd {
+        let s = &self.shared;
+        let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+        let end = match s.channel.submit_write(peer, tag, ops) {
+            Err(e) => {
+                // Refused before any byte moved.
+                *last_io = Some(e.into());
+                WriteEnd::Failed
+            }
+            Ok(c) => {
+                let done = c.wait();
+                match done.result {
+                    Ok(()) => {
+                        s.counters.add_bytes(bytes);
+                        WriteEnd::Written
+                    }
+                    Err(e) => {
+                        // The channel gives the pages back only
+                        // once nothing of the write runs.
+                        let over = !done.pages.is_empty();
+                        *last_io = Some(e.into());
+                        if over {
+                            WriteEnd::Failed
+                        } else {
+                            WriteEnd::Abandoned
+                        }
+                    }
+                }
+            }
+        };
+        if !matches!(end, WriteEnd::Written) {
+            s.counters.bump(MessageKind::TransferError);
+        }
+        end
     }
 
     /// Tells the receiver of `spec` that request `req_id` is cancelled

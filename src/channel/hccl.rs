@@ -743,8 +743,8 @@ impl HcclChannel {
             batch.extend(one_sided(
                 &p.table,
                 op.remote,
-                op.local.addr(),
-                *off,
+                op.local.addr() + op.offset as u64,
+                *off + op.offset as u64,
                 op.len,
             ));
         }

@@ -183,16 +183,19 @@ pub struct DirectRead {
     pub len: usize,
 }
 
-/// One transfer: `len` bytes between the start of a local page and the
-/// start of a remote page. The op owns its local page until its batch
-/// completes.
+/// One transfer: `len` bytes at byte `offset` of a local page to or from
+/// the same offset of a remote page (a whole chunk starts at 0; a
+/// layer-wise push moves one layer's ranges of each chunk). The op owns its
+/// local page until its batch completes.
 #[derive(Debug)]
 pub struct TransferOp<P> {
     /// The local page (destination of a read, source of a write).
     pub local: P,
     /// The remote page.
     pub remote: BufferRef,
-    /// Bytes to move (at most one page on both sides).
+    /// Where the range starts, in both pages.
+    pub offset: usize,
+    /// Bytes to move (`offset + len` at most one page on both sides).
     pub len: usize,
 }
 
@@ -200,7 +203,27 @@ impl<P: std::ops::Deref<Target = Page>> TransferOp<P> {
     /// An op moving the local chunk's real bytes (`local.byte_len()`).
     pub fn chunk(local: P, remote: BufferRef) -> TransferOp<P> {
         let len = local.byte_len();
-        TransferOp { local, remote, len }
+        TransferOp {
+            local,
+            remote,
+            offset: 0,
+            len,
+        }
+    }
+
+    /// An op moving `len` bytes at `offset` of both pages.
+    pub fn range(local: P, remote: BufferRef, offset: usize, len: usize) -> TransferOp<P> {
+        TransferOp {
+            local,
+            remote,
+            offset,
+            len,
+        }
+    }
+
+    /// Where the range ends in both pages (`offset + len`).
+    pub fn end(&self) -> usize {
+        self.offset.saturating_add(self.len)
     }
 }
 
@@ -626,7 +649,7 @@ pub(crate) fn check_ops<P: LocalPage>(
         .map(|(i, op)| {
             let (_, off) =
                 table
-                    .resolve(op.remote, op.len)
+                    .resolve(op.remote, op.end())
                     .map_err(|reason| ChannelError::BadRef {
                         op: i,
                         remote: op.remote,
@@ -638,10 +661,10 @@ pub(crate) fn check_ops<P: LocalPage>(
                 local: op.local.buffer_ref(),
                 reason,
             };
-            if op.len > page {
+            if op.end() > page {
                 return Err(bad_local(format!(
-                    "{} bytes exceed the local {page}-byte page",
-                    op.len
+                    "{} bytes at offset {} exceed the local {page}-byte page",
+                    op.len, op.offset
                 )));
             }
             if local_host_only && op.local.device() != DeviceKind::Cpu {

@@ -1094,9 +1094,9 @@ impl TcpChannel {
         }
         let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
-            let mut off = 0;
-            while off < op.len {
-                let len = (op.len - off).min(self.opts.slice_bytes.max(1));
+            let mut off = op.offset;
+            while off < op.end() {
+                let len = (op.end() - off).min(self.opts.slice_bytes.max(1));
                 slices.push(Slice {
                     op: i,
                     offset: off,
@@ -1457,7 +1457,7 @@ fn run_on_connection<P: LocalPage>(
                     sent += 1;
                     continue;
                 }
-                // SAFETY: check_ops proved sl.offset+sl.len <= op.len <= the
+                // SAFETY: check_ops proved sl.offset+sl.len <= op.end() <= the
                 // local page size, and `ops` keeps the page alive.
                 let src = unsafe {
                     std::slice::from_raw_parts(

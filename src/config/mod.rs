@@ -288,6 +288,11 @@ pub struct PdConfig {
     pub pull_done_port: Option<PortList>,
     /// `pd_use_cpu_offload`.
     pub use_cpu_offload: bool,
+    /// `pd_layerwise` (sender, push mode): save each layer's KV as soon
+    /// as the prefill wrote it, so the transfer runs during the forward
+    /// pass (the engine integration hands layers over; see
+    /// `SaveQueue::open_layered`).
+    pub layerwise: bool,
     /// `pd_cpu_buffer_size`; `None` falls back to `pd_buffer_size`.
     pub cpu_buffer_size: Option<u64>,
     /// `pd_alloc_fail_backoff_ttl` (default 2 s).
@@ -343,6 +348,7 @@ impl PdConfig {
             delay_pull: false,
             pull_done_port: None,
             use_cpu_offload: false,
+            layerwise: false,
             cpu_buffer_size: None,
             alloc_fail_backoff_ttl: Duration::from_secs(2),
             pull_pending_ttl: Duration::from_secs(360),
@@ -536,6 +542,22 @@ impl PdConfig {
                 "pd_delay_pull",
                 "is true but pd_pull_mode is false; delay-pull is a pull mode".into(),
                 "set pd_pull_mode: true, or remove pd_delay_pull",
+            );
+        }
+        if self.layerwise && self.pull_mode {
+            bad(
+                "pd_layerwise",
+                "is true but pd_pull_mode is true; layer-wise saving is a push mode (the \
+                 receiver allocates at once and the sender writes each layer as the prefill \
+                 produces it; a pull announces a chunk only once it is whole)"
+                    .into(),
+                "set pd_pull_mode: false (push), or remove pd_layerwise",
+            );
+        }
+        if self.layerwise && self.role == Role::Receiver {
+            warnings.push(
+                "pd_layerwise: ignored on a receiver (a layer-wise push lands like any push)"
+                    .to_string(),
             );
         }
         if self.use_cpu_offload && self.role == Role::Receiver {
@@ -861,6 +883,7 @@ impl PdConfig {
         let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);
         let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));
         let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
+        let _ = writeln!(s, "pd_layerwise: {}", self.layerwise);
         let cpu = if self.use_cpu_offload {
             self.cpu_pool_bytes().to_string()
         } else {

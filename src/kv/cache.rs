@@ -1,6 +1,6 @@
 //! The KV cache's memory and the copies in and out of it.
 
-use super::plan::{strided_copies, PlaneCopy};
+use super::plan::{layer_copies, strided_copies, PlaneCopy};
 use super::strides::{check_planes, CheckedPlanes};
 use super::{KvCacheSpec, KvError, KvStrides};
 use crate::memory::npu::{read_page, write_page};
@@ -528,6 +528,15 @@ impl KvCache {
         })
     }
 
+    /// The NPU the cache is on (`None` for a host cache): where the events
+    /// a layer-wise save orders its copies by are made.
+    pub fn npu_device(&self) -> Option<&Device> {
+        match &self.mem {
+            Memory::Npu { device, .. } => Some(device),
+            Memory::Host(_) => None,
+        }
+    }
+
     /// The shape.
     pub fn spec(&self) -> &KvCacheSpec {
         &self.spec
@@ -849,18 +858,67 @@ impl KvCache {
     pub fn gather(&mut self, slots: &[i64], page: &mut MemObj) -> Result<ScatterStats, KvError> {
         let meta = page.meta();
         let copies = self.plan_page(page, &meta, slots)?;
+        self.run_gather(&copies, page)
+    }
+
+    /// [`KvCache::gather`] of one layer: copies layer `layer` of the slots
+    /// `slots` into that layer's ranges of `page` (its K and V rows; the
+    /// rest of the page is not touched). A layer-wise save calls it as soon
+    /// as the engine wrote the layer. Blocks until the copies are done.
+    ///
+    /// `after`, for an NPU cache, is an event the engine recorded on its
+    /// stream right after the layer's kernels: the copies are queued behind
+    /// it (on the cache's own stream), never behind the rest of the forward
+    /// pass. For a host cache it is waited for on the host.
+    pub fn gather_layer(
+        &mut self,
+        slots: &[i64],
+        page: &mut MemObj,
+        layer: usize,
+        after: Option<&Event>,
+    ) -> Result<ScatterStats, KvError> {
+        if let Some(e) = after {
+            match &self.mem {
+                Memory::Npu { stream, .. } => stream.wait_event(e).map_err(device_err(
+                    "ordering a layer's gather after the engine's event",
+                ))?,
+                Memory::Host(_) => e
+                    .synchronize()
+                    .map_err(device_err("waiting for the engine's layer event"))?,
+            }
+        }
+        let meta = page.meta();
+        self.check_page(page, &meta)?;
+        let copies = layer_copies(
+            &self.spec,
+            &self.strides,
+            meta.layout.hidden,
+            meta.hidden_offset,
+            meta.tokens,
+            slots,
+            layer..layer + 1,
+        )?;
+        self.run_gather(&copies, page)
+    }
+
+    fn run_gather(
+        &mut self,
+        copies: &[PlaneCopy],
+        page: &mut MemObj,
+    ) -> Result<ScatterStats, KvError> {
+        let meta = page.meta();
         match &self.mem {
             Memory::Host(_) => match page.host_bytes_mut() {
-                Some(dst) => self.gather_host(&copies, dst),
+                Some(dst) => self.gather_host(copies, dst),
                 // A host cache into an NPU page with small copies: gathered
                 // on the host, then one host-to-device copy.
                 None if stage_through_host(&copies) => {
                     let mut chunk = vec![0u8; meta.byte_len()];
-                    self.gather_host(&copies, &mut chunk);
+                    self.gather_host(copies, &mut chunk);
                     write_page(&mut *page, 0, &chunk)?;
                 }
                 None => {
-                    for c in &copies {
+                    for c in copies {
                         let src = self.addr_of(c) as *const u8;
                         // SAFETY: the run lies inside elements of one plane
                         // of the cache (plan + wrap checks); the engine does
@@ -878,7 +936,7 @@ impl KvCache {
                 };
                 let dst = page.addr() as usize;
                 let page_size = page.pool().buffer().page_size();
-                for c in &copies {
+                for c in copies {
                     let src = self.addr_of(c);
                     // SAFETY: both ranges are in bounds (plan, wrap checks,
                     // check_page); `page` is borrowed until the stream is
@@ -904,7 +962,7 @@ impl KvCache {
                     .map_err(device_err("waiting for the gather copies"))?;
             }
         }
-        Ok(ScatterStats::of(&copies))
+        Ok(ScatterStats::of(copies))
     }
 
     /// The host copies of a plan from this host cache into `dst`, a

@@ -140,6 +140,27 @@ pub fn strided_copies(
     tokens: usize,
     slots: &[i64],
 ) -> Result<Vec<PlaneCopy>, KvError> {
+    layer_copies(spec, strides, width, offset, tokens, slots, 0..spec.layers)
+}
+
+/// [`strided_copies`] for the layers `layers` only (a layer-wise save
+/// gathers one layer as soon as the engine wrote it); the copies are those
+/// of the whole plan that fall in those layers.
+pub fn layer_copies(
+    spec: &KvCacheSpec,
+    strides: &[KvStrides],
+    width: usize,
+    offset: usize,
+    tokens: usize,
+    slots: &[i64],
+    layers: std::ops::Range<usize>,
+) -> Result<Vec<PlaneCopy>, KvError> {
+    if layers.end > spec.layers {
+        return Err(KvError::InvalidSpec(format!(
+            "layers {}..{} asked of a cache of {} layer(s)",
+            layers.start, layers.end, spec.layers
+        )));
+    }
     if slots.len() != tokens {
         return Err(KvError::SlotCount {
             tokens,
@@ -186,7 +207,7 @@ pub fn strided_copies(
             }
         })
         .sum();
-    let mut out: Vec<PlaneCopy> = Vec::with_capacity(per_layer * spec.layers);
+    let mut out: Vec<PlaneCopy> = Vec::with_capacity(per_layer * layers.len());
     let mut push = |c: PlaneCopy| match out.last_mut() {
         Some(l)
             if l.plane == c.plane
@@ -199,7 +220,7 @@ pub fn strided_copies(
     };
     for plane in 0..planes {
         let st = of_plane(plane);
-        for layer in 0..spec.layers {
+        for layer in layers.clone() {
             let index = layer * planes + plane;
             // Chunk: [plane][layer][token][width], `tokens` tokens per row.
             let row = (plane * spec.layers + layer) * tokens;

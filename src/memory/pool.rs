@@ -216,6 +216,23 @@ impl ChunkMeta {
     pub fn shape(&self) -> [usize; 4] {
         self.layout.shape_for(self.tokens)
     }
+
+    /// The byte ranges `(offset, len)` of layer `layer` in this chunk's
+    /// page, one per plane (K then V; MLA: one): the chunk is `[planes,
+    /// layers, tokens, hidden]`, so a layer's row of each plane is
+    /// contiguous. `None` past the last layer.
+    pub fn layer_ranges(&self, layer: usize) -> Option<Vec<(usize, usize)>> {
+        let [planes, layers, tokens, hidden] = self.shape();
+        if layer >= layers {
+            return None;
+        }
+        let row = tokens * hidden * self.layout.dtype.size();
+        Some(
+            (0..planes)
+                .map(|p| ((p * layers + layer) * row, row))
+                .collect(),
+        )
+    }
 }
 
 impl PagePool {

@@ -853,6 +853,7 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, '_, E> {
                         ops.push(TransferOp {
                             local: page,
                             remote: p.remote,
+                            offset: 0,
                             len: p.byte_len(),
                         });
                         self.began[j] = Some(p);

@@ -76,7 +76,7 @@ pub use messages::{
 pub use notice::{PushNotice, PushOutcome};
 pub use pending::PullCounters;
 pub use receiver::{HeadPiece, KeyState, ProxyEntry, ProxyHandle, ReceiverCounters};
-pub use sender::PutOutcome;
+pub use sender::{ChunkDesc, PutOutcome};
 pub use validate::InvalidMessage;
 
 // The sans-IO cores, for the shell (backend).

@@ -54,7 +54,7 @@ use super::pending::{
 use crate::channel::{GrantId, GrantTag, PeerId, WriteOp};
 use crate::config::TransferMode;
 use crate::layout::ChunkLayout;
-use crate::memory::{BufferRef, SealedMemObj};
+use crate::memory::{BufferRef, ChunkMeta, Page, SealedMemObj};
 
 pub use super::breaker::BreakerCounters;
 
@@ -152,6 +152,17 @@ pub enum PutRejected {
         peer: String,
         /// What was wrong.
         detail: String,
+    },
+    /// A layer-wise push ended before every layer was handed over: the
+    /// receiver was told to drop what it allocated.
+    #[error("layer {layer} of {layers} never came: {why}")]
+    LayerMissing {
+        /// The first layer that was not written.
+        layer: usize,
+        /// Layers of the model.
+        layers: usize,
+        /// Why the engine's layers stopped.
+        why: String,
     },
     /// The receiver refused our push notice: the chunks are not resident there.
     #[error("{peer} refused the push notice: {why}")]
@@ -251,6 +262,20 @@ pub enum PutAction {
         /// What it is.
         kind: RequestKind,
     },
+    /// Layer-wise push: write layer `layer`'s ranges of the chunks in
+    /// `targets` (`(chunk index, receiver page)`) to `peer` once the engine
+    /// has handed that layer over; report with [`SenderCore::on_written`],
+    /// or with [`SenderCore::on_layer_missing`] if the layer never comes.
+    WriteLayer {
+        /// The receiver.
+        peer: PeerId,
+        /// The allocation's grant tag (as for [`PutAction::Write`]).
+        tag: GrantTag,
+        /// The layer to write (0 first).
+        layer: usize,
+        /// The chunks the receiver wants and where each goes.
+        targets: Vec<(usize, BufferRef)>,
+    },
     /// Write `ops` to `peer`; report with [`SenderCore::on_written`].
     Write {
         /// The receiver.
@@ -290,6 +315,13 @@ enum State {
         refs: Vec<BufferRef>,
         already: usize,
     },
+    /// A layer-wise push writes layer `layer` (earlier layers are written).
+    Layering {
+        route: String,
+        targets: Vec<(usize, BufferRef)>,
+        already: usize,
+        layer: usize,
+    },
     Noticing {
         frame: Vec<u8>,
         refs: usize,
@@ -309,6 +341,12 @@ pub struct Put {
     spec: PutSpec,
     keys: Vec<String>,
     chunks: Vec<SealedMemObj>,
+    /// Chunks of the put and the last one's tokens (a layer-wise put
+    /// holds no pages: its shell writes them layer by layer).
+    count: usize,
+    last_tokens: usize,
+    /// Layer-wise push: the model's layers, written one at a time.
+    layers: Option<usize>,
     state: State,
     /// The receiver's refusal made us attach again to see whether it
     /// restarted: the incarnation that refused. Asked at most once a put.
@@ -421,15 +459,60 @@ impl SenderCore {
         keys: Vec<String>,
         chunks: Vec<SealedMemObj>,
     ) -> (Put, PutAction) {
+        let descs: Vec<ChunkDesc> = chunks.iter().map(|c| ChunkDesc::of(c)).collect();
+        self.start(now, spec, keys, chunks, &descs, None)
+    }
+
+    /// Starts a layer-wise push (push mode only) of the chunks `descs`
+    /// describes, one per key: after the receiver allocated, the core asks
+    /// for one layer at a time ([`PutAction::WriteLayer`]) and sends the
+    /// `landed` notice only after the last, so the receiver never counts a
+    /// chunk as landed before every layer of it is written. The shell keeps
+    /// the pages (it fills each layer before writing it).
+    pub fn begin_layered_put(
+        &mut self,
+        now: Instant,
+        spec: PutSpec,
+        keys: Vec<String>,
+        descs: &[ChunkDesc],
+    ) -> (Put, PutAction) {
+        let layers = self.cfg.layout.layers;
+        self.start(now, spec, keys, Vec::new(), descs, Some(layers))
+    }
+
+    fn start(
+        &mut self,
+        now: Instant,
+        spec: PutSpec,
+        keys: Vec<String>,
+        chunks: Vec<SealedMemObj>,
+        descs: &[ChunkDesc],
+        layers: Option<usize>,
+    ) -> (Put, PutAction) {
         let mut put = Put {
             spec,
             keys,
             chunks,
+            count: descs.len(),
+            last_tokens: descs.last().map_or(0, |d| d.meta.tokens),
+            layers,
             state: State::Finished,
             suspect: None,
             restart_checked: false,
         };
-        if let Err(e) = self.check_put(&put) {
+        let checked = match layers {
+            Some(_) if self.cfg.mode != TransferMode::Push => {
+                Err(PutRejected::InvalidInput(format!(
+                    "a layer-wise save needs push mode (pd_layerwise), but this sender runs {}",
+                    self.cfg.mode
+                )))
+            }
+            Some(0) => Err(PutRejected::InvalidInput(
+                "a layer-wise save needs a model with at least one layer".into(),
+            )),
+            _ => self.check_put(&put.keys, descs),
+        };
+        if let Err(e) = checked {
             let end = self.finish(&mut put, Err(PutFailure::Rejected(e)));
             return (put, end);
         }
@@ -815,13 +898,44 @@ impl SenderCore {
 
     /// The push write ended.
     pub fn on_written(&mut self, put: &mut Put, _now: Instant, end: WriteEnd) -> PutAction {
-        let State::Writing {
-            route,
-            refs,
-            already,
-        } = std::mem::replace(&mut put.state, State::Finished)
-        else {
-            return self.finish(put, Err(PutFailure::Io));
+        let (route, refs, already) = match std::mem::replace(&mut put.state, State::Finished) {
+            State::Writing {
+                route,
+                refs,
+                already,
+            } => (route, refs, already),
+            State::Layering {
+                route,
+                targets,
+                already,
+                layer,
+            } => {
+                let layers = put.layers.unwrap_or(0);
+                if matches!(end, WriteEnd::Written) && layer + 1 < layers {
+                    let Some(a) = self.attached(&put.spec.peer_key) else {
+                        // Detached meanwhile (a restart seen by another
+                        // put): the allocation is gone with the old
+                        // attachment; nothing more may be written into it.
+                        return self.finish(put, Err(PutFailure::Io));
+                    };
+                    let tag = GrantTag::of_route(&route).unwrap_or(GrantTag::UNTAGGED);
+                    put.state = State::Layering {
+                        route,
+                        targets: targets.clone(),
+                        already,
+                        layer: layer + 1,
+                    };
+                    return PutAction::WriteLayer {
+                        peer: a.peer,
+                        tag,
+                        layer: layer + 1,
+                        targets,
+                    };
+                }
+                // The last layer is written (landed), or a write failed.
+                (route, targets.into_iter().map(|t| t.1).collect(), already)
+            }
+            _ => return self.finish(put, Err(PutFailure::Io)),
         };
         let outcome = match end {
             WriteEnd::Written => PushOutcome::Landed,
@@ -999,7 +1113,7 @@ impl SenderCore {
                 fmt: layout.fmt.code(),
                 shape: layout.full_shape().iter().map(|&d| d as u64).collect(),
                 dtype: layout.dtype.name().to_string(),
-                last_chunk_toks: put.chunks.last().map_or(0, |c| c.tokens()) as u64,
+                last_chunk_toks: put.last_tokens as u64,
                 // Upstream's optional request id (only our receivers pass
                 // our handshake, and they keep a key shared by several
                 // requests until each is done with it).
@@ -1090,6 +1204,9 @@ impl SenderCore {
         if resp.alloc_failed {
             return self.refused(put, now);
         }
+        if put.layers.is_some() {
+            return self.first_layer(put, route, &resp);
+        }
         let ops = match push_ops(&put.chunks, &resp) {
             Ok(ops) => ops,
             Err(detail) => {
@@ -1123,6 +1240,90 @@ impl SenderCore {
             peer: a.peer,
             tag,
             ops,
+        }
+    }
+
+    /// A layer-wise push's allocation came back: ask for layer 0.
+    fn first_layer(
+        &mut self,
+        put: &mut Put,
+        route: String,
+        resp: &AscendAllocResponse,
+    ) -> PutAction {
+        let peer = put.spec.peer_key.clone();
+        let targets = match push_targets(put.count, resp) {
+            Ok(t) => t,
+            Err(detail) => {
+                self.broken(&peer);
+                let e = PutFailure::Rejected(PutRejected::BadReply { peer, detail });
+                return self.unused_allocation(put, route, e);
+            }
+        };
+        let already = put.count - targets.len();
+        if targets.is_empty() {
+            return self.finish(
+                put,
+                Ok(PutOutcome::Pushed {
+                    written: 0,
+                    already_present: already,
+                }),
+            );
+        }
+        let Some(a) = self.attached(&peer) else {
+            return self.unused_allocation(put, route, PutFailure::Io);
+        };
+        let tag = GrantTag::of_route(&route).unwrap_or(GrantTag::UNTAGGED);
+        put.state = State::Layering {
+            route,
+            targets: targets.clone(),
+            already,
+            layer: 0,
+        };
+        PutAction::WriteLayer {
+            peer: a.peer,
+            tag,
+            layer: 0,
+            targets,
+        }
+    }
+
+    /// A layer-wise push's next layer never came (the engine closed the
+    /// save early, cancelled it, or stopped handing layers over): the
+    /// receiver is told to drop the allocation (`aborted`), and the put
+    /// fails with `why`.
+    pub fn on_layer_missing(&mut self, put: &mut Put, _now: Instant, why: String) -> PutAction {
+        let State::Layering {
+            route,
+            targets,
+            layer,
+            ..
+        } = std::mem::replace(&mut put.state, State::Finished)
+        else {
+            return self.finish(put, Err(PutFailure::Io));
+        };
+        let layers = put.layers.unwrap_or(0);
+        let frame = PushNotice {
+            route,
+            outcome: PushOutcome::Aborted,
+            refs: targets.iter().map(|t| t.1).collect(),
+        }
+        .encode();
+        put.state = State::Noticing {
+            frame: frame.clone(),
+            refs: targets.len(),
+            outcome: PushOutcome::Aborted,
+            already: 0,
+            attempts: 1,
+            unused: Some(PutFailure::Rejected(PutRejected::LayerMissing {
+                layer,
+                layers,
+                why,
+            })),
+        };
+        PutAction::Request {
+            route: self.route(&put.spec.peer_key),
+            frame,
+            kind: RequestKind::PushNotice,
         }
     }
 
@@ -1229,9 +1430,8 @@ impl SenderCore {
 
     /// One chunk per key, pages of our pools, one layout, only the last
     /// chunk partial.
-    fn check_put(&self, put: &Put) -> Result<(), PutRejected> {
+    fn check_put(&self, keys: &[String], chunks: &[ChunkDesc]) -> Result<(), PutRejected> {
         let bad = |m: String| Err(PutRejected::InvalidInput(m));
-        let (keys, chunks) = (&put.keys, &put.chunks);
         if keys.is_empty() {
             return bad("no keys".into());
         }
@@ -1246,21 +1446,21 @@ impl SenderCore {
         }
         let layout = self.cfg.layout;
         for (i, c) in chunks.iter().enumerate() {
-            if !self.cfg.pools.contains(&c.buffer_ref().uuid) {
+            if !self.cfg.pools.contains(&c.pool) {
                 return bad(format!(
                     "chunk {i} is not a page of this sender's pools (allocate with Sender::allocate)"
                 ));
             }
-            if c.meta().layout != layout {
+            if c.meta.layout != layout {
                 return bad(format!(
                     "chunk {i} has layout {:?}, not the configured {layout:?}",
-                    c.meta().layout
+                    c.meta.layout
                 ));
             }
-            if i + 1 < chunks.len() && c.tokens() != layout.tokens {
+            if i + 1 < chunks.len() && c.meta.tokens != layout.tokens {
                 return bad(format!(
                     "chunk {i} is partial ({} tokens) but only the last chunk may be",
-                    c.tokens()
+                    c.meta.tokens
                 ));
             }
         }
@@ -1268,21 +1468,37 @@ impl SenderCore {
     }
 }
 
-/// Pairs the chunks the receiver wants with the pages it allocated.
-fn push_ops(chunks: &[SealedMemObj], resp: &AscendAllocResponse) -> Result<Vec<WriteOp>, String> {
+/// What the core checks of a chunk it is asked to send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkDesc {
+    /// The pool its page is in.
+    pub pool: Uuid,
+    /// Its layout and tokens.
+    pub meta: ChunkMeta,
+}
+
+impl ChunkDesc {
+    /// The description of `page`.
+    pub fn of(page: &Page) -> ChunkDesc {
+        ChunkDesc {
+            pool: page.buffer_ref().uuid,
+            meta: page.meta(),
+        }
+    }
+}
+
+/// Pairs the chunks (of `count`) the receiver wants with the pages it
+/// allocated: `(chunk index, receiver page)`, in chunk order.
+fn push_targets(
+    count: usize,
+    resp: &AscendAllocResponse,
+) -> Result<Vec<(usize, BufferRef)>, String> {
     let present: HashSet<u64> = resp.already_sent_indexes.iter().copied().collect();
-    if resp
-        .already_sent_indexes
-        .iter()
-        .any(|&i| i >= chunks.len() as u64)
-    {
+    if resp.already_sent_indexes.iter().any(|&i| i >= count as u64) {
         return Err("already_sent_indexes out of range".into());
     }
-    let new: Vec<&SealedMemObj> = chunks
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !present.contains(&(*i as u64)))
-        .map(|(_, c)| c)
+    let new: Vec<usize> = (0..count)
+        .filter(|i| !present.contains(&(*i as u64)))
         .collect();
     if resp.remote_indexes.len() != new.len() || resp.remote_buffer_uuids.len() != new.len() {
         return Err(format!(
@@ -1294,10 +1510,18 @@ fn push_ops(chunks: &[SealedMemObj], resp: &AscendAllocResponse) -> Result<Vec<W
     }
     new.into_iter()
         .zip(resp.remote_indexes.iter().zip(&resp.remote_buffer_uuids))
-        .map(|(c, (&page, uuid))| {
+        .map(|(i, (&page, uuid))| {
             let uuid = Uuid::parse_str(uuid).map_err(|e| format!("uuid {uuid:?}: {e}"))?;
             let page = u32::try_from(page).map_err(|_| format!("page {page} too large"))?;
-            Ok(WriteOp::chunk(c.clone(), BufferRef { uuid, page }))
+            Ok((i, BufferRef { uuid, page }))
         })
         .collect()
+}
+
+/// Pairs the chunks the receiver wants with the pages it allocated.
+fn push_ops(chunks: &[SealedMemObj], resp: &AscendAllocResponse) -> Result<Vec<WriteOp>, String> {
+    Ok(push_targets(chunks.len(), resp)?
+        .into_iter()
+        .map(|(i, remote)| WriteOp::chunk(chunks[i].clone(), remote))
+        .collect())
 }

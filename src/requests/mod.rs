@@ -19,6 +19,7 @@
 //! bookkeeping is plain logic in `book`, unit-tested without threads.
 
 mod book;
+mod layered;
 
 pub use book::{Completion, Outcome, RELEASED_MEMORY};
 
@@ -42,6 +43,8 @@ use std::time::Duration;
 /// for a running load.
 pub struct SharedKvCache {
     spec: crate::kv::KvCacheSpec,
+    /// The NPU of an NPU cache (layer-wise saves record events on it).
+    device: Option<ascend_sys::Device>,
     cache: Mutex<KvCache>,
     /// The slots of the loads running now, each sorted.
     claims: Mutex<Vec<Arc<[i64]>>>,
@@ -83,6 +86,7 @@ impl SharedKvCache {
     pub fn new(cache: KvCache) -> Arc<SharedKvCache> {
         Arc::new(SharedKvCache {
             spec: *cache.spec(),
+            device: cache.npu_device().cloned(),
             cache: Mutex::new(cache),
             claims: Mutex::new(Vec::new()),
             claim_ended: Condvar::new(),
@@ -306,6 +310,8 @@ fn chunk_tokens(tokens: usize, chunk: usize) -> Vec<usize> {
 struct SaveJob {
     req: SaveRequest,
     cache: Arc<SharedKvCache>,
+    /// A layer-wise save's layers ([`SaveQueue::open_layered`]).
+    gate: Option<Arc<layered::LayerGate>>,
 }
 
 /// A save that finished, remembered so a late cancel can still reach the
@@ -315,6 +321,8 @@ type Saved = (Vec<String>, TransferSpec);
 /// The prefill side's request queue (see the [module docs](self)).
 pub struct SaveQueue {
     sender: Arc<Sender>,
+    /// Open layer-wise saves, by request id, until closed.
+    gates: Mutex<std::collections::HashMap<String, Arc<layered::LayerGate>>>,
     state: Arc<State<SaveJob>>,
     saved: Arc<Mutex<VecDeque<(String, Saved)>>>,
     cancels: Mutex<Option<crossbeam_channel::Sender<(String, Saved)>>>,
@@ -331,6 +339,7 @@ impl SaveQueue {
         let (cancels, cancel_rx) = crossbeam_channel::unbounded::<(String, Saved)>();
         let q = SaveQueue {
             sender,
+            gates: Mutex::new(std::collections::HashMap::new()),
             state: State::new(Book::reporting_release(MAX_QUEUED)),
             saved: Arc::new(Mutex::new(VecDeque::new())),
             cancels: Mutex::new(Some(cancels)),
@@ -368,8 +377,12 @@ impl SaveQueue {
             let cancels = lock(&q.cancels).clone().expect("set above");
             let worker = crate::backend::spawn(&format!("apd-save-{i}"), move || {
                 while let Some((id, job)) = state.next() {
-                    let r = guarded("save", &id, || {
-                        run_save(&sender, &job, || lock(&state.book).cache_released(&id))
+                    let r = guarded("save", &id, || match &job.gate {
+                        Some(gate) => layered::run_layered(&sender, &job, gate, || {
+                            lock(&state.book).cache_released(&id);
+                        })
+                        .map(|()| SaveRun::Sent),
+                        None => run_save(&sender, &job, || lock(&state.book).cache_released(&id)),
                     });
                     if let Err(e) = &r {
                         log::warn!("save of request {id:?} failed: {e}");
@@ -432,8 +445,142 @@ impl SaveQueue {
             SaveJob {
                 req,
                 cache: Arc::clone(cache),
+                gate: None,
             },
         )
+    }
+
+    /// Opens the layer-wise save of one request from `cache` (push mode;
+    /// `pd_layerwise`), before the engine's forward pass wrote its KV.
+    /// Checked as [`SaveQueue::submit`]. A worker asks the receiver for the
+    /// request's pages at once, then writes each layer as soon as the
+    /// engine hands it over ([`SaveQueue::save_layer`]); the receiver holds
+    /// the request only after the last layer landed. End it with
+    /// [`SaveQueue::close_layered`]: a layer not handed over by then — or
+    /// within `pd_push_landing_timeout` of the one before — fails the save,
+    /// and the receiver drops what it allocated. [`SaveQueue::poll`] says
+    /// how it ended.
+    ///
+    /// Under chunked prefill, open it in the step that computes the
+    /// request's last tokens: earlier steps' tokens are already written for
+    /// every layer, so each layer of every chunk is valid once the engine
+    /// finished that layer in this step.
+    pub fn open_layered(
+        &self,
+        req: SaveRequest,
+        cache: &Arc<SharedKvCache>,
+    ) -> Result<(), BackendError> {
+        if self.sender.mode() != crate::config::TransferMode::Push {
+            return Err(BackendError::InvalidInput(format!(
+                "a layer-wise save needs push mode, but this sender runs {} \
+                 (pd_layerwise is a push option: set pd_pull_mode: false)",
+                self.sender.mode()
+            )));
+        }
+        let chunk = self.sender.chunk_layout().tokens;
+        check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
+        check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
+        let id = req.spec.req_id.clone();
+        let gate = layered::LayerGate::new(self.sender.chunk_layout().layers, cache.device.clone());
+        {
+            let mut gates = lock(&self.gates);
+            if gates.contains_key(&id) {
+                return Err(BackendError::InvalidInput(format!(
+                    "request {id:?} already has a layer-wise save open: close it first"
+                )));
+            }
+            // Saves the engine never closed, once ended, are forgotten.
+            if gates.len() >= MAX_QUEUED {
+                gates.retain(|_, g| !g.ended());
+            }
+            gates.insert(id.clone(), Arc::clone(&gate));
+        }
+        let job = SaveJob {
+            req,
+            cache: Arc::clone(cache),
+            gate: Some(Arc::clone(&gate)),
+        };
+        if let Err(e) = self.state.submit(&id, job) {
+            lock(&self.gates).remove(&id);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Layer `layer` (0 first) of request `req_id` is written in the
+    /// engine's cache: its rows of every chunk are copied and sent now,
+    /// while the engine computes the next layer. Layers may come in any
+    /// order; each once. A save that already ended ignores it (its outcome
+    /// comes from poll).
+    pub fn save_layer(&self, req_id: &str, layer: usize) -> Result<(), BackendError> {
+        self.hand_layer(req_id, layer, None)
+    }
+
+    /// [`SaveQueue::save_layer`] for an NPU cache whose engine queued the
+    /// layer's kernels on `stream` (its `aclrtStream`) and has not waited
+    /// for them: an event is recorded on that stream now and the layer's
+    /// copies run after it, on the cache's own stream — never after the
+    /// rest of the forward pass.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the cache's NPU.
+    pub unsafe fn save_layer_after(
+        &self,
+        req_id: &str,
+        layer: usize,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<(), BackendError> {
+        let gate = lock(&self.gates).get(req_id).cloned();
+        let Some(device) = gate.as_ref().and_then(|g| g.device().cloned()) else {
+            return Err(BackendError::InvalidInput(format!(
+                "request {req_id:?}: save_layer_after needs an open layer-wise save from an NPU \
+                 KV cache; for a host cache call save_layer"
+            )));
+        };
+        let event = device
+            .create_event()
+            .map_err(|e| BackendError::Setup(format!("creating a layer event: {e}")))?;
+        // SAFETY: the caller's contract: `stream` is a live stream of this device.
+        unsafe { event.record_on(stream.cast()) }
+            .map_err(|e| BackendError::Setup(format!("recording a layer event: {e}")))?;
+        self.hand_layer(req_id, layer, Some(event))
+    }
+
+    fn hand_layer(
+        &self,
+        req_id: &str,
+        layer: usize,
+        event: Option<ascend_sys::Event>,
+    ) -> Result<(), BackendError> {
+        let gate = lock(&self.gates).get(req_id).cloned();
+        let Some(gate) = gate else {
+            return Err(BackendError::InvalidInput(format!(
+                "request {req_id:?} has no layer-wise save open: open_layered it first (and \
+                 do not hand layers over after close_layered)"
+            )));
+        };
+        gate.hand(req_id, layer, event)
+            .map_err(BackendError::InvalidInput)
+    }
+
+    /// Ends request `req_id`'s layer-wise save from the engine's side: no
+    /// more layers come. If every layer was handed over the save finishes
+    /// as usual; otherwise it fails and the receiver drops what it
+    /// allocated. Returns the first layer never handed over, if any.
+    pub fn close_layered(&self, req_id: &str) -> Result<Option<usize>, BackendError> {
+        let gate = lock(&self.gates).remove(req_id);
+        let Some(gate) = gate else {
+            return Err(BackendError::InvalidInput(format!(
+                "request {req_id:?} has no layer-wise save open"
+            )));
+        };
+        let missing = gate.missing();
+        if let Some(layer) = missing {
+            gate.close(&format!(
+                "the engine closed the save before handing layer {layer} over"
+            ));
+        }
+        Ok(missing)
     }
 
     /// Saves finished since the last poll (done, failed with the reason, or
@@ -476,6 +623,9 @@ impl SaveQueue {
     /// cases, and for a save already done, the receiver is told (in the
     /// background) to drop what it holds of the request.
     pub fn cancel(&self, req_id: &str) -> CancelState {
+        if let Some(gate) = lock(&self.gates).remove(req_id) {
+            gate.close("the request was cancelled");
+        }
         let verdict = lock(&self.state.book).cancel(req_id);
         match verdict {
             Cancel::Dequeued(_) => CancelState::NotStarted,
@@ -511,6 +661,10 @@ impl SaveQueue {
     /// reported as failed, later submits fail, pending cancels are sent.
     /// Safe to call more than once and from any thread.
     pub fn shutdown(&self) {
+        // Layer-wise saves waiting for layers end now, not at their timeout.
+        for (_, gate) in lock(&self.gates).drain() {
+            gate.close("the save queue was shut down");
+        }
         let _ = self.state.shut_down(&self.workers);
         // The workers' senders are gone with them; this was the last.
         lock(&self.cancels).take();
@@ -641,26 +795,25 @@ fn run_save(
             receiver_rank: Some(route.rank),
             ..req.spec.clone()
         };
-        match sender.put(&keys, &sealed, &spec).map_err(err_text)? {
-            crate::PutOutcome::SkippedBreakerOpen => {
-                return Err(format!(
-                    "the receiver at {} failed repeatedly and its breaker is open: nothing was \
-                     sent",
-                    req.spec.receiver_host
-                ))
-            }
-            // Not done: the decode side would wait for KV that never comes.
-            crate::PutOutcome::ReceiverAllocFailed => {
-                return Err(format!(
-                    "the receiver at {} had no pages for the request (or refused its \
-                     notification): nothing was sent; the breaker is open for a while",
-                    req.spec.receiver_host
-                ))
-            }
-            crate::PutOutcome::Pushed { .. } | crate::PutOutcome::Announced { .. } => {}
-        }
+        let outcome = sender.put(&keys, &sealed, &spec).map_err(err_text)?;
+        put_outcome(outcome, &req.spec.receiver_host)?;
     }
     Ok(SaveRun::Sent)
+}
+
+/// Whether a put's outcome means its save may go on.
+fn put_outcome(outcome: crate::PutOutcome, host: &str) -> Result<(), String> {
+    match outcome {
+        crate::PutOutcome::SkippedBreakerOpen => Err(format!(
+            "the receiver at {host} failed repeatedly and its breaker is open: nothing was sent"
+        )),
+        // Not done: the decode side would wait for KV that never comes.
+        crate::PutOutcome::ReceiverAllocFailed => Err(format!(
+            "the receiver at {host} had no pages for the request (or refused its \
+             notification): nothing was sent; the breaker is open for a while"
+        )),
+        crate::PutOutcome::Pushed { .. } | crate::PutOutcome::Announced { .. } => Ok(()),
+    }
 }
 
 struct LoadJob {

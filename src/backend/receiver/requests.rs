@@ -757,6 +757,7 @@ fn start_read(s: &Shared, read: EagerRead) -> Option<InFlight> {
         .map(|(i, page)| TransferOp {
             local: page,
             remote: i.remote,
+            offset: 0,
             len: i.bytes,
         })
         .collect();

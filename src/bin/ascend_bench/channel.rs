@@ -433,6 +433,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 .map(|o| WriteOp {
                     local: o.clone(),
                     remote: remote(o.page()),
+                    offset: 0,
                     len: chunk,
                 })
                 .collect();
@@ -462,6 +463,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 ReadOp {
                     local: o,
                     remote: BufferRef { uuid: uuid2, page },
+                    offset: 0,
                     len: chunk,
                 }
             })
@@ -479,6 +481,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                     ReadOp {
                         local: o,
                         remote: remote(page),
+                        offset: 0,
                         len: chunk,
                     }
                 })

@@ -1,0 +1,276 @@
+//! Layer-wise saves (push mode): the prefill side opens a request's save
+//! before its forward pass, hands each layer over as soon as the engine
+//! wrote it, and the save writes that layer's rows of every chunk to the
+//! receiver while the engine computes the next. The receiver allocates at
+//! the open and takes the chunks as landed only after the last layer.
+//!
+//! A [`LayerGate`] is what the engine's calls and the save's worker share:
+//! which layers were handed over (with, for an NPU cache, the event after
+//! which each layer's bytes are valid), and whether more will come.
+
+use super::{err_text, SaveJob, SharedKvCache};
+use crate::backend::{lock, LayerSource, Sender, TransferSpec};
+use crate::channel::WriteOp;
+use crate::memory::{BufferRef, ChunkMeta, MemObj, SealedMemObj};
+use crate::protocol::ChunkDesc;
+use ascend_sys::{Device, Event};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What one layer-wise save was handed so far.
+struct GateState {
+    /// Per layer: handed over, with the engine's event if it gave one.
+    handed: Vec<Option<Option<Arc<Event>>>>,
+    /// Set when no more layers will come, with why.
+    closed: Option<String>,
+    /// The save ended (its worker is done with the gate).
+    ended: bool,
+}
+
+/// Shared between the engine's `save_layer` calls and the save's worker.
+pub(super) struct LayerGate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    device: Option<Device>,
+}
+
+impl LayerGate {
+    pub(super) fn new(layers: usize, device: Option<Device>) -> Arc<LayerGate> {
+        Arc::new(LayerGate {
+            device,
+            state: Mutex::new(GateState {
+                handed: (0..layers).map(|_| None).collect(),
+                closed: None,
+                ended: false,
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// Layer `layer` is written (its bytes valid after `event`, if given).
+    pub(super) fn hand(
+        &self,
+        req_id: &str,
+        layer: usize,
+        event: Option<Event>,
+    ) -> Result<(), String> {
+        let mut st = lock(&self.state);
+        let layers = st.handed.len();
+        if layer >= layers {
+            return Err(format!(
+                "request {req_id:?}: layer {layer} handed over, but the model has {layers} \
+                 layer(s) (kv_num_layers): pass the layer's index, 0 first"
+            ));
+        }
+        if st.ended {
+            // The save already ended (failed, or every layer was written):
+            // its outcome comes from poll.
+            return Ok(());
+        }
+        if st.closed.is_some() {
+            return Err(format!(
+                "request {req_id:?}: layer {layer} handed over after the save was closed"
+            ));
+        }
+        if st.handed[layer].is_some() {
+            return Err(format!(
+                "request {req_id:?}: layer {layer} was already handed over; hand each layer once"
+            ));
+        }
+        st.handed[layer] = Some(event.map(Arc::new));
+        drop(st);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// No more layers will come: a save still waiting for one fails with
+    /// `why` (unless every layer was handed over).
+    pub(super) fn close(&self, why: &str) {
+        let mut st = lock(&self.state);
+        if st.closed.is_none() {
+            st.closed = Some(why.to_string());
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The NPU of the save's cache, if it is an NPU cache.
+    pub(super) fn device(&self) -> Option<&Device> {
+        self.device.as_ref()
+    }
+
+    /// The first layer not handed over, if any.
+    pub(super) fn missing(&self) -> Option<usize> {
+        lock(&self.state).handed.iter().position(Option::is_none)
+    }
+
+    /// Whether the save's worker is done with the gate.
+    pub(super) fn ended(&self) -> bool {
+        lock(&self.state).ended
+    }
+
+    fn end(&self) {
+        lock(&self.state).ended = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until layer `layer` was handed over (then its event), the
+    /// gate closed, or `timeout` passed without it.
+    fn wait(&self, layer: usize, timeout: Duration) -> Result<Option<Arc<Event>>, String> {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(handed) = st.handed.get(layer).and_then(Option::as_ref) {
+                return Ok(handed.clone());
+            }
+            if let Some(why) = &st.closed {
+                return Err(why.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "the engine handed no layer {layer} within {timeout:?} \
+                     (pd_push_landing_timeout) of the previous one"
+                ));
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A page of a layer-wise put between layers: ours to fill, or shared
+/// with the write of the layer before (given back when that write ends).
+enum Held {
+    Own(MemObj),
+    Shared(SealedMemObj),
+    Gone,
+}
+
+/// One decode rank's put of a layer-wise save: fills each layer of its
+/// chunks from the engine's cache as the gate hands it over.
+struct QueueLayers<'a> {
+    pages: Vec<Held>,
+    metas: Vec<ChunkMeta>,
+    slots: Vec<&'a [i64]>,
+    cache: &'a SharedKvCache,
+    gate: &'a LayerGate,
+    timeout: Duration,
+}
+
+impl LayerSource for QueueLayers<'_> {
+    fn layer(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, BufferRef)],
+    ) -> Result<Vec<WriteOp>, String> {
+        let event = self.gate.wait(layer, self.timeout)?;
+        let mut ops = Vec::with_capacity(targets.len() * 2);
+        for &(i, remote) in targets {
+            let mut page = match std::mem::replace(&mut self.pages[i], Held::Gone) {
+                Held::Own(p) => p,
+                Held::Shared(s) => s.try_unseal().map_err(|_| {
+                    "a page of the layer before is still held by its write (the channel \
+                     kept it after a failure)"
+                        .to_string()
+                })?,
+                Held::Gone => return Err(format!("chunk {i}'s page was lost")),
+            };
+            {
+                // The cache's own lock for the copy only: loads into other
+                // slots may run meanwhile.
+                let mut cache = lock(&self.cache.cache);
+                cache
+                    .gather_layer(self.slots[i], &mut page, layer, event.as_deref())
+                    .map_err(err_text)?;
+            }
+            let sealed = page.seal();
+            for (offset, len) in self.metas[i].layer_ranges(layer).unwrap_or_default() {
+                ops.push(WriteOp::range(sealed.clone(), remote, offset, len));
+            }
+            self.pages[i] = Held::Shared(sealed);
+        }
+        Ok(ops)
+    }
+}
+
+/// Runs a layer-wise save: one layer-wise put per decode rank this rank
+/// feeds (several at once under heterogeneous TP, each waiting for the same
+/// layers), then `released` once none reads the engine's cache any more.
+pub(super) fn run_layered(
+    sender: &Sender,
+    job: &SaveJob,
+    gate: &LayerGate,
+    released: impl FnOnce(),
+) -> Result<(), String> {
+    let r = run_puts(sender, job, gate);
+    gate.end();
+    released();
+    r
+}
+
+fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), String> {
+    let req = &job.req;
+    let layout = sender.chunk_layout();
+    let chunk = layout.tokens;
+    let tokens = super::chunk_tokens(req.slot_mapping.len(), chunk);
+    let slots: Vec<&[i64]> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| &req.slot_mapping[i * chunk..i * chunk + t])
+        .collect();
+    let timeout = sender.config().push_landing_timeout;
+    let pieces = sender.pieces(&req.keys);
+    let put_piece = |route: crate::kv::tp::Route, keys: Vec<String>| -> Result<(), String> {
+        let offset = sender.piece_offset(&route);
+        let metas: Vec<ChunkMeta> = tokens
+            .iter()
+            .map(|&t| ChunkMeta::partial(layout, t).at_hidden_offset(offset))
+            .collect();
+        let pages = sender
+            .allocator()
+            .allocate_batch(&metas)
+            .map_err(err_text)?;
+        let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
+        let mut source = QueueLayers {
+            pages: pages.into_iter().map(Held::Own).collect(),
+            metas,
+            slots: slots.clone(),
+            cache: &job.cache,
+            gate,
+            timeout,
+        };
+        let spec = TransferSpec {
+            receiver_rank: Some(route.rank),
+            ..req.spec.clone()
+        };
+        let outcome = sender
+            .put_layers(&keys, &descs, &spec, &mut source)
+            .map_err(err_text)?;
+        super::put_outcome(outcome, &req.spec.receiver_host)
+    };
+    if pieces.len() == 1 {
+        let (route, keys) = pieces.into_iter().next().expect("one piece");
+        return put_piece(route, keys);
+    }
+    let put_piece = &put_piece;
+    std::thread::scope(|s| {
+        let runs: Vec<_> = pieces
+            .into_iter()
+            .map(|(route, keys)| s.spawn(move || put_piece(route, keys)))
+            .collect();
+        let mut first = Ok(());
+        for r in runs {
+            let r = r
+                .join()
+                .unwrap_or_else(|p| Err(crate::backend::panic_text(&*p)));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    })
+}
