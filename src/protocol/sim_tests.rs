@@ -650,6 +650,9 @@ impl Sim {
                 });
                 self.at(self.t + self.req_timeout, Ev::ReqTimeout { of: i, req });
             }
+            PutAction::WriteLayer { .. } => {
+                unreachable!("the simulation starts no layer-wise puts")
+            }
             PutAction::Write { ops, .. } => {
                 let g = self.grant_of_write(&ops);
                 *self.writes_running.entry(g).or_default() += 1;
