@@ -3178,3 +3178,206 @@ fn removing_a_key_a_plan_claimed_keeps_it_for_the_claimant() {
     assert!(ks.remove("k").is_some());
     assert_eq!(ks.state("k"), None);
 }
+
+/// The layout of the layer-wise tests: three layers.
+fn lw_layout() -> ChunkLayout {
+    ChunkLayout {
+        layers: 3,
+        ..layout()
+    }
+}
+
+/// Sender and receiver cores of [`lw_layout`], with a pool each.
+fn lw_cores(
+    mode: crate::config::TransferMode,
+) -> (Arc<PagePool>, Arc<PagePool>, SenderCore, ReceiverCore) {
+    let page = lw_layout().page_bytes();
+    let pool = || PagePool::new(RegisteredBuffer::host(8 * page, page, false).unwrap());
+    let (spool, rpool) = (pool(), pool());
+    let sc = SenderCore::new(SenderConfig {
+        node: "prefill:7600/p1r0-00000001".into(),
+        done_url: "prefill:7600".into(),
+        mode,
+        layout: lw_layout(),
+        pools: [spool.uuid()].into_iter().collect(),
+        pull_pending_ttl: TTL,
+        alloc_fail_backoff_ttl: Duration::from_secs(2),
+        backpressure: Backpressure::new(spool.stats().total, 25.0),
+        reserve_pct: 25.0,
+    });
+    let ks = ReceiverCore::new(ReceiverConfig {
+        layout: lw_layout(),
+        push_landing_timeout: Duration::from_secs(5),
+        read_margin_pct: 10.0,
+        resident_ttl: None,
+    });
+    (spool, rpool, sc, ks)
+}
+
+fn lw_alloc(pool: &Arc<PagePool>, n: usize) -> Vec<SealedMemObj> {
+    pool.allocate_batch(&vec![ChunkMeta::full(lw_layout()); n])
+        .unwrap()
+        .into_iter()
+        .map(MemObj::seal)
+        .collect()
+}
+
+/// A layer-wise push asks for one layer at a time after the allocation,
+/// in order, and sends `landed` only after the last: until then the
+/// receiver holds the keys as landing, never loadable.
+#[test]
+fn a_layerwise_push_writes_layer_by_layer_and_lands_only_after_the_last() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let (spool, rpool, mut sc, mut ks) = lw_cores(TransferMode::Push);
+    let pages = lw_alloc(&spool, 2);
+    let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
+    let (mut put, a) = sc.begin_layered_put(t0, spec("r:7400"), keys(&["a", "b"]), &descs);
+    assert!(matches!(a, PutAction::Connect), "{a:?}");
+    let a = sc.on_connected(&mut put, t0, Some(attached(t0)));
+    let PutAction::Request { route, frame, .. } = a else {
+        panic!("{a:?}")
+    };
+    let req = AllocRequest::decode(&frame).unwrap();
+    let reply = push_with(
+        &mut ks,
+        &req,
+        &route,
+        t0,
+        |m| rpool.allocate_batch(m),
+        Some(GRANT),
+    );
+    let remotes: Vec<u64> = reply.response.remote_indexes.clone();
+    let mut a = sc.on_reply(
+        &mut put,
+        t0,
+        Ok(Message::AscendAllocResponse(reply.response).encode()),
+    );
+    let layers = lw_layout().layers;
+    for want in 0..layers {
+        let PutAction::WriteLayer {
+            layer,
+            targets,
+            tag,
+            ..
+        } = a
+        else {
+            panic!("layer {want}: {a:?}")
+        };
+        assert_eq!(layer, want);
+        assert_eq!(Some(tag), GrantTag::of_route(&route));
+        assert_eq!(
+            targets
+                .iter()
+                .map(|t| (t.0, u64::from(t.1.page)))
+                .collect::<Vec<_>>(),
+            vec![(0, remotes[0]), (1, remotes[1])]
+        );
+        assert_eq!(ks.state("a"), Some(KeyState::PendingPush), "layer {want}");
+        a = sc.on_written(&mut put, t0, WriteEnd::Written);
+    }
+    let PutAction::Request { route: r2, frame, kind } = a else {
+        panic!("{a:?}")
+    };
+    assert_eq!(kind, RequestKind::PushNotice);
+    let n = PushNotice::decode(&frame).unwrap().unwrap();
+    assert_eq!(n.outcome, PushOutcome::Landed);
+    let answer = ks.on_push_notice(t0, &r2, &n, |_| true);
+    let end = finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&answer.result))));
+    assert_eq!(
+        end.result,
+        Ok(PutOutcome::Pushed {
+            written: 2,
+            already_present: 0
+        })
+    );
+    assert_eq!(ks.state("a"), Some(KeyState::Resident));
+}
+
+/// A layer that never comes, or a layer's write that failed, ends the put
+/// with an `aborted` notice naming the pages: the receiver frees them at
+/// once and the keys never become loadable.
+#[test]
+fn a_layerwise_push_missing_a_layer_or_failing_one_aborts_the_allocation() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let layers = lw_layout().layers;
+    for failing in [None, Some(WriteEnd::Failed)] {
+        let (spool, rpool, mut sc, mut ks) = lw_cores(TransferMode::Push);
+        let pages = lw_alloc(&spool, 1);
+        let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
+        let (mut put, _) = sc.begin_layered_put(t0, spec("r:7400"), keys(&["a"]), &descs);
+        let a = sc.on_connected(&mut put, t0, Some(attached(t0)));
+        let PutAction::Request { route, frame, .. } = a else {
+            panic!("{a:?}")
+        };
+        let req = AllocRequest::decode(&frame).unwrap();
+        let reply = push_with(
+            &mut ks,
+            &req,
+            &route,
+            t0,
+            |m| rpool.allocate_batch(m),
+            Some(GRANT),
+        );
+        let mut a = sc.on_reply(
+            &mut put,
+            t0,
+            Ok(Message::AscendAllocResponse(reply.response).encode()),
+        );
+        for _ in 0..layers - 1 {
+            assert!(matches!(a, PutAction::WriteLayer { .. }), "{a:?}");
+            a = sc.on_written(&mut put, t0, WriteEnd::Written);
+        }
+        let PutAction::WriteLayer { layer, .. } = a else {
+            panic!("{a:?}")
+        };
+        assert_eq!(layer, layers - 1);
+        let a = match &failing {
+            None => sc.on_layer_missing(&mut put, t0, "closed early".into()),
+            Some(_) => sc.on_written(&mut put, t0, WriteEnd::Failed),
+        };
+        let PutAction::Request { route: r2, frame, .. } = a else {
+            panic!("{a:?}")
+        };
+        let n = PushNotice::decode(&frame).unwrap().unwrap();
+        assert_eq!(n.outcome, PushOutcome::Aborted);
+        assert_eq!(n.refs.len(), 1, "the notice names the allocation's page");
+        let answer = ks.on_push_notice(t0, &r2, &n, |_| true);
+        assert_eq!(answer.result, Ok(()));
+        let end = finish(sc.on_reply(&mut put, t0, Ok(notice::encode_reply(&answer.result))));
+        match failing {
+            None => assert_eq!(
+                end.result,
+                Err(PutFailure::Rejected(PutRejected::LayerMissing {
+                    layer: layers - 1,
+                    layers,
+                    why: "closed early".into()
+                }))
+            ),
+            Some(_) => assert_eq!(end.result, Err(PutFailure::Io)),
+        }
+        assert_eq!(ks.state("a"), None, "the key is dropped, never loadable");
+        drop(pages);
+        drop(put);
+        assert_idle(&spool);
+    }
+}
+
+/// Layer-wise puts are a push feature: a pull sender refuses them before
+/// anything is sent.
+#[test]
+fn a_layerwise_put_in_a_pull_mode_is_refused_before_anything_is_sent() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let (spool, _, mut sc, _) = lw_cores(TransferMode::PullDelay);
+    let pages = lw_alloc(&spool, 1);
+    let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
+    let (_, a) = sc.begin_layered_put(t0, spec("r:7400"), keys(&["a"]), &descs);
+    let end = finish(a);
+    assert!(
+        matches!(&end.result, Err(PutFailure::Rejected(PutRejected::InvalidInput(m))) if m.contains("push")),
+        "{:?}",
+        end.result
+    );
+}
