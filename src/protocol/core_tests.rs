@@ -3276,7 +3276,12 @@ fn a_layerwise_push_writes_layer_by_layer_and_lands_only_after_the_last() {
         assert_eq!(ks.state("a"), Some(KeyState::PendingPush), "layer {want}");
         a = sc.on_written(&mut put, t0, WriteEnd::Written);
     }
-    let PutAction::Request { route: r2, frame, kind } = a else {
+    let PutAction::Request {
+        route: r2,
+        frame,
+        kind,
+    } = a
+    else {
         panic!("{a:?}")
     };
     assert_eq!(kind, RequestKind::PushNotice);
@@ -3337,7 +3342,10 @@ fn a_layerwise_push_missing_a_layer_or_failing_one_aborts_the_allocation() {
             None => sc.on_layer_missing(&mut put, t0, "closed early".into()),
             Some(_) => sc.on_written(&mut put, t0, WriteEnd::Failed),
         };
-        let PutAction::Request { route: r2, frame, .. } = a else {
+        let PutAction::Request {
+            route: r2, frame, ..
+        } = a
+        else {
             panic!("{a:?}")
         };
         let n = PushNotice::decode(&frame).unwrap().unwrap();
