@@ -463,3 +463,147 @@ fn a_save_releases_the_engine_cache_once_gathered_before_its_push_lands() {
     drop(scratch);
     drop(engine_stream);
 }
+
+/// A layer-wise save from an NPU cache over hccl: the engine queues each
+/// layer's KV on its own stream and hands the layer over without waiting
+/// for it (`save_layer_after` records an event there); the layer's copies
+/// run after that event, the request lands only after its last layer, and
+/// every byte arrives. Every pool comes back.
+#[test]
+fn a_layerwise_save_from_an_npu_cache_follows_the_engines_stream_over_hccl() {
+    let dev = device();
+    let mode = TransferMode::Push;
+    let mut rc = receiver_config(ChannelKind::Hccl, mode, 16);
+    let mut sc = sender_config(ChannelKind::Hccl, mode, 16);
+    for c in [&mut rc, &mut sc] {
+        c.buffer_device = BufferDevice::Npu(Some(0));
+        c.kv.num_layers = 3;
+        c.buffer_size = 16 * c.page_bytes();
+    }
+    sc.layerwise = true;
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+
+    let bs = 8;
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, bs);
+    let tb = spec.token_bytes();
+    // The prefill cache copies on its own stream; the engine computes on another.
+    let prefill = engine_cache(&dev, spec, None);
+    let engine = dev.create_stream().unwrap();
+    let decode = engine_cache(&dev, spec, None);
+    let q = 0;
+    let n = TOKENS[q];
+    saves
+        .open_layered(
+            SaveRequest {
+                keys: req_keys(q),
+                slot_mapping: (0..n).map(|t| prefill_slot(q, t, bs)).collect(),
+                spec: spec_for(&rc, "npu-req-0", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    // Each layer's KV, staged on the host and queued on the engine's
+    // stream behind a long copy standing for the layer's kernels: without
+    // the event, the gather would run before the layer's bytes are there.
+    const KERNEL: usize = 64 << 20;
+    let scratch = dev.alloc(KERNEL).unwrap();
+    let kernel_input = dev.alloc_host(KERNEL).unwrap();
+    let mut staged = Vec::new();
+    for layer in 0..spec.layers {
+        // SAFETY: both buffers live until the engine stream is synchronised
+        // at the end of the test, and neither is written meanwhile.
+        unsafe {
+            engine
+                .copy_host_to_device(&scratch, 0, &kernel_input, 0, KERNEL)
+                .unwrap()
+        };
+        for plane in 0..spec.planes() {
+            let mut bytes = vec![0u8; spec.plane_bytes()];
+            for t in 0..n {
+                let slot = prefill_slot(q, t, bs) as usize;
+                for b in 0..tb {
+                    bytes[slot * tb + b] = byte(q, layer, plane, t, b);
+                }
+            }
+            let mut host = dev.alloc_host(bytes.len()).unwrap();
+            host.as_mut_slice().copy_from_slice(&bytes);
+            // SAFETY: both buffers live until the engine stream is
+            // synchronised at the end of the test; `host` is not written again.
+            unsafe {
+                engine
+                    .copy_host_to_device(
+                        &prefill.tensors[layer * spec.planes() + plane],
+                        0,
+                        &host,
+                        0,
+                        bytes.len(),
+                    )
+                    .unwrap()
+            };
+            staged.push(host);
+        }
+        // SAFETY: `engine` is a live stream of the cache's device.
+        unsafe { saves.save_layer_after("npu-req-0", layer, engine.as_raw().cast()) }.unwrap();
+    }
+    assert_eq!(saves.close_layered("npu-req-0").unwrap(), None);
+    let done = poll_until(|| saves.poll(), 1);
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, Outcome::Done, "{done:?}");
+    let keys = req_keys(q);
+    assert!(eventually(Duration::from_secs(30), || loads
+        .available(&keys)
+        == Availability::Ready));
+    loads
+        .submit(
+            LoadRequest {
+                req_id: "npu-req-0".into(),
+                keys,
+                slot_mapping: (0..n).map(|t| decode_slot(q, t, bs)).collect(),
+            },
+            &decode.cache,
+        )
+        .unwrap();
+    let done = poll_until(|| loads.poll(), 1);
+    assert_eq!(done[0].outcome, Outcome::Done, "{done:?}");
+    assert_holds_only(&decode, &spec, q, "layer-wise over hccl");
+    // A host cache has no device to record an event on: named.
+    let host_cache = SharedKvCache::new(KvCache::host(spec).unwrap());
+    saves
+        .open_layered(
+            SaveRequest {
+                keys: req_keys(1),
+                slot_mapping: (0..TOKENS[1]).map(|t| t as i64).collect(),
+                spec: spec_for(&rc, "host-req", true),
+            },
+            &host_cache,
+        )
+        .unwrap();
+    // SAFETY: not called with a stream of the (absent) device: refused first.
+    let e = unsafe { saves.save_layer_after("host-req", 0, engine.as_raw().cast()) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("save_layer"), "{e}");
+    assert_eq!(saves.close_layered("host-req").unwrap(), Some(0));
+    let done = poll_until(|| saves.poll(), 1);
+    assert!(
+        matches!(&done[0].outcome, Outcome::Failed(e) if e.contains("layer 0 of 3")),
+        "{done:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || settled(&receiver.stats().pools)),
+        "receiver pools {:?}",
+        receiver.stats().pools
+    );
+    assert!(sender.drain(Duration::from_secs(20)));
+    assert!(
+        eventually(Duration::from_secs(20), || settled(&sender.stats().pools)),
+        "sender pools {:?}",
+        sender.stats().pools
+    );
+    engine.synchronize().unwrap();
+    drop(staged);
+    drop((scratch, kernel_input));
+}

@@ -226,10 +226,10 @@ fn a_missing_last_layer_is_revoked(channel: ChannelKind, close: bool) {
         sender.stats().bytes_written
     );
     // The receiver gives up on the allocation (one, of every chunk) at its
-    // landing timeout: the
-    // keys are gone (never loadable), the grant revoked, and the pages held
-    // back from reuse until the writer can no longer touch them (shm: until
-    // the sender's notice; tcp: at once, the receiver serves every write).
+    // landing timeout: the keys are gone (never loadable), the grant
+    // revoked, and the pages held back from reuse until the writer can no
+    // longer touch them (shm: until the sender's notice; tcp: at once, the
+    // receiver serves every write itself).
     assert!(
         eventually(Duration::from_secs(30), || {
             receiver.stats().store.reclaimed_pushes == 1
