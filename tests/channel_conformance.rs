@@ -940,3 +940,75 @@ fn a_peer_without_cann_says_how_to_fix_it() {
         assert!(err.contains(words), "{words}: {err}");
     }
 }
+
+/// Ranged writes (a layer-wise push sends one layer's K and V rows of each
+/// chunk at a time): each moves exactly its bytes, at the same offset of
+/// both pages, and leaves the rest of the peer's page as it was; a range
+/// that ends past the page is refused before anything moves.
+#[test]
+fn ranged_writes_move_only_their_range_at_the_same_offset() {
+    for kind in KINDS {
+        let peer = Peer::spawn(kind, 8, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let mut l = local(kind, 16);
+        let (pid, uuid) = connect(&ctx, &l, &peer);
+        let seed = 0x5eed;
+        let mut src: Vec<MemObj> = l.objs.drain(..4).collect();
+        for (i, o) in src.iter_mut().enumerate() {
+            pattern::fill(
+                o.host_bytes_mut().unwrap(),
+                pattern::page_seed(seed, i as u64),
+            );
+        }
+        let src: Vec<SealedMemObj> = src.into_iter().map(MemObj::seal).collect();
+        // Two rows of each page, as K and V of one layer: (offset, len).
+        let rows = |i: usize| [(64 * i + 8, 1000 + i), (PAGE / 2 + 3 * i, 4096)];
+        let ops: Vec<WriteOp> = (0..4)
+            .flat_map(|i| {
+                let src = &src;
+                rows(i).into_iter().map(move |(off, len)| {
+                    WriteOp::range(
+                        src[i].clone(),
+                        BufferRef {
+                            uuid,
+                            page: i as u32,
+                        },
+                        off,
+                        len,
+                    )
+                })
+            })
+            .collect();
+        l.channel.write(pid, GrantTag::UNTAGGED, ops).unwrap();
+        let back_pages: Vec<MemObj> = l.objs.drain(..4).collect();
+        let back = l
+            .channel
+            .read(pid, reads(back_pages, uuid, |i| i as u32))
+            .unwrap();
+        for (i, b) in back.iter().enumerate() {
+            let mut want = vec![0u8; PAGE];
+            pattern::fill(&mut want, pattern::page_seed(PEER_SEED, i as u64));
+            let mut ours = vec![0u8; PAGE];
+            pattern::fill(&mut ours, pattern::page_seed(seed, i as u64));
+            for (off, len) in rows(i) {
+                want[off..off + len].copy_from_slice(&ours[off..off + len]);
+            }
+            assert!(host(b) == &want[..], "{kind:?} page {i}");
+        }
+        // Past the end of the page: refused, and the peer's page unchanged.
+        let bad = vec![WriteOp::range(
+            src[0].clone(),
+            BufferRef { uuid, page: 5 },
+            PAGE - 100,
+            200,
+        )];
+        let e = l.channel.write(pid, GrantTag::UNTAGGED, bad).unwrap_err();
+        assert!(matches!(e, ChannelError::BadRef { .. }), "{kind:?}: {e}");
+        let check: Vec<MemObj> = back.into_iter().take(1).collect();
+        let again = l.channel.read(pid, reads(check, uuid, |_| 5)).unwrap();
+        assert!(peer_page_ok(&again[0], 5, PAGE), "{kind:?}");
+        drop((src, again));
+        l.objs.clear();
+        assert!(settles(&l.pool), "{kind:?}");
+    }
+}
