@@ -333,3 +333,124 @@ fn layerwise_saves_are_refused_in_pull_modes() {
         "{e}"
     );
 }
+
+/// Heterogeneous TP: a prefill rank feeding two decode ranks writes each
+/// its head piece layer by layer (both puts wait for the same layers);
+/// each decode rank loads exactly its heads of every token. With an MLA
+/// latent each decode rank gets the whole latent. Pools end as they began.
+fn layerwise_feeds_two_decode_ranks(mla: bool) {
+    let what = format!("mla={mla}");
+    const HEADS: usize = 4;
+    const HEAD: usize = 16;
+    let shape = |c: &mut PdConfig, tp: usize, peer: usize| {
+        c.kv.num_layers = LAYERS;
+        c.kv.use_mla = mla;
+        c.kv.num_kv_heads = if mla { 1 } else { HEADS / tp };
+        c.kv.head_size = if mla { HEADS * HEAD } else { HEAD };
+        c.kv.hidden_size = if mla { HEADS * HEAD } else { HEADS / tp * HEAD };
+        c.tp_size = tp;
+        c.peer_tp_size = Some(peer);
+        c.buffer_size = 32 * c.page_bytes();
+    };
+    let mut rc = receiver_config(ChannelKind::Shm, TransferMode::Push, 32);
+    shape(&mut rc, 2, 1);
+    rc.peer_init_port = Some(ascend_pd::config::PortList::PerRank(vec![
+        free_port(),
+        free_port(),
+    ]));
+    rc.peer_alloc_port = Some(ascend_pd::config::PortList::PerRank(vec![
+        free_port(),
+        free_port(),
+    ]));
+    let mut sc = sender_config(ChannelKind::Shm, TransferMode::Push, 32);
+    shape(&mut sc, 1, 2);
+    sc.layerwise = true;
+    let receivers: Vec<Arc<Receiver>> = (0..2)
+        .map(|d| Arc::new(Receiver::start(&rc, d).unwrap()))
+        .collect();
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let pspec = KvCacheSpec::for_layout(&sc.chunk_layout(), 8, 8);
+    let dspec = KvCacheSpec::for_layout(&rc.chunk_layout(), 8, 8);
+    let prefill = SharedKvCache::new(KvCache::host(pspec).unwrap());
+    let keys = req_keys("tp");
+    let from = |t: usize| (t + 1) as i64;
+    let to = |t: usize| (pspec.slots() - 2 - t) as i64;
+    saves
+        .open_layered(
+            SaveRequest {
+                keys: keys.clone(),
+                slot_mapping: (0..TOKENS).map(from).collect(),
+                spec: spec_for(&rc, "tp", true),
+            },
+            &prefill,
+        )
+        .unwrap();
+    for layer in 0..LAYERS {
+        compute_layer(&prefill, layer);
+        saves.save_layer("tp", layer).unwrap();
+    }
+    assert_eq!(saves.close_layered("tp").unwrap(), None);
+    let done = poll_until(|| saves.poll(), 1);
+    assert_eq!(done[0].outcome, Outcome::Done, "{what}: {done:?}");
+    let es = pspec.dtype.size();
+    for (d, r) in receivers.iter().enumerate() {
+        let loads = LoadQueue::new(Arc::clone(r)).unwrap();
+        let decode = SharedKvCache::new(KvCache::host(dspec).unwrap());
+        assert!(
+            eventually(Duration::from_secs(30), || loads.available(&keys)
+                == Availability::Ready),
+            "{what}: decode rank {d} never got its pieces"
+        );
+        loads
+            .submit(
+                LoadRequest {
+                    req_id: "tp".into(),
+                    keys: keys.clone(),
+                    slot_mapping: (0..TOKENS).map(to).collect(),
+                },
+                &decode,
+            )
+            .unwrap();
+        let got = poll_until(|| loads.poll(), 1);
+        assert_eq!(got[0].outcome, Outcome::Done, "{what}: rank {d}: {got:?}");
+        let width = dspec.hidden * es;
+        let at = if mla { 0 } else { d * width };
+        let (mut src, mut dst) = (prefill.lock(), decode.lock());
+        for l in 0..LAYERS {
+            for p in 0..pspec.planes() {
+                for t in 0..TOKENS {
+                    let whole = src.token(l, p, from(t) as usize).unwrap();
+                    assert_eq!(
+                        &whole[at..at + width],
+                        &dst.token(l, p, to(t) as usize).unwrap()[..],
+                        "{what}: rank {d} token {t} layer {l} plane {p}"
+                    );
+                }
+            }
+        }
+        drop((src, dst));
+        loads.close();
+        assert!(
+            eventually(Duration::from_secs(30), || {
+                let s = r.stats().pools.cpu.unwrap();
+                s.free == s.total && s.quarantined == 0
+            }),
+            "{what}: rank {d} pool {:?}",
+            r.stats().pools
+        );
+    }
+    assert!(sender.drain(Duration::from_secs(30)));
+    let s = sender.stats().pools.cpu.unwrap();
+    assert_eq!((s.free, s.quarantined), (s.total, 0), "{what}");
+}
+
+#[test]
+fn a_layerwise_save_feeds_each_decode_rank_its_heads() {
+    layerwise_feeds_two_decode_ranks(false);
+}
+
+#[test]
+fn a_layerwise_mla_save_gives_each_decode_rank_the_whole_latent() {
+    layerwise_feeds_two_decode_ranks(true);
+}
