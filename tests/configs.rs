@@ -46,6 +46,7 @@ fn every_shipped_config_is_valid_and_named_for_what_it_is() {
             name.contains("offload") && role == Role::Sender,
             "{name}"
         );
+        assert_eq!(c.layerwise, name.contains("layerwise"), "{name}");
         if name.starts_with("loopback") {
             for host in [&c.peer_host, &c.proxy_host].into_iter().flatten() {
                 assert_eq!(
@@ -61,6 +62,13 @@ fn every_shipped_config_is_valid_and_named_for_what_it_is() {
                 "{name}: unexpected warning {w}"
             );
         }
+    }
+    // Layer-wise push is a sender option, paired with the push receivers.
+    for name in ["sender-push-layerwise.yaml", "loopback-push-layerwise-sender.yaml"] {
+        assert!(
+            files.iter().any(|f| f.ends_with(name)),
+            "configs/{name} is missing"
+        );
     }
     // Each mode has both sides in both flavours.
     for mode in ["push", "pull-eager", "pull-delay", "pull-delay-offload"] {
