@@ -64,7 +64,10 @@ fn every_shipped_config_is_valid_and_named_for_what_it_is() {
         }
     }
     // Layer-wise push is a sender option, paired with the push receivers.
-    for name in ["sender-push-layerwise.yaml", "loopback-push-layerwise-sender.yaml"] {
+    for name in [
+        "sender-push-layerwise.yaml",
+        "loopback-push-layerwise-sender.yaml",
+    ] {
         assert!(
             files.iter().any(|f| f.ends_with(name)),
             "configs/{name} is missing"

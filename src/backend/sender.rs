@@ -565,13 +565,23 @@ impl Sender {
         };
         let host = &spec.receiver_host;
         let peer_key = format!("{host}:{alloc}");
-        let link = self.link(
+        let link_arc = self.link(
             &peer_key,
             &format!("tcp://{host}:{init}"),
             &format!("tcp://{host}:{alloc}"),
         );
-        let mut link = lock(&link);
-        self.check_rank(&mut link, &peer_key, rank)?;
+        // Held for the whole of a put (the receiver keeps one pending
+        // allocation per route), except while a layer-wise put writes or
+        // waits for the engine's layers — a whole forward pass: its
+        // allocation got a route of its own (SenderCore::first_layer), and
+        // other puts to this receiver go on meanwhile.
+        let mut held = Some(lock(&link_arc));
+        macro_rules! link {
+            () => {
+                held.get_or_insert_with(|| lock(&link_arc))
+            };
+        }
+        self.check_rank(link!(), &peer_key, rank)?;
         let put_spec = PutSpec {
             peer_key: peer_key.clone(),
             req_id: spec.req_id.clone(),
@@ -590,7 +600,7 @@ impl Sender {
             action = match action {
                 PutAction::Finish(end) => break end,
                 PutAction::Connect => {
-                    let attached = match self.connect(&mut link, &peer_key, rank) {
+                    let attached = match self.connect(link!(), &peer_key, rank) {
                         Ok(a) => Some(a),
                         Err(e) => {
                             log::warn!("handshake with {peer_key}: {e}");
@@ -602,7 +612,7 @@ impl Sender {
                 }
                 PutAction::ProbeIncarnation => {
                     let incarnation = self
-                        .probe(&link.init_url)
+                        .probe(&link!().init_url)
                         .map_err(|e| last_io = Some(e.into()))
                         .ok()
                         .and_then(|p| p.incarnation);
@@ -610,7 +620,7 @@ impl Sender {
                 }
                 PutAction::SyncClock => {
                     let clock = self
-                        .probe(&link.init_url)
+                        .probe(&link!().init_url)
                         .map(|p| ClockMap::measure(p.sent, p.received, p.clock_us))
                         .map_err(|e| last_io = Some(e.into()))
                         .ok();
@@ -643,21 +653,26 @@ impl Sender {
                         RequestKind::PullReadyNotif => MessageKind::PullReadyNotif,
                         RequestKind::PushNotice => MessageKind::PushNotice,
                     });
-                    let reply =
-                        match link.request(&s.counters, &peer_key, &route, &frame, kind.name()) {
-                            Ok(r) => Ok(r),
-                            Err(f) => {
-                                s.counters.bump(MessageKind::Timeout);
-                                let delivery = match f {
-                                    ReqFailure::NotSent(_) => Delivery::NotSent,
-                                    ReqFailure::NoReply(_) => Delivery::Unknown,
-                                };
-                                let e = f.into_error();
-                                log::warn!("{e}");
-                                last_io = Some(e);
-                                Err(delivery)
-                            }
-                        };
+                    let reply = match link!().request(
+                        &s.counters,
+                        &peer_key,
+                        &route,
+                        &frame,
+                        kind.name(),
+                    ) {
+                        Ok(r) => Ok(r),
+                        Err(f) => {
+                            s.counters.bump(MessageKind::Timeout);
+                            let delivery = match f {
+                                ReqFailure::NotSent(_) => Delivery::NotSent,
+                                ReqFailure::NoReply(_) => Delivery::Unknown,
+                            };
+                            let e = f.into_error();
+                            log::warn!("{e}");
+                            last_io = Some(e);
+                            Err(delivery)
+                        }
+                    };
                     let mut core = lock(&s.core);
                     let next = core.on_reply(&mut put, Instant::now(), reply);
                     s.apply_releases(&mut core);
@@ -673,6 +688,7 @@ impl Sender {
                     layer,
                     targets,
                 } => {
+                    held = None;
                     let ops = match &mut payload {
                         Payload::Layers(source) => source.layer(layer, &targets),
                         Payload::Whole(_) => Err("a whole put was asked for a layer".into()),

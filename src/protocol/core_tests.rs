@@ -3254,6 +3254,11 @@ fn a_layerwise_push_writes_layer_by_layer_and_lands_only_after_the_last() {
         Ok(Message::AscendAllocResponse(reply.response).encode()),
     );
     let layers = lw_layout().layers;
+    assert_ne!(
+        sc.route("r:7400"),
+        route,
+        "puts that start during the forward pass get a route of their own"
+    );
     for want in 0..layers {
         let PutAction::WriteLayer {
             layer,

@@ -1273,6 +1273,11 @@ impl SenderCore {
             return self.unused_allocation(put, route, PutFailure::Io);
         };
         let tag = GrantTag::of_route(&route).unwrap_or(GrantTag::UNTAGGED);
+        // The receiver keeps one pending allocation per route, and this one
+        // stays pending for a whole forward pass: the puts that start
+        // meanwhile get a route of their own. Its notice still names this
+        // route, which any later socket of ours may carry.
+        self.new_route(&peer);
         put.state = State::Layering {
             route,
             targets: targets.clone(),
