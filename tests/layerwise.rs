@@ -455,27 +455,27 @@ fn a_layerwise_mla_save_gives_each_decode_rank_the_whole_latent() {
     layerwise_feeds_two_decode_ranks(true);
 }
 
-/// Two requests of one forward pass saved layer-wise to the same receiver
-/// both send each layer as it is handed over: one waiting for its next
-/// layer does not hold up the other's (the link to the receiver is held
-/// only while a put talks on its request socket, not while it writes or
-/// waits for layers).
+/// Four requests of one forward pass (more than the queue's two workers)
+/// saved layer-wise to the same receiver all send each layer as it is
+/// handed over: one waiting for its next layer does not hold up another's
+/// (the link to the receiver is not held while a put waits for layers, and
+/// the queue has a worker for every open layer-wise save).
 #[test]
-fn two_layerwise_saves_to_one_receiver_both_send_each_layer_as_it_comes() {
+fn four_layerwise_saves_to_one_receiver_all_send_each_layer_as_it_comes() {
     let (rc, sc) = configs(ChannelKind::Tcp);
     let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
     let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
     let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
     let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 8);
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 24, 8);
     let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
-    let reqs = ["one", "two"];
+    let reqs = ["one", "two", "three", "four"];
     for (q, name) in reqs.iter().enumerate() {
         saves
             .open_layered(
                 SaveRequest {
                     keys: req_keys(name),
-                    slot_mapping: (0..TOKENS).map(|t| (q * 64 + t) as i64).collect(),
+                    slot_mapping: (0..TOKENS).map(|t| (q * 40 + t) as i64).collect(),
                     spec: spec_for(&rc, name, true),
                 },
                 &prefill,
@@ -488,11 +488,11 @@ fn two_layerwise_saves_to_one_receiver_both_send_each_layer_as_it_comes() {
             saves.save_layer(name, layer).unwrap();
         }
     }
-    let want = 2 * (LAYERS as u64 - 1) * layer_bytes(&spec);
+    let want = reqs.len() as u64 * (LAYERS as u64 - 1) * layer_bytes(&spec);
     assert!(
         eventually(Duration::from_secs(30), || sender.stats().bytes_written
             == want),
-        "both requests' first layers should be sent before the last is handed over: {} of \
+        "every request's first layers should be sent before the last is handed over: {} of \
          {want} bytes",
         sender.stats().bytes_written
     );
@@ -501,9 +501,9 @@ fn two_layerwise_saves_to_one_receiver_both_send_each_layer_as_it_comes() {
         saves.save_layer(name, LAYERS - 1).unwrap();
         assert_eq!(saves.close_layered(name).unwrap(), None);
     }
-    let done = poll_until(|| saves.poll(), 2);
+    let done = poll_until(|| saves.poll(), reqs.len());
     assert!(
-        done.len() == 2 && done.iter().all(|c| c.outcome == Outcome::Done),
+        done.len() == reqs.len() && done.iter().all(|c| c.outcome == Outcome::Done),
         "{done:?}"
     );
     for name in reqs {
@@ -512,5 +512,5 @@ fn two_layerwise_saves_to_one_receiver_both_send_each_layer_as_it_comes() {
             == Availability::Ready));
         receiver.release(name, &k);
     }
-    pools_back(&sender, &receiver, "two saves");
+    pools_back(&sender, &receiver, "four saves");
 }

@@ -160,7 +160,12 @@ pub const MAX_QUEUED: usize = 1024;
 
 /// Worker threads per queue: saves to different receivers overlap; loads
 /// into one cache take turns (a load holds the cache for its whole run).
+/// A save queue adds one per open layer-wise save.
 pub const WORKERS: usize = 2;
+
+/// The most workers a save queue runs (layer-wise saves beyond this many
+/// wait for a worker; their layers are kept and sent when one starts).
+pub const MAX_SAVE_WORKERS: usize = 64;
 
 /// What a cancel found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,62 +373,83 @@ impl SaveQueue {
                 }
             }
         })?);
-        for i in 0..WORKERS {
-            let (sender, state, saved) = (
-                Arc::clone(&q.sender),
-                Arc::clone(&q.state),
-                Arc::clone(&q.saved),
-            );
-            let cancels = lock(&q.cancels).clone().expect("set above");
-            let worker = crate::backend::spawn(&format!("apd-save-{i}"), move || {
-                while let Some((id, job)) = state.next() {
-                    let r = guarded("save", &id, || match &job.gate {
-                        Some(gate) => layered::run_layered(&sender, &job, gate, || {
-                            lock(&state.book).cache_released(&id);
-                        })
-                        .map(|()| SaveRun::Sent),
-                        None => run_save(&sender, &job, || lock(&state.book).cache_released(&id)),
-                    });
-                    if let Err(e) = &r {
-                        log::warn!("save of request {id:?} failed: {e}");
-                    }
-                    // Cancelled between its gather and its first put:
-                    // nothing reached a receiver, nothing to drop there.
-                    let sent = !matches!(r, Ok(SaveRun::StoppedBeforeSending));
-                    let r = r.map(|_| ());
-                    let what = (job.req.keys, job.req.spec);
-                    // Remembered before the end is published, so a cancel
-                    // that follows the poll always finds it.
-                    if r.is_ok() {
-                        let mut s = lock(&saved);
-                        s.push_back((id.clone(), what.clone()));
-                        if s.len() > SAVED_MEMORY {
-                            s.pop_front();
-                        }
-                    }
-                    if lock(&state.book).finish(&id, r) {
-                        // Cancelled while it ran: whatever reached the
-                        // receiver is dropped there.
-                        let mut s = lock(&saved);
-                        if let Some(i) = s.iter().position(|(k, _)| *k == id) {
-                            s.remove(i);
-                        }
-                        drop(s);
-                        if sent {
-                            let _ = cancels.send((id, what));
-                        }
-                    }
-                }
-            });
-            match worker {
-                Ok(w) => lock(&q.workers).push(w),
-                Err(e) => {
-                    q.shutdown();
-                    return Err(e);
-                }
+        for _ in 0..WORKERS {
+            if let Err(e) = q.add_worker() {
+                q.shutdown();
+                return Err(e);
             }
         }
         Ok(q)
+    }
+
+    /// Starts one more save worker.
+    fn add_worker(&self) -> Result<(), BackendError> {
+        let mut workers = lock(&self.workers);
+        let (sender, state, saved) = (
+            Arc::clone(&self.sender),
+            Arc::clone(&self.state),
+            Arc::clone(&self.saved),
+        );
+        let Some(cancels) = lock(&self.cancels).clone() else {
+            return Err(BackendError::Closed);
+        };
+        let worker = crate::backend::spawn(&format!("apd-save-{}", workers.len()), move || {
+            while let Some((id, job)) = state.next() {
+                let r = guarded("save", &id, || match &job.gate {
+                    Some(gate) => layered::run_layered(&sender, &job, gate, || {
+                        lock(&state.book).cache_released(&id);
+                    })
+                    .map(|()| SaveRun::Sent),
+                    None => run_save(&sender, &job, || lock(&state.book).cache_released(&id)),
+                });
+                if let Err(e) = &r {
+                    log::warn!("save of request {id:?} failed: {e}");
+                }
+                // Cancelled between its gather and its first put:
+                // nothing reached a receiver, nothing to drop there.
+                let sent = !matches!(r, Ok(SaveRun::StoppedBeforeSending));
+                let r = r.map(|_| ());
+                let what = (job.req.keys, job.req.spec);
+                // Remembered before the end is published, so a cancel
+                // that follows the poll always finds it.
+                if r.is_ok() {
+                    let mut s = lock(&saved);
+                    s.push_back((id.clone(), what.clone()));
+                    if s.len() > SAVED_MEMORY {
+                        s.pop_front();
+                    }
+                }
+                if lock(&state.book).finish(&id, r) {
+                    // Cancelled while it ran: whatever reached the
+                    // receiver is dropped there.
+                    let mut s = lock(&saved);
+                    if let Some(i) = s.iter().position(|(k, _)| *k == id) {
+                        s.remove(i);
+                    }
+                    drop(s);
+                    if sent {
+                        let _ = cancels.send((id, what));
+                    }
+                }
+            }
+        });
+        workers.push(worker?);
+        Ok(())
+    }
+
+    /// A layer-wise save holds its worker for a whole forward pass: the
+    /// pool grows so that every open one has a worker and whole saves still
+    /// have [`WORKERS`] (at most [`MAX_SAVE_WORKERS`] in all; workers stay
+    /// for the queue's life).
+    fn grow_for_layered(&self) {
+        let open = lock(&self.gates).values().filter(|g| !g.ended()).count();
+        let want = (WORKERS + open).min(MAX_SAVE_WORKERS);
+        while lock(&self.workers).len() < want {
+            if let Err(e) = self.add_worker() {
+                log::warn!("starting a save worker for a layer-wise save: {e}");
+                return;
+            }
+        }
     }
 
     /// The sender the queue saves through.
@@ -504,6 +530,7 @@ impl SaveQueue {
             lock(&self.gates).remove(&id);
             return Err(e);
         }
+        self.grow_for_layered();
         Ok(())
     }
 
