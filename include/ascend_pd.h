@@ -560,6 +560,101 @@ int32_t apd_sender_submit_save_ranks(ApdSender sender,
                                      int32_t is_last_prefill);
 
 /*
+ Opens the layer-wise save of request `req_id` (push mode, usually with
+ `pd_layerwise: True`), before the engine's forward pass writes its KV:
+ the arguments are `apd_sender_submit_save`'s. The receiver allocates
+ the request's pages at once; each layer's rows of every chunk are
+ gathered from `cache` and sent as soon as the engine hands the layer
+ over (`apd_sender_save_layer`, or `apd_sender_save_layer_after` for an
+ NPU cache); the receiver holds the request only after the last layer
+ landed. End it with `apd_sender_close_layered_save`; `apd_sender_poll`
+ reports how it ended. A pull-mode sender refuses it
+ (`APD_ERR_INVALID_ARGUMENT`); so does a request id with a layer-wise
+ save still open. Under chunked prefill, open it in the step that
+ computes the request's last tokens: earlier steps already wrote every
+ layer of theirs.
+
+ # Safety
+ As `apd_sender_submit_save`.
+ */
+int32_t apd_sender_open_layered_save(ApdSender sender,
+                                     const char *req_id,
+                                     const char *const *keys,
+                                     uint64_t num_keys,
+                                     ApdKvCache cache,
+                                     const int64_t *slot_mapping,
+                                     uint64_t num_slots,
+                                     const ApdPeer *peer,
+                                     int32_t is_last_prefill);
+
+/*
+ `apd_sender_open_layered_save` to a decode side with several TP ranks
+ (`peers` as in `apd_sender_submit_save_ranks`): each decode rank this
+ prefill rank feeds gets every layer of its head piece.
+
+ # Safety
+ As `apd_sender_submit_save_ranks`.
+ */
+int32_t apd_sender_open_layered_save_ranks(ApdSender sender,
+                                           const char *req_id,
+                                           const char *const *keys,
+                                           uint64_t num_keys,
+                                           ApdKvCache cache,
+                                           const int64_t *slot_mapping,
+                                           uint64_t num_slots,
+                                           const ApdPeer *peers,
+                                           uint64_t num_peers,
+                                           int32_t is_last_prefill);
+
+/*
+ Layer `layer` (0 first) of request `req_id`, whose layer-wise save is
+ open, is written in the engine's cache (a host cache, or an NPU cache
+ whose engine has waited for the layer's kernels): its rows of every
+ chunk are gathered and sent now, while the engine computes the next
+ layer. Layers may come in any order, each once. A layer index beyond
+ the model's, a layer handed over twice, or a request without an open
+ layer-wise save is `APD_ERR_INVALID_ARGUMENT`. A save that already
+ ended (it failed; `apd_sender_poll` says why) ignores it.
+
+ # Safety
+ `req_id` is NUL-terminated.
+ */
+int32_t apd_sender_save_layer(ApdSender sender, const char *req_id, uint64_t layer);
+
+/*
+ `apd_sender_save_layer` for an NPU cache whose engine queued layer
+ `layer`'s kernels on `stream` (its `aclrtStream`) and has not waited
+ for them: an event is recorded on `stream` now, and the layer's copies
+ run after it on the cache's own stream. A host cache, or a null
+ stream, is `APD_ERR_INVALID_ARGUMENT` (call `apd_sender_save_layer`).
+
+ # Safety
+ `req_id` is NUL-terminated; `stream` is a live `aclrtStream` of the
+ cache's NPU.
+ */
+int32_t apd_sender_save_layer_after(ApdSender sender,
+                                    const char *req_id,
+                                    uint64_t layer,
+                                    void *stream);
+
+/*
+ Ends request `req_id`'s layer-wise save from the engine's side: no
+ more layers come. `*out_missing_layer` (if not NULL) is the first layer
+ never handed over, or -1 when every layer was. With every layer the
+ save finishes as usual; with one missing it fails (`apd_sender_poll`
+ reports `APD_REQ_FAILED`, naming the layer) and the receiver drops the
+ pages it allocated. A request without an open layer-wise save (never
+ opened, or already closed) is `APD_ERR_INVALID_ARGUMENT`.
+
+ # Safety
+ `req_id` is NUL-terminated; `out_missing_layer` is NULL or points to
+ writable memory.
+ */
+int32_t apd_sender_close_layered_save(ApdSender sender,
+                                      const char *req_id,
+                                      int64_t *out_missing_layer);
+
+/*
  Writes up to `capacity` finished saves to `out` and their number to
  `*count`; the others wait for the next poll. A done save's KV blocks
  may be freed by the engine (any save's may once

@@ -153,3 +153,47 @@ fn bad_input_from_c_gets_a_status_and_a_message_naming_the_argument() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_layer_wise_save_from_c_lands_every_byte_and_an_early_close_fails_it() {
+    let lib = common::cdylib();
+    let dir = tempfile_dir("layerwise");
+    let exe = dir.join("layerwise");
+    let libdir = lib.parent().unwrap();
+    let examples = root().join("examples/c");
+    compile(
+        "cc",
+        "-std=c11",
+        &root().join("tests/c/layerwise.c"),
+        &exe,
+        &[
+            "-I",
+            examples.to_str().unwrap(),
+            "-L",
+            libdir.to_str().unwrap(),
+            "-lascend_pd",
+            &format!("-Wl,-rpath,{}", libdir.display()),
+        ],
+    );
+    let out = Command::new(&exe)
+        .arg(common::free_port().to_string())
+        .arg(common::free_port().to_string())
+        .arg(common::free_port().to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "layerwise failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("all layer-wise checks passed"), "{stdout}");
+    for needle in [
+        "not available before the last layer",
+        "loaded bytes match, every layer",
+        "save closed early failed",
+        "receiver pool back to full",
+    ] {
+        assert!(stdout.contains(needle), "{needle:?} missing:\n{stdout}");
+    }
+}

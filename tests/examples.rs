@@ -327,6 +327,29 @@ fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
     }
 }
 
+/// A layer-wise save through the Python package (tests/python/layerwise.py):
+/// a sender and a receiver over loopback tcp, each layer written just
+/// before it is handed over; not available before the last layer, every
+/// loaded byte right; a save closed early fails and both pools are full
+/// again.
+#[test]
+fn a_layer_wise_save_through_python_lands_every_byte_and_an_early_close_fails_it() {
+    let py = python_with_numpy();
+    let out = Command::new(&py)
+        .arg(root().join("tests/python/layerwise.py"))
+        .arg(common::free_port().to_string())
+        .arg(common::free_port().to_string())
+        .env("ASCEND_PD_LIB", common::cdylib())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("layerwise: OK"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn bad_input_through_python_raises_the_librarys_message() {
     let py = python_with_numpy();

@@ -90,7 +90,14 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
     );
     let report = std::fs::read_to_string(&results).unwrap_or_default();
     eprintln!("vllm e2e results ({}):\n{report}", results.display());
-    for mode in ["push", "pull-eager", "pull-delay", "fault", "serve"] {
+    for mode in [
+        "push",
+        "push-layerwise",
+        "pull-eager",
+        "pull-delay",
+        "fault",
+        "serve",
+    ] {
         assert!(
             report.contains(&format!("\"{mode}\"")),
             "no result for {mode} in {}",

@@ -202,6 +202,17 @@ _PROTOTYPES = {
         _i32,
         [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _u64, _i32],
     ),
+    "apd_sender_open_layered_save": (
+        _i32,
+        [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _i32],
+    ),
+    "apd_sender_open_layered_save_ranks": (
+        _i32,
+        [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64, _P(ApdPeer), _u64, _i32],
+    ),
+    "apd_sender_save_layer": (_i32, [ApdSender, _str, _u64]),
+    "apd_sender_save_layer_after": (_i32, [ApdSender, _str, _u64, ctypes.c_void_p]),
+    "apd_sender_close_layered_save": (_i32, [ApdSender, _str, _P(ctypes.c_int64)]),
     "apd_sender_poll": (_i32, [ApdSender, _P(ApdCompletion), _u64, _P(_u64)]),
     "apd_sender_poll_released": (_i32, [ApdSender, _P(ApdReqId), _u64, _P(_u64)]),
     "apd_sender_cancel": (_i32, [ApdSender, _str, _P(_i32)]),

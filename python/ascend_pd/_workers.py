@@ -282,6 +282,85 @@ class Sender:
         rank): under a larger decode TP each decode rank this rank feeds
         gets its heads at its own ports. A single int serves every rank.
         """
+        self._submit(False, req_id, keys, cache, slot_mapping, host, init_port, alloc_port, is_last_prefill)
+
+    def open_layered_save(
+        self,
+        req_id: str,
+        keys: Sequence[str],
+        cache: KVCache,
+        slot_mapping: Any,
+        host: str,
+        init_port: Union[int, Sequence[int]],
+        alloc_port: Union[int, Sequence[int]],
+        is_last_prefill: bool = True,
+    ) -> None:
+        """Opens the layer-wise save of request ``req_id`` (push mode,
+        ``pd_layerwise: True``) before the forward pass writes its KV.
+
+        The arguments are :meth:`submit_save`'s. The receiver allocates the
+        request's pages at once; each layer's rows of every chunk are
+        gathered from ``cache`` and sent as soon as :meth:`save_layer` hands
+        the layer over; the receiver holds the request only after the last
+        layer landed. End it with :meth:`close_layered_save`; :meth:`poll`
+        reports how it ended. A pull-mode sender refuses it
+        (:class:`InvalidArgument`). Under chunked prefill, open it in the
+        step that computes the request's last tokens: earlier steps already
+        wrote every layer of theirs.
+        """
+        self._submit(True, req_id, keys, cache, slot_mapping, host, init_port, alloc_port, is_last_prefill)
+
+    def save_layer(self, req_id: str, layer: int, stream: Optional[int] = None) -> None:
+        """Layer ``layer`` (0 first) of request ``req_id`` is written: its
+        rows of every chunk are gathered and sent now.
+
+        Layers may come in any order, each once; a layer beyond the model's,
+        a layer handed over twice, or a request without an open layer-wise
+        save raises :class:`InvalidArgument`. ``stream``: for an NPU cache
+        whose engine queued the layer's kernels on an ``aclrtStream`` and
+        has not waited for them, that stream's handle (an int); the layer's
+        copies then run after the kernels queued on it so far. Leave it
+        None for a host cache.
+        """
+        lib = _lib.lib()
+        rid = _encode("req_id", req_id)
+        index = operator.index(layer)
+        if index < 0:
+            raise _bad(f"layer is {index}: pass the layer's index, 0 first")
+        if stream is None:
+            check(lib.apd_sender_save_layer(self._handle, rid, index))
+        else:
+            check(lib.apd_sender_save_layer_after(self._handle, rid, index, ctypes.c_void_p(int(stream))))
+
+    def close_layered_save(self, req_id: str) -> Optional[int]:
+        """Ends request ``req_id``'s layer-wise save: no more layers come.
+
+        Returns None when every layer was handed over (the save finishes as
+        usual), or the first layer that never was: the save then fails
+        (:meth:`poll` says ``"failed"``, naming the layer) and the receiver
+        drops what it allocated.
+        """
+        missing = ctypes.c_int64()
+        check(
+            _lib.lib().apd_sender_close_layered_save(
+                self._handle, _encode("req_id", req_id), ctypes.byref(missing)
+            )
+        )
+        return None if missing.value < 0 else int(missing.value)
+
+    def _submit(
+        self,
+        layered: bool,
+        req_id: str,
+        keys: Sequence[str],
+        cache: KVCache,
+        slot_mapping: Any,
+        host: str,
+        init_port: Union[int, Sequence[int]],
+        alloc_port: Union[int, Sequence[int]],
+        is_last_prefill: bool,
+    ) -> None:
+        """:meth:`submit_save` (or, ``layered``, :meth:`open_layered_save`)."""
         key_array, num_keys = _keys(keys)
         # `_keep` holds the slot array alive until the call returned (the library copies it).
         slots, num_slots, _keep = _slots(slot_mapping)
@@ -314,11 +393,14 @@ class Sender:
         last = 1 if is_last_prefill else 0
         rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
         self._inflight.add(rid, cache)
+        lib = _lib.lib()
         try:
             if per_rank:
-                check(_lib.lib().apd_sender_submit_save_ranks(*request, peers, len(peers), last))
+                ranks_fn = lib.apd_sender_open_layered_save_ranks if layered else lib.apd_sender_submit_save_ranks
+                check(ranks_fn(*request, peers, len(peers), last))
             else:
-                check(_lib.lib().apd_sender_submit_save(*request, ctypes.byref(peer), last))
+                one_fn = lib.apd_sender_open_layered_save if layered else lib.apd_sender_submit_save
+                check(one_fn(*request, ctypes.byref(peer), last))
         except BaseException:
             self._inflight.discard(rid, cache)
             raise

@@ -309,6 +309,9 @@ impl From<BackendError> for Failure {
             BackendError::InvalidInput(_) => APD_ERR_INVALID_ARGUMENT,
             BackendError::Config(_) => APD_ERR_CONFIG,
             BackendError::Backpressure(_) => APD_ERR_BUSY,
+            // A layer-wise save the engine closed early failed as a
+            // transfer does: nothing of it is loadable at the receiver.
+            BackendError::LayerMissing { .. } => APD_ERR_BACKEND,
             _ => APD_ERR_BACKEND,
         };
         Failure::new(status, e.to_string())
@@ -1068,6 +1071,7 @@ pub unsafe extern "C" fn apd_sender_submit_save(
                 (slot_mapping, num_slots),
                 ("peer", peers, false),
                 is_last_prefill,
+                false,
             )
         }
     })
@@ -1114,17 +1118,20 @@ pub unsafe extern "C" fn apd_sender_submit_save_ranks(
                 (slot_mapping, num_slots),
                 ("peers", peers, true),
                 is_last_prefill,
+                false,
             )
         }
     })
 }
 
-/// The body of both submit calls. `peers` is (argument name, records,
-/// per rank): per rank, record `d` is decode rank `d`; otherwise the one
-/// record serves every rank.
+/// The body of the submit and open-layered calls. `peers` is (argument
+/// name, records, per rank): per rank, record `d` is decode rank `d`;
+/// otherwise the one record serves every rank. `layered` opens a
+/// layer-wise save instead of queueing a whole one.
 ///
 /// # Safety
 /// As the callers'.
+#[allow(clippy::too_many_arguments)]
 unsafe fn submit_save(
     sender: ApdSender,
     req_id: *const c_char,
@@ -1133,6 +1140,7 @@ unsafe fn submit_save(
     (slot_mapping, num_slots): (*const i64, u64),
     (what, peers, per_rank): (&str, &[ApdPeer], bool),
     is_last_prefill: i32,
+    layered: bool,
 ) -> Result<(), Failure> {
     let s = handles::sender(sender.id)?;
     // SAFETY: forwarded to the caller's contract.
@@ -1192,22 +1200,224 @@ unsafe fn submit_save(
         false => PortList::Single(port(&peers[0])),
     };
     let cache = handles::cache(cache.id)?;
-    s.queue.submit(
-        SaveRequest {
-            keys,
-            slot_mapping: slots.to_vec(),
-            spec: TransferSpec {
-                req_id: id.to_string(),
-                receiver_host: host.to_string(),
-                receiver_init_port: ports(|p| p.init_port),
-                receiver_alloc_port: ports(|p| p.alloc_port),
-                is_last_prefill: is_last_prefill != 0,
-                receiver_rank: None,
-            },
+    let req = SaveRequest {
+        keys,
+        slot_mapping: slots.to_vec(),
+        spec: TransferSpec {
+            req_id: id.to_string(),
+            receiver_host: host.to_string(),
+            receiver_init_port: ports(|p| p.init_port),
+            receiver_alloc_port: ports(|p| p.alloc_port),
+            is_last_prefill: is_last_prefill != 0,
+            receiver_rank: None,
         },
-        &cache,
-    )?;
+    };
+    match layered {
+        true => s.queue.open_layered(req, &cache)?,
+        false => s.queue.submit(req, &cache)?,
+    }
     Ok(())
+}
+
+/// Opens the layer-wise save of request `req_id` (push mode, usually with
+/// `pd_layerwise: True`), before the engine's forward pass writes its KV:
+/// the arguments are `apd_sender_submit_save`'s. The receiver allocates
+/// the request's pages at once; each layer's rows of every chunk are
+/// gathered from `cache` and sent as soon as the engine hands the layer
+/// over (`apd_sender_save_layer`, or `apd_sender_save_layer_after` for an
+/// NPU cache); the receiver holds the request only after the last layer
+/// landed. End it with `apd_sender_close_layered_save`; `apd_sender_poll`
+/// reports how it ended. A pull-mode sender refuses it
+/// (`APD_ERR_INVALID_ARGUMENT`); so does a request id with a layer-wise
+/// save still open. Under chunked prefill, open it in the step that
+/// computes the request's last tokens: earlier steps already wrote every
+/// layer of theirs.
+///
+/// # Safety
+/// As `apd_sender_submit_save`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn apd_sender_open_layered_save(
+    sender: ApdSender,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+    peer: *const ApdPeer,
+    is_last_prefill: i32,
+) -> i32 {
+    call("apd_sender_open_layered_save", || {
+        if peer.is_null() {
+            return Err(Failure::arg(
+                "peer",
+                "is null: pass the receiver's host and ports",
+            ));
+        }
+        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`);
+        // `arg_ref` checks its alignment.
+        let peers = std::slice::from_ref(unsafe { arg_ref("peer", peer) }?);
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            submit_save(
+                sender,
+                req_id,
+                (keys, num_keys),
+                cache,
+                (slot_mapping, num_slots),
+                ("peer", peers, false),
+                is_last_prefill,
+                true,
+            )
+        }
+    })
+}
+
+/// `apd_sender_open_layered_save` to a decode side with several TP ranks
+/// (`peers` as in `apd_sender_submit_save_ranks`): each decode rank this
+/// prefill rank feeds gets every layer of its head piece.
+///
+/// # Safety
+/// As `apd_sender_submit_save_ranks`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn apd_sender_open_layered_save_ranks(
+    sender: ApdSender,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+    peers: *const ApdPeer,
+    num_peers: u64,
+    is_last_prefill: i32,
+) -> i32 {
+    call("apd_sender_open_layered_save_ranks", || {
+        if num_peers == 0 {
+            return Err(Failure::arg(
+                "num_peers",
+                "is 0: pass one ApdPeer per decode TP rank",
+            ));
+        }
+        // SAFETY: forwarded to the caller's contract.
+        let peers = unsafe { arg_slice("peers", peers, num_peers) }?;
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            submit_save(
+                sender,
+                req_id,
+                (keys, num_keys),
+                cache,
+                (slot_mapping, num_slots),
+                ("peers", peers, true),
+                is_last_prefill,
+                true,
+            )
+        }
+    })
+}
+
+/// A layer index argument (0 first); beyond the model's layers the save
+/// refuses it, naming `kv_num_layers`.
+fn layer_arg(layer: u64) -> usize {
+    usize::try_from(layer).unwrap_or(usize::MAX)
+}
+
+/// Layer `layer` (0 first) of request `req_id`, whose layer-wise save is
+/// open, is written in the engine's cache (a host cache, or an NPU cache
+/// whose engine has waited for the layer's kernels): its rows of every
+/// chunk are gathered and sent now, while the engine computes the next
+/// layer. Layers may come in any order, each once. A layer index beyond
+/// the model's, a layer handed over twice, or a request without an open
+/// layer-wise save is `APD_ERR_INVALID_ARGUMENT`. A save that already
+/// ended (it failed; `apd_sender_poll` says why) ignores it.
+///
+/// # Safety
+/// `req_id` is NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_save_layer(
+    sender: ApdSender,
+    req_id: *const c_char,
+    layer: u64,
+) -> i32 {
+    call("apd_sender_save_layer", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let id = unsafe { arg_str("req_id", req_id) }?;
+        s.queue.save_layer(id, layer_arg(layer))?;
+        Ok(())
+    })
+}
+
+/// `apd_sender_save_layer` for an NPU cache whose engine queued layer
+/// `layer`'s kernels on `stream` (its `aclrtStream`) and has not waited
+/// for them: an event is recorded on `stream` now, and the layer's copies
+/// run after it on the cache's own stream. A host cache, or a null
+/// stream, is `APD_ERR_INVALID_ARGUMENT` (call `apd_sender_save_layer`).
+///
+/// # Safety
+/// `req_id` is NUL-terminated; `stream` is a live `aclrtStream` of the
+/// cache's NPU.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_save_layer_after(
+    sender: ApdSender,
+    req_id: *const c_char,
+    layer: u64,
+    stream: *mut c_void,
+) -> i32 {
+    call("apd_sender_save_layer_after", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let id = unsafe { arg_str("req_id", req_id) }?;
+        if stream.is_null() {
+            return Err(Failure::arg(
+                "stream",
+                "is null: pass the engine's aclrtStream (for a host cache, or after waiting \
+                 for the layer, call apd_sender_save_layer)",
+            ));
+        }
+        // SAFETY: the caller's contract: `stream` is a live stream of the
+        // cache's NPU (the queue checks the cache is an NPU cache).
+        unsafe { s.queue.save_layer_after(id, layer_arg(layer), stream) }?;
+        Ok(())
+    })
+}
+
+/// Ends request `req_id`'s layer-wise save from the engine's side: no
+/// more layers come. `*out_missing_layer` (if not NULL) is the first layer
+/// never handed over, or -1 when every layer was. With every layer the
+/// save finishes as usual; with one missing it fails (`apd_sender_poll`
+/// reports `APD_REQ_FAILED`, naming the layer) and the receiver drops the
+/// pages it allocated. A request without an open layer-wise save (never
+/// opened, or already closed) is `APD_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `req_id` is NUL-terminated; `out_missing_layer` is NULL or points to
+/// writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_close_layered_save(
+    sender: ApdSender,
+    req_id: *const c_char,
+    out_missing_layer: *mut i64,
+) -> i32 {
+    call("apd_sender_close_layered_save", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let id = unsafe { arg_str("req_id", req_id) }?;
+        let o = match out_missing_layer.is_null() {
+            true => None,
+            // SAFETY: non-null, so writable per the caller's contract;
+            // `out` checks its alignment.
+            false => Some(unsafe { out("out_missing_layer", out_missing_layer) }?),
+        };
+        let missing = s.queue.close_layered(id)?;
+        if let Some(o) = o {
+            *o = missing.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX));
+        }
+        Ok(())
+    })
 }
 
 /// Writes up to `capacity` finished saves to `out` and their number to

@@ -76,7 +76,7 @@ def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_por
     return path
 
 
-def sender_yaml(path: Path, channel: str, mode: str, done_port: int) -> Path:
+def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: bool = False) -> Path:
     lines = [
         "enable_pd: true",
         f"transfer_channel: {channel}",
@@ -89,6 +89,8 @@ def sender_yaml(path: Path, channel: str, mode: str, done_port: int) -> Path:
     ]
     if mode != "push":
         lines.append(f"pd_pull_done_port: {done_port}")
+    if layerwise:
+        lines.append("pd_layerwise: True")
     lines += _mode_lines(mode)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -192,6 +192,66 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         dec.stop()
 
 
+def test_layerwise_push_decode_tokens_equal_colocated(
+    model: Path, colocated: Dict[str, Any], logdir: Path
+) -> None:
+    """pd_layerwise: the prefill hands each layer to the library as its
+    forward pass writes it (save_kv_layer) and closes the saves after the
+    step; the decode's tokens must equal the colocated run's, every prompt
+    loaded remotely, every save layer-wise."""
+    mode, channel = "push", "tcp"
+    init, alloc, done = free_port(), free_port(), free_port()
+    ry = receiver_yaml(logdir / "layerwise-receiver.yaml", channel, mode, init, alloc)
+    sy = sender_yaml(logdir / "layerwise-sender.yaml", channel, mode, done, layerwise=True)
+    dec = Engine("layerwise-decode", model, logdir, kv_config("kv_consumer", ry))
+    pre = Engine("layerwise-prefill", model, logdir, kv_config("kv_producer", sy))
+    try:
+        dec.wait_ready()
+        pre.wait_ready()
+        handoff_out = pre.generate(PROMPTS, [_address(init, alloc)] * len(PROMPTS), max_tokens=1)
+        handoff = [o["kv_transfer_params"] for o in handoff_out]
+        for h in handoff:
+            assert h and h.get("do_remote_prefill") and "ascend_pd" in h, h
+        outs = dec.generate(PROMPTS, handoff)
+        want = colocated["main"]
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert o["tokens"] == w["tokens"], f"prompt {i} ({len(PROMPTS[i])} tokens): {o['tokens']} != {w['tokens']}"
+        by_req = {_external(ev["req_id"]): ev for ev in dec.events_of("load")}
+        loaded = 0
+        for i, o in enumerate(outs):
+            ev = by_req.get(o["request_id"])
+            assert ev is not None and ev["status"] == "done", (i, ev)
+            held = len(PROMPTS[i]) - ev["tokens"]
+            assert held == 0 or (i == len(PROMPTS) - 1 and held == 512), (i, ev["tokens"], len(PROMPTS[i]))
+            loaded += ev["tokens"]
+        # A save's event is written when the prefill polls its end, at its
+        # next step: step it (1-token requests, not saved) until all are in.
+        deadline = time.monotonic() + 60
+        while len(pre.events_of("save")) < len(PROMPTS):
+            assert time.monotonic() < deadline, pre.events_of("save")
+            pre.generate([[5]], max_tokens=1)
+            time.sleep(0.2)
+        saves = pre.events_of("save")
+        assert len(saves) == len(PROMPTS), saves
+        assert all(ev["status"] == "done" and ev["layerwise"] is True for ev in saves), saves
+        pools = _settle([dec, pre], ["receiver", "sender"])
+        RESULTS["push-layerwise"] = {
+            "channel": channel,
+            "prompts": len(PROMPTS),
+            "tokens_identical": True,
+            "saves_layerwise": len(saves),
+            "tokens_loaded_remotely": loaded,
+            "prompt_tokens": sum(map(len, PROMPTS)),
+            "colocated_ttft_ms_mean": _ttft(want),
+            "prefill_ttft_ms_mean": _ttft(handoff_out),
+            "decode_ttft_ms_mean": _ttft(outs),
+            "pools_after": pools,
+        }
+    finally:
+        pre.stop()
+        dec.stop()
+
+
 def test_killed_prefill_is_recomputed_and_corrupt_kv_changes_tokens(
     model: Path, colocated: Dict[str, Any], logdir: Path
 ) -> None:

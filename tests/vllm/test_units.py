@@ -255,3 +255,83 @@ def test_connector_stats_add_up_and_reduce_for_vllms_logger() -> None:
     assert r["loads"] == 2 and r["load_tokens"] == 400 and r["load_failures"] == 1
     assert r["load_MiB"] == 4.0 and r["load_ms_avg"] == 20.0
     assert r["saves"] == 1 and r["save_MiB"] == 1.0 and r["save_ms_avg"] == 4.0
+
+
+def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """With pd_layerwise the worker opens the step's saves at its first
+    save_kv_layer, hands layer i at each call (by the wrapped caches' order)
+    and only closes them in wait_for_save: the receiver holds nothing before
+    the last layer, every byte after; a step that skips a layer fails its
+    save. Events say the saves were layer-wise."""
+    from ascend_pd.vllm.metadata import AscendPDConnectorMetadata, ReceiverAddress, SaveSpec
+    from ascend_pd.vllm.worker import ENV_EVENTS, ConnectorWorker
+    import json
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv(ENV_EVENTS, str(events))
+    rx, _unused, init, alloc = _pair("tcp")
+    _unused.close()
+    path = _yaml(tmp_path, "enable_pd: true\ntransfer_channel: tcp\npd_buffer_device: cpu\n"
+                 f"pd_buffer_size: {32 << 20}\nchunk_size: 256\npd_peer_host: 127.0.0.1\n"
+                 "pd_role: sender\npd_layerwise: True\n")
+    s = settings.load("kv_producer", {"config": path})
+    assert s.layerwise
+    worker = ConnectorWorker(s, settings.ModelShape(L, H, HS, "float32", False, 1, 0, "m"))
+    cpu = [torch.zeros(NB, H, BS, 2 * HS) for _ in range(L)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    worker.layer_index = {n: i for i, n in enumerate(names)}
+    worker.start(describe(cpu, "CPU_ATTN", H, HS, False, isa="vec"))
+    dst = [(torch.zeros(NB, BS, H, HS), torch.zeros(NB, BS, H, HS)) for _ in range(L)]
+    try:
+        assert worker.layerwise
+        n = 300
+        src_blocks, dst_blocks = [4, 1, 3], [0, 5, 2]
+        slots = tuple(src_blocks[t // BS] * BS + t % BS for t in range(n))
+        to = ReceiverAddress("127.0.0.1", (init,), (alloc,))
+        ks = ("lw-a", "lw-b")
+        meta = AscendPDConnectorMetadata(saves=[SaveSpec("r", ks, slots, to)])
+        g = torch.Generator().manual_seed(11)
+        keys = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+        vals = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+        import vllm._custom_ops as ops
+
+        for layer in range(L):
+            # vLLM's CPU kernel writes the layer, then the layer is saved.
+            kc, vc = cpu[layer].view(NB, H, 2 * BS, HS).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys[layer], vals[layer], kc, vc, torch.tensor(slots), "vec")
+            worker.save_kv_layer(names[layer], meta)
+            assert "r" in worker.state.layered
+            assert not rx.available(list(ks)), layer
+        worker.wait_for_save(meta)
+        assert not worker.state.layered and "r" in worker.state.running_saves
+        sending = _wait(lambda: worker.get_finished({"r"})[0])
+        assert sending == {"r"}
+        assert rx.available(list(ks))
+        dst_cache = _wrap(dst, "ASCEND")
+        rx.submit_load("r", list(ks), dst_cache, [dst_blocks[t // BS] * BS + t % BS for t in range(n)])
+        assert [c.status for c in _wait(rx.poll)] == ["done"]
+        for layer in range(L):
+            k, v = dst[layer]
+            for t in range(n):
+                b, o = dst_blocks[t // BS], t % BS
+                assert torch.equal(k[b, o], keys[layer][t]) and torch.equal(v[b, o], vals[layer][t]), (layer, t)
+
+        # A step whose forward skipped a layer: the save fails at close.
+        meta2 = AscendPDConnectorMetadata(saves=[SaveSpec("r2", ("lw-c", "lw-d"), slots, to)])
+        worker.save_kv_layer(names[0], meta2)
+        worker.save_kv_layer(names[2], meta2)
+        worker.wait_for_save(meta2)
+        assert _wait(lambda: worker.get_finished({"r2"})[0]) == {"r2"}
+        saves = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "save"]
+        assert [(e["req_id"], e["status"], e["layerwise"]) for e in saves] == [
+            ("r", "done", True), ("r2", "failed", True)], saves
+        assert "layer 1" in saves[1]["message"]
+        deadline = time.monotonic() + 10
+        while not (rx.pool_stats().free == rx.pool_stats().total
+                   and worker.pool_stats()["sender"]["free"] == worker.pool_stats()["sender"]["total"]):
+            assert time.monotonic() < deadline, (rx.pool_stats(), worker.pool_stats())
+            time.sleep(0.01)
+        dst_cache.close()
+    finally:
+        worker.close()
+        rx.close()

@@ -169,6 +169,7 @@ class AscendPDConnector(KVConnectorBase_V1):
             raise settings_mod._err(
                 f"vLLM registered {layout.layers} KV cache layers but the model has {worker.shape.layers}"
             )
+        worker.layer_index = {n: i for i, n in enumerate(names)}
         worker.start(layout)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -185,7 +186,13 @@ class AscendPDConnector(KVConnectorBase_V1):
         return  # loads finish before their request is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole-request saves run from wait_for_save
+        # With pd_layerwise each layer goes as vLLM writes it; otherwise
+        # whole-request saves run from wait_for_save.
+        worker = self._work()
+        if worker.layerwise:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, AscendPDConnectorMetadata)
+            worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -94,6 +94,12 @@ class ConnectorSettings:
     mode: str
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def layerwise(self) -> bool:
+        """``pd_layerwise``: the sender saves each layer as the forward pass
+        writes it (push mode; the library refuses it with a pull mode)."""
+        return bool(self.yaml.get("pd_layerwise", False))
+
     def role_yaml(self, role: str, shape: ModelShape) -> str:
         """The YAML text of the library configuration for ``role``
         (``sender`` or ``receiver``) with the model keys of ``shape``."""
@@ -106,6 +112,9 @@ class ConnectorSettings:
         if role == "sender":
             for k, v in _SENDER_PLACEHOLDERS.items():
                 doc.setdefault(k, v)
+        else:
+            # A sender key (kv_both): the receiver would only warn it is ignored.
+            doc.pop("pd_layerwise", None)
         return str(pyyaml.safe_dump(doc, sort_keys=False))
 
 

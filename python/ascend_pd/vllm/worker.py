@@ -94,6 +94,8 @@ class _Save:
     submitted_at: Optional[float] = None
     #: The library said the save no longer reads vLLM's blocks.
     released: bool = False
+    #: Saved layer by layer during the forward pass (``pd_layerwise``).
+    layerwise: bool = False
 
 
 @dataclass
@@ -111,6 +113,11 @@ class WorkerState:
     finished_reqs: Set[str] = field(default_factory=set)
     #: Loads cancelled because vLLM aborted their request.
     aborted: Set[str] = field(default_factory=set)
+    #: Layer-wise saves opened this step (``pd_layerwise``), closed by
+    #: wait_for_save.
+    layered: Dict[str, _Save] = field(default_factory=dict)
+    #: The step metadata the layered saves were opened for.
+    layered_step: Optional[int] = None
 
 
 class ConnectorWorker:
@@ -133,6 +140,9 @@ class ConnectorWorker:
         self._recv_ended: Set[str] = set()
         self._layout: Optional[CacheLayout] = None
         self._last_pools: Dict[str, Any] = {}
+        #: vLLM's layer names -> the library's layer index (the order the
+        #: connector wrapped the caches in); set by the connector.
+        self.layer_index: Dict[str, int] = {}
 
     # ---------------------------------------------------------------- set-up
 
@@ -202,10 +212,89 @@ class ConnectorWorker:
             self._drop_keys(LoadSpec(req_id, keys, (), ()))
         self._submit_loads(now)
 
-    def wait_for_save(self, meta: AscendPDConnectorMetadata) -> None:
-        """Queues the step's saves (their KV was written by this step's forward)."""
+    @property
+    def layerwise(self) -> bool:
+        """Saves go layer by layer during the forward pass (``pd_layerwise``)."""
+        return self.sender is not None and self.settings.layerwise
+
+    def save_kv_layer(self, layer_name: str, meta: AscendPDConnectorMetadata) -> None:
+        """vLLM wrote layer ``layer_name`` of this step's forward pass: hand
+        it to every layer-wise save of the step (opened at the step's first
+        layer). Only with ``pd_layerwise``; otherwise saves wait for
+        :meth:`wait_for_save`.
+
+        Each layer of every chunk is valid once this step's layer ran: the
+        step's saves are those of requests whose last prompt tokens it
+        computes, and earlier chunked-prefill steps wrote every layer of
+        theirs."""
+        if not self.layerwise or not meta.saves:
+            return
+        assert self.sender is not None
+        if self.state.layered_step != id(meta):
+            self._open_layered(meta)
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            log.warning("ascend-pd: layer %r is not one of the wrapped KV caches; not saved", layer_name)
+            return
+        stream = self._layer_stream()
+        for req_id in list(self.state.layered):
+            try:
+                self.sender.save_layer(req_id, layer, stream)
+            except Exception as e:  # the save fails at close, naming the layer
+                log.warning("ascend-pd: layer %d of %s not handed over: %s", layer, req_id, e)
+
+    def _layer_stream(self) -> Optional[int]:
+        """The engine's current ``aclrtStream`` for an NPU cache, whose
+        layer kernels may still be queued (the library's copies wait for
+        them); None for a host cache, whose layer is written when vLLM
+        calls save_kv_layer. Untested here: no NPU on the test hosts."""
+        if self._layout is None or self._layout.device < 0:
+            return None
+        import torch
+
+        from .._kv import _stream_address
+
+        npu = getattr(torch, "npu", None)
+        return _stream_address(npu.current_stream()) if npu is not None else None
+
+    def _open_layered(self, meta: AscendPDConnectorMetadata) -> None:
+        """Opens the layer-wise save of each of the step's saves; one the
+        library refuses or cannot queue now is saved whole by wait_for_save."""
+        assert self.sender is not None and self.cache is not None
+        self.state.layered_step = id(meta)
         for spec in meta.saves:
-            self.state.queued_saves.append(_Save(spec))
+            if spec.req_id in self.state.layered:
+                continue
+            try:
+                self.sender.open_layered_save(
+                    spec.req_id, list(spec.keys), self.cache, list(spec.slots), spec.to.host,
+                    list(spec.to.init_ports), list(spec.to.alloc_ports), is_last_prefill=False,
+                )
+            except Exception as e:
+                log.warning("ascend-pd: layer-wise save of %s not opened (%s); saved whole after the step",
+                            spec.req_id, e)
+                continue
+            self.state.layered[spec.req_id] = _Save(spec, submitted_at=time.monotonic(), layerwise=True)
+
+    def wait_for_save(self, meta: AscendPDConnectorMetadata) -> None:
+        """Closes the step's layer-wise saves; queues the others (their KV
+        was written by this step's forward)."""
+        opened = self.state.layered
+        self.state.layered = {}
+        self.state.layered_step = None
+        for req_id, save in opened.items():
+            assert self.sender is not None
+            try:
+                missing = self.sender.close_layered_save(req_id)
+            except Exception as e:
+                log.error("ascend-pd: closing the layer-wise save of %s: %s", req_id, e)
+                missing = None
+            if missing is not None:
+                log.warning("ascend-pd: layer %d of %s never came; its save fails", missing, req_id)
+            self.state.running_saves[req_id] = save
+        for spec in meta.saves:
+            if spec.req_id not in opened:
+                self.state.queued_saves.append(_Save(spec))
         self._submit_saves()
 
     def handle_preemptions(self, meta: AscendPDConnectorMetadata, timeout_s: float = 60.0) -> None:
@@ -323,7 +412,7 @@ class ConnectorWorker:
         n = len(save.spec.slots) if save is not None else 0
         took = time.monotonic() - save.submitted_at if save is not None and save.submitted_at else 0.0
         self._event(event="save", req_id=c.req_id, status=c.status, tokens=n, message=c.message,
-                    save_s=round(took, 6))
+                    save_s=round(took, 6), layerwise=save is not None and save.layerwise)
         if c.status == "done":
             self.stats.record("save", n * self._token_bytes, took)
         else:
