@@ -425,6 +425,14 @@ impl RunPrefill {
         // Two blocks to spare: the shuffled block table still varies.
         let blocks = max_tokens.div_ceil(RUN_BLOCK) + 2;
         let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK)?;
+        // Touch every page now, as an engine's cache is before serving: the
+        // first request's layers would otherwise pay the page faults.
+        let base = mem.ptr.cast::<u8>();
+        for at in (0..mem.words * 8).step_by(4096) {
+            // SAFETY: `at` is inside the allocation of `words * 8` bytes,
+            // which nothing else uses yet (no save was queued).
+            unsafe { std::ptr::write_volatile(base.add(at), 0) };
+        }
         Ok(RunPrefill {
             saves: SaveQueue::new(sender)?,
             cache,
