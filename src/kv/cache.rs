@@ -912,7 +912,7 @@ impl KvCache {
                 Some(dst) => self.gather_host(copies, dst),
                 // A host cache into an NPU page with small copies: gathered
                 // on the host, then one host-to-device copy.
-                None if stage_through_host(&copies) => {
+                None if stage_through_host(copies) => {
                     let mut chunk = vec![0u8; meta.byte_len()];
                     self.gather_host(copies, &mut chunk);
                     write_page(&mut *page, 0, &chunk)?;
