@@ -121,6 +121,8 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
     }
     // Without --prefill-layer-ms the other modes write their pages directly.
     assert_eq!(modes[0]["prefill_ms"], 0.0, "{}", modes[0]);
+    assert_eq!(modes[0]["save"], "put", "{}", modes[0]);
+    assert_eq!(modes[4]["save"], "layered", "{}", modes[4]);
     // Pull-delay keeps no pages for a request until it loads; push holds them all.
     let peak = |i: usize| modes[i]["receiver_peak_buffer_bytes"].as_u64().unwrap();
     assert!(peak(0) >= 2 * 33_554_432, "push holds the request's pages");
@@ -363,6 +365,9 @@ fn run_with_a_layered_prefill_reports_exposed_transfer_for_push_and_push_layerwi
     let modes = doc["modes"].as_array().unwrap();
     let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
     assert_eq!(names, ["push", "push-layerwise"]);
+    // Both prefill into the engine cache; only push-layerwise saves by layer.
+    assert_eq!(modes[0]["save"], "submit", "{}", modes[0]);
+    assert_eq!(modes[1]["save"], "layered", "{}", modes[1]);
     // 2 requests of 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
     let per_request = 2 * 2 * 150 * 128 * 2u64;
     for m in modes {

@@ -95,6 +95,10 @@ pub struct ModeReport {
     /// How proxies reached the KV cache: `direct`, `staged` (if any load
     /// staged), or `resident` (push / pull-eager).
     pub load_path: String,
+    /// How the senders saved: `put` (pool pages written directly),
+    /// `submit` (`SaveQueue::submit` after the last layer) or `layered`
+    /// (`SaveQueue::open_layered` / `save_layer` / `close_layered`).
+    pub save: String,
     /// The NPU runtime the workers used, if any.
     pub npu_runtime: Option<String>,
 }
@@ -218,6 +222,12 @@ pub fn summarize(
             }
             .to_string()
         },
+        save: {
+            let mut ways: Vec<&str> = puts.values().filter_map(|p| p["save"].as_str()).collect();
+            ways.sort_unstable();
+            ways.dedup();
+            ways.join("+")
+        },
         ..Default::default()
     })
 }
@@ -304,6 +314,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "prefill_tp": m.tp.0,
             "decode_tp": m.tp.1,
             "load_path": m.load_path,
+            "save": m.save,
             "gbps": round3(m.gbps),
             "aggregate_gbps": round3(m.aggregate_gbps),
             "baseline": m.baseline,

@@ -341,6 +341,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
                 "event": "put", "req": req_id, "chunks": keys.len(), "bytes": bytes,
                 "put_start": t.end, "put_end": t.saved, "outcome": outcome,
                 "prefill_start": t.start, "prefill_end": t.end,
+                "save": if config.layerwise { "layered" } else { "submit" },
             }));
             publish_sender(&registry, &sender, layout.page_bytes() as u64);
             continue;
@@ -442,7 +443,7 @@ fn put_and_report(
         "event": "put", "req": unit, "chunks": keys.len(), "bytes": bytes,
         "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
         // The pages were written before: no prefill time is modelled.
-        "prefill_start": put_start, "prefill_end": put_start,
+        "prefill_start": put_start, "prefill_end": put_start, "save": "put",
     }));
     outcome.is_ok()
 }
