@@ -133,9 +133,9 @@ struct RunCli {
     /// Buffer device: cpu, npu or npu:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Comma-separated modes to run [default: push,pull-eager,pull-delay,
-    /// pull-delay-offload,push-layerwise; without push-layerwise under
-    /// mixed TP].
+    /// Comma-separated modes to run
+    /// [default: push,pull-eager,pull-delay,pull-delay-offload,push-layerwise;
+    /// without push-layerwise under mixed TP].
     #[arg(long)]
     modes: Option<String>,
     /// The prefill's compute per layer, in ms: each request is prefilled
