@@ -52,7 +52,13 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for m in ["push", "pull-eager", "pull-delay", "pull-delay-offload"] {
+    for m in [
+        "push",
+        "pull-eager",
+        "pull-delay",
+        "pull-delay-offload",
+        "push-layerwise",
+    ] {
         assert!(stdout.contains(m), "table lacks {m}: {stdout}");
     }
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -60,7 +66,13 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
     let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["push", "pull-eager", "pull-delay", "pull-delay-offload"]
+        [
+            "push",
+            "pull-eager",
+            "pull-delay",
+            "pull-delay-offload",
+            "push-layerwise"
+        ]
     );
     // 300 tokens = one full 256-token chunk + a 44-token partial, 32 layers x 1024 x bf16.
     let per_request = 2 * 32 * 300 * 1024 * 2u64;
@@ -81,6 +93,8 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
             "ready_latency_ms",
             "load_latency_ms",
             "e2e_latency_ms",
+            "exposed_transfer_ms",
+            "ttft_ms",
         ] {
             assert!(
                 m[k]["p50"].is_number() && m[k]["p99"].is_number(),
@@ -99,11 +113,16 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
         assert_eq!(m["channel"], "shm");
         // shm into the host KV cache: pull-delay proxies are read straight in.
         let path = match m["mode"].as_str().unwrap() {
-            "push" | "pull-eager" => "resident",
+            "push" | "pull-eager" | "push-layerwise" => "resident",
             _ => "direct",
         };
         assert_eq!(m["load_path"], path, "{m}");
+        assert!(m["prefill_ms"].is_number(), "{m}");
     }
+    // Without --prefill-layer-ms the other modes write their pages directly.
+    assert_eq!(modes[0]["prefill_ms"], 0.0, "{}", modes[0]);
+    assert_eq!(modes[0]["save"], "put", "{}", modes[0]);
+    assert_eq!(modes[4]["save"], "layered", "{}", modes[4]);
     // Pull-delay keeps no pages for a request until it loads; push holds them all.
     let peak = |i: usize| modes[i]["receiver_peak_buffer_bytes"].as_u64().unwrap();
     assert!(peak(0) >= 2 * 33_554_432, "push holds the request's pages");
@@ -294,6 +313,7 @@ fn bad_arguments_name_the_problem() {
     // Every command documents its flags.
     for (cmd, flag) in [
         ("run", "--prefill-tp"),
+        ("run", "--prefill-layer-ms"),
         ("sender", "--to"),
         ("receiver", "--notify-port"),
         ("proxy", "--forward"),
@@ -306,6 +326,90 @@ fn bad_arguments_name_the_problem() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains(flag), "{cmd} --help lacks {flag}: {text}");
     }
+}
+
+/// `--prefill-layer-ms` prefills layer by layer in every mode; push-layerwise
+/// saves each layer as it is written. Both report the prefill, the exposed
+/// transfer and the time to first token, with every byte verified.
+#[test]
+fn run_with_a_layered_prefill_reports_exposed_transfer_for_push_and_push_layerwise() {
+    let cfg = small_model_config("layered.yaml");
+    let json = tmp("layered.json");
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push,push-layerwise",
+            "--prefill-layer-ms",
+            "1",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "150",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for col in ["prefill ms", "exposed ms p50/p99", "ttft ms p50/p99"] {
+        assert!(stdout.contains(col), "table lacks {col}: {stdout}");
+    }
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let modes = doc["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(names, ["push", "push-layerwise"]);
+    // Both prefill into the engine cache; only push-layerwise saves by layer.
+    assert_eq!(modes[0]["save"], "submit", "{}", modes[0]);
+    assert_eq!(modes[1]["save"], "layered", "{}", modes[1]);
+    // 2 requests of 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    for m in modes {
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["requests"], 2, "{m}");
+        assert_eq!(
+            m["bytes_verified"].as_u64().unwrap(),
+            2 * per_request,
+            "{m}"
+        );
+        // Two layers, each at least its 1 ms sleep: the flag took effect.
+        assert!(m["prefill_ms"].as_f64().unwrap() >= 2.0, "{m}");
+        for k in ["exposed_transfer_ms", "ttft_ms"] {
+            let (p50, p99) = (m[k]["p50"].as_f64(), m[k]["p99"].as_f64());
+            assert!(p50.is_some() && p99.is_some(), "{k} in {m}");
+            assert!(p50 <= p99, "{k} in {m}");
+        }
+        // Per request, ttft = prefill + exposed.
+        assert!(
+            m["ttft_ms"]["p50"].as_f64() >= m["exposed_transfer_ms"]["p50"].as_f64(),
+            "{m}"
+        );
+    }
+    // The layered prefill does not split heads: mixed TP refuses it at once.
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "1",
+            "--modes",
+            "push-layerwise",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("need the same TP size"), "{err}");
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(cfg);
 }
 
 #[test]

@@ -88,11 +88,21 @@ impl EngineMemory {
 
 /// A host cache for chunks of `layout`, over memory the engine allocated.
 fn engine_cache(layout: &ChunkLayout) -> anyhow::Result<(EngineMemory, Arc<SharedKvCache>)> {
-    let spec = KvCacheSpec::for_layout(layout, BLOCKS, BLOCK);
+    engine_cache_of(layout, BLOCKS, BLOCK)
+}
+
+/// [`engine_cache`] of `blocks` blocks of `block` tokens.
+fn engine_cache_of(
+    layout: &ChunkLayout,
+    blocks: usize,
+    block: usize,
+) -> anyhow::Result<(EngineMemory, Arc<SharedKvCache>)> {
+    let spec = KvCacheSpec::for_layout(layout, blocks, block);
     let mem = EngineMemory::zeroed(spec.bytes());
     // SAFETY: the memory is host memory of `spec.bytes()` bytes or more,
     // readable and writable, freed only after the cache (`release`); the
-    // soak writes it only under the cache's lock, between requests.
+    // engines write it only where no save reads (under the cache's lock, or
+    // a layer not yet handed over to a layer-wise save).
     let cache = unsafe { KvCache::wrap_host(spec, &[mem.tensor()]) }?;
     Ok((mem, SharedKvCache::new(cache)))
 }
@@ -375,6 +385,183 @@ impl DecodeEngine {
     pub fn close(self) {
         self.loads.shutdown();
         drop(self.loads);
+        self.mem.release(self.cache);
+    }
+}
+
+/// Tokens per block of `ascend-bench run`'s prefill cache.
+const RUN_BLOCK: usize = 16;
+
+/// When one request's prefill and save happened (wall seconds, see
+/// [`crate::roles::wall`]).
+pub struct PrefillTimes {
+    /// The prefill started (layer 0's compute; a layer-wise save is opened now).
+    pub start: f64,
+    /// The last layer's KV is in the cache.
+    pub end: f64,
+    /// The save reported its end.
+    pub saved: f64,
+}
+
+/// `ascend-bench run`'s prefill engine: a host KV cache it allocated, a
+/// forward pass modelled layer by layer (`layer_ms` of compute as a sleep,
+/// then the layer's KV — each chunk's pattern — written into the cache),
+/// and the save through the request API: submitted after the last layer,
+/// or (layer-wise) opened before layer 0 with each layer handed over as
+/// soon as it is written.
+pub struct RunPrefill {
+    saves: SaveQueue,
+    cache: Arc<SharedKvCache>,
+    mem: EngineMemory,
+    layout: ChunkLayout,
+    blocks: usize,
+    rng: fastrand::Rng,
+}
+
+impl RunPrefill {
+    /// An engine for requests of up to `max_tokens` tokens.
+    pub fn start(sender: Arc<Sender>, max_tokens: usize, seed: u64) -> anyhow::Result<RunPrefill> {
+        let layout = sender.chunk_layout();
+        // Two blocks to spare: the shuffled block table still varies.
+        let blocks = max_tokens.div_ceil(RUN_BLOCK) + 2;
+        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK)?;
+        // Touch every page now, as an engine's cache is before serving: the
+        // first request's layers would otherwise pay the page faults.
+        let base = mem.ptr.cast::<u8>();
+        for at in (0..mem.words * 8).step_by(4096) {
+            // SAFETY: `at` is inside the allocation of `words * 8` bytes,
+            // which nothing else uses yet (no save was queued).
+            unsafe { std::ptr::write_volatile(base.add(at), 0) };
+        }
+        Ok(RunPrefill {
+            saves: SaveQueue::new(sender)?,
+            cache,
+            mem,
+            layout,
+            blocks,
+            rng: fastrand::Rng::with_seed(seed),
+        })
+    }
+
+    /// Prefills request `req` (chunks `keys` of `tokens` tokens) layer by
+    /// layer and saves it; when each step happened, and how the save ended.
+    pub fn run(
+        &mut self,
+        req: &str,
+        keys: &[String],
+        tokens: &[usize],
+        spec: TransferSpec,
+        layer_ms: f64,
+        layerwise: bool,
+    ) -> (PrefillTimes, Result<(), String>) {
+        // The request's KV values exist before its prefill starts (what the
+        // model would compute); writing them is part of each layer.
+        let chunks: Vec<Vec<u8>> = keys
+            .iter()
+            .zip(tokens)
+            .map(|(k, &t)| chunk_bytes(&self.layout, k, t))
+            .collect();
+        let total: usize = tokens.iter().sum();
+        let mut blocks: Vec<usize> = (0..self.blocks).collect();
+        self.rng.shuffle(&mut blocks);
+        let slots: Vec<i64> = (0..total)
+            .map(|t| (blocks[t / RUN_BLOCK] * RUN_BLOCK + t % RUN_BLOCK) as i64)
+            .collect();
+        let save = SaveRequest {
+            keys: keys.to_vec(),
+            slot_mapping: slots.clone(),
+            spec,
+        };
+        let compute = Duration::from_secs_f64(layer_ms.max(0.0) / 1e3);
+        let start = crate::roles::wall();
+        let mut times = PrefillTimes {
+            start,
+            end: start,
+            saved: start,
+        };
+        let short = |e: &dyn std::fmt::Display| e.to_string();
+        let mut save = Some(save);
+        if layerwise {
+            if let Err(e) = self
+                .saves
+                .open_layered(save.take().expect("set"), &self.cache)
+            {
+                return (times, Err(format!("open_layered: {}", short(&e))));
+            }
+        }
+        for layer in 0..self.layout.layers {
+            // The device computes the layer; the host waits.
+            if !compute.is_zero() {
+                std::thread::sleep(compute);
+            }
+            self.write_layer(&chunks, tokens, &slots, layer);
+            if layerwise {
+                if let Err(e) = self.saves.save_layer(req, layer) {
+                    let _ = self.saves.close_layered(req);
+                    return (times, Err(format!("save_layer: {}", short(&e))));
+                }
+            }
+        }
+        times.end = crate::roles::wall();
+        let sent = match save.take() {
+            Some(save) => self.saves.submit(save, &self.cache).map_err(|e| short(&e)),
+            None => match self.saves.close_layered(req) {
+                Ok(None) => Ok(()),
+                Ok(Some(l)) => Err(format!("layer {l} was never handed over")),
+                Err(e) => Err(short(&e)),
+            },
+        };
+        if let Err(e) = sent {
+            return (times, Err(format!("save: {e}")));
+        }
+        let out = completion(|| self.saves.poll(), req);
+        times.saved = crate::roles::wall();
+        let _ = self.saves.poll_cache_released();
+        let r = match out {
+            Some(Outcome::Done) => Ok(()),
+            Some(Outcome::Failed(why)) => Err(format!("save: {why}")),
+            Some(Outcome::Cancelled) => Err("save: cancelled".into()),
+            None => Err("save: no end within 60 s".into()),
+        };
+        (times, r)
+    }
+
+    /// Writes layer `layer` of every chunk (its K and V rows) at the
+    /// request's slots.
+    fn write_layer(&self, chunks: &[Vec<u8>], tokens: &[usize], slots: &[i64], layer: usize) {
+        let spec = *self.cache.spec();
+        let (tb, layers, planes) = (spec.token_bytes(), spec.layers, spec.planes());
+        let base = self.mem.ptr.cast::<u8>();
+        let len = self.mem.words * 8;
+        let mut first = 0;
+        for (chunk, &t) in chunks.iter().zip(tokens) {
+            for (i, &slot) in slots[first..first + t].iter().enumerate() {
+                for plane in 0..planes {
+                    let at = spec.offset(layer, plane, slot as usize);
+                    // A chunk is [planes][layers][tokens][hidden].
+                    let from = ((plane * layers + layer) * t + i) * tb;
+                    assert!(at + tb <= len && from + tb <= chunk.len());
+                    // SAFETY: `at..at + tb` lies in the engine's allocation
+                    // (checked above) and `chunk` is a separate Vec. No save
+                    // reads these bytes now: a layer-wise save reads only
+                    // layers already handed over (this one is not yet), and
+                    // a whole-request save is submitted after the last layer
+                    // (the one before ended: `run` waits for it). Raw copies,
+                    // no reference to the whole cache, so the library's
+                    // reads of other layers meanwhile alias nothing.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(chunk.as_ptr().add(from), base.add(at), tb);
+                    }
+                }
+            }
+            first += t;
+        }
+    }
+
+    /// Stops the save queue and frees the cache.
+    pub fn close(self) {
+        self.saves.shutdown();
+        drop(self.saves);
         self.mem.release(self.cache);
     }
 }

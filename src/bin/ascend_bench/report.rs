@@ -68,6 +68,14 @@ pub struct ModeReport {
     pub load_latency_ms: Percentiles,
     /// put start (prefill done) → KV loaded on the decode side.
     pub e2e_latency_ms: Percentiles,
+    /// The prefill's compute per request (layers x --prefill-layer-ms, with
+    /// each layer's KV write; 0 when the pages are written directly).
+    pub prefill_ms: Percentiles,
+    /// End of the prefill's last layer → the decode side holds the request:
+    /// the part of the transfer the user waits for.
+    pub exposed_transfer_ms: Percentiles,
+    /// Start of the prefill → the decode side holds the request.
+    pub ttft_ms: Percentiles,
     /// Most receiver pool bytes in use at once.
     pub receiver_peak_buffer_bytes: u64,
     /// Most sender pages pinned at once.
@@ -87,6 +95,10 @@ pub struct ModeReport {
     /// How proxies reached the KV cache: `direct`, `staged` (if any load
     /// staged), or `resident` (push / pull-eager).
     pub load_path: String,
+    /// How the senders saved: `put` (pool pages written directly),
+    /// `submit` (`SaveQueue::submit` after the last layer) or `layered`
+    /// (`SaveQueue::open_layered` / `save_layer` / `close_layered`).
+    pub save: String,
     /// The NPU runtime the workers used, if any.
     pub npu_runtime: Option<String>,
 }
@@ -106,6 +118,7 @@ pub fn summarize(
 ) -> Result<ModeReport> {
     let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
     let (mut put, mut ready, mut load, mut e2e) = (vec![], vec![], vec![], vec![]);
+    let (mut prefill, mut exposed, mut ttft) = (vec![], vec![], vec![]);
     let mut moved_bytes = 0.0;
     let mut transfer_s = 0.0;
     let (mut first_start, mut last_end) = (f64::INFINITY, f64::NEG_INFINITY);
@@ -125,29 +138,35 @@ pub fn summarize(
         }
         bytes_verified += l["bytes"].as_u64().unwrap_or(0);
         let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));
+        // Held: every key landed (push, push-layerwise, pull-eager), or
+        // loaded into the decode cache (pull-delay: its bytes move then).
+        let held = l["held_at"].as_f64().unwrap_or(ra);
+        let (fs, fe) = (f(p, "prefill_start"), f(p, "prefill_end"));
+        prefill.push((fe - fs).max(0.0) * 1e3);
+        exposed.push((held - fe).max(0.0) * 1e3);
+        ttft.push((held - fs).max(0.0) * 1e3);
         ready.push((ra - ps).max(0.0) * 1e3);
         load.push((le - ls) * 1e3);
         e2e.push((le - ps) * 1e3);
         // When the data is resident in receiver memory: push when put
         // returns, eager when the receiver saw it landed, delay after the fetch.
         let resident = match mode {
-            "push" => pe,
+            "push" | "push-layerwise" => pe,
             "pull-eager" => ra,
             _ => le,
         };
         let bytes = p["bytes"].as_f64().unwrap_or(0.0);
         // For pull-delay only the fetch moves data; don't count the wait for the notif.
-        let span = match mode {
-            "push" | "pull-eager" => resident - ps,
-            _ => le - ls,
+        // Push-layerwise moves layers from the prefill's start on.
+        let start = match mode {
+            "push" | "pull-eager" => ps,
+            "push-layerwise" => fs.min(ps),
+            _ => ls,
         };
+        let span = resident - start;
         if span > 0.0 {
             moved_bytes += bytes;
             transfer_s += span;
-            let start = match mode {
-                "push" | "pull-eager" => ps,
-                _ => ls,
-            };
             first_start = first_start.min(start);
             last_end = last_end.max(resident);
         }
@@ -170,6 +189,9 @@ pub fn summarize(
         ready_latency_ms: Percentiles::of(ready),
         load_latency_ms: Percentiles::of(load),
         e2e_latency_ms: Percentiles::of(e2e),
+        prefill_ms: Percentiles::of(prefill),
+        exposed_transfer_ms: Percentiles::of(exposed),
+        ttft_ms: Percentiles::of(ttft),
         receiver_peak_buffer_bytes: receiver_done
             .iter()
             .map(|v| v["peak_buffer_bytes"].as_u64().unwrap_or(0))
@@ -200,6 +222,12 @@ pub fn summarize(
             }
             .to_string()
         },
+        save: {
+            let mut ways: Vec<&str> = puts.values().filter_map(|p| p["save"].as_str()).collect();
+            ways.sort_unstable();
+            ways.dedup();
+            ways.join("+")
+        },
         ..Default::default()
     })
 }
@@ -209,7 +237,7 @@ pub fn table(modes: &[ModeReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\n{:<20} {:>7} {:>7} {:>6} {:>16} {:>16} {:>16} {:>16} {:>10} {:>8} {:>9}",
+        "\n{:<20} {:>7} {:>7} {:>6} {:>16} {:>16} {:>16} {:>16} {:>10} {:>17} {:>16} {:>10} {:>8} {:>9}",
         "mode",
         "GB/s",
         "agg GB/s",
@@ -218,6 +246,9 @@ pub fn table(modes: &[ModeReport]) -> String {
         "ready ms p50/p99",
         "load ms p50/p99",
         "e2e ms p50/p99",
+        "prefill ms",
+        "exposed ms p50/p99",
+        "ttft ms p50/p99",
         "recv peak",
         "pinned",
         "verified"
@@ -226,7 +257,7 @@ pub fn table(modes: &[ModeReport]) -> String {
         let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
         let _ = writeln!(
             s,
-            "{:<20} {:>7.2} {:>8.2} {:>6.2} {:>16} {:>16} {:>16} {:>16} {:>7} MiB {:>8} {:>9}",
+            "{:<20} {:>7.2} {:>8.2} {:>6.2} {:>16} {:>16} {:>16} {:>16} {:>10.1} {:>17} {:>16} {:>7} MiB {:>8} {:>9}",
             m.mode,
             m.gbps,
             m.aggregate_gbps,
@@ -235,6 +266,9 @@ pub fn table(modes: &[ModeReport]) -> String {
             pp(m.ready_latency_ms),
             pp(m.load_latency_ms),
             pp(m.e2e_latency_ms),
+            m.prefill_ms.p50,
+            pp(m.exposed_transfer_ms),
+            pp(m.ttft_ms),
             m.receiver_peak_buffer_bytes >> 20,
             m.sender_peak_pinned_pages,
             if m.verified {
@@ -249,6 +283,10 @@ pub fn table(modes: &[ModeReport]) -> String {
             s,
             "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}.",
             m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1
+        );
+        let _ = writeln!(
+            s,
+            "prefill ms: p50 of the prefill's layers (compute + KV writes; 0 when pages are written directly). exposed: the last layer written -> the decode side holds the request (every key landed; pull-delay: loaded into the decode cache). ttft: the prefill's start -> held."
         );
     }
     s
@@ -276,6 +314,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "prefill_tp": m.tp.0,
             "decode_tp": m.tp.1,
             "load_path": m.load_path,
+            "save": m.save,
             "gbps": round3(m.gbps),
             "aggregate_gbps": round3(m.aggregate_gbps),
             "baseline": m.baseline,
@@ -285,6 +324,9 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "ready_latency_ms": m.ready_latency_ms.json(),
             "load_latency_ms": m.load_latency_ms.json(),
             "e2e_latency_ms": m.e2e_latency_ms.json(),
+            "prefill_ms": round3(m.prefill_ms.p50),
+            "exposed_transfer_ms": m.exposed_transfer_ms.json(),
+            "ttft_ms": m.ttft_ms.json(),
             "receiver_peak_buffer_bytes": m.receiver_peak_buffer_bytes,
             "sender_peak_pinned_pages": m.sender_peak_pinned_pages,
             "bytes_verified": m.bytes_verified,

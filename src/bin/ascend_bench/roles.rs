@@ -3,6 +3,7 @@
 //! print one JSON line per request on stdout, stop cleanly on SIGINT /
 //! SIGTERM, and can serve their counters in OpenMetrics text.
 
+use crate::engine::RunPrefill;
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
@@ -16,7 +17,7 @@ use ascend_pd::memory::{
     SealedMemObj,
 };
 use ascend_pd::pipeline::LoadOptions;
-use ascend_pd::protocol::{Message, ProxyNotif};
+use ascend_pd::protocol::{KeyState, Message, ProxyNotif};
 use serde_json::json;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -154,6 +155,17 @@ struct SenderCli {
     /// on stdin (the orchestrator sends one when the previous one loaded).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     paced: bool,
+    /// Prefill compute per layer, in ms (a sleep: on an NPU the host is
+    /// idle while the device computes). Each layer's KV is written into the
+    /// engine's KV cache after its compute; implies --engine.
+    #[arg(long, default_value_t = 0.0, value_name = "MS")]
+    prefill_layer_ms: f64,
+    /// Prefill into an engine-owned host KV cache and save through the
+    /// request API (SaveQueue), layer by layer under pd_layerwise, instead
+    /// of writing pool pages and putting them. Implied by
+    /// --prefill-layer-ms > 0 and pd_layerwise: true.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    engine: bool,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -184,6 +196,11 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     if prompt == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
+    let layer_ms = a.prefill_layer_ms;
+    if !layer_ms.is_finite() || layer_ms < 0.0 {
+        bail!("--prefill-layer-ms {layer_ms}: expected a number of ms, 0 or more");
+    }
+    let use_engine = a.engine || layer_ms > 0.0 || config.layerwise;
     install_signal_handlers();
 
     let sender = Arc::new(Sender::start(&config, rank, Default::default())?);
@@ -223,6 +240,29 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         );
         return Ok(true);
     }
+    if use_engine && hetero {
+        bail!(
+            "--engine, --prefill-layer-ms and pd_layerwise are not supported when \
+             pd_peer_tp_size differs from tp_size (the bench's pattern is per model token)"
+        );
+    }
+    let mut engine = match use_engine {
+        true => Some(RunPrefill::start(
+            Arc::clone(&sender),
+            prompt,
+            0x5eed ^ rank as u64,
+        )?),
+        false => None,
+    };
+    // The pool a save's pages come from (pull modes pin them until Done).
+    let primary_free = || {
+        let st = sender.stats().pools;
+        let p = match config.has_cpu_pool() && (config.use_cpu_offload || !config.has_npu_pool()) {
+            true => st.cpu,
+            false => st.npu,
+        };
+        p.map_or(usize::MAX, |p| p.free)
+    };
     let mut ok = true;
     for r in 0..requests {
         if stopping() {
@@ -274,6 +314,38 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             continue;
         }
         let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
+        if let Some(engine) = engine.as_mut() {
+            // The engine schedules a prefill once its sender has the pages
+            // (pull modes pin them until the receiver's Done).
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while primary_free() < n_chunks && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let spec = spec_to(&targets[(first + r) % targets.len()], &req_id);
+            let (t, out) = engine.run(&req_id, &keys, &tokens, spec, layer_ms, config.layerwise);
+            let outcome = match (&out, sender.mode()) {
+                (Err(e), _) => {
+                    eprintln!("sender: {req_id}: {e}");
+                    "error"
+                }
+                (Ok(()), TransferMode::Push) => "pushed",
+                (Ok(()), _) => "announced",
+            };
+            ok &= out.is_ok();
+            let bytes: usize = tokens.iter().map(|&t| layout.bytes_for(t)).sum();
+            registry.inc("ascend_pd_sender_puts", 1);
+            registry.inc("ascend_pd_sender_put_bytes", bytes as u64);
+            // The save starts when the prefill ends (a layer-wise one runs
+            // meanwhile; what is left after the last layer is the put).
+            emit(json!({
+                "event": "put", "req": req_id, "chunks": keys.len(), "bytes": bytes,
+                "put_start": t.end, "put_end": t.saved, "outcome": outcome,
+                "prefill_start": t.start, "prefill_end": t.end,
+                "save": if config.layerwise { "layered" } else { "submit" },
+            }));
+            publish_sender(&registry, &sender, layout.page_bytes() as u64);
+            continue;
+        }
         // Pages free up as receivers finish (pull modes pin until Done).
         let mut pages: Vec<MemObj> = sender
             .allocator()
@@ -288,6 +360,9 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         let spec = spec_to(&targets[(first + r) % targets.len()], &req_id);
         ok &= put_and_report(&sender, &registry, &keys, chunks, &spec, &req_id);
         publish_sender(&registry, &sender, layout.page_bytes() as u64);
+    }
+    if let Some(engine) = engine.take() {
+        engine.close();
     }
     // Pins are released by the receivers' Done; give them time, bounded.
     let drained = sender.drain(Duration::from_secs(120));
@@ -367,6 +442,8 @@ fn put_and_report(
     emit(json!({
         "event": "put", "req": unit, "chunks": keys.len(), "bytes": bytes,
         "put_start": put_start, "put_end": put_end, "outcome": outcome_text,
+        // The pages were written before: no prefill time is modelled.
+        "prefill_start": put_start, "prefill_end": put_start, "save": "put",
     }));
     outcome.is_ok()
 }
@@ -542,9 +619,16 @@ struct ReceiverCli {
     #[arg(long, default_value_t = 4)]
     depth: usize,
     /// Tokens per request: required when pd_peer_tp_size differs from
-    /// tp_size (a decode rank waits for every prefill rank's pieces).
+    /// tp_size (a decode rank waits for every prefill rank's pieces), and
+    /// with --watch.
     #[arg(long)]
     prompt_tokens: Option<usize>,
+    /// Watch for the requests PREFIX-N, N = START, START+STEP, ... (one
+    /// sender's, in order) and note the moment every key of each has
+    /// landed, before any ProxyNotif says so (repeatable; push and
+    /// pull-eager). Reported as `held_at` in its load event.
+    #[arg(long, value_name = "PREFIX/START/STEP")]
+    watch: Vec<String>,
 }
 
 pub fn receiver_main(args: &[String]) -> Result<bool> {
@@ -563,9 +647,30 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         ),
         (_, p) => p.unwrap_or(0),
     };
+    let watches = a
+        .watch
+        .iter()
+        .map(|w| parse_watch(w))
+        .collect::<Result<Vec<_>>>()?;
+    if !watches.is_empty() && (prompt == 0 || hetero) {
+        bail!("--watch needs --prompt-tokens N, and the same TP size on both sides");
+    }
     install_signal_handlers();
-    let receiver = Receiver::start(&config, rank)?;
+    let receiver = Arc::new(Receiver::start(&config, rank)?);
     let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth)?;
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    // Pull-delay holds proxies, never landed keys: its requests are held
+    // once loaded.
+    let watcher = match watches.is_empty() || receiver.mode() == TransferMode::PullDelay {
+        true => None,
+        false => Some(spawn_watcher(
+            Arc::clone(&receiver),
+            watches,
+            prompt.div_ceil(config.chunk_size),
+            Arc::clone(&decode.held),
+            Arc::clone(&watch_stop),
+        )?),
+    };
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -677,12 +782,76 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         "peak_buffer_bytes": peak_pages as u64 * page,
         "bytes_read": st.bytes_read,
     }));
-    receiver.close();
+    watch_stop.store(true, Ordering::SeqCst);
+    if let Some(w) = watcher {
+        let _ = w.join();
+    }
+    match Arc::try_unwrap(receiver) {
+        Ok(r) => r.close(),
+        Err(_) => eprintln!("receiver: still shared at exit; not closed cleanly"),
+    }
     Ok(ok)
+}
+
+/// `PREFIX/START/STEP` of `--watch`.
+fn parse_watch(w: &str) -> Result<(String, usize, usize)> {
+    let bad = || anyhow!("--watch {w:?}: expected PREFIX/START/STEP, e.g. push-s0.0/0/1");
+    let (rest, step) = w.rsplit_once('/').ok_or_else(bad)?;
+    let (prefix, start) = rest.rsplit_once('/').ok_or_else(bad)?;
+    let (start, step): (usize, usize) = (
+        start.parse().map_err(|_| bad())?,
+        step.parse().map_err(|_| bad())?,
+    );
+    if step == 0 {
+        return Err(bad());
+    }
+    Ok((prefix.to_string(), start, step))
+}
+
+/// When each request was first seen held here (wall seconds), by id.
+type HeldAt = Arc<std::sync::Mutex<std::collections::HashMap<String, f64>>>;
+
+/// Watches the next request of each `--watch` sender until every one of
+/// its `chunks` keys has landed, and notes when (polled every 100 us; the
+/// loading thread notes it too if it gets there first).
+fn spawn_watcher(
+    receiver: Arc<Receiver>,
+    watches: Vec<(String, usize, usize)>,
+    chunks: usize,
+    held: HeldAt,
+    stop: Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>> {
+    // Per watch: the request index watched and its keys seen landed so far.
+    let mut next: Vec<(usize, usize)> = watches.iter().map(|w| (w.1, 0)).collect();
+    let run = move || {
+        while !stop.load(Ordering::SeqCst) && !stopping() {
+            for ((prefix, _, step), (r, landed)) in watches.iter().zip(next.iter_mut()) {
+                let id = format!("{prefix}-{r}");
+                while *landed < chunks
+                    && receiver.state(&chunk_key(&id, *landed)) == Some(KeyState::Resident)
+                {
+                    *landed += 1;
+                }
+                let mut h = held.lock().unwrap_or_else(|p| p.into_inner());
+                if *landed == chunks {
+                    h.entry(id).or_insert_with(wall);
+                }
+                if *landed == chunks || h.contains_key(&format!("{prefix}-{r}")) {
+                    (*r, *landed) = (*r + step, 0);
+                }
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    };
+    Ok(std::thread::Builder::new()
+        .name("bench-watch".into())
+        .spawn(run)?)
 }
 
 /// The decode worker's KV cache and the scratch page used to check it.
 struct DecodeSide {
+    /// When requests were first seen held (see [`spawn_watcher`]).
+    held: HeldAt,
     cache: KvCache,
     block_size: usize,
     scratch: Arc<PagePool>,
@@ -709,6 +878,7 @@ impl DecodeSide {
         let page = layout.page_bytes();
         let scratch = PagePool::new(RegisteredBuffer::host(page, page, false)?);
         Ok(DecodeSide {
+            held: Default::default(),
             cache,
             block_size,
             scratch,
@@ -813,6 +983,10 @@ impl DecodeSide {
         Ok(json!({
             "event": "load", "req": format!("{req_id}@d{rank}"), "chunks": n, "bytes": bytes,
             "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
+            "held_at": match r.mode() {
+                TransferMode::PullDelay => load_end,
+                _ => ready_at,
+            },
             "depth": report.depth, "verified": verified, "pieces_per_chunk": sources.len(),
             "load_path": report.load_path(),
         }))
@@ -845,6 +1019,13 @@ impl DecodeSide {
             }
         }
         let ready_at = wall();
+        // Held: every key landed (the watcher may have seen it first).
+        let held_at = *self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(req_id.to_string())
+            .or_insert(ready_at);
         let total: usize = tokens.iter().sum();
         let slots = self.slot_mapping(total)?;
         let load_start = wall();
@@ -874,6 +1055,11 @@ impl DecodeSide {
         Ok(json!({
             "event": "load", "req": req_id, "chunks": keys.len(), "bytes": bytes,
             "ready_at": ready_at, "load_start": load_start, "load_end": load_end,
+            // Pull-delay's bytes move at load time: held once loaded.
+            "held_at": match r.mode() {
+                TransferMode::PullDelay => load_end,
+                _ => held_at,
+            },
             "depth": report.depth, "verified": verified, "load_path": report.load_path(),
         }))
     }

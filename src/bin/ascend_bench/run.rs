@@ -13,8 +13,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// The four modes, by their names in the table and the JSON.
-pub const MODES: [&str; 4] = ["push", "pull-eager", "pull-delay", "pull-delay-offload"];
+/// The modes, by their names in the table and the JSON (push-layerwise:
+/// push with `pd_layerwise`, each layer sent while the next is computed).
+pub const MODES: [&str; 5] = [
+    "push",
+    "pull-eager",
+    "pull-delay",
+    "pull-delay-offload",
+    "push-layerwise",
+];
 
 /// What one run measures.
 #[derive(Clone, Debug)]
@@ -43,6 +50,17 @@ pub struct RunSpec {
     pub base: PdConfig,
     /// Sender pool bytes, receiver pool bytes.
     pub pools: (u64, u64),
+    /// `--prefill-layer-ms`, if given.
+    pub prefill_layer_ms: Option<f64>,
+}
+
+impl RunSpec {
+    /// Whether `mode`'s senders prefill into an engine cache and save
+    /// through the request API: when --prefill-layer-ms is given (every
+    /// mode, so they compare alike), and always for push-layerwise.
+    pub fn engine_path(&self, mode: &str) -> bool {
+        self.prefill_layer_ms.is_some() || mode == "push-layerwise"
+    }
 }
 
 fn free_port() -> Result<u16> {
@@ -115,9 +133,19 @@ struct RunCli {
     /// Buffer device: cpu, npu or npu:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Comma-separated modes to run.
-    #[arg(long, default_value_t = MODES.join(","))]
-    modes: String,
+    /// Comma-separated modes to run
+    /// [default: push,pull-eager,pull-delay,pull-delay-offload,push-layerwise;
+    /// without push-layerwise under mixed TP].
+    #[arg(long)]
+    modes: Option<String>,
+    /// The prefill's compute per layer, in ms: each request is prefilled
+    /// layer by layer (X ms of compute, modelled as a sleep — on an NPU the
+    /// host is idle while the device computes — then the layer's KV written
+    /// into the prefill engine's KV cache) and saved through the request
+    /// API after the last layer, or layer by layer in push-layerwise. Given
+    /// (even 0), every mode prefills that way; push-layerwise always does.
+    #[arg(long, value_name = "X")]
+    prefill_layer_ms: Option<f64>,
     /// Requests per sender (per TP rank).
     #[arg(long, default_value_t = 8)]
     requests: usize,
@@ -166,7 +194,27 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         .device
         .parse()
         .map_err(|_| anyhow!("--device {:?}: expected cpu, npu or npu:N", a.device))?;
-    let modes: Vec<String> = a.modes.split(',').map(|m| m.trim().to_string()).collect();
+    let hetero = a.prefill_tp.unwrap_or(a.tp) != a.decode_tp.unwrap_or(a.tp);
+    let modes: Vec<String> = match &a.modes {
+        Some(m) => m.split(',').map(|m| m.trim().to_string()).collect(),
+        // The bench's layer-by-layer prefill needs the same TP on both sides.
+        None => MODES
+            .iter()
+            .filter(|m| !(hetero && **m == "push-layerwise"))
+            .map(|m| m.to_string())
+            .collect(),
+    };
+    if let Some(x) = a.prefill_layer_ms {
+        if !x.is_finite() || x < 0.0 {
+            bail!("--prefill-layer-ms {x}: expected a number of ms, 0 or more");
+        }
+    }
+    if hetero && (a.prefill_layer_ms.is_some() || modes.iter().any(|m| m == "push-layerwise")) {
+        bail!(
+            "--prefill-layer-ms and push-layerwise need the same TP size on both sides (the \
+             bench's engine prefill does not split heads)"
+        );
+    }
     for m in &modes {
         if !MODES.contains(&m.as_str()) {
             bail!(
@@ -188,6 +236,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         depth: a.depth,
         pools: (0, 0),
         base,
+        prefill_layer_ms: a.prefill_layer_ms,
     };
     let (json_path, plot_path) = (a.json, a.plot);
     if spec.requests == 0 || spec.prompt_tokens == 0 {
@@ -295,7 +344,7 @@ pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
 fn mode_flags(mode: &str) -> (bool, bool, bool) {
     // (pull, delay, offload)
     match mode {
-        "push" => (false, false, false),
+        "push" | "push-layerwise" => (false, false, false),
         "pull-eager" => (true, false, false),
         "pull-delay" => (true, true, false),
         _ => (true, true, true),
@@ -404,8 +453,17 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--kv-tokens={}", spec.prompt_tokens),
                 format!("--depth={}", spec.depth),
             ];
-            if hetero {
-                args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
+            args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
+            if !hetero {
+                // Each sender's requests for this receiver, to note when
+                // each is held: request r of sender s goes to (s + r) % D.
+                let n = spec.receivers;
+                for s in 0..spec.senders {
+                    let start = (d + n - s % n) % n;
+                    if start < spec.requests {
+                        args.push(format!("--watch={mode}-s{s}.{rank}/{start}/{n}"));
+                    }
+                }
             }
             procs.push(spawn(&name, &args, &tx)?);
         }
@@ -446,6 +504,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         c.delay_pull = delay;
         c.use_cpu_offload = offload;
         c.cpu_buffer_size = offload.then_some(spec.pools.0);
+        c.layerwise = mode == "push-layerwise";
         c.peer_host = Some("127.0.0.1".into());
         c.peer_init_port = None;
         c.peer_alloc_port = None;
@@ -472,6 +531,13 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--first-receiver={s}"),
                 "--paced=true".to_string(),
             ];
+            if spec.engine_path(mode) {
+                args.push("--engine=true".into());
+                args.push(format!(
+                    "--prefill-layer-ms={}",
+                    spec.prefill_layer_ms.unwrap_or(0.0)
+                ));
+            }
             for (_, init, alloc) in &receivers {
                 args.push(format!("--to=127.0.0.1/{}/{}", join(init), join(alloc)));
             }
@@ -515,6 +581,10 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                         let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
                         old["put_start"] = json!(f(&old, "put_start").min(f(&v, "put_start")));
                         old["put_end"] = json!(f(&old, "put_end").max(f(&v, "put_end")));
+                        old["prefill_start"] =
+                            json!(f(&old, "prefill_start").min(f(&v, "prefill_start")));
+                        old["prefill_end"] =
+                            json!(f(&old, "prefill_end").max(f(&v, "prefill_end")));
                         old["bytes"] = json!(
                             old["bytes"].as_u64().unwrap_or(0) + v["bytes"].as_u64().unwrap_or(0)
                         );
