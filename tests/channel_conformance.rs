@@ -205,7 +205,8 @@ fn reads(pages: Vec<MemObj>, uuid: Uuid, page: impl Fn(usize) -> u32) -> Vec<Rea
                 uuid,
                 page: page(i),
             },
-            offset: 0,
+            local_offset: 0,
+            remote_offset: 0,
             len: PAGE,
         })
         .collect()
@@ -227,7 +228,8 @@ fn writes(
                 uuid,
                 page: page(i),
             },
-            offset: 0,
+            local_offset: 0,
+            remote_offset: 0,
             len: len(i),
         })
         .collect()
@@ -374,7 +376,8 @@ fn bad_references_are_rejected_and_nothing_is_written() {
         let op = |i: usize, uuid: Uuid, page: u32, len: usize| WriteOp {
             local: src[i].clone(),
             remote: BufferRef { uuid, page },
-            offset: 0,
+            local_offset: 0,
+            remote_offset: 0,
             len,
         };
         let cases: Vec<(Vec<WriteOp>, &str)> = vec![

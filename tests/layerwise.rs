@@ -514,3 +514,69 @@ fn four_layerwise_saves_to_one_receiver_all_send_each_layer_as_it_comes() {
     }
     pools_back(&sender, &receiver, "four saves");
 }
+
+/// Every layer handed over before the save's worker even starts (an engine
+/// faster than the transfer): each layer is gathered while the one before
+/// is written, from the two staging sets in turn, and every byte arrives.
+#[test]
+fn layers_handed_over_faster_than_they_are_sent_arrive_whole() {
+    for channel in [ChannelKind::Tcp, ChannelKind::Shm] {
+        let what = format!("{channel:?}");
+        let (rc, sc) = configs(channel);
+        let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+        let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+        let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+        let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+        let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 8, 8);
+        let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+        let decode = SharedKvCache::new(KvCache::host(spec).unwrap());
+        for layer in 0..LAYERS {
+            compute_layer(&prefill, layer);
+        }
+        let keys = req_keys("fast");
+        saves
+            .open_layered(
+                SaveRequest {
+                    keys: keys.clone(),
+                    slot_mapping: (0..TOKENS).rev().map(|t| t as i64).collect(),
+                    spec: spec_for(&rc, "fast", true),
+                },
+                &prefill,
+            )
+            .unwrap();
+        for layer in (0..LAYERS).rev() {
+            saves.save_layer("fast", layer).unwrap();
+        }
+        assert_eq!(saves.close_layered("fast").unwrap(), None);
+        let done = poll_until(|| saves.poll(), 1);
+        assert_eq!(done[0].outcome, Outcome::Done, "{what}: {done:?}");
+        assert!(eventually(Duration::from_secs(30), || loads.available(&keys)
+            == Availability::Ready));
+        loads
+            .submit(
+                LoadRequest {
+                    req_id: "fast".into(),
+                    keys,
+                    slot_mapping: (0..TOKENS).map(|t| (t + 8) as i64).collect(),
+                },
+                &decode,
+            )
+            .unwrap();
+        let got = poll_until(|| loads.poll(), 1);
+        assert_eq!(got[0].outcome, Outcome::Done, "{what}: {got:?}");
+        let (mut src, mut dst) = (prefill.lock(), decode.lock());
+        for l in 0..LAYERS {
+            for p in 0..spec.planes() {
+                for t in 0..TOKENS {
+                    assert_eq!(
+                        src.token(l, p, TOKENS - 1 - t).unwrap(),
+                        dst.token(l, p, t + 8).unwrap(),
+                        "{what}: token {t} layer {l} plane {p}"
+                    );
+                }
+            }
+        }
+        drop((src, dst));
+        pools_back(&sender, &receiver, &what);
+    }
+}

@@ -41,6 +41,14 @@ pub trait LayerSource {
         layer: usize,
         targets: &[(usize, crate::memory::BufferRef)],
     ) -> Result<Vec<crate::channel::WriteOp>, String>;
+
+    /// Called while layer `layer - 1` is being written: a source may get
+    /// layer `layer` ready now (wait for it, gather it) so that it is not
+    /// on the path after that write; [`LayerSource::layer`] then returns
+    /// it. `layer` may be one past the last. The default does nothing.
+    fn prefetch(&mut self, layer: usize, targets: &[(usize, crate::memory::BufferRef)]) {
+        let _ = (layer, targets);
+    }
 }
 
 /// What a put sends: sealed chunks, or layers from a [`LayerSource`].
@@ -695,7 +703,14 @@ impl Sender {
                     };
                     match ops {
                         Ok(ops) => {
-                            let end = self.write(peer, tag, ops, &mut last_io);
+                            let end = match &mut payload {
+                                Payload::Layers(source) => {
+                                    self.write_then(peer, tag, ops, &mut last_io, || {
+                                        source.prefetch(layer + 1, &targets)
+                                    })
+                                }
+                                Payload::Whole(_) => self.write(peer, tag, ops, &mut last_io),
+                            };
                             lock(&s.core).on_written(&mut put, Instant::now(), end)
                         }
                         Err(why) => lock(&s.core).on_layer_missing(&mut put, Instant::now(), why),
@@ -738,6 +753,19 @@ impl Sender {
         ops: Vec<crate::channel::WriteOp>,
         last_io: &mut Option<BackendError>,
     ) -> WriteEnd {
+        self.write_then(peer, tag, ops, last_io, || {})
+    }
+
+    /// [`Sender::write`], running `meanwhile` once the write is submitted
+    /// and before waiting for it (a layer-wise put gathers its next layer).
+    fn write_then(
+        &self,
+        peer: crate::channel::PeerId,
+        tag: GrantTag,
+        ops: Vec<crate::channel::WriteOp>,
+        last_io: &mut Option<BackendError>,
+        meanwhile: impl FnOnce(),
+    ) -> WriteEnd {
         let s = &self.shared;
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         let end = match s.channel.submit_write(peer, tag, ops) {
@@ -747,6 +775,7 @@ impl Sender {
                 WriteEnd::Failed
             }
             Ok(c) => {
+                meanwhile();
                 let done = c.wait();
                 match done.result {
                     Ok(()) => {

@@ -743,8 +743,8 @@ impl HcclChannel {
             batch.extend(one_sided(
                 &p.table,
                 op.remote,
-                op.local.addr() + op.offset as u64,
-                *off + op.offset as u64,
+                op.local.addr() + op.local_offset as u64,
+                *off + op.remote_offset as u64,
                 op.len,
             ));
         }

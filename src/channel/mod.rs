@@ -183,19 +183,22 @@ pub struct DirectRead {
     pub len: usize,
 }
 
-/// One transfer: `len` bytes at byte `offset` of a local page to or from
-/// the same offset of a remote page (a whole chunk starts at 0; a
-/// layer-wise push moves one layer's ranges of each chunk). The op owns its
-/// local page until its batch completes.
+/// One transfer: `len` bytes between byte `local_offset` of a local page
+/// and byte `remote_offset` of a remote page (a whole chunk is at 0 on both;
+/// a layer-wise push moves one layer's rows of each chunk, from a staging
+/// page that packs them, to where they belong in the receiver's pages).
+/// The op owns its local page until its batch completes.
 #[derive(Debug)]
 pub struct TransferOp<P> {
     /// The local page (destination of a read, source of a write).
     pub local: P,
     /// The remote page.
     pub remote: BufferRef,
-    /// Where the range starts, in both pages.
-    pub offset: usize,
-    /// Bytes to move (`offset + len` at most one page on both sides).
+    /// Where the range starts in the local page.
+    pub local_offset: usize,
+    /// Where the range starts in the remote page.
+    pub remote_offset: usize,
+    /// Bytes to move (each range inside its page).
     pub len: usize,
 }
 
@@ -203,27 +206,40 @@ impl<P: std::ops::Deref<Target = Page>> TransferOp<P> {
     /// An op moving the local chunk's real bytes (`local.byte_len()`).
     pub fn chunk(local: P, remote: BufferRef) -> TransferOp<P> {
         let len = local.byte_len();
-        TransferOp {
-            local,
-            remote,
-            offset: 0,
-            len,
-        }
+        TransferOp::between(local, 0, remote, 0, len)
     }
 
     /// An op moving `len` bytes at `offset` of both pages.
     pub fn range(local: P, remote: BufferRef, offset: usize, len: usize) -> TransferOp<P> {
+        TransferOp::between(local, offset, remote, offset, len)
+    }
+
+    /// An op moving `len` bytes from `local_offset` of the local page to
+    /// (or from) `remote_offset` of the remote page.
+    pub fn between(
+        local: P,
+        local_offset: usize,
+        remote: BufferRef,
+        remote_offset: usize,
+        len: usize,
+    ) -> TransferOp<P> {
         TransferOp {
             local,
             remote,
-            offset,
+            local_offset,
+            remote_offset,
             len,
         }
     }
 
-    /// Where the range ends in both pages (`offset + len`).
-    pub fn end(&self) -> usize {
-        self.offset.saturating_add(self.len)
+    /// Where the range ends in the local page.
+    pub fn local_end(&self) -> usize {
+        self.local_offset.saturating_add(self.len)
+    }
+
+    /// Where the range ends in the remote page.
+    pub fn remote_end(&self) -> usize {
+        self.remote_offset.saturating_add(self.len)
     }
 }
 
@@ -647,24 +663,23 @@ pub(crate) fn check_ops<P: LocalPage>(
     ops.iter()
         .enumerate()
         .map(|(i, op)| {
-            let (_, off) =
-                table
-                    .resolve(op.remote, op.end())
-                    .map_err(|reason| ChannelError::BadRef {
-                        op: i,
-                        remote: op.remote,
-                        reason,
-                    })?;
+            let (_, off) = table
+                .resolve(op.remote, op.remote_end())
+                .map_err(|reason| ChannelError::BadRef {
+                    op: i,
+                    remote: op.remote,
+                    reason,
+                })?;
             let page = op.local.pool().buffer().page_size();
             let bad_local = |reason: String| ChannelError::BadLocal {
                 op: i,
                 local: op.local.buffer_ref(),
                 reason,
             };
-            if op.end() > page {
+            if op.local_end() > page {
                 return Err(bad_local(format!(
                     "{} bytes at offset {} exceed the local {page}-byte page",
-                    op.len, op.offset
+                    op.len, op.local_offset
                 )));
             }
             if local_host_only && op.local.device() != DeviceKind::Cpu {

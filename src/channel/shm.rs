@@ -510,8 +510,8 @@ fn run_copies<P: LocalPage>(
     let mut pieces = Vec::with_capacity(ops.len());
     for (op, &off) in ops.iter().zip(offsets) {
         let map = &p.maps[&op.remote.uuid];
-        let remote = map.ptr as usize + off as usize + op.offset;
-        let local = op.local.addr() as usize + op.offset;
+        let remote = map.ptr as usize + off as usize + op.remote_offset;
+        let local = op.local.addr() as usize + op.local_offset;
         let (src, dst) = match kind {
             OpKind::Read => (remote, local),
             OpKind::Write => (local, remote),

@@ -922,7 +922,10 @@ fn check_request<'a>(
 #[derive(Clone, Copy)]
 struct Slice {
     op: usize,
+    /// Where the slice starts in the remote page (sent in the request).
     offset: usize,
+    /// Where it starts in the local page.
+    local: usize,
     len: usize,
 }
 
@@ -1094,12 +1097,13 @@ impl TcpChannel {
         }
         let mut slices = Vec::new();
         for (i, op) in ops.iter().enumerate() {
-            let mut off = op.offset;
-            while off < op.end() {
-                let len = (op.end() - off).min(self.opts.slice_bytes.max(1));
+            let mut off = 0;
+            while off < op.len {
+                let len = (op.len - off).min(self.opts.slice_bytes.max(1));
                 slices.push(Slice {
                     op: i,
-                    offset: off,
+                    offset: op.remote_offset + off,
+                    local: op.local_offset + off,
                     len,
                 });
                 off += len;
@@ -1449,7 +1453,7 @@ fn run_on_connection<P: LocalPage>(
                 .write_all(&h)
                 .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
             if kind == OpKind::Write {
-                if let Some((dev, at)) = local_device(op, sl.offset) {
+                if let Some((dev, at)) = local_device(op, sl.local) {
                     stagers
                         .get(dev, opts.io_timeout)
                         .and_then(|st| st.send_from(stream, dev, at, sl.len, None))
@@ -1457,11 +1461,11 @@ fn run_on_connection<P: LocalPage>(
                     sent += 1;
                     continue;
                 }
-                // SAFETY: check_ops proved sl.offset+sl.len <= op.end() <= the
-                // local page size, and `ops` keeps the page alive.
+                // SAFETY: check_ops proved sl.local+sl.len <= op.local_end()
+                // <= the local page size, and `ops` keeps the page alive.
                 let src = unsafe {
                     std::slice::from_raw_parts(
-                        (op.local.addr() as usize + sl.offset) as *const u8,
+                        (op.local.addr() as usize + sl.local) as *const u8,
                         sl.len,
                     )
                 };
@@ -1475,7 +1479,7 @@ fn run_on_connection<P: LocalPage>(
         read_reply(p, stream, sl.op, opts)?;
         if kind == OpKind::Read {
             let op = &ops[sl.op];
-            if let Some((dev, at)) = local_device(op, sl.offset) {
+            if let Some((dev, at)) = local_device(op, sl.local) {
                 stagers
                     .get(dev, opts.io_timeout)
                     .and_then(|st| st.recv_into(stream, dev, at, sl.len))
@@ -1487,7 +1491,7 @@ fn run_on_connection<P: LocalPage>(
             // allocation that this batch owns for its duration.
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(
-                    (op.local.addr() as usize + sl.offset) as *mut u8,
+                    (op.local.addr() as usize + sl.local) as *mut u8,
                     sl.len,
                 )
             };

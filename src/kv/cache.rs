@@ -861,10 +861,14 @@ impl KvCache {
         self.run_gather(&copies, page)
     }
 
-    /// [`KvCache::gather`] of one layer: copies layer `layer` of the slots
-    /// `slots` into that layer's ranges of `page` (its K and V rows; the
-    /// rest of the page is not touched). A layer-wise save calls it as soon
-    /// as the engine wrote the layer. Blocks until the copies are done.
+    /// Layer `layer` of several chunks, packed into one page `dst` (a
+    /// layer-wise save's staging page): for each part `(slots, meta, at)`
+    /// — the chunk's slots, its chunk metadata (tokens, head piece), and
+    /// where its layer goes in `dst` — the layer's K rows land at `at` and
+    /// its V rows right after them (MLA: the one latent row), each
+    /// `tokens × hidden` elements, exactly as that layer's ranges of the
+    /// chunk's own page ([`ChunkMeta::layer_ranges`]) would hold them.
+    /// Nothing else of `dst` is written. Blocks until the copies are done.
     ///
     /// `after`, for an NPU cache, is an event the engine recorded on its
     /// stream right after the layer's kernels: the copies are queued behind
@@ -872,9 +876,9 @@ impl KvCache {
     /// pass. For a host cache it is waited for on the host.
     pub fn gather_layer(
         &mut self,
-        slots: &[i64],
-        page: &mut MemObj,
         layer: usize,
+        parts: &[(&[i64], ChunkMeta, usize)],
+        dst: &mut MemObj,
         after: Option<&Event>,
     ) -> Result<ScatterStats, KvError> {
         if let Some(e) = after {
@@ -887,18 +891,48 @@ impl KvCache {
                     .map_err(device_err("waiting for the engine's layer event"))?,
             }
         }
-        let meta = page.meta();
-        self.check_page(page, &meta)?;
-        let copies = layer_copies(
-            &self.spec,
-            &self.strides,
-            meta.layout.hidden,
-            meta.hidden_offset,
-            meta.tokens,
-            slots,
-            layer..layer + 1,
-        )?;
-        self.run_gather(&copies, page)
+        let capacity = dst.byte_len();
+        let mut copies = Vec::new();
+        for &(slots, meta, at) in parts {
+            self.spec.check_piece(&meta.layout, meta.hidden_offset)?;
+            let ranges = meta.layer_ranges(layer).ok_or_else(|| {
+                KvError::InvalidSpec(format!(
+                    "layer {layer} asked of chunks of {} layer(s)",
+                    meta.layout.layers
+                ))
+            })?;
+            let row = ranges.first().map_or(0, |r| r.1);
+            if at.saturating_add(row * ranges.len()) > capacity {
+                return Err(KvError::TooManyTokens {
+                    tokens: meta.tokens,
+                    page_tokens: capacity / (row / meta.tokens.max(1)).max(1),
+                });
+            }
+            let planes = ranges.len();
+            for mut c in layer_copies(
+                &self.spec,
+                &self.strides,
+                meta.layout.hidden,
+                meta.hidden_offset,
+                meta.tokens,
+                slots,
+                layer..layer + 1,
+            )? {
+                let plane = c.plane % planes;
+                c.chunk_offset = at + plane * row + (c.chunk_offset - ranges[plane].0);
+                copies.push(c);
+            }
+        }
+        if let (DeviceKind::Npu(c), DeviceKind::Npu(p)) = (self.device(), dst.device()) {
+            if c != p {
+                return Err(KvError::Unsupported {
+                    cache: self.device(),
+                    page: dst.device(),
+                    hint: "put the sender's pool on the NPU of its KV cache (pd_buffer_device)",
+                });
+            }
+        }
+        self.run_gather(&copies, dst)
     }
 
     fn run_gather(

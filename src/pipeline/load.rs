@@ -853,7 +853,8 @@ impl<E: LoadEnv> PipelineIo for ProxyIo<'_, '_, '_, E> {
                         ops.push(TransferOp {
                             local: page,
                             remote: p.remote,
-                            offset: 0,
+                            local_offset: 0,
+                            remote_offset: 0,
                             len: p.byte_len(),
                         });
                         self.began[j] = Some(p);

@@ -94,6 +94,14 @@ impl LayerGate {
         self.changed.notify_all();
     }
 
+    /// Whether layer `layer` was handed over (false past the last).
+    fn is_handed(&self, layer: usize) -> bool {
+        lock(&self.state)
+            .handed
+            .get(layer)
+            .is_some_and(Option::is_some)
+    }
+
     /// The NPU of the save's cache, if it is an NPU cache.
     pub(super) fn device(&self) -> Option<&Device> {
         self.device.as_ref()
@@ -142,23 +150,95 @@ impl LayerGate {
     }
 }
 
-/// A page of a layer-wise put between layers: ours to fill, or shared
-/// with the write of the layer before (given back when that write ends).
+/// A staging page between layers: ours to fill, or shared with the write
+/// of an earlier layer (given back when that write ends).
 enum Held {
     Own(MemObj),
     Shared(SealedMemObj),
     Gone,
 }
 
-/// One decode rank's put of a layer-wise save: fills each layer of its
-/// chunks from the engine's cache as the gate hands it over.
+impl Held {
+    /// The page to fill, once no write holds it any more.
+    fn take(&mut self) -> Result<MemObj, String> {
+        match std::mem::replace(self, Held::Gone) {
+            Held::Own(p) => Ok(p),
+            Held::Shared(s) => s.try_unseal().map_err(|_| {
+                "a staging page is still held by an earlier layer's write (the channel kept it \
+                 after a failure)"
+                    .to_string()
+            }),
+            Held::Gone => Err("a staging page was lost after a failed gather".into()),
+        }
+    }
+}
+
+/// One decode rank's put of a layer-wise save. Each layer of its chunks is
+/// gathered, packed, into one of two sets of staging pages (a page holds
+/// one layer of as many chunks as the model has layers), and written from
+/// there into the receiver's pages: while layer `l` is written from one
+/// set, layer `l + 1` is gathered into the other. So the save holds two
+/// sets of pages, not one page per chunk.
 struct QueueLayers<'a> {
-    pages: Vec<Held>,
+    sets: [Vec<Held>; 2],
     metas: Vec<ChunkMeta>,
     slots: Vec<&'a [i64]>,
+    /// Bytes of one chunk's layer slot in a staging page, and slots per page.
+    slot_bytes: usize,
+    per_page: usize,
     cache: &'a SharedKvCache,
     gate: &'a LayerGate,
     timeout: Duration,
+    /// A layer gathered ahead while the one before was written.
+    ready: Option<(usize, Result<Vec<WriteOp>, String>)>,
+}
+
+impl QueueLayers<'_> {
+    /// Waits for layer `layer`, gathers it into its staging set, and
+    /// returns the writes that put each target chunk's rows where they go.
+    fn gather(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, BufferRef)],
+    ) -> Result<Vec<WriteOp>, String> {
+        let event = self.gate.wait(layer, self.timeout)?;
+        let set = &mut self.sets[layer % 2];
+        let mut ops = Vec::with_capacity(targets.len() * 2);
+        for (page_no, held) in set.iter_mut().enumerate() {
+            let mine: Vec<(usize, BufferRef, usize)> = targets
+                .iter()
+                .filter(|t| t.0 / self.per_page == page_no)
+                .map(|&(i, remote)| (i, remote, (i % self.per_page) * self.slot_bytes))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut page = held.take()?;
+            let parts: Vec<(&[i64], ChunkMeta, usize)> = mine
+                .iter()
+                .map(|&(i, _, at)| (self.slots[i], self.metas[i], at))
+                .collect();
+            {
+                // The cache's own lock for the copies only: loads into
+                // other slots may run meanwhile.
+                let mut cache = lock(&self.cache.cache);
+                cache
+                    .gather_layer(layer, &parts, &mut page, event.as_deref())
+                    .map_err(err_text)?;
+            }
+            let sealed = page.seal();
+            for (i, remote, at) in mine {
+                let ranges = self.metas[i].layer_ranges(layer).unwrap_or_default();
+                let mut from = at;
+                for (offset, len) in ranges {
+                    ops.push(WriteOp::between(sealed.clone(), from, remote, offset, len));
+                    from += len;
+                }
+            }
+            *held = Held::Shared(sealed);
+        }
+        Ok(ops)
+    }
 }
 
 impl LayerSource for QueueLayers<'_> {
@@ -167,33 +247,18 @@ impl LayerSource for QueueLayers<'_> {
         layer: usize,
         targets: &[(usize, BufferRef)],
     ) -> Result<Vec<WriteOp>, String> {
-        let event = self.gate.wait(layer, self.timeout)?;
-        let mut ops = Vec::with_capacity(targets.len() * 2);
-        for &(i, remote) in targets {
-            let mut page = match std::mem::replace(&mut self.pages[i], Held::Gone) {
-                Held::Own(p) => p,
-                Held::Shared(s) => s.try_unseal().map_err(|_| {
-                    "a page of the layer before is still held by its write (the channel \
-                     kept it after a failure)"
-                        .to_string()
-                })?,
-                Held::Gone => return Err(format!("chunk {i}'s page was lost")),
-            };
-            {
-                // The cache's own lock for the copy only: loads into other
-                // slots may run meanwhile.
-                let mut cache = lock(&self.cache.cache);
-                cache
-                    .gather_layer(self.slots[i], &mut page, layer, event.as_deref())
-                    .map_err(err_text)?;
-            }
-            let sealed = page.seal();
-            for (offset, len) in self.metas[i].layer_ranges(layer).unwrap_or_default() {
-                ops.push(WriteOp::range(sealed.clone(), remote, offset, len));
-            }
-            self.pages[i] = Held::Shared(sealed);
+        match self.ready.take() {
+            Some((l, r)) if l == layer => r,
+            _ => self.gather(layer, targets),
         }
-        Ok(ops)
+    }
+
+    fn prefetch(&mut self, layer: usize, targets: &[(usize, BufferRef)]) {
+        // Only a layer the engine already handed over: waiting for one here
+        // would hold up the end of the write before it.
+        if self.gate.is_handed(layer) {
+            self.ready = Some((layer, self.gather(layer, targets)));
+        }
     }
 }
 
@@ -230,18 +295,36 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
             .iter()
             .map(|&t| ChunkMeta::partial(layout, t).at_hidden_offset(offset))
             .collect();
-        let pages = sender
-            .allocator()
-            .allocate_batch(&metas)
-            .map_err(err_text)?;
-        let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
+        // One layer of a chunk takes a page's 1/layers: a staging page
+        // holds one layer of `layers` chunks.
+        let per_page = layout.layers.max(1);
+        let slot_bytes = layout.page_bytes() / per_page;
+        let pages = metas.len().div_ceil(per_page);
+        let set = || -> Result<Vec<Held>, String> {
+            Ok(sender
+                .allocator()
+                .allocate_batch(&vec![ChunkMeta::full(layout); pages])
+                .map_err(err_text)?
+                .into_iter()
+                .map(Held::Own)
+                .collect())
+        };
+        let sets = [set()?, set()?];
+        let pool = match &sets[0][0] {
+            Held::Own(p) => p.buffer_ref().uuid,
+            _ => unreachable!("just allocated"),
+        };
+        let descs: Vec<ChunkDesc> = metas.iter().map(|&meta| ChunkDesc { pool, meta }).collect();
         let mut source = QueueLayers {
-            pages: pages.into_iter().map(Held::Own).collect(),
+            sets,
             metas,
             slots: slots.clone(),
+            slot_bytes,
+            per_page,
             cache: &job.cache,
             gate,
             timeout,
+            ready: None,
         };
         let spec = TransferSpec {
             receiver_rank: Some(route.rank),

@@ -867,7 +867,8 @@ fn fetch_one(s: &Shared, key: &str) -> Result<SealedMemObj, String> {
     let op = TransferOp {
         local: page,
         remote: proxy.remote,
-        offset: 0,
+        local_offset: 0,
+        remote_offset: 0,
         len: proxy.byte_len(),
     };
     // Waiting for the attachment and the page took time: the read may only

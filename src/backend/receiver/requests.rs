@@ -757,7 +757,8 @@ fn start_read(s: &Shared, read: EagerRead) -> Option<InFlight> {
         .map(|(i, page)| TransferOp {
             local: page,
             remote: i.remote,
-            offset: 0,
+            local_offset: 0,
+            remote_offset: 0,
             len: i.bytes,
         })
         .collect();

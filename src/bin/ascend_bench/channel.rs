@@ -433,7 +433,8 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 .map(|o| WriteOp {
                     local: o.clone(),
                     remote: remote(o.page()),
-                    offset: 0,
+                    local_offset: 0,
+                    remote_offset: 0,
                     len: chunk,
                 })
                 .collect();
@@ -463,7 +464,8 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                 ReadOp {
                     local: o,
                     remote: BufferRef { uuid: uuid2, page },
-                    offset: 0,
+                    local_offset: 0,
+                    remote_offset: 0,
                     len: chunk,
                 }
             })
@@ -481,7 +483,8 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
                     ReadOp {
                         local: o,
                         remote: remote(page),
-                        offset: 0,
+                        local_offset: 0,
+                        remote_offset: 0,
                         len: chunk,
                     }
                 })
