@@ -61,6 +61,91 @@ fn layer_bytes(spec: &KvCacheSpec) -> u64 {
     (spec.planes() * TOKENS * spec.token_bytes()) as u64
 }
 
+/// A push receiver and a layer-wise sender on one channel, their queues, and
+/// the prefill engine's host cache (`blocks` blocks of 8 slots).
+struct Rig {
+    rc: PdConfig,
+    receiver: Arc<Receiver>,
+    sender: Arc<Sender>,
+    saves: SaveQueue,
+    loads: LoadQueue,
+    spec: KvCacheSpec,
+    prefill: Arc<SharedKvCache>,
+}
+
+fn rig(rc: PdConfig, sc: PdConfig, blocks: usize) -> Rig {
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), blocks, 8);
+    let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+    Rig {
+        rc,
+        receiver,
+        sender,
+        saves,
+        loads,
+        spec,
+        prefill,
+    }
+}
+
+impl Rig {
+    /// Opens the layer-wise save of request `name` from the prefill cache.
+    fn open(&self, name: &str, slots: impl Iterator<Item = i64>) {
+        self.saves
+            .open_layered(
+                SaveRequest {
+                    keys: req_keys(name),
+                    slot_mapping: slots.collect(),
+                    spec: spec_for(&self.rc, name, true),
+                },
+                &self.prefill,
+            )
+            .unwrap();
+    }
+
+    /// Loads request `name` into a new decode cache once it is loadable,
+    /// and checks every byte: token `t` at prefill slot `from(t)` is at
+    /// decode slot `to(t)`, and the engine wrote it.
+    fn load_and_check(&self, name: &str, from: impl Fn(usize) -> i64, to: impl Fn(usize) -> i64) {
+        let keys = req_keys(name);
+        assert!(
+            eventually(Duration::from_secs(30), || self.loads.available(&keys)
+                == Availability::Ready),
+            "{name}: never loadable"
+        );
+        let decode = SharedKvCache::new(KvCache::host(self.spec).unwrap());
+        self.loads
+            .submit(
+                LoadRequest {
+                    req_id: name.into(),
+                    keys,
+                    slot_mapping: (0..TOKENS).map(&to).collect(),
+                },
+                &decode,
+            )
+            .unwrap();
+        let got = poll_until(|| self.loads.poll(), 1);
+        assert_eq!(got[0].outcome, Outcome::Done, "{name}: {got:?}");
+        let (mut src, mut dst) = (self.prefill.lock(), decode.lock());
+        for l in 0..self.spec.layers {
+            for p in 0..self.spec.planes() {
+                for t in 0..TOKENS {
+                    let want = src.token(l, p, from(t) as usize).unwrap();
+                    assert!(want.iter().any(|&b| b != 0), "{name}: the engine wrote it");
+                    assert_eq!(
+                        want,
+                        dst.token(l, p, to(t) as usize).unwrap(),
+                        "{name}: token {t} layer {l} plane {p}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn pools_back(sender: &Sender, receiver: &Receiver, what: &str) {
     assert!(
         eventually(Duration::from_secs(30), || {
@@ -84,97 +169,50 @@ fn pools_back(sender: &Sender, receiver: &Receiver, what: &str) {
 fn a_chunk_is_loadable_only_after_its_last_layer(channel: ChannelKind) {
     let what = format!("{channel:?}");
     let (rc, sc) = configs(channel);
-    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
-    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
-    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
-    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 8, 8);
-    let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
-    let decode = SharedKvCache::new(KvCache::host(spec).unwrap());
+    let r = rig(rc, sc, 8);
     let from = |t: usize| (t + 3) as i64;
-    let to = |t: usize| (spec.slots() - 1 - t) as i64;
+    let to = |t: usize| (r.spec.slots() - 1 - t) as i64;
     let keys = req_keys("lw");
 
     // Opened before the engine wrote anything (the cache is all zeros).
-    saves
-        .open_layered(
-            SaveRequest {
-                keys: keys.clone(),
-                slot_mapping: (0..TOKENS).map(from).collect(),
-                spec: spec_for(&rc, "lw", true),
-            },
-            &prefill,
-        )
-        .unwrap();
+    r.open("lw", (0..TOKENS).map(from));
     // Every layer but the last, each written by the engine before it is
     // handed over, and sent at once: the request is still not loadable.
     for layer in 0..LAYERS - 1 {
-        compute_layer(&prefill, layer);
-        saves.save_layer("lw", layer).unwrap();
-        let want = (layer as u64 + 1) * layer_bytes(&spec);
+        compute_layer(&r.prefill, layer);
+        r.saves.save_layer("lw", layer).unwrap();
+        let want = (layer as u64 + 1) * layer_bytes(&r.spec);
         assert!(
-            eventually(Duration::from_secs(30), || sender.stats().bytes_written
+            eventually(Duration::from_secs(30), || r.sender.stats().bytes_written
                 >= want),
             "{what}: layer {layer} was not sent when handed over ({} of {want} bytes)",
-            sender.stats().bytes_written
+            r.sender.stats().bytes_written
         );
         assert_ne!(
-            loads.available(&keys),
+            r.loads.available(&keys),
             Availability::Ready,
             "{what}: loadable after layer {layer} of {LAYERS}"
         );
     }
     assert_eq!(
-        sender.stats().bytes_written,
-        (LAYERS as u64 - 1) * layer_bytes(&spec)
+        r.sender.stats().bytes_written,
+        (LAYERS as u64 - 1) * layer_bytes(&r.spec)
     );
-    assert!(saves.poll().is_empty(), "{what}: the save ended early");
+    assert!(r.saves.poll().is_empty(), "{what}: the save ended early");
     // Handing a layer twice, or one past the model, is refused by name.
-    let e = saves.save_layer("lw", 0).unwrap_err().to_string();
+    let e = r.saves.save_layer("lw", 0).unwrap_err().to_string();
     assert!(e.contains("already handed over"), "{what}: {e}");
-    let e = saves.save_layer("lw", LAYERS).unwrap_err().to_string();
+    let e = r.saves.save_layer("lw", LAYERS).unwrap_err().to_string();
     assert!(e.contains("kv_num_layers"), "{what}: {e}");
 
     // The last layer: the save is done and the request loadable.
-    compute_layer(&prefill, LAYERS - 1);
-    saves.save_layer("lw", LAYERS - 1).unwrap();
-    assert_eq!(saves.close_layered("lw").unwrap(), None);
-    let done = poll_until(|| saves.poll(), 1);
+    compute_layer(&r.prefill, LAYERS - 1);
+    r.saves.save_layer("lw", LAYERS - 1).unwrap();
+    assert_eq!(r.saves.close_layered("lw").unwrap(), None);
+    let done = poll_until(|| r.saves.poll(), 1);
     assert_eq!(done[0].outcome, Outcome::Done, "{what}: {done:?}");
-    assert!(
-        eventually(Duration::from_secs(30), || loads.available(&keys)
-            == Availability::Ready),
-        "{what}: never loadable"
-    );
-    loads
-        .submit(
-            LoadRequest {
-                req_id: "lw".into(),
-                keys: keys.clone(),
-                slot_mapping: (0..TOKENS).map(to).collect(),
-            },
-            &decode,
-        )
-        .unwrap();
-    let got = poll_until(|| loads.poll(), 1);
-    assert_eq!(got[0].outcome, Outcome::Done, "{what}: {got:?}");
-    {
-        let (mut src, mut dst) = (prefill.lock(), decode.lock());
-        for l in 0..spec.layers {
-            for p in 0..spec.planes() {
-                for t in 0..TOKENS {
-                    let want = src.token(l, p, from(t) as usize).unwrap();
-                    assert!(want.iter().any(|&b| b != 0), "{what}: the engine wrote it");
-                    assert_eq!(
-                        want,
-                        dst.token(l, p, to(t) as usize).unwrap(),
-                        "{what}: token {t} layer {l} plane {p}"
-                    );
-                }
-            }
-        }
-    }
-    pools_back(&sender, &receiver, &what);
+    r.load_and_check("lw", from, to);
+    pools_back(&r.sender, &r.receiver, &what);
 }
 
 #[test]
@@ -197,28 +235,23 @@ fn a_missing_last_layer_is_revoked(channel: ChannelKind, close: bool) {
     rc.push_landing_timeout = Duration::from_secs(1);
     // The sender waits for a layer at most this long.
     sc.push_landing_timeout = Duration::from_secs(if close { 60 } else { 3 });
-    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
-    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
-    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
-    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 8, 8);
-    let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+    let r = rig(rc, sc, 8);
+    let Rig {
+        receiver,
+        sender,
+        saves,
+        loads,
+        spec,
+        prefill,
+        ..
+    } = &r;
     let keys = req_keys("cut");
-    saves
-        .open_layered(
-            SaveRequest {
-                keys: keys.clone(),
-                slot_mapping: (0..TOKENS).map(|t| t as i64).collect(),
-                spec: spec_for(&rc, "cut", true),
-            },
-            &prefill,
-        )
-        .unwrap();
+    r.open("cut", (0..TOKENS).map(|t| t as i64));
     for layer in 0..LAYERS - 1 {
-        compute_layer(&prefill, layer);
+        compute_layer(prefill, layer);
         saves.save_layer("cut", layer).unwrap();
     }
-    let want = (LAYERS as u64 - 1) * layer_bytes(&spec);
+    let want = (LAYERS as u64 - 1) * layer_bytes(spec);
     assert!(
         eventually(Duration::from_secs(30), || sender.stats().bytes_written
             == want),
@@ -277,7 +310,7 @@ fn a_missing_last_layer_is_revoked(channel: ChannelKind, close: bool) {
         },
         "{what}"
     );
-    pools_back(&sender, &receiver, &what);
+    pools_back(sender, receiver, &what);
 }
 
 #[test]
@@ -463,56 +496,39 @@ fn a_layerwise_mla_save_gives_each_decode_rank_the_whole_latent() {
 #[test]
 fn four_layerwise_saves_to_one_receiver_all_send_each_layer_as_it_comes() {
     let (rc, sc) = configs(ChannelKind::Tcp);
-    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
-    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
-    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
-    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 24, 8);
-    let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
+    let r = rig(rc, sc, 24);
     let reqs = ["one", "two", "three", "four"];
     for (q, name) in reqs.iter().enumerate() {
-        saves
-            .open_layered(
-                SaveRequest {
-                    keys: req_keys(name),
-                    slot_mapping: (0..TOKENS).map(|t| (q * 40 + t) as i64).collect(),
-                    spec: spec_for(&rc, name, true),
-                },
-                &prefill,
-            )
-            .unwrap();
+        r.open(name, (0..TOKENS).map(|t| (q * 40 + t) as i64));
     }
     for layer in 0..LAYERS - 1 {
-        compute_layer(&prefill, layer);
+        compute_layer(&r.prefill, layer);
         for name in reqs {
-            saves.save_layer(name, layer).unwrap();
+            r.saves.save_layer(name, layer).unwrap();
         }
     }
-    let want = reqs.len() as u64 * (LAYERS as u64 - 1) * layer_bytes(&spec);
+    let want = reqs.len() as u64 * (LAYERS as u64 - 1) * layer_bytes(&r.spec);
     assert!(
-        eventually(Duration::from_secs(30), || sender.stats().bytes_written
+        eventually(Duration::from_secs(30), || r.sender.stats().bytes_written
             == want),
         "every request's first layers should be sent before the last is handed over: {} of \
          {want} bytes",
-        sender.stats().bytes_written
+        r.sender.stats().bytes_written
     );
-    compute_layer(&prefill, LAYERS - 1);
+    compute_layer(&r.prefill, LAYERS - 1);
     for name in reqs {
-        saves.save_layer(name, LAYERS - 1).unwrap();
-        assert_eq!(saves.close_layered(name).unwrap(), None);
+        r.saves.save_layer(name, LAYERS - 1).unwrap();
+        assert_eq!(r.saves.close_layered(name).unwrap(), None);
     }
-    let done = poll_until(|| saves.poll(), reqs.len());
+    let done = poll_until(|| r.saves.poll(), reqs.len());
     assert!(
         done.len() == reqs.len() && done.iter().all(|c| c.outcome == Outcome::Done),
         "{done:?}"
     );
-    for name in reqs {
-        let k = req_keys(name);
-        assert!(eventually(Duration::from_secs(30), || loads.available(&k)
-            == Availability::Ready));
-        receiver.release(name, &k);
+    for (q, name) in reqs.iter().enumerate() {
+        r.load_and_check(name, |t| (q * 40 + t) as i64, |t| (t + 1) as i64);
     }
-    pools_back(&sender, &receiver, "four saves");
+    pools_back(&r.sender, &r.receiver, "four saves");
 }
 
 /// Every layer handed over before the save's worker even starts (an engine
@@ -523,60 +539,18 @@ fn layers_handed_over_faster_than_they_are_sent_arrive_whole() {
     for channel in [ChannelKind::Tcp, ChannelKind::Shm] {
         let what = format!("{channel:?}");
         let (rc, sc) = configs(channel);
-        let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
-        let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
-        let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
-        let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-        let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 8, 8);
-        let prefill = SharedKvCache::new(KvCache::host(spec).unwrap());
-        let decode = SharedKvCache::new(KvCache::host(spec).unwrap());
+        let r = rig(rc, sc, 8);
         for layer in 0..LAYERS {
-            compute_layer(&prefill, layer);
+            compute_layer(&r.prefill, layer);
         }
-        let keys = req_keys("fast");
-        saves
-            .open_layered(
-                SaveRequest {
-                    keys: keys.clone(),
-                    slot_mapping: (0..TOKENS).rev().map(|t| t as i64).collect(),
-                    spec: spec_for(&rc, "fast", true),
-                },
-                &prefill,
-            )
-            .unwrap();
+        r.open("fast", (0..TOKENS).rev().map(|t| t as i64));
         for layer in (0..LAYERS).rev() {
-            saves.save_layer("fast", layer).unwrap();
+            r.saves.save_layer("fast", layer).unwrap();
         }
-        assert_eq!(saves.close_layered("fast").unwrap(), None);
-        let done = poll_until(|| saves.poll(), 1);
+        assert_eq!(r.saves.close_layered("fast").unwrap(), None);
+        let done = poll_until(|| r.saves.poll(), 1);
         assert_eq!(done[0].outcome, Outcome::Done, "{what}: {done:?}");
-        assert!(eventually(Duration::from_secs(30), || loads.available(&keys)
-            == Availability::Ready));
-        loads
-            .submit(
-                LoadRequest {
-                    req_id: "fast".into(),
-                    keys,
-                    slot_mapping: (0..TOKENS).map(|t| (t + 8) as i64).collect(),
-                },
-                &decode,
-            )
-            .unwrap();
-        let got = poll_until(|| loads.poll(), 1);
-        assert_eq!(got[0].outcome, Outcome::Done, "{what}: {got:?}");
-        let (mut src, mut dst) = (prefill.lock(), decode.lock());
-        for l in 0..LAYERS {
-            for p in 0..spec.planes() {
-                for t in 0..TOKENS {
-                    assert_eq!(
-                        src.token(l, p, TOKENS - 1 - t).unwrap(),
-                        dst.token(l, p, t + 8).unwrap(),
-                        "{what}: token {t} layer {l} plane {p}"
-                    );
-                }
-            }
-        }
-        drop((src, dst));
-        pools_back(&sender, &receiver, &what);
+        r.load_and_check("fast", |t| (TOKENS - 1 - t) as i64, |t| (t + 8) as i64);
+        pools_back(&r.sender, &r.receiver, &what);
     }
 }

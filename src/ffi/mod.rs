@@ -1052,15 +1052,6 @@ pub unsafe extern "C" fn apd_sender_submit_save(
     is_last_prefill: i32,
 ) -> i32 {
     call("apd_sender_submit_save", || {
-        if peer.is_null() {
-            return Err(Failure::arg(
-                "peer",
-                "is null: pass the receiver's host and ports",
-            ));
-        }
-        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`);
-        // `arg_ref` checks its alignment.
-        let peers = std::slice::from_ref(unsafe { arg_ref("peer", peer) }?);
         // SAFETY: forwarded to the caller's contract.
         unsafe {
             submit_save(
@@ -1069,7 +1060,7 @@ pub unsafe extern "C" fn apd_sender_submit_save(
                 (keys, num_keys),
                 cache,
                 (slot_mapping, num_slots),
-                ("peer", peers, false),
+                PeerArgs::One(peer),
                 is_last_prefill,
                 false,
             )
@@ -1100,14 +1091,6 @@ pub unsafe extern "C" fn apd_sender_submit_save_ranks(
     is_last_prefill: i32,
 ) -> i32 {
     call("apd_sender_submit_save_ranks", || {
-        if num_peers == 0 {
-            return Err(Failure::arg(
-                "num_peers",
-                "is 0: pass one ApdPeer per decode TP rank",
-            ));
-        }
-        // SAFETY: forwarded to the caller's contract.
-        let peers = unsafe { arg_slice("peers", peers, num_peers) }?;
         // SAFETY: forwarded to the caller's contract.
         unsafe {
             submit_save(
@@ -1116,7 +1099,7 @@ pub unsafe extern "C" fn apd_sender_submit_save_ranks(
                 (keys, num_keys),
                 cache,
                 (slot_mapping, num_slots),
-                ("peers", peers, true),
+                PeerArgs::Ranks(peers, num_peers),
                 is_last_prefill,
                 false,
             )
@@ -1124,9 +1107,16 @@ pub unsafe extern "C" fn apd_sender_submit_save_ranks(
     })
 }
 
-/// The body of the submit and open-layered calls. `peers` is (argument
-/// name, records, per rank): per rank, record `d` is decode rank `d`;
-/// otherwise the one record serves every rank. `layered` opens a
+/// The receivers of a save, as the C caller gave them: one `ApdPeer`
+/// (`peer`, serving every decode rank), or one per decode TP rank
+/// (`peers`, record `d` for rank `d`).
+#[derive(Clone, Copy)]
+enum PeerArgs {
+    One(*const ApdPeer),
+    Ranks(*const ApdPeer, u64),
+}
+
+/// The body of the submit and open-layered calls. `layered` opens a
 /// layer-wise save instead of queueing a whole one.
 ///
 /// # Safety
@@ -1138,11 +1128,38 @@ unsafe fn submit_save(
     (keys, num_keys): (*const *const c_char, u64),
     cache: ApdKvCache,
     (slot_mapping, num_slots): (*const i64, u64),
-    (what, peers, per_rank): (&str, &[ApdPeer], bool),
+    peers: PeerArgs,
     is_last_prefill: i32,
     layered: bool,
 ) -> Result<(), Failure> {
     let s = handles::sender(sender.id)?;
+    let (what, per_rank) = match peers {
+        PeerArgs::One(_) => ("peer", false),
+        PeerArgs::Ranks(..) => ("peers", true),
+    };
+    let peers: &[ApdPeer] = match peers {
+        PeerArgs::One(peer) => {
+            if peer.is_null() {
+                return Err(Failure::arg(
+                    "peer",
+                    "is null: pass the receiver's host and ports",
+                ));
+            }
+            // SAFETY: forwarded to the caller's contract (one valid
+            // `ApdPeer`); `arg_ref` checks its alignment.
+            std::slice::from_ref(unsafe { arg_ref("peer", peer) }?)
+        }
+        PeerArgs::Ranks(peers, num_peers) => {
+            if num_peers == 0 {
+                return Err(Failure::arg(
+                    "num_peers",
+                    "is 0: pass one ApdPeer per decode TP rank",
+                ));
+            }
+            // SAFETY: forwarded to the caller's contract.
+            unsafe { arg_slice("peers", peers, num_peers) }?
+        }
+    };
     // SAFETY: forwarded to the caller's contract.
     let (id, keys, slots) =
         unsafe { request_args(req_id, (keys, num_keys), (slot_mapping, num_slots)) }?;
@@ -1249,15 +1266,6 @@ pub unsafe extern "C" fn apd_sender_open_layered_save(
     is_last_prefill: i32,
 ) -> i32 {
     call("apd_sender_open_layered_save", || {
-        if peer.is_null() {
-            return Err(Failure::arg(
-                "peer",
-                "is null: pass the receiver's host and ports",
-            ));
-        }
-        // SAFETY: forwarded to the caller's contract (one valid `ApdPeer`);
-        // `arg_ref` checks its alignment.
-        let peers = std::slice::from_ref(unsafe { arg_ref("peer", peer) }?);
         // SAFETY: forwarded to the caller's contract.
         unsafe {
             submit_save(
@@ -1266,7 +1274,7 @@ pub unsafe extern "C" fn apd_sender_open_layered_save(
                 (keys, num_keys),
                 cache,
                 (slot_mapping, num_slots),
-                ("peer", peers, false),
+                PeerArgs::One(peer),
                 is_last_prefill,
                 true,
             )
@@ -1295,14 +1303,6 @@ pub unsafe extern "C" fn apd_sender_open_layered_save_ranks(
     is_last_prefill: i32,
 ) -> i32 {
     call("apd_sender_open_layered_save_ranks", || {
-        if num_peers == 0 {
-            return Err(Failure::arg(
-                "num_peers",
-                "is 0: pass one ApdPeer per decode TP rank",
-            ));
-        }
-        // SAFETY: forwarded to the caller's contract.
-        let peers = unsafe { arg_slice("peers", peers, num_peers) }?;
         // SAFETY: forwarded to the caller's contract.
         unsafe {
             submit_save(
@@ -1311,7 +1311,7 @@ pub unsafe extern "C" fn apd_sender_open_layered_save_ranks(
                 (keys, num_keys),
                 cache,
                 (slot_mapping, num_slots),
-                ("peers", peers, true),
+                PeerArgs::Ranks(peers, num_peers),
                 is_last_prefill,
                 true,
             )
