@@ -505,6 +505,10 @@ fn a_layerwise_save_from_an_npu_cache_follows_the_engines_stream_over_hccl() {
             &prefill.cache,
         )
         .unwrap();
+    // Without the engine's stream or event nothing orders a layer's copies
+    // after its kernels: refused, naming the call to use.
+    let e = saves.save_layer("npu-req-0", 0).unwrap_err().to_string();
+    assert!(e.contains("save_layer_after"), "{e}");
     // Each layer's KV, staged on the host and queued on the engine's
     // stream behind a long copy standing for the layer's kernels: without
     // the event, the gather would run before the layer's bytes are there.

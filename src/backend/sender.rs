@@ -661,26 +661,31 @@ impl Sender {
                         RequestKind::PullReadyNotif => MessageKind::PullReadyNotif,
                         RequestKind::PushNotice => MessageKind::PushNotice,
                     });
-                    let reply = match link!().request(
-                        &s.counters,
-                        &peer_key,
-                        &route,
-                        &frame,
-                        kind.name(),
-                    ) {
-                        Ok(r) => Ok(r),
-                        Err(f) => {
-                            s.counters.bump(MessageKind::Timeout);
-                            let delivery = match f {
-                                ReqFailure::NotSent(_) => Delivery::NotSent,
-                                ReqFailure::NoReply(_) => Delivery::Unknown,
-                            };
-                            let e = f.into_error();
-                            log::warn!("{e}");
-                            last_io = Some(e);
-                            Err(delivery)
-                        }
+                    let link = link!();
+                    // A layer-wise put decided on its notice without the
+                    // link, and another put may have retired that route
+                    // since: a notice names its allocation's route in its
+                    // frame and may go on any socket of ours, so it takes
+                    // the current one (a retired route is never reused).
+                    let route = match kind {
+                        RequestKind::PushNotice => lock(&s.core).route(&peer_key),
+                        _ => route,
                     };
+                    let reply =
+                        match link.request(&s.counters, &peer_key, &route, &frame, kind.name()) {
+                            Ok(r) => Ok(r),
+                            Err(f) => {
+                                s.counters.bump(MessageKind::Timeout);
+                                let delivery = match f {
+                                    ReqFailure::NotSent(_) => Delivery::NotSent,
+                                    ReqFailure::NoReply(_) => Delivery::Unknown,
+                                };
+                                let e = f.into_error();
+                                log::warn!("{e}");
+                                last_io = Some(e);
+                                Err(delivery)
+                            }
+                        };
                     let mut core = lock(&s.core);
                     let next = core.on_reply(&mut put, Instant::now(), reply);
                     s.apply_releases(&mut core);

@@ -30,6 +30,9 @@ enum Memory {
         buf: Option<DeviceBuffer>,
         stream: Stream,
         device: Device,
+        /// `stream` is the engine's own: copies queued on it run after the
+        /// engine's kernels queued before them.
+        engine_stream: bool,
     },
 }
 
@@ -386,6 +389,8 @@ impl KvCache {
                 buf: Some(buf),
                 stream,
                 device: device.clone(),
+                // Its own memory: every write to it goes through the cache.
+                engine_stream: true,
             },
             pending: Vec::new(),
         })
@@ -499,6 +504,7 @@ impl KvCache {
         checked: CheckedPlanes,
         stream: Option<Stream>,
     ) -> Result<KvCache, KvError> {
+        let engine_stream = stream.is_some();
         let stream = match stream {
             Some(s) if s.device().id() != device.id() => {
                 return Err(KvError::InvalidSpec(format!(
@@ -523,9 +529,22 @@ impl KvCache {
                 buf: None,
                 stream,
                 device: device.clone(),
+                engine_stream,
             },
             pending: Vec::new(),
         })
+    }
+
+    /// Whether a copy out of the cache queued now runs after whatever the
+    /// engine queued before: always for a host cache (the engine's writes
+    /// are done when it says so) and for an NPU cache wrapped with the
+    /// engine's stream; not for one wrapped without it, whose layer-wise
+    /// saves need the engine's event ([`KvCache::gather_layer`]'s `after`).
+    pub fn follows_engine(&self) -> bool {
+        match &self.mem {
+            Memory::Host(_) => true,
+            Memory::Npu { engine_stream, .. } => *engine_stream,
+        }
     }
 
     /// The NPU the cache is on (`None` for a host cache): where the events

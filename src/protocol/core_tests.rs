@@ -3312,7 +3312,9 @@ fn a_layerwise_push_missing_a_layer_or_failing_one_aborts_the_allocation() {
     use crate::config::TransferMode;
     let t0 = Instant::now();
     let layers = lw_layout().layers;
-    for failing in [None, Some(WriteEnd::Failed)] {
+    // None: the layer never comes; Some(true): its write fails; Some(false):
+    // another put broke the link to the receiver during the save.
+    for failing in [None, Some(true), Some(false)] {
         let (spool, rpool, mut sc, mut ks) = lw_cores(TransferMode::Push);
         let pages = lw_alloc(&spool, 1);
         let descs: Vec<ChunkDesc> = pages.iter().map(|p| ChunkDesc::of(p)).collect();
@@ -3335,17 +3337,28 @@ fn a_layerwise_push_missing_a_layer_or_failing_one_aborts_the_allocation() {
             t0,
             Ok(Message::AscendAllocResponse(reply.response).encode()),
         );
-        for _ in 0..layers - 1 {
+        // The link breaks while layer 0 is written; the other cases reach
+        // the last layer.
+        let stop = if failing == Some(false) {
+            0
+        } else {
+            layers - 1
+        };
+        for _ in 0..stop {
             assert!(matches!(a, PutAction::WriteLayer { .. }), "{a:?}");
             a = sc.on_written(&mut put, t0, WriteEnd::Written);
         }
         let PutAction::WriteLayer { layer, .. } = a else {
             panic!("{a:?}")
         };
-        assert_eq!(layer, layers - 1);
-        let a = match &failing {
+        assert_eq!(layer, stop);
+        let a = match failing {
             None => sc.on_layer_missing(&mut put, t0, "closed early".into()),
-            Some(_) => sc.on_written(&mut put, t0, WriteEnd::Failed),
+            Some(true) => sc.on_written(&mut put, t0, WriteEnd::Failed),
+            Some(false) => {
+                sc.receivers_gone(&[crate::channel::PeerId(7)], t0);
+                sc.on_written(&mut put, t0, WriteEnd::Written)
+            }
         };
         let PutAction::Request {
             route: r2, frame, ..
@@ -3368,7 +3381,12 @@ fn a_layerwise_push_missing_a_layer_or_failing_one_aborts_the_allocation() {
                     why: "closed early".into()
                 }))
             ),
-            Some(_) => assert_eq!(end.result, Err(PutFailure::Io)),
+            Some(true) => assert_eq!(end.result, Err(PutFailure::Io)),
+            Some(false) => assert!(
+                matches!(&end.result, Err(PutFailure::Rejected(PutRejected::LayerMissing { layer: 1, why, .. })) if why.contains("link")),
+                "{:?}",
+                end.result
+            ),
         }
         assert_eq!(ks.state("a"), None, "the key is dropped, never loadable");
         drop(pages);

@@ -897,7 +897,7 @@ impl SenderCore {
     }
 
     /// The push write ended.
-    pub fn on_written(&mut self, put: &mut Put, _now: Instant, end: WriteEnd) -> PutAction {
+    pub fn on_written(&mut self, put: &mut Put, now: Instant, end: WriteEnd) -> PutAction {
         let (route, refs, already) = match std::mem::replace(&mut put.state, State::Finished) {
             State::Writing {
                 route,
@@ -913,10 +913,23 @@ impl SenderCore {
                 let layers = put.layers.unwrap_or(0);
                 if matches!(end, WriteEnd::Written) && layer + 1 < layers {
                     let Some(a) = self.attached(&put.spec.peer_key) else {
-                        // Detached meanwhile (a restart seen by another
-                        // put): the allocation is gone with the old
-                        // attachment; nothing more may be written into it.
-                        return self.finish(put, Err(PutFailure::Io));
+                        // Another put to this receiver failed meanwhile and
+                        // the link is to be attached again: nothing more is
+                        // written into this allocation, and the receiver is
+                        // told to drop it now rather than at its timeout.
+                        put.state = State::Layering {
+                            route,
+                            targets,
+                            already,
+                            layer: layer + 1,
+                        };
+                        return self.on_layer_missing(
+                            put,
+                            now,
+                            "the link to the receiver failed during the save (another request's \
+                             transfer to it failed); the save is given up"
+                                .into(),
+                        );
                     };
                     let tag = GrantTag::of_route(&route).unwrap_or(GrantTag::UNTAGGED);
                     put.state = State::Layering {

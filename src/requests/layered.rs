@@ -32,12 +32,18 @@ pub(super) struct LayerGate {
     state: Mutex<GateState>,
     changed: Condvar,
     device: Option<Device>,
+    follows_engine: bool,
 }
 
 impl LayerGate {
-    pub(super) fn new(layers: usize, device: Option<Device>) -> Arc<LayerGate> {
+    pub(super) fn new(
+        layers: usize,
+        device: Option<Device>,
+        follows_engine: bool,
+    ) -> Arc<LayerGate> {
         Arc::new(LayerGate {
             device,
+            follows_engine,
             state: Mutex::new(GateState {
                 handed: (0..layers).map(|_| None).collect(),
                 closed: None,
@@ -102,6 +108,11 @@ impl LayerGate {
             .is_some_and(Option::is_some)
     }
 
+    /// Whether the cache's copies follow the engine's work without an event.
+    pub(super) fn follows_engine(&self) -> bool {
+        self.follows_engine
+    }
+
     /// The NPU of the save's cache, if it is an NPU cache.
     pub(super) fn device(&self) -> Option<&Device> {
         self.device.as_ref()
@@ -123,9 +134,14 @@ impl LayerGate {
     }
 
     /// Waits until layer `layer` was handed over (then its event), the
-    /// gate closed, or `timeout` passed without it.
-    fn wait(&self, layer: usize, timeout: Duration) -> Result<Option<Arc<Event>>, String> {
-        let deadline = Instant::now() + timeout;
+    /// gate closed, or the save's `deadline` (its start plus `timeout`)
+    /// passed without it.
+    fn wait(
+        &self,
+        layer: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Option<Arc<Event>>, String> {
         let mut st = lock(&self.state);
         loop {
             if let Some(handed) = st.handed.get(layer).and_then(Option::as_ref) {
@@ -137,8 +153,10 @@ impl LayerGate {
             let now = Instant::now();
             if now >= deadline {
                 return Err(format!(
-                    "the engine handed no layer {layer} within {timeout:?} \
-                     (pd_push_landing_timeout) of the previous one"
+                    "the engine had not handed layer {layer} over {timeout:?} after the save \
+                     started (pd_push_landing_timeout), when the receiver gives up on an \
+                     allocation that has not landed: if prefills take that long, raise \
+                     pd_push_landing_timeout on both sides"
                 ));
             }
             st = self
@@ -189,6 +207,9 @@ struct QueueLayers<'a> {
     cache: &'a SharedKvCache,
     gate: &'a LayerGate,
     timeout: Duration,
+    /// When the save started plus `timeout`: the receiver drops the
+    /// allocation if it has not landed by about then.
+    deadline: Instant,
     /// A layer gathered ahead while the one before was written.
     ready: Option<(usize, Result<Vec<WriteOp>, String>)>,
 }
@@ -201,7 +222,7 @@ impl QueueLayers<'_> {
         layer: usize,
         targets: &[(usize, BufferRef)],
     ) -> Result<Vec<WriteOp>, String> {
-        let event = self.gate.wait(layer, self.timeout)?;
+        let event = self.gate.wait(layer, self.deadline, self.timeout)?;
         let set = &mut self.sets[layer % 2];
         let mut ops = Vec::with_capacity(targets.len() * 2);
         for (page_no, held) in set.iter_mut().enumerate() {
@@ -288,6 +309,7 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
         .map(|(i, &t)| &req.slot_mapping[i * chunk..i * chunk + t])
         .collect();
     let timeout = sender.config().push_landing_timeout;
+    let deadline = Instant::now() + timeout;
     let pieces = sender.pieces(&req.keys);
     let put_piece = |route: crate::kv::tp::Route, keys: Vec<String>| -> Result<(), String> {
         let offset = sender.piece_offset(&route);
@@ -324,6 +346,7 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
             cache: &job.cache,
             gate,
             timeout,
+            deadline,
             ready: None,
         };
         let spec = TransferSpec {

@@ -45,6 +45,8 @@ pub struct SharedKvCache {
     spec: crate::kv::KvCacheSpec,
     /// The NPU of an NPU cache (layer-wise saves record events on it).
     device: Option<ascend_sys::Device>,
+    /// See [`KvCache::follows_engine`].
+    follows_engine: bool,
     cache: Mutex<KvCache>,
     /// The slots of the loads running now, each sorted.
     claims: Mutex<Vec<Arc<[i64]>>>,
@@ -87,6 +89,7 @@ impl SharedKvCache {
         Arc::new(SharedKvCache {
             spec: *cache.spec(),
             device: cache.npu_device().cloned(),
+            follows_engine: cache.follows_engine(),
             cache: Mutex::new(cache),
             claims: Mutex::new(Vec::new()),
             claim_ended: Condvar::new(),
@@ -483,8 +486,9 @@ impl SaveQueue {
     /// engine hands it over ([`SaveQueue::save_layer`]); the receiver holds
     /// the request only after the last layer landed. End it with
     /// [`SaveQueue::close_layered`]: a layer not handed over by then — or
-    /// within `pd_push_landing_timeout` of the one before — fails the save,
-    /// and the receiver drops what it allocated. [`SaveQueue::poll`] says
+    /// within `pd_push_landing_timeout` of the save's start, after which
+    /// the receiver gives up on an allocation that has not landed — fails
+    /// the save, and the receiver drops what it allocated. [`SaveQueue::poll`] says
     /// how it ended.
     ///
     /// Under chunked prefill, open it in the step that computes the
@@ -507,7 +511,11 @@ impl SaveQueue {
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
         let id = req.spec.req_id.clone();
-        let gate = layered::LayerGate::new(self.sender.chunk_layout().layers, cache.device.clone());
+        let gate = layered::LayerGate::new(
+            self.sender.chunk_layout().layers,
+            cache.device.clone(),
+            cache.follows_engine,
+        );
         {
             let mut gates = lock(&self.gates);
             if gates.contains_key(&id) {
@@ -586,6 +594,16 @@ impl SaveQueue {
                  do not hand layers over after close_layered)"
             )));
         };
+        if event.is_none() && !gate.follows_engine() {
+            // The copies would run on the cache's own stream, unordered
+            // with the engine's kernels: they could read the layer before
+            // it is written.
+            return Err(BackendError::InvalidInput(format!(
+                "request {req_id:?}: the KV cache is on an NPU and was wrapped without the \
+                 engine's stream, so a layer's copies cannot be ordered after its kernels: \
+                 call save_layer_after with the engine's stream (or wrap the cache with it)"
+            )));
+        }
         gate.hand(req_id, layer, event)
             .map_err(BackendError::InvalidInput)
     }

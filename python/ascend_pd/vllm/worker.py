@@ -96,6 +96,8 @@ class _Save:
     released: bool = False
     #: Saved layer by layer during the forward pass (``pd_layerwise``).
     layerwise: bool = False
+    #: The layers handed to a layer-wise save so far.
+    handed: Set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -237,10 +239,11 @@ class ConnectorWorker:
             log.warning("ascend-pd: layer %r is not one of the wrapped KV caches; not saved", layer_name)
             return
         stream = self._layer_stream()
-        for req_id in list(self.state.layered):
+        for req_id, save in list(self.state.layered.items()):
             try:
                 self.sender.save_layer(req_id, layer, stream)
-            except Exception as e:  # the save fails at close, naming the layer
+                save.handed.add(layer)
+            except Exception as e:  # handed again at wait_for_save
                 log.warning("ascend-pd: layer %d of %s not handed over: %s", layer, req_id, e)
 
     def _layer_stream(self) -> Optional[int]:
@@ -282,8 +285,23 @@ class ConnectorWorker:
         opened = self.state.layered
         self.state.layered = {}
         self.state.layered_step = None
+        layers = self._layout.layers if self._layout is not None else 0
         for req_id, save in opened.items():
             assert self.sender is not None
+            # The forward pass is over, so every layer is written: one vLLM
+            # did not report (a layer without save_kv_layer, a hand-over that
+            # failed) goes now rather than failing the save.
+            late = [layer for layer in range(layers) if layer not in save.handed]
+            if late:
+                log.warning("ascend-pd: layers %s of %s were not handed over during the forward "
+                            "pass; handing them over after it", late, req_id)
+                stream = self._layer_stream()
+                for layer in late:
+                    try:
+                        self.sender.save_layer(req_id, layer, stream)
+                        save.handed.add(layer)
+                    except Exception as e:
+                        log.error("ascend-pd: layer %d of %s: %s", layer, req_id, e)
             try:
                 missing = self.sender.close_layered_save(req_id)
             except Exception as e:
