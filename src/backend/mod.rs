@@ -180,6 +180,8 @@ impl Opened {
     ) -> Result<Opened, BackendError> {
         // A bare `npu` device means NPU <rank>; CANN is loaded only if a pool needs it.
         let alloc = pools::allocator_for(config, node.rank() as u32)?;
+        // One copy pool per process: the first worker to start sizes it.
+        crate::memory::copy_pool::configure(config.copy_threads());
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
             .map_err(|e| BackendError::Setup(e.to_string()))?;

@@ -280,6 +280,12 @@ pub struct PdConfig {
     /// ([`PdConfig::max_message_bytes`]). `None`: as many chunks as this
     /// worker's pools hold, at least [`MIN_KEYS_PER_MESSAGE`].
     pub max_keys_per_message: Option<u64>,
+    /// `pd_copy_threads`: threads of the process's copy pool (see
+    /// [`crate::memory::copy_pool`]), which runs large shm transfers and
+    /// host KV-cache gathers/scatters. `1`: every copy runs inline on the
+    /// calling thread and no pool is built. `None`: the cores available,
+    /// at most 8 ([`PdConfig::copy_threads`]).
+    pub copy_threads: Option<u64>,
     /// `pd_pull_mode`.
     pub pull_mode: bool,
     /// `pd_delay_pull`.
@@ -344,6 +350,7 @@ impl PdConfig {
             proxy_port: None,
             auth_secret_file: None,
             max_keys_per_message: None,
+            copy_threads: None,
             pull_mode: false,
             delay_pull: false,
             pull_done_port: None,
@@ -493,6 +500,15 @@ impl PdConfig {
                 };
             pages.max(MIN_KEYS_PER_MESSAGE)
         })
+    }
+
+    /// Threads of the copy pool: `pd_copy_threads`, or the cores
+    /// available at most 8 (see [`crate::memory::copy_pool`]).
+    pub fn copy_threads(&self) -> usize {
+        match self.copy_threads {
+            Some(n) => n.clamp(1, 256) as usize,
+            None => crate::memory::copy_pool::default_threads(),
+        }
     }
 
     /// The largest frame a receiving side-channel socket accepts (ZMQ
@@ -662,6 +678,15 @@ impl PdConfig {
                     "pd_max_keys_per_message",
                     format!("is {n}; a message carries 1 to 16777216 keys"),
                     "leave it out (sized from the pools) or set the longest request's chunk count",
+                );
+            }
+        }
+        if let Some(n) = self.copy_threads {
+            if !(1..=256).contains(&n) {
+                bad(
+                    "pd_copy_threads",
+                    format!("is {n}; the copy pool runs 1 to 256 threads"),
+                    "leave it out (sized from the cores, at most 8), or set 1 to copy on the calling thread",
                 );
             }
         }
@@ -879,6 +904,14 @@ impl PdConfig {
             self.max_keys_per_message
                 .map_or("null".into(), |n| n.to_string())
         );
+        let _ = match self.copy_threads {
+            Some(n) => writeln!(s, "pd_copy_threads: {n}"),
+            None => writeln!(
+                s,
+                "pd_copy_threads: null  # {} (the cores available, at most 8)",
+                self.copy_threads()
+            ),
+        };
         let _ = writeln!(s, "pd_pull_mode: {}", self.pull_mode);
         let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);
         let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));

@@ -395,6 +395,22 @@ fn kv_layout_keys_shape_the_page() {
 }
 
 #[test]
+fn copy_threads_out_of_range_are_named() {
+    for n in ["0", "257"] {
+        expect_problem(
+            &format!("{RECEIVER}pd_copy_threads: {n}\n"),
+            "pd_copy_threads",
+            &[n, "1 to 256", "set 1 to copy on the calling thread"],
+        );
+    }
+    let two = ok(&format!("{RECEIVER}pd_copy_threads: 2\n")).config;
+    assert_eq!(two.copy_threads(), 2);
+    assert!(two.to_effective_yaml().contains("pd_copy_threads: 2\n"));
+    let default = ok(RECEIVER).config;
+    assert!((1..=8).contains(&default.copy_threads()));
+}
+
+#[test]
 fn effective_yaml_round_trips_through_the_loader() {
     let loaded = ok(&format!(
         "{SENDER}pd_pull_mode: true\npd_delay_pull: true\npd_pull_done_port: [7600, 7601]\ntp_size: 2\n"

@@ -9,9 +9,11 @@
 //! unwinding) can leak one, and never while a peer or a transfer may still
 //! write it (such pages are counted as quarantined). [`DualAllocator`]
 //! holds a worker's CPU and NPU pools and picks one by role. [`npu`] is the
-//! CANN (ACL) runtime behind NPU pools and pinned CPU pools.
+//! CANN (ACL) runtime behind NPU pools and pinned CPU pools. [`copy_pool`]
+//! runs large host copies on a few threads.
 
 pub mod buffer;
+pub mod copy_pool;
 mod direct;
 pub mod dual;
 pub mod host;
@@ -23,6 +25,7 @@ pub use crate::layout::{ChunkLayout, Dtype, MemFormat, UnknownDtype};
 pub use buffer::{
     BufferRef, DeviceKind, DeviceMemory, NpuRuntime, PinnedHostMemory, RegisteredBuffer,
 };
+pub use copy_pool::{copy_pool_stats, CopyPoolStats};
 pub use direct::DirectRegistration;
 pub use dual::{CpuBacking, DualAllocator, DualSpec, DualStats, PoolKind};
 pub use host::HostRegion;
