@@ -18,23 +18,22 @@ use super::{
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
+use crate::memory::copy_pool::{self, CopyPiece};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use uuid::Uuid;
 
-/// Batches larger than this are split across threads.
-const PARALLEL_MIN_BYTES: usize = 8 << 20;
-/// Pieces no larger than this are handed to copy threads.
-const SLICE_BYTES: usize = 4 << 20;
+/// Pieces no larger than this are handed to the copy pool's threads (a
+/// batch is pooled from [`copy_pool::PARALLEL_MIN_BYTES`]).
+const SLICE_BYTES: usize = 1 << 20;
 
 /// The shm channel of one worker.
 pub struct ShmChannel {
     pools: Vec<Arc<PagePool>>,
     peers: PeerRegistry<ShmPeer>,
     grants: GrantTable<Arc<ShmPeer>>,
-    threads: usize,
     auth: Option<Secret>,
 }
 
@@ -112,15 +111,10 @@ impl ShmChannel {
                 )));
             }
         }
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .clamp(1, 4);
         Ok(ShmChannel {
             pools: pools.to_vec(),
             peers: PeerRegistry::default(),
             grants: GrantTable::default(),
-            threads,
             auth: None,
         })
     }
@@ -344,11 +338,12 @@ impl TransferChannel for ShmChannel {
         for (i, op) in ops.iter().enumerate() {
             let page = p.table.resolve_direct(i, op)?;
             let map = &p.maps[&op.remote.uuid];
-            pieces.push(Piece {
-                src: map.ptr as usize + page as usize + op.offset,
-                dst: op.dst,
-                len: op.len,
-            });
+            slice_into(
+                &mut pieces,
+                map.ptr as usize + page as usize + op.offset,
+                op.dst,
+                op.len,
+            );
         }
         if !p.alive() {
             return Err(ChannelError::PeerGone {
@@ -357,13 +352,14 @@ impl TransferChannel for ShmChannel {
                 detail: format!("process {} exited", p.pid),
             });
         }
-        let total: usize = pieces.iter().map(|c| c.len).sum();
-        let threads = if total >= PARALLEL_MIN_BYTES {
-            self.threads
-        } else {
-            1
-        };
-        copy_pieces(&pieces, threads);
+        // SAFETY: resolve_direct proved each source range lies inside a
+        // page of a mapped peer pool, which stays mapped while `p` lives;
+        // each destination is memory this read's caller may write and
+        // nothing else touches for the call (read_direct's contract); peer
+        // mappings and local memory are distinct, so no destination
+        // overlaps a source. copy_pieces splits over threads only pieces
+        // whose destinations it proved disjoint.
+        unsafe { copy_pool::copy_pieces(&pieces) };
         if !p.alive() {
             return Err(ChannelError::PeerGone {
                 peer: p.node.clone(),
@@ -437,67 +433,40 @@ impl ShmChannel {
             });
         }
         let total: usize = ops.iter().map(|o| o.len).sum();
-        let threads = if total >= PARALLEL_MIN_BYTES {
-            self.threads
-        } else {
-            1
-        };
-        if threads == 1 {
-            // Small batches copy inline: a thread hop costs more than the copy.
-            let r = run_copies(&p, kind, &ops, &offsets, 1);
+        if !copy_pool::is_pooled(total) {
+            // Small batches (and every batch without a pool) copy inline:
+            // a thread hop costs more than the copy.
+            let r = run_copies(&p, kind, &ops, &offsets);
             return Ok(Completion::ready(r, pages_of(ops)));
         }
+        // Large batches run on the copy pool, split over its threads; the
+        // ops (and so their local pages) move into the job and come back
+        // with its result.
         let (tx, completion) = Completion::pending(watch_ops(&ops));
-        std::thread::Builder::new()
-            .name("pd-shm-copy".into())
-            .spawn(move || {
-                let r = run_copies(&p, kind, &ops, &offsets, threads);
-                tx.complete(r, pages_of(ops));
-            })
-            .map_err(|source| ChannelError::Io {
-                context: "spawning an shm copy thread".into(),
-                source,
-            })?;
+        let job = move || {
+            let r = run_copies(&p, kind, &ops, &offsets);
+            tx.complete(r, pages_of(ops));
+        };
+        if let Some(job) = copy_pool::spawn_if_pooled(total, job) {
+            job();
+        }
         Ok(completion)
     }
 }
 
-/// Runs `pieces` on up to `threads` threads.
-///
-/// Every piece's source lies in a mapped peer page and its destination in
-/// memory its caller may write (a live local page, or caller memory a
-/// direct read was given), checked by the caller; the two never overlap.
-fn copy_pieces(pieces: &[Piece], threads: usize) {
-    let copy = |ps: &[Piece]| {
-        for pc in ps {
-            // SAFETY: see above: check_ops / resolve proved each remote range
-            // lies inside a page of a mapped peer pool; each destination is a
-            // live local page or memory the direct read's caller vouched for
-            // (read_direct's contract); peer mappings and local memory are
-            // distinct, so ranges do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(pc.src as *const u8, pc.dst as *mut u8, pc.len);
-            }
-        }
-    };
-    if threads <= 1 || pieces.len() < 2 {
-        copy(pieces);
-    } else {
-        let per = pieces.len().div_ceil(threads);
-        std::thread::scope(|s| {
-            for chunk in pieces.chunks(per) {
-                s.spawn(move || copy(chunk));
-            }
+/// Appends the copy of `len` bytes from `src` to `dst` as pieces of at
+/// most [`SLICE_BYTES`], so a few large ops still spread over the pool.
+fn slice_into(pieces: &mut Vec<CopyPiece>, src: usize, dst: usize, len: usize) {
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(SLICE_BYTES);
+        pieces.push(CopyPiece {
+            src: src + done,
+            dst: dst + done,
+            len: n,
         });
+        done += n;
     }
-}
-
-/// A single memcpy of `len` bytes; addresses as integers so pieces can cross threads.
-#[derive(Clone, Copy)]
-struct Piece {
-    src: usize,
-    dst: usize,
-    len: usize,
 }
 
 fn run_copies<P: LocalPage>(
@@ -505,7 +474,6 @@ fn run_copies<P: LocalPage>(
     kind: OpKind,
     ops: &[TransferOp<P>],
     offsets: &[u64],
-    threads: usize,
 ) -> Result<(), ChannelError> {
     let mut pieces = Vec::with_capacity(ops.len());
     for (op, &off) in ops.iter().zip(offsets) {
@@ -516,18 +484,17 @@ fn run_copies<P: LocalPage>(
             OpKind::Read => (remote, local),
             OpKind::Write => (local, remote),
         };
-        let mut done = 0;
-        while done < op.len {
-            let len = (op.len - done).min(if threads > 1 { SLICE_BYTES } else { op.len });
-            pieces.push(Piece {
-                src: src + done,
-                dst: dst + done,
-                len,
-            });
-            done += len;
-        }
+        slice_into(&mut pieces, src, dst, op.len);
     }
-    copy_pieces(&pieces, threads);
+    // SAFETY: check_ops proved each remote range lies inside a page of a
+    // mapped peer pool (mapped while `p` lives) and each local range inside
+    // the op's page, a live local page the op holds for the whole batch (a
+    // read's page is ours alone; a written remote page is granted to us by
+    // the peer, which does not touch it until told the write is done).
+    // Peer mappings and our pages are distinct memory, so no destination
+    // overlaps a source. copy_pieces splits over threads only pieces whose
+    // destinations it proved pairwise disjoint.
+    unsafe { copy_pool::copy_pieces(&pieces) };
     if !p.alive() {
         return Err(ChannelError::PeerGone {
             peer: p.node.clone(),

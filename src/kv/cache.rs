@@ -337,6 +337,20 @@ unsafe fn copy_run(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// Whether no slot (padding aside) appears twice.
+fn distinct_slots(slots: &[i64]) -> bool {
+    let mut s: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
+    s.sort_unstable();
+    s.windows(2).all(|w| w[0] != w[1])
+}
+
+/// Whether the runs' chunk ranges ascend without overlapping.
+fn ascending_runs(copies: &[PlaneCopy]) -> bool {
+    copies
+        .windows(2)
+        .all(|w| w[0].chunk_offset + w[0].len <= w[1].chunk_offset)
+}
+
 /// Whether a plan is better moved between an NPU page and a host cache
 /// through one host copy of the chunk than copy by copy (each a runtime
 /// call): when its copies are small on average.
@@ -707,14 +721,14 @@ impl KvCache {
         let copies = self.plan_page(page, &meta, slots)?;
         match &self.mem {
             Memory::Host(_) => match page.host_bytes() {
-                Some(src) => self.scatter_host(&copies, src),
+                Some(src) => self.scatter_host(&copies, src, slots),
                 // An NPU page into a host cache with small copies: the
                 // chunk comes over in one device-to-host copy, then
                 // scatters on the host.
                 None if stage_through_host(&copies) => {
                     let mut chunk = vec![0u8; meta.byte_len()];
                     read_page(page, 0, &mut chunk)?;
-                    self.scatter_host(&copies, &chunk);
+                    self.scatter_host(&copies, &chunk, slots);
                 }
                 // Otherwise one device-to-host copy per run.
                 None => {
@@ -765,19 +779,40 @@ impl KvCache {
     }
 
     /// The host copies of a plan from `src`, a chunk's bytes (a host page,
-    /// or a host copy of an NPU page), into this host cache.
-    fn scatter_host(&self, copies: &[PlaneCopy], src: &[u8]) {
+    /// or a host copy of an NPU page), into this host cache at `slots`.
+    /// A large plan is split over the copy pool when no slot repeats.
+    fn scatter_host(&self, copies: &[PlaneCopy], src: &[u8], slots: &[i64]) {
         let planes = &self.planes[..];
-        for c in copies {
-            let src = &src[c.chunk_offset..c.chunk_offset + c.len];
-            let dst = (planes[c.plane] + c.offset) as *mut u8;
-            // SAFETY: the plan keeps the run inside elements of one
-            // (layer, plane), which are ours or the engine's (checked at
-            // wrap; the engine keeps these slots to us while the load
-            // runs); `src` is a page or a copy of one, another allocation,
-            // so the ranges do not overlap.
-            unsafe { copy_run(src.as_ptr(), dst, c.len) };
-        }
+        let base = src.as_ptr() as usize;
+        let src_len = src.len();
+        let pooled = crate::memory::copy_pool::run_split(
+            copies.len(),
+            |i| copies[i].len,
+            || distinct_slots(slots),
+            |r| {
+                for c in &copies[r] {
+                    assert!(
+                        c.chunk_offset + c.len <= src_len,
+                        "a planned run past its chunk"
+                    );
+                    let dst = (planes[c.plane] + c.offset) as *mut u8;
+                    // SAFETY: the plan keeps the run inside elements of one
+                    // (layer, plane), which are ours or the engine's
+                    // (checked at wrap; the engine keeps these slots to us
+                    // while the load runs); the source run is inside `src`
+                    // (asserted), a page or a copy of one, another
+                    // allocation, so the ranges do not overlap. Runs are
+                    // copied by several threads only when no slot repeats:
+                    // the plan copies each (layer, plane, token, element)
+                    // once, wrap proved no two elements of a plane and no
+                    // two planes share a byte, so distinct slots make every
+                    // run's destination disjoint from every other's.
+                    unsafe { copy_run((base + c.chunk_offset) as *const u8, dst, c.len) };
+                }
+            },
+        );
+        let bytes = copies.iter().map(|c| c.len).sum();
+        crate::memory::copy_pool::count_scatter(bytes, pooled);
     }
 
     /// Where the chunk `meta` describes lands in this cache at `slots`, as
@@ -1019,18 +1054,38 @@ impl KvCache {
     }
 
     /// The host copies of a plan from this host cache into `dst`, a
-    /// chunk's bytes (a host page, or a host buffer for an NPU page).
+    /// chunk's bytes (a host page, or a host buffer for an NPU page). A
+    /// large plan is split over the copy pool when its runs land in `dst`
+    /// in ascending, non-overlapping order (plans are built so).
     fn gather_host(&self, copies: &[PlaneCopy], dst: &mut [u8]) {
         let planes = &self.planes[..];
-        for c in copies {
-            let dst = &mut dst[c.chunk_offset..c.chunk_offset + c.len];
-            let src = (planes[c.plane] + c.offset) as *const u8;
-            // SAFETY: the run lies inside elements of one plane of the
-            // cache (plan + wrap checks), which the engine does not write
-            // while they are saved; `dst` is a page we hold exclusively
-            // (or a buffer of ours), another allocation.
-            unsafe { copy_run(src, dst.as_mut_ptr(), c.len) };
-        }
+        let dst_len = dst.len();
+        let base = dst.as_mut_ptr() as usize;
+        let pooled = crate::memory::copy_pool::run_split(
+            copies.len(),
+            |i| copies[i].len,
+            || ascending_runs(copies),
+            |r| {
+                for c in &copies[r] {
+                    assert!(
+                        c.chunk_offset + c.len <= dst_len,
+                        "a planned run past its chunk"
+                    );
+                    let src = (planes[c.plane] + c.offset) as *const u8;
+                    // SAFETY: the run lies inside elements of one plane of
+                    // the cache (plan + wrap checks), which the engine does
+                    // not write while they are saved; the destination run
+                    // is inside `dst` (asserted), a page we hold
+                    // exclusively (or a buffer of ours) and borrow mutably
+                    // for the whole call, another allocation. Runs are
+                    // copied by several threads only when ascending_runs
+                    // proved no two destination runs share a byte.
+                    unsafe { copy_run(src, (base + c.chunk_offset) as *mut u8, c.len) };
+                }
+            },
+        );
+        let bytes = copies.iter().map(|c| c.len).sum();
+        crate::memory::copy_pool::count_gather(bytes, pooled);
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<(), KvError> {
