@@ -62,6 +62,9 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
         assert!(stdout.contains(m), "table lacks {m}: {stdout}");
     }
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for k in ["memcpy_1t_gbps", "memcpy_mt_gbps"] {
+        assert!(doc[k].as_f64().is_some_and(|g| g > 0.0), "{k} in {doc}");
+    }
     let modes = doc["modes"].as_array().unwrap();
     let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
     assert_eq!(

@@ -228,6 +228,35 @@ pub(crate) unsafe fn copy_pieces(pieces: &[CopyPiece]) -> bool {
     )
 }
 
+/// Copies each `(src, dst)` pair (equal lengths), on the pool when the
+/// pairs total at least [`PARALLEL_MIN_BYTES`], as shm batches are; returns
+/// whether the pool ran them. (The borrows make every destination disjoint
+/// from every other slice.) `ascend-bench` measures the pool with it.
+///
+/// # Panics
+/// If a pair's lengths differ.
+pub fn copy_pairs(pairs: &mut [(&[u8], &mut [u8])]) -> bool {
+    let mut pieces = Vec::with_capacity(pairs.len());
+    for (src, dst) in pairs.iter_mut() {
+        assert_eq!(src.len(), dst.len(), "copy_pairs: lengths differ");
+        let mut done = 0;
+        while done < src.len() {
+            let n = (src.len() - done).min(1 << 20);
+            pieces.push(CopyPiece {
+                src: src.as_ptr() as usize + done,
+                dst: dst.as_mut_ptr() as usize + done,
+                len: n,
+            });
+            done += n;
+        }
+    }
+    // SAFETY: each piece lies inside one pair's `src` (borrowed shared) or
+    // `dst` (borrowed exclusively) for this whole call, so sources are
+    // readable, destinations writable and touched by nothing else, and no
+    // `&mut` destination overlaps any other slice.
+    unsafe { copy_pieces(&pieces) }
+}
+
 /// Counts `bytes` gathered from a host KV cache (`pooled`: on the pool).
 pub(crate) fn count_gather(bytes: usize, pooled: bool) {
     GATHER_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
@@ -319,6 +348,19 @@ mod tests {
         }
         assert_eq!(next, lens.len());
         assert!(parts(0, |_| 0).is_empty());
+    }
+
+    #[test]
+    fn copy_pairs_copies_every_byte() {
+        let src: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 1; (3 << 20) + 7]).collect();
+        let mut dst: Vec<Vec<u8>> = src.iter().map(|s| vec![0; s.len()]).collect();
+        let mut pairs: Vec<(&[u8], &mut [u8])> = src
+            .iter()
+            .zip(dst.iter_mut())
+            .map(|(s, d)| (&s[..], &mut d[..]))
+            .collect();
+        copy_pairs(&mut pairs);
+        assert_eq!(src, dst);
     }
 
     #[test]

@@ -283,6 +283,28 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Single-thread memcpy of `bytes` (in `chunk`-sized pieces) between two prefaulted buffers.
 pub fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
+    memcpy_rate(bytes, chunk, reps, |pairs| {
+        for (a, b) in pairs.iter_mut() {
+            b.copy_from_slice(a);
+        }
+    })
+}
+
+/// [`memcpy_gbps`] on the process's copy pool
+/// ([`ascend_pd::memory::copy_pool`], sized by `configure` before): the
+/// pages split over its threads as a large shm batch is.
+pub fn memcpy_mt_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
+    memcpy_rate(bytes, chunk, reps, |pairs| {
+        ascend_pd::memory::copy_pool::copy_pairs(pairs);
+    })
+}
+
+fn memcpy_rate(
+    bytes: usize,
+    chunk: usize,
+    reps: usize,
+    copy: impl Fn(&mut [(&[u8], &mut [u8])]),
+) -> Result<f64> {
     let src = RegisteredBuffer::host(bytes, chunk, false)?;
     let dst = RegisteredBuffer::host(bytes, chunk, false)?;
     src.prefault();
@@ -295,11 +317,17 @@ pub fn memcpy_gbps(bytes: usize, chunk: usize, reps: usize) -> Result<f64> {
     let mut rates = Vec::new();
     for _ in 0..=reps {
         let t = Instant::now();
-        for (a, b) in s.iter().zip(d.iter_mut()) {
-            b.host_bytes_mut()
-                .expect("unique")
-                .copy_from_slice(a.host_bytes().expect("host"));
-        }
+        let mut pairs: Vec<(&[u8], &mut [u8])> = s
+            .iter()
+            .zip(d.iter_mut())
+            .map(|(a, b)| {
+                (
+                    a.host_bytes().expect("host"),
+                    b.host_bytes_mut().expect("unique"),
+                )
+            })
+            .collect();
+        copy(&mut pairs);
         rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     rates.remove(0);

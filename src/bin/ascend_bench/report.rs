@@ -60,6 +60,10 @@ pub struct ModeReport {
     pub baseline_gbps: f64,
     /// gbps / baseline_gbps.
     pub ratio: f64,
+    /// Single-thread memcpy of a request, same run (GB/s).
+    pub memcpy_1t_gbps: f64,
+    /// The same memcpy split over the copy pool (`pd_copy_threads`), same run.
+    pub memcpy_mt_gbps: f64,
     /// How long `put` blocked the prefill side.
     pub put_latency_ms: Percentiles,
     /// put start → the receiver holds the request (landed, read, or proxies).
@@ -298,6 +302,8 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
     json!({
         "tool": "ascend-bench",
         "version": env!("CARGO_PKG_VERSION"),
+        "memcpy_1t_gbps": modes.first().map(|m| round3(m.memcpy_1t_gbps)),
+        "memcpy_mt_gbps": modes.first().map(|m| round3(m.memcpy_mt_gbps)),
         "machine": {
             "cpus": cpus,
             "os": std::env::consts::OS,

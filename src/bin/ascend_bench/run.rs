@@ -1,7 +1,7 @@
 //! `ascend-bench run`: the nPmD comparison of every mode with real sender,
 //! receiver and proxy processes, a same-run baseline, a table, JSON and a plot.
 
-use crate::channel::{memcpy_gbps, raw_tcp_gbps};
+use crate::channel::{memcpy_gbps, memcpy_mt_gbps, raw_tcp_gbps};
 use crate::report::{self, ModeReport};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role};
@@ -316,17 +316,23 @@ pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
         bytes_per_request as f64 / (1 << 20) as f64,
         page >> 20
     );
+    // Memcpy of a request on one thread, and split over a copy pool of
+    // the workers' size (pd_copy_threads), this process's pool.
+    let copy_threads = spec.base.copy_threads();
+    ascend_pd::memory::copy_pool::configure(copy_threads);
+    let memcpy_1t = memcpy_gbps(bytes_per_request as usize, page as usize, 3)?;
+    let memcpy_mt = memcpy_mt_gbps(bytes_per_request as usize, page as usize, 3)?;
     let (baseline_name, baseline) = match spec.channel {
         ChannelKind::Tcp => (
             "single-stream TCP",
             raw_tcp_gbps(bytes_per_request as usize, 3)?,
         ),
-        _ => (
-            "single-thread memcpy",
-            memcpy_gbps(bytes_per_request as usize, page as usize, 3)?,
-        ),
+        _ => ("single-thread memcpy", memcpy_1t),
     };
-    eprintln!("baseline: {baseline_name} {baseline:.2} GB/s");
+    eprintln!(
+        "baseline: {baseline_name} {baseline:.2} GB/s; memcpy 1 thread {memcpy_1t:.2} GB/s, \
+         {copy_threads} copy threads {memcpy_mt:.2} GB/s"
+    );
     let dir = std::env::temp_dir().join(format!("ascend-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let mut out = Vec::new();
@@ -335,6 +341,8 @@ pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
         r.baseline = baseline_name.to_string();
         r.baseline_gbps = baseline;
         r.ratio = r.gbps / baseline;
+        r.memcpy_1t_gbps = memcpy_1t;
+        r.memcpy_mt_gbps = memcpy_mt;
         out.push(r);
     }
     let _ = std::fs::remove_dir_all(&dir);
