@@ -364,6 +364,19 @@ mod tests {
     }
 
     #[test]
+    fn a_later_size_does_not_resize_a_built_pool() {
+        // Build the pool (whatever size the process gave it) with a copy
+        // large enough to be pooled.
+        let src = vec![7u8; PARALLEL_MIN_BYTES];
+        let mut dst = vec![0u8; PARALLEL_MIN_BYTES];
+        copy_pairs(&mut [(&src[..], &mut dst[..])]);
+        assert_eq!(src, dst);
+        let threads = copy_pool_stats().threads;
+        configure(threads + 1);
+        assert_eq!(copy_pool_stats().threads, threads);
+    }
+
+    #[test]
     fn overlapping_destinations_are_found() {
         let pc = |dst, len| CopyPiece { src: 0, dst, len };
         assert!(disjoint_destinations(&[pc(10, 5), pc(0, 10), pc(15, 1)]));
