@@ -556,6 +556,15 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     }
     println!("  channel   {gbps:8.2} GB/s");
     println!("  baseline  {baseline:8.2} GB/s  ({baseline_name}, same run)");
+    if kind != ChannelKind::Tcp {
+        // What the copy pool's threads copy together, for reading a
+        // channel whose copies run on it (shm batches of 8 MiB or more).
+        let mt = memcpy_mt_gbps(bytes, chunk, reps)?;
+        let threads = ascend_pd::memory::copy_pool_stats().threads.max(1);
+        println!(
+            "  memcpy mt {mt:8.2} GB/s  (memcpy on the copy pool, {threads} thread(s), same run)"
+        );
+    }
     println!("  ratio     {ratio:8.3}");
     println!(
         "  verified  {}",
