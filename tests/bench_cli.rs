@@ -283,6 +283,38 @@ fn sender_receiver_and_proxy_processes_move_verified_data_with_the_loopback_conf
 }
 
 #[test]
+fn channel_shm_prints_the_copy_pool_memcpy_next_to_the_baseline() {
+    let out = bench()
+        .args([
+            "channel",
+            "--channel",
+            "shm",
+            "--chunk-bytes",
+            "2097152",
+            "--chunks",
+            "8",
+            "--reps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "  baseline ",
+        "single-thread memcpy",
+        "  memcpy mt ",
+        "copy pool",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in {stdout}");
+    }
+}
+
+#[test]
 fn bad_arguments_name_the_problem() {
     let out = bench()
         .args(["run", "--modes", "push,teleport"])
