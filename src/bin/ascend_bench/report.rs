@@ -134,7 +134,9 @@ pub struct ModeReport {
     pub sustained_gbps: f64,
     /// The steady window's length, seconds.
     pub steady_s: f64,
-    /// Arrival (submit, or the Poisson arrival under --rate) → loaded.
+    /// Arrival (submit, or the Poisson arrival under --rate) → loaded; of
+    /// the requests that arrived in the steady window, as are `gather_ms`
+    /// and `load_ms`.
     pub e2e_ms: Percentiles,
     /// Submit → `poll_cache_released` reported the save (open loop only).
     pub gather_ms: Percentiles,
@@ -206,7 +208,7 @@ pub fn summarize(
         let arrived = p["arrived_at"].as_f64().unwrap_or(f(p, "put_start"));
         first_arrival = first_arrival.min(arrived);
         if let Some(g) = p["gathered_at"].as_f64() {
-            gather.push((g - f(p, "put_start")).max(0.0) * 1e3);
+            gather.push((arrived, (g - f(p, "put_start")).max(0.0) * 1e3));
         }
         let (ps, pe) = (f(p, "put_start"), f(p, "put_end"));
         put.push((pe - ps) * 1e3);
@@ -223,7 +225,7 @@ pub fn summarize(
             .as_u64()
             .unwrap_or_else(|| l["bytes"].as_u64().unwrap_or(0));
         let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));
-        e2e3.push((le - arrived).max(0.0) * 1e3);
+        e2e3.push((arrived, (le - arrived).max(0.0) * 1e3, (le - ls) * 1e3));
         spans.push((req.clone(), f(p, "put_start"), le));
         delivered.push((le, l["bytes"].as_u64().unwrap_or(0)));
         // Held: every key landed (push, push-layerwise, pull-eager), or
@@ -279,6 +281,16 @@ pub fn summarize(
         false => 0.0,
     };
     let (sends, receives) = (sender_done, receiver_done);
+    // Latencies under load: of the requests that arrived after the warm-up
+    // (all of them if none did).
+    let steady = |v: Vec<(f64, f64)>| -> Percentiles {
+        match v.iter().any(|x| x.0 >= from) {
+            true => Percentiles::of(v.into_iter().filter(|x| x.0 >= from).map(|x| x.1).collect()),
+            false => Percentiles::of(v.into_iter().map(|x| x.1).collect()),
+        }
+    };
+    let steady_loads: Vec<(f64, f64)> = e2e3.iter().map(|x| (x.0, x.2)).collect();
+    let e2e3: Vec<(f64, f64)> = e2e3.iter().map(|x| (x.0, x.1)).collect();
     Ok(ModeReport {
         open_loop: spec.open_loop(),
         concurrency: spec.concurrency,
@@ -296,9 +308,9 @@ pub fn summarize(
             false => 0.0,
         },
         steady_s,
-        e2e_ms: Percentiles::of(e2e3),
-        gather_ms: Percentiles::of(gather),
-        load_ms: Percentiles::of(load.clone()),
+        e2e_ms: steady(e2e3),
+        gather_ms: steady(gather),
+        load_ms: steady(steady_loads),
         cpu_s_per_gb: (per_gb(sends, "cpu_s"), per_gb(receives, "cpu_s")),
         bench_cpu_s_per_gb: (
             per_gb(sends, "bench_cpu_s"),
@@ -445,7 +457,7 @@ pub fn table(modes: &[ModeReport]) -> String {
         if let Some(m) = modes.first() {
             let _ = writeln!(
                 s,
-                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load). e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
+                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
                 m.concurrency,
                 m.rate.map_or("arrivals as fast as that allows".into(), |r| format!("Poisson arrivals at {r}/s")),
                 m.duration_s.map_or(format!("{} requests", m.requests), |d| format!("{d} s")),
