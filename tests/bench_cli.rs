@@ -461,6 +461,67 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
     let _ = std::fs::remove_file(cfg);
 }
 
+/// `--sweep` runs a mode at doubling rates until it stops gaining (at
+/// least two steps), every step verified, and plots e2e p50 and p99
+/// against the delivered GB/s.
+#[test]
+fn sweep_runs_doubling_rates_and_plots_latency_against_throughput() {
+    let cfg = small_model_config("sweep.yaml");
+    let (json, plot) = (tmp("sweep.json"), tmp("sweep.svg"));
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push",
+            "--sweep",
+            "--rate",
+            "200",
+            "--duration",
+            "0.5",
+            "--concurrency",
+            "4",
+            "--prompt-tokens",
+            "150",
+            "--json",
+        ])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("rate /s"), "{stdout}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["sweep"], true);
+    let steps = doc["modes"].as_array().unwrap();
+    assert!((2..=10).contains(&steps.len()), "{doc}");
+    for (i, m) in steps.iter().enumerate() {
+        assert_eq!(m["mode"], "push", "{m}");
+        assert_eq!(
+            m["rate"].as_f64().unwrap(),
+            200.0 * f64::powi(2.0, i as i32),
+            "{m}"
+        );
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["bytes_verified"], m["bytes_delivered"], "{m}");
+        assert!(m["e2e_ms"]["p99"].is_number(), "{m}");
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg}");
+    for label in ["e2e latency (ms) vs delivered GB/s", "push p50", "push p99"] {
+        assert!(svg.contains(label), "the plot lacks {label:?}");
+    }
+    for f in [json, plot, cfg] {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
 /// `--prefill-layer-ms` prefills layer by layer in every mode; push-layerwise
 /// saves each layer as it is written. Both report the prefill, the exposed
 /// transfer and the time to first token, with every byte verified.

@@ -658,3 +658,129 @@ pub fn svg(modes: &[ModeReport]) -> Result<String> {
     }
     Ok(out)
 }
+
+/// `--sweep`'s table: one row per mode and rate.
+pub fn sweep_table(modes: &[ModeReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{:<20} {:>10} {:>10} {:>22} {:>20} {:>9} {:>9}",
+        "mode",
+        "rate /s",
+        "sust GB/s",
+        "e2e ms p50/p99/p999",
+        "cpu s/GB send/recv",
+        "requests",
+        "verified"
+    );
+    for m in modes {
+        let _ = writeln!(
+            s,
+            "{:<20} {:>10} {:>10.3} {:>22} {:>20} {:>9} {:>9}",
+            m.mode,
+            m.rate.map_or("-".into(), |r| format!("{r}")),
+            m.sustained_gbps,
+            format!(
+                "{:.1}/{:.1}/{:.1}",
+                m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
+            ),
+            format!("{:.3}/{:.3}", m.cpu_s_per_gb.0, m.cpu_s_per_gb.1),
+            m.requests,
+            if m.verified { "yes" } else { "FAILED" }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "rate: Poisson arrivals per second per sender, doubling each step until the mode saturates; see the open-loop notes of `run` for the columns."
+    );
+    s
+}
+
+/// `--sweep --plot`: e2e p50 and p99 (ms) against sustained GB/s, a line
+/// per mode and percentile, one point per rate.
+pub fn sweep_svg(modes: &[ModeReport]) -> Result<String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing the plot: {e}");
+    let mut names: Vec<&str> = modes.iter().map(|m| m.mode.as_str()).collect();
+    names.dedup();
+    let x_max = modes
+        .iter()
+        .map(|m| m.sustained_gbps)
+        .fold(0.0f64, f64::max)
+        .max(1e-3);
+    let y_max = modes
+        .iter()
+        .map(|m| m.e2e_ms.p99)
+        .fold(0.0f64, f64::max)
+        .max(1e-3);
+    let colors = [
+        RGBColor(0x4e, 0x79, 0xa7),
+        RGBColor(0xf2, 0x8e, 0x2b),
+        RGBColor(0x59, 0xa1, 0x4f),
+        RGBColor(0xe1, 0x57, 0x59),
+        RGBColor(0x76, 0xb7, 0xb2),
+    ];
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (760, 480)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("e2e latency (ms) vs delivered GB/s", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max * 1.1, 0f64..y_max * 1.1)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("sustained GB/s")
+            .y_desc("e2e ms")
+            .draw()
+            .map_err(|e| err(&e))?;
+        for (i, name) in names.iter().enumerate() {
+            let color = colors[i % colors.len()];
+            let pts = |p99: bool| -> Vec<(f64, f64)> {
+                let mut v: Vec<(f64, f64)> = modes
+                    .iter()
+                    .filter(|m| m.mode == *name)
+                    .map(|m| {
+                        (
+                            m.sustained_gbps,
+                            if p99 { m.e2e_ms.p99 } else { m.e2e_ms.p50 },
+                        )
+                    })
+                    .collect();
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                v
+            };
+            for (p99, label, width) in [(false, "p50", 1), (true, "p99", 3)] {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        pts(p99),
+                        color.stroke_width(width),
+                    )))
+                    .map_err(|e| err(&e))?
+                    .label(format!("{name} {label}"))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
+                    });
+                chart
+                    .draw_series(
+                        pts(p99)
+                            .into_iter()
+                            .map(|p| Circle::new(p, 3, color.filled())),
+                    )
+                    .map_err(|e| err(&e))?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    Ok(out)
+}

@@ -203,6 +203,13 @@ struct RunCli {
     /// request in eight, the first and last byte of every page of the others.
     #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
     verify: String,
+    /// Run each mode at a series of --rate values, doubling from --rate
+    /// [default: 4/s], for --duration each [default: 3 s], until it
+    /// saturates (sustained GB/s grew by less than 10% over the best so far,
+    /// or e2e p99 exceeded 10x the first step's) or 10 steps; with --plot,
+    /// draw e2e p50 and p99 against sustained GB/s.
+    #[arg(long)]
+    sweep: bool,
     /// Write the machine-readable report here.
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
@@ -228,7 +235,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         .parse()
         .map_err(|_| anyhow!("--device {:?}: expected cpu, npu or npu:N", a.device))?;
     let hetero = a.prefill_tp.unwrap_or(a.tp) != a.decode_tp.unwrap_or(a.tp);
-    let open = a.concurrency > 1 || a.rate.is_some() || a.duration.is_some();
+    let open = a.concurrency > 1 || a.rate.is_some() || a.duration.is_some() || a.sweep;
     if a.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
@@ -325,6 +332,15 @@ pub fn run_main(args: &[String]) -> Result<bool> {
             ),
         }
     }
+    if a.sweep {
+        return sweep(
+            spec,
+            a.rate.unwrap_or(4.0),
+            a.duration.unwrap_or(3.0),
+            json_path,
+            plot_path,
+        );
+    }
     let result = run(spec)?;
     let verified = result.iter().all(|m| m.verified);
     println!("{}", report::table(&result));
@@ -340,6 +356,77 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     }
     if !verified {
         eprintln!("error: the run did not complete with every byte verified (see above)");
+    }
+    Ok(verified)
+}
+
+/// Steps of a sweep at most.
+const SWEEP_STEPS: usize = 10;
+
+/// `--sweep`: each mode at doubling rates until it saturates.
+fn sweep(
+    mut spec: RunSpec,
+    first: f64,
+    duration: f64,
+    json_path: Option<String>,
+    plot_path: Option<String>,
+) -> Result<bool> {
+    spec.duration = Some(duration);
+    let mut live = spec.modes.clone();
+    let mut all: Vec<ModeReport> = Vec::new();
+    // Per mode: the first step's e2e p99 and the best sustained GB/s so far.
+    let mut seen: HashMap<String, (f64, f64)> = HashMap::new();
+    let mut rate = first;
+    for _ in 0..SWEEP_STEPS {
+        if live.is_empty() {
+            break;
+        }
+        eprintln!("sweep: {rate}/s per sender: {}", live.join(", "));
+        let step = run(RunSpec {
+            rate: Some(rate),
+            modes: live.clone(),
+            ..spec.clone()
+        })?;
+        for m in step {
+            let (p99_0, best) = *seen.entry(m.mode.clone()).or_insert((m.e2e_ms.p99, 0.0));
+            let why = match () {
+                _ if !m.verified => Some("failed".to_string()),
+                _ if m.sustained_gbps < best * 1.1 => Some(format!(
+                    "saturated: {:.3} GB/s, no more than 10% over {best:.3}",
+                    m.sustained_gbps
+                )),
+                _ if m.e2e_ms.p99 > 10.0 * p99_0 => Some(format!(
+                    "saturated: e2e p99 {:.1} ms, over 10x the first step's {p99_0:.1}",
+                    m.e2e_ms.p99
+                )),
+                _ => None,
+            };
+            if let Some(why) = why {
+                eprintln!("sweep: {} stops at {rate}/s: {why}", m.mode);
+                live.retain(|x| *x != m.mode);
+            }
+            if let Some(s) = seen.get_mut(&m.mode) {
+                s.1 = s.1.max(m.sustained_gbps);
+            }
+            all.push(m);
+        }
+        rate *= 2.0;
+    }
+    let verified = all.iter().all(|m| m.verified);
+    println!("{}", report::sweep_table(&all));
+    let mut doc = report::json_doc(&all);
+    doc["sweep"] = json!(true);
+    if let Some(p) = json_path {
+        std::fs::write(&p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if let Some(p) = plot_path {
+        std::fs::write(&p, report::sweep_svg(&all)?).with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if !verified {
+        eprintln!("error: the sweep did not complete with every byte verified (see above)");
     }
     Ok(verified)
 }
