@@ -582,6 +582,20 @@ struct OpenSave {
     gathered: Option<f64>,
 }
 
+/// A request [`OpenPrefill`] is writing into its cache.
+struct Pending {
+    req: String,
+    keys: Vec<String>,
+    tokens: Vec<usize>,
+    chunks: Vec<Vec<u8>>,
+    spec: TransferSpec,
+    slots: Vec<i64>,
+    blocks: Vec<usize>,
+    /// The next chunk to write, and its first token.
+    next: usize,
+    first: usize,
+}
+
 /// How one open-loop save ended.
 pub struct OpenSaved {
     pub req: String,
@@ -603,9 +617,10 @@ pub struct OpenPrefill {
     saves: SaveQueue,
     cache: Arc<SharedKvCache>,
     mem: EngineMemory,
-    layout: ChunkLayout,
     free: Vec<usize>,
     open: std::collections::HashMap<String, OpenSave>,
+    pending: Option<Pending>,
+    written: Vec<Vec<Vec<u8>>>,
     rng: fastrand::Rng,
     /// Thread CPU seconds spent generating and writing the KV (the bench's
     /// stand-in for the model, not the library's work).
@@ -633,9 +648,10 @@ impl OpenPrefill {
             saves: SaveQueue::new(sender)?,
             cache,
             mem,
-            layout,
             free: (0..blocks).collect(),
             open: Default::default(),
+            pending: None,
+            written: Vec::new(),
             rng: fastrand::Rng::with_seed(seed),
             bench_cpu_s: 0.0,
         })
@@ -643,7 +659,7 @@ impl OpenPrefill {
 
     /// Saves submitted whose end was not polled yet.
     pub fn in_flight(&self) -> usize {
-        self.open.len()
+        self.open.len() + usize::from(self.pending.is_some())
     }
 
     /// Saves submitted that still read the cache (their gather is not over).
@@ -651,23 +667,56 @@ impl OpenPrefill {
         self.open.values().filter(|s| s.gathered.is_none()).count()
     }
 
-    /// Whether the cache has free blocks for a request of `tokens` tokens.
+    /// Whether the cache has free blocks for a request of `tokens` tokens
+    /// and no request is being written.
     pub fn has_room(&self, tokens: usize) -> bool {
-        self.free.len() >= tokens.div_ceil(RUN_BLOCK)
+        self.pending.is_none() && self.free.len() >= tokens.div_ceil(RUN_BLOCK)
     }
 
-    /// Writes request `req`'s KV (chunks `keys` of `tokens` tokens) into
-    /// the cache at free blocks and submits its save.
-    pub fn submit(
-        &mut self,
-        req: &str,
+    /// Request `r`'s chunk bytes (each key's pattern), as the generator
+    /// thread makes them ahead of time.
+    /// Reuses `bufs` (an earlier request's, written already) so no fresh
+    /// memory is faulted in per request.
+    pub fn generate(
+        layout: &ChunkLayout,
         keys: &[String],
         tokens: &[usize],
+        mut bufs: Vec<Vec<u8>>,
+    ) -> Vec<Vec<u8>> {
+        bufs.resize_with(keys.len(), Vec::new);
+        for ((b, k), &t) in bufs.iter_mut().zip(keys).zip(tokens) {
+            b.resize(layout.bytes_for(t), 0);
+            pattern::fill(b, key_seed(k));
+        }
+        bufs
+    }
+
+    /// The chunk buffers of the requests written since the last call (for
+    /// [`OpenPrefill::generate`] to reuse).
+    pub fn take_written(&mut self) -> Option<Vec<Vec<u8>>> {
+        self.written.pop()
+    }
+
+    /// Whether a request's KV is being written (see [`OpenPrefill::step`]).
+    pub fn writing(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Starts request `req`: takes free blocks for its chunks (`keys`,
+    /// `tokens` tokens each, their bytes `chunks`, generated beforehand),
+    /// which [`OpenPrefill::step`] writes into the cache one chunk at a
+    /// time before submitting the save.
+    pub fn begin(
+        &mut self,
+        req: &str,
+        keys: Vec<String>,
+        tokens: &[usize],
+        chunks: Vec<Vec<u8>>,
         spec: TransferSpec,
     ) -> Result<(), String> {
         let total: usize = tokens.iter().sum();
         let need = total.div_ceil(RUN_BLOCK);
-        if self.free.len() < need {
+        if self.free.len() < need || self.pending.is_some() {
             return Err(format!("{req}: no free KV blocks"));
         }
         self.rng.shuffle(&mut self.free);
@@ -675,46 +724,65 @@ impl OpenPrefill {
         let slots: Vec<i64> = (0..total)
             .map(|t| (blocks[t / RUN_BLOCK] * RUN_BLOCK + t % RUN_BLOCK) as i64)
             .collect();
-        let cpu0 = crate::roles::thread_cpu_s();
-        let chunks: Vec<Vec<u8>> = keys
-            .iter()
-            .zip(tokens)
-            .map(|(k, &t)| chunk_bytes(&self.layout, k, t))
-            .collect();
-        {
-            // Other saves may be gathering: write under the cache's lock.
+        self.pending = Some(Pending {
+            req: req.to_string(),
+            keys,
+            tokens: tokens.to_vec(),
+            chunks,
+            spec,
+            slots,
+            blocks,
+            next: 0,
+            first: 0,
+        });
+        Ok(())
+    }
+
+    /// Writes the next chunk of the request begun; after its last, submits
+    /// the save. `Some` when the request left the writer: its save was
+    /// submitted (`Ok`), or refused.
+    pub fn step(&mut self) -> Option<Result<String, (String, String)>> {
+        let p = self.pending.as_mut()?;
+        if p.next < p.chunks.len() {
+            let cpu0 = crate::roles::thread_cpu_s();
+            // Other saves may be gathering: write under the cache's lock,
+            // a chunk at a time so they interleave.
             let _guard = self.cache.lock();
             // SAFETY: the guard keeps every worker out of the cache.
             let mem = unsafe { self.mem.bytes_mut() };
             let spec = *self.cache.spec();
-            let mut first = 0;
-            for (chunk, &t) in chunks.iter().zip(tokens) {
-                for (at, from) in token_runs(&spec, t, &slots[first..first + t]) {
-                    mem[at].copy_from_slice(&chunk[from]);
-                }
-                first += t;
+            let t = p.tokens[p.next];
+            let chunk = &p.chunks[p.next];
+            for (at, from) in token_runs(&spec, t, &p.slots[p.first..p.first + t]) {
+                mem[at].copy_from_slice(&chunk[from]);
             }
+            p.first += t;
+            p.next += 1;
+            drop(_guard);
+            self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
+            return None;
         }
-        self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
+        let mut p = self.pending.take()?;
+        self.written.push(std::mem::take(&mut p.chunks));
         let save = SaveRequest {
-            keys: keys.to_vec(),
-            slot_mapping: slots,
-            spec,
+            keys: p.keys,
+            slot_mapping: p.slots,
+            spec: p.spec,
         };
         let submitted = crate::roles::wall();
         if let Err(e) = self.saves.submit(save, &self.cache) {
-            self.free.extend(blocks);
-            return Err(format!("save: {e}"));
+            self.free.extend(p.blocks);
+            return Some(Err((p.req, format!("save: {e}"))));
         }
         self.open.insert(
-            req.to_string(),
+            p.req.clone(),
             OpenSave {
                 submitted,
-                blocks,
+                blocks: p.blocks,
                 gathered: None,
             },
         );
-        Ok(())
+        Some(Ok(p.req))
     }
 
     /// Takes the library's news: saves whose gather is over give their

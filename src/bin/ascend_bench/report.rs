@@ -149,6 +149,9 @@ pub struct ModeReport {
     pub bench_cpu_s_per_gb: (f64, f64),
     /// Most requests of one sender in flight at once (submit → loaded).
     pub max_in_flight: usize,
+    /// Seconds the open-loop senders (summed) had a slot free but waited
+    /// for the bench's KV generator: above 0, the bench limited the rate.
+    pub generator_wait_s: f64,
 }
 
 /// The steady window starts this fraction of the mode's span (first
@@ -317,6 +320,10 @@ pub fn summarize(
             per_gb(receives, "bench_cpu_s"),
         ),
         max_in_flight: max_overlap(&spans),
+        generator_wait_s: sends
+            .iter()
+            .map(|v| v["generator_wait_s"].as_f64().unwrap_or(0.0))
+            .sum(),
         mode: mode.to_string(),
         channel: spec.channel.name().to_string(),
         device: spec.device.to_string(),
@@ -537,6 +544,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "cpu_s_per_gb": {"sender": round3(m.cpu_s_per_gb.0), "receiver": round3(m.cpu_s_per_gb.1)},
             "bench_cpu_s_per_gb": {"sender": round3(m.bench_cpu_s_per_gb.0), "receiver": round3(m.bench_cpu_s_per_gb.1)},
             "max_in_flight": m.max_in_flight,
+            "generator_wait_s": round3(m.generator_wait_s),
             });
             if let (Some(o), Value::Object(more)) = (o.as_object_mut(), more) {
                 o.extend(more);

@@ -284,6 +284,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
+    let mut generator_wait_s = 0.0;
     if a.open_loop {
         if hetero || config.layerwise || layer_ms > 0.0 {
             bail!("--open-loop needs the same TP size on both sides, whole-request saves and no --prefill-layer-ms");
@@ -307,7 +308,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
                 &format!("{prefix}-{r}"),
             )
         };
-        let (good, most) = run_open_loop(
+        let (good, most, waited) = run_open_loop(
             &open,
             &mut engine,
             &prefix,
@@ -320,6 +321,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         )?;
         ok &= good;
         max_in_flight = most;
+        generator_wait_s = waited;
         bench_cpu_s += engine.bench_cpu_s;
         engine.close();
     }
@@ -448,6 +450,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
+        "generator_wait_s": generator_wait_s,
     }));
     Ok(ok && drained)
 }
@@ -503,7 +506,7 @@ fn run_open_loop(
     primary_free: &dyn Fn() -> usize,
     mode: TransferMode,
     registry: &Registry,
-) -> Result<(bool, usize)> {
+) -> Result<(bool, usize, f64)> {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     std::thread::Builder::new()
         .name("bench-credits".into())
@@ -524,6 +527,35 @@ fn run_open_loop(
         Some(r) => Duration::from_secs_f64(-(1.0 - rng.f64()).ln() / r),
         None => Duration::ZERO,
     };
+    // The bench's stand-in for the model: each request's KV (the pattern
+    // of its keys) made ahead on its own thread, one request ahead, so
+    // the loop keeps polling while it is made.
+    let (make_tx, made) = std::sync::mpsc::sync_channel(1);
+    let (reuse_tx, reuse_rx) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+    {
+        let (prefix, tokens) = (prefix.to_string(), tokens.to_vec());
+        let limit = match open.duration {
+            Some(_) => usize::MAX,
+            None => open.requests,
+        };
+        std::thread::Builder::new()
+            .name("bench-kv-gen".into())
+            .spawn(move || {
+                for r in 0..limit {
+                    let cpu0 = thread_cpu_s();
+                    let req_id = format!("{prefix}-{r}");
+                    let keys: Vec<String> =
+                        (0..tokens.len()).map(|i| chunk_key(&req_id, i)).collect();
+                    let bufs = reuse_rx.try_recv().unwrap_or_default();
+                    let chunks = OpenPrefill::generate(&layout, &keys, &tokens, bufs);
+                    let cpu = thread_cpu_s() - cpu0;
+                    if make_tx.send((req_id, keys, chunks, cpu)).is_err() {
+                        break;
+                    }
+                }
+            })?;
+    }
+    let (mut generator_wait, mut want_since) = (0.0, None::<Instant>);
     let start = Instant::now();
     let mut next_arrival = start;
     let (mut credits, mut r, mut ok, mut most) = (open.concurrency, 0usize, true, 0usize);
@@ -542,17 +574,34 @@ fn run_open_loop(
         while go_rx.try_recv().is_ok() {
             credits += 1;
         }
-        let mut started = false;
-        if arriving
+        let mut busy = false;
+        let ready = arriving
             && credits > 0
             && now >= next_arrival
             && engine.has_room(total_tokens)
-            && primary_free() >= n_chunks * (engine.gathering() + 1)
-        {
-            let req_id = format!("{prefix}-{r}");
-            let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
-            // A request that waited for a credit arrived earlier.
-            let arrival = wall() - now.duration_since(next_arrival).as_secs_f64();
+            && primary_free() >= n_chunks * (engine.gathering() + 1);
+        // The next request's KV, made ahead by the generator thread (the
+        // time it is not ready yet is the bench's, reported).
+        let next = match ready {
+            false => None,
+            true => match made.try_recv() {
+                Ok(x) => Some(x),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    want_since.get_or_insert(now);
+                    None
+                }
+                Err(_) => bail!("the KV generator thread stopped"),
+            },
+        };
+        if let Some((req_id, keys, chunks, cpu)) = next {
+            if let Some(w) = want_since.take() {
+                generator_wait += w.elapsed().as_secs_f64();
+            }
+            engine.bench_cpu_s += cpu;
+            // A request that waited (for a slot, or for its KV to be made)
+            // arrived earlier; that wait counts, the write into the engine
+            // cache that follows does not (it is the bench's).
+            let queued = now.duration_since(next_arrival).as_secs_f64();
             let spec = spec_of(r);
             credits -= 1;
             most = most.max(open.concurrency - credits);
@@ -562,22 +611,28 @@ fn run_open_loop(
                 next_arrival = now;
             }
             let bytes: u64 = tokens.iter().map(|&t| layout.bytes_for(t) as u64).sum();
-            match engine.submit(&req_id, &keys, tokens, spec) {
-                Ok(()) => {
-                    arrived.insert(req_id.clone(), arrival);
-                    bytes_of.insert(req_id, bytes);
-                }
-                Err(e) => {
-                    eprintln!("sender: {req_id}: {e}");
-                    ok = false;
-                    emit(json!({
-                        "event": "put", "req": req_id, "chunks": n_chunks, "bytes": bytes,
-                        "put_start": wall(), "put_end": wall(), "outcome": "error",
-                        "save": "submit", "save_path": "gather",
-                    }));
-                }
+            arrived.insert(req_id.clone(), queued);
+            bytes_of.insert(req_id.clone(), bytes);
+            if let Err(e) = engine.begin(&req_id, keys, tokens, chunks, spec) {
+                bail!("{e}");
             }
-            started = true;
+            busy = true;
+        }
+        if let Some(bufs) = engine.take_written() {
+            let _ = reuse_tx.send(bufs);
+        }
+        if engine.writing() {
+            busy = true;
+            if let Some(Err((req_id, e))) = engine.step() {
+                eprintln!("sender: {req_id}: {e}");
+                ok = false;
+                emit(json!({
+                    "event": "put", "req": req_id, "chunks": n_chunks,
+                    "bytes": bytes_of.remove(&req_id).unwrap_or(0),
+                    "put_start": wall(), "put_end": wall(), "outcome": "error",
+                    "save": "submit", "save_path": "gather",
+                }));
+            }
         }
         for s in engine.poll() {
             let outcome = match (&s.result, mode) {
@@ -594,17 +649,17 @@ fn run_open_loop(
             registry.inc("ascend_pd_sender_put_bytes", bytes);
             emit(json!({
                 "event": "put", "req": s.req, "chunks": n_chunks, "bytes": bytes,
-                "arrived_at": arrived.remove(&s.req).unwrap_or(s.submitted),
+                "arrived_at": s.submitted - arrived.remove(&s.req).unwrap_or(0.0),
                 "put_start": s.submitted, "put_end": s.ended, "gathered_at": s.gathered,
                 "prefill_start": s.submitted, "prefill_end": s.submitted,
                 "outcome": outcome, "save": "submit", "save_path": "gather",
             }));
         }
-        if !started {
+        if !busy {
             std::thread::sleep(Duration::from_micros(200));
         }
     }
-    Ok((ok, most))
+    Ok((ok, most, generator_wait))
 }
 
 /// Writes the key's pattern into a chunk: directly on host pages, through
