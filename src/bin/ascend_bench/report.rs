@@ -792,3 +792,31 @@ pub fn sweep_svg(modes: &[ModeReport]) -> Result<String> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In flight counts per sender (the id's prefix), an end and a start
+    /// at the same instant do not overlap.
+    #[test]
+    fn max_overlap_counts_one_senders_requests_at_once() {
+        let s = |r: &str, a: f64, b: f64| (r.to_string(), a, b);
+        let spans = [
+            s("push-s0.0-0", 0.0, 2.0),
+            s("push-s0.0-1", 1.0, 3.0),
+            s("push-s0.0-2", 3.0, 4.0),
+            s("push-s1.0-0", 0.5, 1.5),
+        ];
+        assert_eq!(max_overlap(&spans), 2);
+        assert_eq!(max_overlap(&spans[2..]), 1);
+        assert_eq!(max_overlap(&[]), 0);
+    }
+
+    #[test]
+    fn p999_is_the_nearest_rank() {
+        let p = Percentiles::of((1..=2000).map(f64::from).collect());
+        assert_eq!((p.p50, p.p99, p.p999, p.n), (1000.0, 1980.0, 1998.0, 2000));
+        assert_eq!(Percentiles::of(vec![]).json3(), Value::Null);
+    }
+}
