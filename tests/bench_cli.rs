@@ -124,6 +124,9 @@ fn run_reports_every_mode_with_verified_bytes_in_json_and_a_plot() {
     }
     // Without --prefill-layer-ms the other modes write their pages directly.
     assert_eq!(modes[0]["prefill_ms"], 0.0, "{}", modes[0]);
+    assert_eq!(modes[0]["save_path"], "direct", "{}", modes[0]);
+    assert_eq!(modes[4]["save_path"], "gather", "{}", modes[4]);
+    assert!(modes.iter().all(|m| m["verify"] == "all"));
     assert_eq!(modes[0]["save"], "put", "{}", modes[0]);
     assert_eq!(modes[4]["save"], "layered", "{}", modes[4]);
     // Pull-delay keeps no pages for a request until it loads; push holds them all.
@@ -345,10 +348,24 @@ fn bad_arguments_name_the_problem() {
     let out = bench().args(["run", "--request", "3"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("'--requests'"), "{err}");
+    // The open loop saves whole requests: push-layerwise is refused at once.
+    let out = bench()
+        .args(["run", "--concurrency", "2", "--modes", "push-layerwise"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no push-layerwise"), "{err}");
+    let out = bench().args(["run", "--rate", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--rate 0"), "{err}");
     // Every command documents its flags.
     for (cmd, flag) in [
         ("run", "--prefill-tp"),
         ("run", "--prefill-layer-ms"),
+        ("run", "--concurrency"),
+        ("run", "--verify"),
         ("sender", "--to"),
         ("receiver", "--notify-port"),
         ("proxy", "--forward"),
@@ -360,6 +377,183 @@ fn bad_arguments_name_the_problem() {
         assert!(out.status.success(), "{cmd} --help");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains(flag), "{cmd} --help lacks {flag}: {text}");
+    }
+}
+
+/// The open loop: four requests in flight per sender for two seconds, each
+/// saved from the sender's engine cache through the request API; the
+/// report has the sustained rate, latency percentiles under that load and
+/// CPU per GB of each side, and every byte is checked. `--verify sample`
+/// checks fewer bytes and says so.
+#[test]
+fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
+    let cfg = small_model_config("open.yaml");
+    let json = tmp("open.json");
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push,pull-delay",
+            "--concurrency",
+            "4",
+            "--duration",
+            "2",
+            "--prompt-tokens",
+            "150",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for col in [
+        "sust GB/s",
+        "e2e ms p50/p99/p999",
+        "cpu s/GB send/recv",
+        "in flight",
+    ] {
+        assert!(stdout.contains(col), "table lacks {col}: {stdout}");
+    }
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let modes = doc["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(names, ["push", "pull-delay"]);
+    // 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    for m in modes {
+        assert_eq!(m["save_path"], "gather", "{m}");
+        assert_eq!(m["save"], "submit", "{m}");
+        assert_eq!(m["verify"], "all", "{m}");
+        assert_eq!(m["verified"], true, "{m}");
+        let n = m["requests"].as_u64().unwrap();
+        assert!(n >= 2, "{m}");
+        assert_eq!(
+            m["bytes_verified"].as_u64().unwrap(),
+            n * per_request,
+            "{m}"
+        );
+        assert_eq!(m["bytes_delivered"], m["bytes_verified"], "{m}");
+        assert!(m["sustained_gbps"].as_f64().unwrap() > 0.0, "{m}");
+        for k in ["e2e_ms", "gather_ms", "load_ms"] {
+            let p = |q: &str| m[k][q].as_f64().unwrap_or_else(|| panic!("{k}.{q} in {m}"));
+            assert!(p("p50") <= p("p99") && p("p99") <= p("p999"), "{k} in {m}");
+        }
+        for side in ["sender", "receiver"] {
+            assert!(m["cpu_s_per_gb"][side].as_f64().unwrap() > 0.0, "{m}");
+        }
+        // More than one request of a sender was between submit and loaded at once.
+        let most = m["max_in_flight"].as_u64().unwrap();
+        assert!((2..=4).contains(&most), "{m}");
+    }
+    // Sampled verification: still verified, fewer bytes checked than delivered.
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push",
+            "--concurrency",
+            "2",
+            "--requests",
+            "10",
+            "--prompt-tokens",
+            "150",
+            "--verify",
+            "sample",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let m = &doc["modes"][0];
+    assert_eq!(m["verify"], "sample", "{m}");
+    assert_eq!(m["verified"], true, "{m}");
+    assert_eq!(m["requests"], 10, "{m}");
+    assert_eq!(
+        m["bytes_delivered"].as_u64().unwrap(),
+        10 * per_request,
+        "{m}"
+    );
+    // Requests 0 and 8 whole; the others' 3 pages at 2 bytes each.
+    assert_eq!(
+        m["bytes_verified"].as_u64().unwrap(),
+        2 * per_request + 8 * 3 * 2,
+        "{m}"
+    );
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(cfg);
+}
+
+/// `--sweep` runs a mode at doubling rates until it stops gaining (at
+/// least two steps), every step verified, and plots e2e p50 and p99
+/// against the delivered GB/s.
+#[test]
+fn sweep_runs_doubling_rates_and_plots_latency_against_throughput() {
+    let cfg = small_model_config("sweep.yaml");
+    let (json, plot) = (tmp("sweep.json"), tmp("sweep.svg"));
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--modes",
+            "push",
+            "--sweep",
+            "--rate",
+            "200",
+            "--duration",
+            "0.5",
+            "--concurrency",
+            "4",
+            "--prompt-tokens",
+            "150",
+            "--json",
+        ])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("rate /s"), "{stdout}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["sweep"], true);
+    let steps = doc["modes"].as_array().unwrap();
+    assert!((2..=10).contains(&steps.len()), "{doc}");
+    for (i, m) in steps.iter().enumerate() {
+        assert_eq!(m["mode"], "push", "{m}");
+        assert_eq!(
+            m["rate"].as_f64().unwrap(),
+            200.0 * f64::powi(2.0, i as i32),
+            "{m}"
+        );
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["bytes_verified"], m["bytes_delivered"], "{m}");
+        assert!(m["e2e_ms"]["p99"].is_number(), "{m}");
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg}");
+    for label in ["e2e latency (ms) vs delivered GB/s", "push p50", "push p99"] {
+        assert!(svg.contains(label), "the plot lacks {label:?}");
+    }
+    for f in [json, plot, cfg] {
+        let _ = std::fs::remove_file(f);
     }
 }
 

@@ -416,6 +416,9 @@ pub struct RunPrefill {
     layout: ChunkLayout,
     blocks: usize,
     rng: fastrand::Rng,
+    /// Thread CPU seconds spent generating and writing the KV (the bench's
+    /// stand-in for the model, not the library's work).
+    pub bench_cpu_s: f64,
 }
 
 impl RunPrefill {
@@ -440,6 +443,7 @@ impl RunPrefill {
             layout,
             blocks,
             rng: fastrand::Rng::with_seed(seed),
+            bench_cpu_s: 0.0,
         })
     }
 
@@ -456,11 +460,13 @@ impl RunPrefill {
     ) -> (PrefillTimes, Result<(), String>) {
         // The request's KV values exist before its prefill starts (what the
         // model would compute); writing them is part of each layer.
+        let cpu0 = crate::roles::thread_cpu_s();
         let chunks: Vec<Vec<u8>> = keys
             .iter()
             .zip(tokens)
             .map(|(k, &t)| chunk_bytes(&self.layout, k, t))
             .collect();
+        self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
         let total: usize = tokens.iter().sum();
         let mut blocks: Vec<usize> = (0..self.blocks).collect();
         self.rng.shuffle(&mut blocks);
@@ -494,7 +500,9 @@ impl RunPrefill {
             if !compute.is_zero() {
                 std::thread::sleep(compute);
             }
+            let cpu0 = crate::roles::thread_cpu_s();
             self.write_layer(&chunks, tokens, &slots, layer);
+            self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
             if layerwise {
                 if let Err(e) = self.saves.save_layer(req, layer) {
                     let _ = self.saves.close_layered(req);
@@ -556,6 +564,257 @@ impl RunPrefill {
             }
             first += t;
         }
+    }
+
+    /// Stops the save queue and frees the cache.
+    pub fn close(self) {
+        self.saves.shutdown();
+        drop(self.saves);
+        self.mem.release(self.cache);
+    }
+}
+
+/// A save [`OpenPrefill`] submitted: when, and the blocks it holds until
+/// the library reports the cache released.
+struct OpenSave {
+    submitted: f64,
+    blocks: Vec<usize>,
+    gathered: Option<f64>,
+}
+
+/// A request [`OpenPrefill`] is writing into its cache.
+struct Pending {
+    req: String,
+    keys: Vec<String>,
+    tokens: Vec<usize>,
+    chunks: Vec<Vec<u8>>,
+    spec: TransferSpec,
+    slots: Vec<i64>,
+    blocks: Vec<usize>,
+    /// The next chunk to write, and its first token.
+    next: usize,
+    first: usize,
+}
+
+/// How one open-loop save ended.
+pub struct OpenSaved {
+    pub req: String,
+    /// Submitted (wall seconds).
+    pub submitted: f64,
+    /// `SaveQueue::poll_cache_released` reported it (its gather is over).
+    pub gathered: f64,
+    /// `SaveQueue::poll` reported its end.
+    pub ended: f64,
+    pub result: Result<(), String>,
+}
+
+/// `ascend-bench run`'s open-loop prefill engine: a host KV cache with
+/// room for several requests at once, each written at blocks taken from a
+/// free list and saved with `SaveQueue::submit`; a request's blocks go
+/// back to the list when `SaveQueue::poll_cache_released` reports its save
+/// (or it ended), as an engine reuses KV blocks.
+pub struct OpenPrefill {
+    saves: SaveQueue,
+    cache: Arc<SharedKvCache>,
+    mem: EngineMemory,
+    free: Vec<usize>,
+    open: std::collections::HashMap<String, OpenSave>,
+    pending: Option<Pending>,
+    written: Vec<Vec<Vec<u8>>>,
+    rng: fastrand::Rng,
+    /// Thread CPU seconds spent generating and writing the KV (the bench's
+    /// stand-in for the model, not the library's work).
+    pub bench_cpu_s: f64,
+}
+
+impl OpenPrefill {
+    /// An engine for `in_flight` requests of up to `max_tokens` tokens.
+    pub fn start(
+        sender: Arc<Sender>,
+        max_tokens: usize,
+        in_flight: usize,
+        seed: u64,
+    ) -> anyhow::Result<OpenPrefill> {
+        let layout = sender.chunk_layout();
+        let blocks = max_tokens.div_ceil(RUN_BLOCK) * in_flight.max(1) + 2;
+        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK)?;
+        let base = mem.ptr.cast::<u8>();
+        for at in (0..mem.words * 8).step_by(4096) {
+            // SAFETY: `at` is inside the allocation of `words * 8` bytes,
+            // which nothing else uses yet (no save was queued).
+            unsafe { std::ptr::write_volatile(base.add(at), 0) };
+        }
+        Ok(OpenPrefill {
+            saves: SaveQueue::new(sender)?,
+            cache,
+            mem,
+            free: (0..blocks).collect(),
+            open: Default::default(),
+            pending: None,
+            written: Vec::new(),
+            rng: fastrand::Rng::with_seed(seed),
+            bench_cpu_s: 0.0,
+        })
+    }
+
+    /// Saves submitted whose end was not polled yet.
+    pub fn in_flight(&self) -> usize {
+        self.open.len() + usize::from(self.pending.is_some())
+    }
+
+    /// Saves submitted that still read the cache (their gather is not over).
+    pub fn gathering(&self) -> usize {
+        self.open.values().filter(|s| s.gathered.is_none()).count()
+    }
+
+    /// Whether the cache has free blocks for a request of `tokens` tokens
+    /// and no request is being written.
+    pub fn has_room(&self, tokens: usize) -> bool {
+        self.pending.is_none() && self.free.len() >= tokens.div_ceil(RUN_BLOCK)
+    }
+
+    /// Request `r`'s chunk bytes (each key's pattern), as the generator
+    /// thread makes them ahead of time.
+    /// Reuses `bufs` (an earlier request's, written already) so no fresh
+    /// memory is faulted in per request.
+    pub fn generate(
+        layout: &ChunkLayout,
+        keys: &[String],
+        tokens: &[usize],
+        mut bufs: Vec<Vec<u8>>,
+    ) -> Vec<Vec<u8>> {
+        bufs.resize_with(keys.len(), Vec::new);
+        for ((b, k), &t) in bufs.iter_mut().zip(keys).zip(tokens) {
+            b.resize(layout.bytes_for(t), 0);
+            pattern::fill(b, key_seed(k));
+        }
+        bufs
+    }
+
+    /// The chunk buffers of the requests written since the last call (for
+    /// [`OpenPrefill::generate`] to reuse).
+    pub fn take_written(&mut self) -> Option<Vec<Vec<u8>>> {
+        self.written.pop()
+    }
+
+    /// Whether a request's KV is being written (see [`OpenPrefill::step`]).
+    pub fn writing(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Starts request `req`: takes free blocks for its chunks (`keys`,
+    /// `tokens` tokens each, their bytes `chunks`, generated beforehand),
+    /// which [`OpenPrefill::step`] writes into the cache one chunk at a
+    /// time before submitting the save.
+    pub fn begin(
+        &mut self,
+        req: &str,
+        keys: Vec<String>,
+        tokens: &[usize],
+        chunks: Vec<Vec<u8>>,
+        spec: TransferSpec,
+    ) -> Result<(), String> {
+        let total: usize = tokens.iter().sum();
+        let need = total.div_ceil(RUN_BLOCK);
+        if self.free.len() < need || self.pending.is_some() {
+            return Err(format!("{req}: no free KV blocks"));
+        }
+        self.rng.shuffle(&mut self.free);
+        let blocks: Vec<usize> = self.free.drain(..need).collect();
+        let slots: Vec<i64> = (0..total)
+            .map(|t| (blocks[t / RUN_BLOCK] * RUN_BLOCK + t % RUN_BLOCK) as i64)
+            .collect();
+        self.pending = Some(Pending {
+            req: req.to_string(),
+            keys,
+            tokens: tokens.to_vec(),
+            chunks,
+            spec,
+            slots,
+            blocks,
+            next: 0,
+            first: 0,
+        });
+        Ok(())
+    }
+
+    /// Writes the next chunk of the request begun; after its last, submits
+    /// the save. `Some` when the request left the writer: its save was
+    /// submitted (`Ok`), or refused.
+    pub fn step(&mut self) -> Option<Result<String, (String, String)>> {
+        let p = self.pending.as_mut()?;
+        if p.next < p.chunks.len() {
+            let cpu0 = crate::roles::thread_cpu_s();
+            // Other saves may be gathering: write under the cache's lock,
+            // a chunk at a time so they interleave.
+            let _guard = self.cache.lock();
+            // SAFETY: the guard keeps every worker out of the cache.
+            let mem = unsafe { self.mem.bytes_mut() };
+            let spec = *self.cache.spec();
+            let t = p.tokens[p.next];
+            let chunk = &p.chunks[p.next];
+            for (at, from) in token_runs(&spec, t, &p.slots[p.first..p.first + t]) {
+                mem[at].copy_from_slice(&chunk[from]);
+            }
+            p.first += t;
+            p.next += 1;
+            drop(_guard);
+            self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
+            return None;
+        }
+        let mut p = self.pending.take()?;
+        self.written.push(std::mem::take(&mut p.chunks));
+        let save = SaveRequest {
+            keys: p.keys,
+            slot_mapping: p.slots,
+            spec: p.spec,
+        };
+        let submitted = crate::roles::wall();
+        if let Err(e) = self.saves.submit(save, &self.cache) {
+            self.free.extend(p.blocks);
+            return Some(Err((p.req, format!("save: {e}"))));
+        }
+        self.open.insert(
+            p.req.clone(),
+            OpenSave {
+                submitted,
+                blocks: p.blocks,
+                gathered: None,
+            },
+        );
+        Some(Ok(p.req))
+    }
+
+    /// Takes the library's news: saves whose gather is over give their
+    /// blocks back; the saves that ended are returned.
+    pub fn poll(&mut self) -> Vec<OpenSaved> {
+        let now = crate::roles::wall();
+        for id in self.saves.poll_cache_released() {
+            if let Some(s) = self.open.get_mut(&id) {
+                s.gathered = Some(now);
+                self.free.append(&mut s.blocks);
+            }
+        }
+        let mut out = Vec::new();
+        for c in self.saves.poll() {
+            let Some(mut s) = self.open.remove(&c.req_id) else {
+                continue;
+            };
+            // An ended save no longer reads the cache either.
+            self.free.append(&mut s.blocks);
+            out.push(OpenSaved {
+                req: c.req_id,
+                submitted: s.submitted,
+                gathered: s.gathered.unwrap_or(now),
+                ended: now,
+                result: match c.outcome {
+                    Outcome::Done => Ok(()),
+                    Outcome::Failed(why) => Err(format!("save: {why}")),
+                    Outcome::Cancelled => Err("save: cancelled".into()),
+                },
+            });
+        }
+        out
     }
 
     /// Stops the save queue and frees the cache.

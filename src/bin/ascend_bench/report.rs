@@ -14,6 +14,10 @@ pub struct Percentiles {
     pub p50: f64,
     /// 99th percentile (nearest rank).
     pub p99: f64,
+    /// 99.9th percentile (nearest rank: the maximum below 1000 samples).
+    pub p999: f64,
+    /// Samples.
+    pub n: usize,
 }
 
 impl Percentiles {
@@ -27,11 +31,23 @@ impl Percentiles {
         Percentiles {
             p50: at(0.50),
             p99: at(0.99),
+            p999: at(0.999),
+            n: v.len(),
         }
     }
 
     fn json(self) -> Value {
         json!({"p50": round3(self.p50), "p99": round3(self.p99)})
+    }
+
+    /// `{p50, p99, p999}`, or null without samples.
+    fn json3(self) -> Value {
+        match self.n {
+            0 => Value::Null,
+            _ => {
+                json!({"p50": round3(self.p50), "p99": round3(self.p99), "p999": round3(self.p999)})
+            }
+        }
     }
 }
 
@@ -105,6 +121,71 @@ pub struct ModeReport {
     pub save: String,
     /// The NPU runtime the workers used, if any.
     pub npu_runtime: Option<String>,
+    /// `--concurrency`, `--rate`, `--duration`: the open loop, if any.
+    pub open_loop: bool,
+    pub concurrency: usize,
+    pub rate: Option<f64>,
+    pub duration_s: Option<f64>,
+    /// `gather` (saved from an engine cache through `SaveQueue`) or
+    /// `direct` (pool pages written and put).
+    pub save_path: String,
+    /// `all` or `sample`.
+    pub verify: String,
+    /// Bytes loaded into decode KV caches (verified loads).
+    pub bytes_delivered: u64,
+    /// Bytes delivered per wall second in the steady window (see
+    /// [`STEADY_FROM`]).
+    pub sustained_gbps: f64,
+    /// The steady window's length, seconds.
+    pub steady_s: f64,
+    /// Arrival (submit, or the Poisson arrival under --rate) → loaded; of
+    /// the requests that arrived in the steady window, as are `gather_ms`
+    /// and `load_ms`.
+    pub e2e_ms: Percentiles,
+    /// Submit → `poll_cache_released` reported the save (open loop only).
+    pub gather_ms: Percentiles,
+    /// The decode load (fetch + scatter).
+    pub load_ms: Percentiles,
+    /// Process CPU seconds per GB delivered, senders and receivers, and
+    /// the part of each that is the bench's own work (generating / checking
+    /// the pattern).
+    pub cpu_s_per_gb: (f64, f64),
+    pub bench_cpu_s_per_gb: (f64, f64),
+    /// Most requests of one sender in flight at once (submit → loaded).
+    pub max_in_flight: usize,
+    /// Seconds the open-loop senders (summed) had a slot free but waited
+    /// for the bench's KV generator: above 0, the bench limited the rate.
+    pub generator_wait_s: f64,
+}
+
+/// The steady window starts this fraction of the mode's span (first
+/// arrival to last load) after its first arrival; deliveries before it are
+/// the warm-up.
+pub const STEADY_FROM: f64 = 0.10;
+
+/// Most intervals of one sender (`[submit, loaded]`, keyed by request id
+/// `PREFIX-N`) that overlap at once.
+fn max_overlap(spans: &[(String, f64, f64)]) -> usize {
+    let mut by: HashMap<&str, Vec<(f64, i32)>> = HashMap::new();
+    for (req, a, b) in spans {
+        let who = req.rsplit_once('-').map_or(req.as_str(), |(p, _)| p);
+        let e = by.entry(who).or_default();
+        e.push((*a, 1));
+        e.push((*b, -1));
+    }
+    by.into_values()
+        .map(|mut ev| {
+            // Ends before starts at the same instant.
+            ev.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+            let (mut n, mut most) = (0i32, 0i32);
+            for (_, d) in ev {
+                n += d;
+                most = most.max(n);
+            }
+            most as usize
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Joins the sender and receiver events of one mode.
@@ -128,7 +209,14 @@ pub fn summarize(
     let (mut first_start, mut last_end) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut bytes_verified = 0u64;
     let mut all_verified = clean && loads.len() == expected && puts.len() == expected;
+    let (mut e2e3, mut gather, mut spans, mut delivered) = (vec![], vec![], vec![], vec![]);
+    let mut first_arrival = f64::INFINITY;
     for (req, p) in puts {
+        let arrived = p["arrived_at"].as_f64().unwrap_or(f(p, "put_start"));
+        first_arrival = first_arrival.min(arrived);
+        if let Some(g) = p["gathered_at"].as_f64() {
+            gather.push((arrived, (g - f(p, "put_start")).max(0.0) * 1e3));
+        }
         let (ps, pe) = (f(p, "put_start"), f(p, "put_end"));
         put.push((pe - ps) * 1e3);
         let Some(l) = loads.get(req) else {
@@ -140,8 +228,13 @@ pub fn summarize(
             all_verified = false;
             continue;
         }
-        bytes_verified += l["bytes"].as_u64().unwrap_or(0);
+        bytes_verified += l["bytes_checked"]
+            .as_u64()
+            .unwrap_or_else(|| l["bytes"].as_u64().unwrap_or(0));
         let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));
+        e2e3.push((arrived, (le - arrived).max(0.0) * 1e3, (le - ls) * 1e3));
+        spans.push((req.clone(), f(p, "put_start"), le));
+        delivered.push((le, l["bytes"].as_u64().unwrap_or(0)));
         // Held: every key landed (push, push-layerwise, pull-eager), or
         // loaded into the decode cache (pull-delay: its bytes move then).
         let held = l["held_at"].as_f64().unwrap_or(ra);
@@ -175,7 +268,66 @@ pub fn summarize(
             last_end = last_end.max(resident);
         }
     }
+    // Sustained: bytes loaded after the warm-up over the rest of the span.
+    let last = delivered
+        .iter()
+        .map(|d| d.0)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let from = first_arrival + STEADY_FROM * (last - first_arrival);
+    let steady_bytes: u64 = delivered.iter().filter(|d| d.0 > from).map(|d| d.1).sum();
+    let steady_s = if last > from { last - from } else { 0.0 };
+    let bytes_delivered: u64 = delivered.iter().map(|d| d.1).sum();
+    let gb = bytes_delivered as f64 / 1e9;
+    let per_gb = |done: &[Value], k: &str| match gb > 0.0 {
+        true => {
+            done.iter()
+                .map(|v| v[k].as_f64().unwrap_or(0.0))
+                .sum::<f64>()
+                / gb
+        }
+        false => 0.0,
+    };
+    let (sends, receives) = (sender_done, receiver_done);
+    // Latencies under load: of the requests that arrived after the warm-up
+    // (all of them if none did).
+    let steady = |v: Vec<(f64, f64)>| -> Percentiles {
+        match v.iter().any(|x| x.0 >= from) {
+            true => Percentiles::of(v.into_iter().filter(|x| x.0 >= from).map(|x| x.1).collect()),
+            false => Percentiles::of(v.into_iter().map(|x| x.1).collect()),
+        }
+    };
+    let steady_loads: Vec<(f64, f64)> = e2e3.iter().map(|x| (x.0, x.2)).collect();
+    let e2e3: Vec<(f64, f64)> = e2e3.iter().map(|x| (x.0, x.1)).collect();
     Ok(ModeReport {
+        open_loop: spec.open_loop(),
+        concurrency: spec.concurrency,
+        rate: spec.rate,
+        duration_s: spec.duration,
+        save_path: match spec.engine_path(mode) {
+            true => "gather",
+            false => "direct",
+        }
+        .to_string(),
+        verify: spec.verify.clone(),
+        bytes_delivered,
+        sustained_gbps: match steady_s > 0.0 {
+            true => steady_bytes as f64 / steady_s / 1e9,
+            false => 0.0,
+        },
+        steady_s,
+        e2e_ms: steady(e2e3),
+        gather_ms: steady(gather),
+        load_ms: steady(steady_loads),
+        cpu_s_per_gb: (per_gb(sends, "cpu_s"), per_gb(receives, "cpu_s")),
+        bench_cpu_s_per_gb: (
+            per_gb(sends, "bench_cpu_s"),
+            per_gb(receives, "bench_cpu_s"),
+        ),
+        max_in_flight: max_overlap(&spans),
+        generator_wait_s: sends
+            .iter()
+            .map(|v| v["generator_wait_s"].as_f64().unwrap_or(0.0))
+            .sum(),
         mode: mode.to_string(),
         channel: spec.channel.name().to_string(),
         device: spec.device.to_string(),
@@ -282,6 +434,50 @@ pub fn table(modes: &[ModeReport]) -> String {
             }
         );
     }
+    if modes.iter().any(|m| m.open_loop) {
+        let _ = writeln!(
+            s,
+            "\n{:<20} {:>10} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+            "open loop",
+            "sust GB/s",
+            "e2e ms p50/p99/p999",
+            "gather ms p50/99",
+            "load ms p50/p99",
+            "cpu s/GB send/recv",
+            "in flight",
+            "verify"
+        );
+        for m in modes {
+            let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
+            let _ = writeln!(
+                s,
+                "{:<20} {:>10.2} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+                m.mode,
+                m.sustained_gbps,
+                format!(
+                    "{:.1}/{:.1}/{:.1}",
+                    m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
+                ),
+                pp(m.gather_ms),
+                pp(m.load_ms),
+                format!("{:.3}/{:.3}", m.cpu_s_per_gb.0, m.cpu_s_per_gb.1),
+                m.max_in_flight,
+                m.verify
+            );
+        }
+        if let Some(m) = modes.first() {
+            let _ = writeln!(
+                s,
+                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
+                m.concurrency,
+                m.rate.map_or("arrivals as fast as that allows".into(), |r| format!("Poisson arrivals at {r}/s")),
+                m.duration_s.map_or(format!("{} requests", m.requests), |d| format!("{d} s")),
+                STEADY_FROM * 100.0,
+                m.bench_cpu_s_per_gb.0,
+                m.bench_cpu_s_per_gb.1,
+            );
+        }
+    }
     if let Some(m) = modes.first() {
         let _ = writeln!(
             s,
@@ -311,7 +507,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "npu": modes.iter().find_map(|m| m.npu_runtime.clone()).unwrap_or_else(|| "none (cpu buffers)".into()),
             "ascend_hardware_tested": false,
         },
-        "modes": modes.iter().map(|m| json!({
+        "modes": modes.iter().map(|m| { let mut o = json!({
             "mode": m.mode,
             "channel": m.channel,
             "device": m.device,
@@ -338,7 +534,29 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "bytes_verified": m.bytes_verified,
             "verified": m.verified,
             "wall_s": round3(m.wall_s),
-        })).collect::<Vec<_>>(),
+            });
+            let more = json!({
+            "save_path": m.save_path,
+            "verify": m.verify,
+            "concurrency": m.concurrency,
+            "rate": m.rate,
+            "duration_s": m.duration_s,
+            "bytes_delivered": m.bytes_delivered,
+            "sustained_gbps": round3(m.sustained_gbps),
+            "steady_s": round3(m.steady_s),
+            "e2e_ms": m.e2e_ms.json3(),
+            "gather_ms": m.gather_ms.json3(),
+            "load_ms": m.load_ms.json3(),
+            "cpu_s_per_gb": {"sender": round3(m.cpu_s_per_gb.0), "receiver": round3(m.cpu_s_per_gb.1)},
+            "bench_cpu_s_per_gb": {"sender": round3(m.bench_cpu_s_per_gb.0), "receiver": round3(m.bench_cpu_s_per_gb.1)},
+            "max_in_flight": m.max_in_flight,
+            "generator_wait_s": round3(m.generator_wait_s),
+            });
+            if let (Some(o), Value::Object(more)) = (o.as_object_mut(), more) {
+                o.extend(more);
+            }
+            o
+        }).collect::<Vec<_>>(),
     })
 }
 
@@ -453,4 +671,158 @@ pub fn svg(modes: &[ModeReport]) -> Result<String> {
         root.present().map_err(|e| err(&e))?;
     }
     Ok(out)
+}
+
+/// `--sweep`'s table: one row per mode and rate.
+pub fn sweep_table(modes: &[ModeReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{:<20} {:>10} {:>10} {:>22} {:>20} {:>9} {:>9}",
+        "mode",
+        "rate /s",
+        "sust GB/s",
+        "e2e ms p50/p99/p999",
+        "cpu s/GB send/recv",
+        "requests",
+        "verified"
+    );
+    for m in modes {
+        let _ = writeln!(
+            s,
+            "{:<20} {:>10} {:>10.3} {:>22} {:>20} {:>9} {:>9}",
+            m.mode,
+            m.rate.map_or("-".into(), |r| format!("{r}")),
+            m.sustained_gbps,
+            format!(
+                "{:.1}/{:.1}/{:.1}",
+                m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
+            ),
+            format!("{:.3}/{:.3}", m.cpu_s_per_gb.0, m.cpu_s_per_gb.1),
+            m.requests,
+            if m.verified { "yes" } else { "FAILED" }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "rate: Poisson arrivals per second per sender, doubling each step until the mode saturates; see the open-loop notes of `run` for the columns."
+    );
+    s
+}
+
+/// `--sweep --plot`: e2e p50 and p99 (ms) against sustained GB/s, a line
+/// per mode and percentile, one point per rate.
+pub fn sweep_svg(modes: &[ModeReport]) -> Result<String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing the plot: {e}");
+    let mut names: Vec<&str> = modes.iter().map(|m| m.mode.as_str()).collect();
+    names.dedup();
+    let x_max = modes
+        .iter()
+        .map(|m| m.sustained_gbps)
+        .fold(0.0f64, f64::max)
+        .max(1e-3);
+    let y_max = modes
+        .iter()
+        .map(|m| m.e2e_ms.p99)
+        .fold(0.0f64, f64::max)
+        .max(1e-3);
+    let colors = [
+        RGBColor(0x4e, 0x79, 0xa7),
+        RGBColor(0xf2, 0x8e, 0x2b),
+        RGBColor(0x59, 0xa1, 0x4f),
+        RGBColor(0xe1, 0x57, 0x59),
+        RGBColor(0x76, 0xb7, 0xb2),
+    ];
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (760, 480)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("e2e latency (ms) vs delivered GB/s", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max * 1.1, 0f64..y_max * 1.1)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("sustained GB/s")
+            .y_desc("e2e ms")
+            .draw()
+            .map_err(|e| err(&e))?;
+        for (i, name) in names.iter().enumerate() {
+            let color = colors[i % colors.len()];
+            let pts = |p99: bool| -> Vec<(f64, f64)> {
+                let mut v: Vec<(f64, f64)> = modes
+                    .iter()
+                    .filter(|m| m.mode == *name)
+                    .map(|m| {
+                        (
+                            m.sustained_gbps,
+                            if p99 { m.e2e_ms.p99 } else { m.e2e_ms.p50 },
+                        )
+                    })
+                    .collect();
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                v
+            };
+            for (p99, label, width) in [(false, "p50", 1), (true, "p99", 3)] {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        pts(p99),
+                        color.stroke_width(width),
+                    )))
+                    .map_err(|e| err(&e))?
+                    .label(format!("{name} {label}"))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
+                    });
+                chart
+                    .draw_series(
+                        pts(p99)
+                            .into_iter()
+                            .map(|p| Circle::new(p, 3, color.filled())),
+                    )
+                    .map_err(|e| err(&e))?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In flight counts per sender (the id's prefix), an end and a start
+    /// at the same instant do not overlap.
+    #[test]
+    fn max_overlap_counts_one_senders_requests_at_once() {
+        let s = |r: &str, a: f64, b: f64| (r.to_string(), a, b);
+        let spans = [
+            s("push-s0.0-0", 0.0, 2.0),
+            s("push-s0.0-1", 1.0, 3.0),
+            s("push-s0.0-2", 3.0, 4.0),
+            s("push-s1.0-0", 0.5, 1.5),
+        ];
+        assert_eq!(max_overlap(&spans), 2);
+        assert_eq!(max_overlap(&spans[2..]), 1);
+        assert_eq!(max_overlap(&[]), 0);
+    }
+
+    #[test]
+    fn p999_is_the_nearest_rank() {
+        let p = Percentiles::of((1..=2000).map(f64::from).collect());
+        assert_eq!((p.p50, p.p99, p.p999, p.n), (1000.0, 1980.0, 1998.0, 2000));
+        assert_eq!(Percentiles::of(vec![]).json3(), Value::Null);
+    }
 }

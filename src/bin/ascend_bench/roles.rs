@@ -3,7 +3,7 @@
 //! print one JSON line per request on stdout, stop cleanly on SIGINT /
 //! SIGTERM, and can serve their counters in OpenMetrics text.
 
-use crate::engine::RunPrefill;
+use crate::engine::{OpenPrefill, RunPrefill};
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
@@ -166,6 +166,22 @@ struct SenderCli {
     /// --prefill-layer-ms > 0 and pd_layerwise: true.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     engine: bool,
+    /// Open loop: keep up to --concurrency requests in flight (a request
+    /// is in flight until a line on stdin says it loaded), arriving at
+    /// --rate per second (Poisson; default: as fast as the concurrency
+    /// allows), for --duration seconds or --requests requests; each saved
+    /// from an engine cache through `SaveQueue::submit`.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    open_loop: bool,
+    /// Requests in flight at once (--open-loop).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Poisson arrivals per second (--open-loop).
+    #[arg(long, value_name = "R")]
+    rate: Option<f64>,
+    /// Keep requests arriving for S seconds instead of --requests (--open-loop).
+    #[arg(long, value_name = "S")]
+    duration: Option<f64>,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -264,7 +280,55 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         p.map_or(usize::MAX, |p| p.free)
     };
     let mut ok = true;
+    let mut bench_cpu_s = 0.0;
+    // CPU time from the first request on (start-up is not per byte).
+    let mut cpu_start = process_cpu_s();
+    let mut max_in_flight = 0;
+    let mut generator_wait_s = 0.0;
+    if a.open_loop {
+        if hetero || config.layerwise || layer_ms > 0.0 {
+            bail!("--open-loop needs the same TP size on both sides, whole-request saves and no --prefill-layer-ms");
+        }
+        let open = OpenLoop {
+            concurrency: a.concurrency.max(1),
+            rate: a.rate,
+            duration: a.duration.map(Duration::from_secs_f64),
+            requests,
+        };
+        let mut engine = OpenPrefill::start(
+            Arc::clone(&sender),
+            prompt,
+            open.concurrency,
+            0x5eed ^ rank as u64,
+        )?;
+        cpu_start = process_cpu_s();
+        let targets_of = |r: usize| {
+            spec_to(
+                &targets[(first + r) % targets.len()],
+                &format!("{prefix}-{r}"),
+            )
+        };
+        let (good, most, waited) = run_open_loop(
+            &open,
+            &mut engine,
+            &prefix,
+            &tokens,
+            layout,
+            targets_of,
+            &primary_free,
+            sender.mode(),
+            &registry,
+        )?;
+        ok &= good;
+        max_in_flight = most;
+        generator_wait_s = waited;
+        bench_cpu_s += engine.bench_cpu_s;
+        engine.close();
+    }
     for r in 0..requests {
+        if a.open_loop {
+            break;
+        }
         if stopping() {
             eprintln!("sender: stopping on signal");
             break;
@@ -351,9 +415,11 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             .allocator()
             .allocate_batch_until(&metas, Instant::now() + Duration::from_secs(60))
             .context("allocating a request's chunks")?;
+        let cpu0 = thread_cpu_s();
         for (c, k) in pages.iter_mut().zip(&keys) {
             fill_chunk(c, key_seed(k))?;
         }
+        bench_cpu_s += thread_cpu_s() - cpu0;
         // Filled: from now on the chunks are only read (sent, or read by receivers).
         let chunks: Vec<SealedMemObj> = pages.into_iter().map(MemObj::seal).collect();
         // Requests go round-robin over the receivers.
@@ -362,6 +428,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         publish_sender(&registry, &sender, layout.page_bytes() as u64);
     }
     if let Some(engine) = engine.take() {
+        bench_cpu_s += engine.bench_cpu_s;
         engine.close();
     }
     // Pins are released by the receivers' Done; give them time, bounded.
@@ -380,8 +447,219 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "pool_allocated": primary.map_or(0, |p| p.allocated),
         "bytes_written": st.bytes_written,
         "pulls_expired": st.pulls.expired,
+        "cpu_s": process_cpu_s() - cpu_start,
+        "bench_cpu_s": bench_cpu_s,
+        "max_in_flight": max_in_flight,
+        "generator_wait_s": generator_wait_s,
     }));
     Ok(ok && drained)
+}
+
+/// This process's CPU time so far (user + system, every thread), seconds.
+pub fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage writes the struct it is given; zeroed is a valid
+    // rusage.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable rusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// The calling thread's CPU time so far, seconds (to take the bench's own
+/// work — generating and checking the pattern — out of the library's).
+pub fn thread_cpu_s() -> f64 {
+    // SAFETY: a zeroed timespec is valid; clock_gettime writes into it.
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `t` is a valid, writable timespec.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0.0;
+    }
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// What an open-loop sender runs.
+struct OpenLoop {
+    concurrency: usize,
+    rate: Option<f64>,
+    duration: Option<Duration>,
+    requests: usize,
+}
+
+/// The open-loop sender: requests arrive (Poisson at `rate`, or whenever
+/// one may start), each starts once fewer than `concurrency` are in flight
+/// (the orchestrator returns one credit per line on stdin, when a request
+/// loaded or its save failed), is written into the engine cache and saved
+/// through `SaveQueue::submit`; several saves run at once. Emits one `put`
+/// event per save as it ends. Whether every save succeeded, and the most
+/// requests in flight at once.
+#[allow(clippy::too_many_arguments)]
+fn run_open_loop(
+    open: &OpenLoop,
+    engine: &mut OpenPrefill,
+    prefix: &str,
+    tokens: &[usize],
+    layout: ChunkLayout,
+    spec_of: impl Fn(usize) -> TransferSpec,
+    primary_free: &dyn Fn() -> usize,
+    mode: TransferMode,
+    registry: &Registry,
+) -> Result<(bool, usize, f64)> {
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("bench-credits".into())
+        .spawn(move || {
+            let mut line = String::new();
+            while matches!(std::io::stdin().read_line(&mut line), Ok(n) if n > 0) {
+                line.clear();
+                if go_tx.send(()).is_err() {
+                    break;
+                }
+            }
+        })?;
+    let n_chunks = tokens.len();
+    let total_tokens: usize = tokens.iter().sum();
+    let mut rng = fastrand::Rng::with_seed(0xa77 ^ key_seed(prefix));
+    let gap = |rng: &mut fastrand::Rng| match open.rate {
+        // Exponential gaps: Poisson arrivals.
+        Some(r) => Duration::from_secs_f64(-(1.0 - rng.f64()).ln() / r),
+        None => Duration::ZERO,
+    };
+    // The bench's stand-in for the model: each request's KV (the pattern
+    // of its keys) made ahead on its own thread, one request ahead, so
+    // the loop keeps polling while it is made.
+    let (make_tx, made) = std::sync::mpsc::sync_channel(1);
+    let (reuse_tx, reuse_rx) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+    {
+        let (prefix, tokens) = (prefix.to_string(), tokens.to_vec());
+        let limit = match open.duration {
+            Some(_) => usize::MAX,
+            None => open.requests,
+        };
+        std::thread::Builder::new()
+            .name("bench-kv-gen".into())
+            .spawn(move || {
+                for r in 0..limit {
+                    let cpu0 = thread_cpu_s();
+                    let req_id = format!("{prefix}-{r}");
+                    let keys: Vec<String> =
+                        (0..tokens.len()).map(|i| chunk_key(&req_id, i)).collect();
+                    let bufs = reuse_rx.try_recv().unwrap_or_default();
+                    let chunks = OpenPrefill::generate(&layout, &keys, &tokens, bufs);
+                    let cpu = thread_cpu_s() - cpu0;
+                    if make_tx.send((req_id, keys, chunks, cpu)).is_err() {
+                        break;
+                    }
+                }
+            })?;
+    }
+    let (mut generator_wait, mut want_since) = (0.0, None::<Instant>);
+    let start = Instant::now();
+    let mut next_arrival = start;
+    let (mut credits, mut r, mut ok, mut most) = (open.concurrency, 0usize, true, 0usize);
+    let mut arrived: std::collections::HashMap<String, f64> = Default::default();
+    let mut bytes_of: std::collections::HashMap<String, u64> = Default::default();
+    loop {
+        let now = Instant::now();
+        let arriving = !stopping()
+            && match open.duration {
+                Some(d) => now < start + d,
+                None => r < open.requests,
+            };
+        if !arriving && engine.in_flight() == 0 {
+            break;
+        }
+        while go_rx.try_recv().is_ok() {
+            credits += 1;
+        }
+        let mut busy = false;
+        let ready = arriving
+            && credits > 0
+            && now >= next_arrival
+            && engine.has_room(total_tokens)
+            && primary_free() >= n_chunks * (engine.gathering() + 1);
+        // The next request's KV, made ahead by the generator thread (the
+        // time it is not ready yet is the bench's, reported).
+        let next = match ready {
+            false => None,
+            true => match made.try_recv() {
+                Ok(x) => Some(x),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    want_since.get_or_insert(now);
+                    None
+                }
+                Err(_) => bail!("the KV generator thread stopped"),
+            },
+        };
+        if let Some((req_id, keys, chunks, cpu)) = next {
+            if let Some(w) = want_since.take() {
+                generator_wait += w.elapsed().as_secs_f64();
+            }
+            engine.bench_cpu_s += cpu;
+            // A request that waited (for a slot, or for its KV to be made)
+            // arrived earlier; that wait counts, the write into the engine
+            // cache that follows does not (it is the bench's).
+            let queued = now.duration_since(next_arrival).as_secs_f64();
+            let spec = spec_of(r);
+            credits -= 1;
+            most = most.max(open.concurrency - credits);
+            r += 1;
+            next_arrival += gap(&mut rng);
+            if open.rate.is_none() {
+                next_arrival = now;
+            }
+            let bytes: u64 = tokens.iter().map(|&t| layout.bytes_for(t) as u64).sum();
+            arrived.insert(req_id.clone(), queued);
+            bytes_of.insert(req_id.clone(), bytes);
+            if let Err(e) = engine.begin(&req_id, keys, tokens, chunks, spec) {
+                bail!("{e}");
+            }
+            busy = true;
+        }
+        if let Some(bufs) = engine.take_written() {
+            let _ = reuse_tx.send(bufs);
+        }
+        if engine.writing() {
+            busy = true;
+            if let Some(Err((req_id, e))) = engine.step() {
+                eprintln!("sender: {req_id}: {e}");
+                ok = false;
+                emit(json!({
+                    "event": "put", "req": req_id, "chunks": n_chunks,
+                    "bytes": bytes_of.remove(&req_id).unwrap_or(0),
+                    "put_start": wall(), "put_end": wall(), "outcome": "error",
+                    "save": "submit", "save_path": "gather",
+                }));
+            }
+        }
+        for s in engine.poll() {
+            let outcome = match (&s.result, mode) {
+                (Err(e), _) => {
+                    eprintln!("sender: {}: {e}", s.req);
+                    ok = false;
+                    "error"
+                }
+                (Ok(()), TransferMode::Push) => "pushed",
+                (Ok(()), _) => "announced",
+            };
+            let bytes = bytes_of.remove(&s.req).unwrap_or(0);
+            registry.inc("ascend_pd_sender_puts", 1);
+            registry.inc("ascend_pd_sender_put_bytes", bytes);
+            emit(json!({
+                "event": "put", "req": s.req, "chunks": n_chunks, "bytes": bytes,
+                "arrived_at": s.submitted - arrived.remove(&s.req).unwrap_or(0.0),
+                "put_start": s.submitted, "put_end": s.ended, "gathered_at": s.gathered,
+                "prefill_start": s.submitted, "prefill_end": s.submitted,
+                "outcome": outcome, "save": "submit", "save_path": "gather",
+            }));
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    Ok((ok, most, generator_wait))
 }
 
 /// Writes the key's pattern into a chunk: directly on host pages, through
@@ -629,6 +907,11 @@ struct ReceiverCli {
     /// pull-eager). Reported as `held_at` in its load event.
     #[arg(long, value_name = "PREFIX/START/STEP")]
     watch: Vec<String>,
+    /// `all`: check every byte of every request; `sample`: every byte of
+    /// one request in eight (ids ending in a multiple of 8), the first and
+    /// last byte of every page of the others.
+    #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
+    verify: String,
 }
 
 pub fn receiver_main(args: &[String]) -> Result<bool> {
@@ -658,6 +941,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     install_signal_handlers();
     let receiver = Arc::new(Receiver::start(&config, rank)?);
     let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth)?;
+    decode.sample = a.verify == "sample";
     let watch_stop = Arc::new(AtomicBool::new(false));
     // Pull-delay holds proxies, never landed keys: its requests are held
     // once loaded.
@@ -705,6 +989,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         eprintln!("receiver: NPU via the {note}");
     }
     emit(json!({"event": "receiver_ready", "npu_runtime": runtime}));
+    // CPU time from now on (start-up is not per byte).
+    let cpu_start = process_cpu_s();
     let page = config.page_bytes();
     let mut served = 0usize;
     let mut seen: std::collections::HashSet<String> = Default::default();
@@ -781,6 +1067,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         "served": served,
         "peak_buffer_bytes": peak_pages as u64 * page,
         "bytes_read": st.bytes_read,
+        "cpu_s": process_cpu_s() - cpu_start,
+        "bench_cpu_s": decode.bench_cpu_s,
     }));
     watch_stop.store(true, Ordering::SeqCst);
     if let Some(w) = watcher {
@@ -858,6 +1146,10 @@ struct DecodeSide {
     layout: ChunkLayout,
     rng: u64,
     opts: LoadOptions,
+    /// `--verify sample`.
+    sample: bool,
+    /// Thread CPU seconds spent checking the KV cache (the bench's work).
+    bench_cpu_s: f64,
 }
 
 impl DecodeSide {
@@ -888,6 +1180,8 @@ impl DecodeSide {
                 max_depth: depth.max(1),
                 ..LoadOptions::default()
             },
+            sample: false,
+            bench_cpu_s: 0.0,
         })
     }
 
@@ -988,6 +1282,7 @@ impl DecodeSide {
                 _ => ready_at,
             },
             "depth": report.depth, "verified": verified, "pieces_per_chunk": sources.len(),
+            "bytes_checked": bytes,
             "load_path": report.load_path(),
         }))
     }
@@ -1032,8 +1327,17 @@ impl DecodeSide {
         let report = r.load_with(&keys, &slots, &mut self.cache, &self.opts)?;
         let load_end = wall();
         let mut bytes = 0u64;
+        let mut checked = 0u64;
         let mut verified = report.loaded.len() == keys.len();
         let mut first = 0;
+        // Sampled: one request in eight whole, the others' pages at their
+        // first and last byte.
+        let whole = !self.sample
+            || req_id
+                .rsplit_once('-')
+                .and_then(|(_, n)| n.parse::<usize>().ok())
+                .is_none_or(|n| n % 8 == 0);
+        let cpu0 = thread_cpu_s();
         for (k, &t) in keys.iter().zip(&tokens) {
             let mut page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
             self.cache.gather(&slots[first..first + t], &mut page)?;
@@ -1042,13 +1346,35 @@ impl DecodeSide {
             let b = page
                 .host_bytes()
                 .ok_or_else(|| anyhow!("scratch pages are host pages"))?;
-            if let Some(at) = pattern::first_mismatch(b, key_seed(k)) {
+            let seed = key_seed(k);
+            let bad = match whole {
+                true => {
+                    checked += b.len() as u64;
+                    pattern::first_mismatch(b, seed)
+                }
+                false => {
+                    let last = b.len().saturating_sub(1);
+                    let mut want = [0u8; 1];
+                    let mut bad = None;
+                    for at in [0, last] {
+                        pattern::fill_at(&mut want, seed, at);
+                        if b.get(at) != Some(&want[0]) {
+                            bad = Some(at);
+                            break;
+                        }
+                    }
+                    checked += b.len().min(2) as u64;
+                    bad
+                }
+            };
+            if let Some(at) = bad {
                 eprintln!(
                     "receiver: {k}: byte {at} in the KV cache differs from what the sender wrote"
                 );
                 verified = false;
             }
         }
+        self.bench_cpu_s += thread_cpu_s() - cpu0;
         for k in &keys {
             r.remove(k);
         }
@@ -1061,6 +1387,7 @@ impl DecodeSide {
                 _ => held_at,
             },
             "depth": report.depth, "verified": verified, "load_path": report.load_path(),
+            "bytes_checked": checked, "verify": if whole { "all" } else { "sample" },
         }))
     }
 }

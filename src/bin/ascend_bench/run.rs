@@ -52,6 +52,14 @@ pub struct RunSpec {
     pub pools: (u64, u64),
     /// `--prefill-layer-ms`, if given.
     pub prefill_layer_ms: Option<f64>,
+    /// Requests in flight per sender (`--concurrency`).
+    pub concurrency: usize,
+    /// Poisson arrivals per second per sender (`--rate`), if given.
+    pub rate: Option<f64>,
+    /// Seconds per mode instead of `requests` (`--duration`), if given.
+    pub duration: Option<f64>,
+    /// `all` or `sample` (`--verify`).
+    pub verify: String,
 }
 
 impl RunSpec {
@@ -59,7 +67,14 @@ impl RunSpec {
     /// through the request API: when --prefill-layer-ms is given (every
     /// mode, so they compare alike), and always for push-layerwise.
     pub fn engine_path(&self, mode: &str) -> bool {
-        self.prefill_layer_ms.is_some() || mode == "push-layerwise"
+        self.prefill_layer_ms.is_some() || mode == "push-layerwise" || self.open_loop()
+    }
+
+    /// Whether any of --concurrency (above 1), --rate or --duration was
+    /// given: senders run open loop (several requests in flight, saved
+    /// from an engine cache through the request API).
+    pub fn open_loop(&self) -> bool {
+        self.concurrency > 1 || self.rate.is_some() || self.duration.is_some()
     }
 }
 
@@ -170,6 +185,31 @@ struct RunCli {
     /// Ping-pong pages per pool on the decode side (staged pull-delay).
     #[arg(long, default_value_t = 4)]
     depth: usize,
+    /// Requests in flight per sender (1: closed loop, each request starts
+    /// when the previous one loaded). Above 1, or with --rate or
+    /// --duration, senders run open loop and save from an engine cache
+    /// through the request API (several saves in flight).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Poisson arrivals per second per sender [default: as fast as
+    /// --concurrency allows]; a request that finds no free slot waits, and
+    /// its e2e latency counts from its arrival.
+    #[arg(long, value_name = "R")]
+    rate: Option<f64>,
+    /// Run each mode for S seconds of arrivals instead of --requests.
+    #[arg(long, value_name = "S")]
+    duration: Option<f64>,
+    /// `all`: every byte of every request; `sample`: every byte of one
+    /// request in eight, the first and last byte of every page of the others.
+    #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
+    verify: String,
+    /// Run each mode at a series of --rate values, doubling from --rate
+    /// [default: 4/s], for --duration each [default: 3 s], until it
+    /// saturates (sustained GB/s grew by less than 10% over the best so far,
+    /// or e2e p99 exceeded 10x the first step's) or 10 steps; with --plot,
+    /// draw e2e p50 and p99 against sustained GB/s.
+    #[arg(long)]
+    sweep: bool,
     /// Write the machine-readable report here.
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
@@ -195,12 +235,26 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         .parse()
         .map_err(|_| anyhow!("--device {:?}: expected cpu, npu or npu:N", a.device))?;
     let hetero = a.prefill_tp.unwrap_or(a.tp) != a.decode_tp.unwrap_or(a.tp);
+    let open = a.concurrency > 1 || a.rate.is_some() || a.duration.is_some() || a.sweep;
+    if a.concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    if let Some(r) = a.rate {
+        if !r.is_finite() || r <= 0.0 {
+            bail!("--rate {r}: expected arrivals per second, above 0");
+        }
+    }
+    if let Some(d) = a.duration {
+        if !d.is_finite() || d <= 0.0 {
+            bail!("--duration {d}: expected seconds, above 0");
+        }
+    }
     let modes: Vec<String> = match &a.modes {
         Some(m) => m.split(',').map(|m| m.trim().to_string()).collect(),
         // The bench's layer-by-layer prefill needs the same TP on both sides.
         None => MODES
             .iter()
-            .filter(|m| !(hetero && **m == "push-layerwise"))
+            .filter(|m| !((hetero || open) && **m == "push-layerwise"))
             .map(|m| m.to_string())
             .collect(),
     };
@@ -213,6 +267,14 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         bail!(
             "--prefill-layer-ms and push-layerwise need the same TP size on both sides (the \
              bench's engine prefill does not split heads)"
+        );
+    }
+    if open
+        && (hetero || a.prefill_layer_ms.is_some() || modes.iter().any(|m| m == "push-layerwise"))
+    {
+        bail!(
+            "--concurrency, --rate and --duration need the same TP size on both sides, no \
+             --prefill-layer-ms and no push-layerwise (the open-loop sender saves whole requests)"
         );
     }
     for m in &modes {
@@ -237,6 +299,10 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         pools: (0, 0),
         base,
         prefill_layer_ms: a.prefill_layer_ms,
+        concurrency: a.concurrency,
+        rate: a.rate,
+        duration: a.duration,
+        verify: a.verify.clone(),
     };
     let (json_path, plot_path) = (a.json, a.plot);
     if spec.requests == 0 || spec.prompt_tokens == 0 {
@@ -266,6 +332,15 @@ pub fn run_main(args: &[String]) -> Result<bool> {
             ),
         }
     }
+    if a.sweep {
+        return sweep(
+            spec,
+            a.rate.unwrap_or(4.0),
+            a.duration.unwrap_or(3.0),
+            json_path,
+            plot_path,
+        );
+    }
     let result = run(spec)?;
     let verified = result.iter().all(|m| m.verified);
     println!("{}", report::table(&result));
@@ -285,15 +360,88 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     Ok(verified)
 }
 
+/// Steps of a sweep at most.
+const SWEEP_STEPS: usize = 10;
+
+/// `--sweep`: each mode at doubling rates until it saturates.
+fn sweep(
+    mut spec: RunSpec,
+    first: f64,
+    duration: f64,
+    json_path: Option<String>,
+    plot_path: Option<String>,
+) -> Result<bool> {
+    spec.duration = Some(duration);
+    let mut live = spec.modes.clone();
+    let mut all: Vec<ModeReport> = Vec::new();
+    // Per mode: the first step's e2e p99 and the best sustained GB/s so far.
+    let mut seen: HashMap<String, (f64, f64)> = HashMap::new();
+    let mut rate = first;
+    for _ in 0..SWEEP_STEPS {
+        if live.is_empty() {
+            break;
+        }
+        eprintln!("sweep: {rate}/s per sender: {}", live.join(", "));
+        let step = run(RunSpec {
+            rate: Some(rate),
+            modes: live.clone(),
+            ..spec.clone()
+        })?;
+        for m in step {
+            let (p99_0, best) = *seen.entry(m.mode.clone()).or_insert((m.e2e_ms.p99, 0.0));
+            let why = match () {
+                _ if !m.verified => Some("failed".to_string()),
+                _ if m.sustained_gbps < best * 1.1 => Some(format!(
+                    "saturated: {:.3} GB/s, no more than 10% over {best:.3}",
+                    m.sustained_gbps
+                )),
+                _ if m.e2e_ms.p99 > 10.0 * p99_0 => Some(format!(
+                    "saturated: e2e p99 {:.1} ms, over 10x the first step's {p99_0:.1}",
+                    m.e2e_ms.p99
+                )),
+                _ => None,
+            };
+            if let Some(why) = why {
+                eprintln!("sweep: {} stops at {rate}/s: {why}", m.mode);
+                live.retain(|x| *x != m.mode);
+            }
+            if let Some(s) = seen.get_mut(&m.mode) {
+                s.1 = s.1.max(m.sustained_gbps);
+            }
+            all.push(m);
+        }
+        rate *= 2.0;
+    }
+    let verified = all.iter().all(|m| m.verified);
+    println!("{}", report::sweep_table(&all));
+    let mut doc = report::json_doc(&all);
+    doc["sweep"] = json!(true);
+    if let Some(p) = json_path {
+        std::fs::write(&p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if let Some(p) = plot_path {
+        std::fs::write(&p, report::sweep_svg(&all)?).with_context(|| format!("writing {p}"))?;
+        eprintln!("wrote {p}");
+    }
+    if !verified {
+        eprintln!("error: the sweep did not complete with every byte verified (see above)");
+    }
+    Ok(verified)
+}
+
 /// Runs every mode of `spec` and reports each.
 pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
     let page = spec.base.page_bytes();
     let chunks = spec.prompt_tokens.div_ceil(spec.base.chunk_size) as u64;
     // Sender pool: a few requests in flight (pull pins until Done).
     // Receiver pool: push/eager hold requests until loaded.
+    // Open loop: room for every request in flight, and the next one.
+    let inflight = spec.concurrency as u64;
     spec.pools = (
-        (chunks * 4).max(8) * page,
-        (chunks * 4 * spec.senders as u64).max(8) * page,
+        (chunks * 4.max(inflight + 2)).max(8) * page,
+        (chunks * 4.max(inflight + 1) * spec.senders as u64).max(8) * page,
     );
     let bytes_per_request = spec.base.chunk_layout().bytes_for(spec.base.chunk_size) as u64
         * (spec.prompt_tokens / spec.base.chunk_size) as u64
@@ -417,6 +565,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     let (tx, rx) = mpsc::channel();
     let (ptp, dtp) = (spec.prefill_tp, spec.decode_tp);
     let hetero = ptp != dtp;
+    let open = spec.open_loop();
     let proxy_port = free_port()?;
     let mut procs = Vec::new();
     // Receivers: each serves every TP rank on its own ports.
@@ -457,12 +606,17 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--config={}", path.display()),
                 format!("--rank={rank}"),
                 format!("--notify-port={np}"),
-                format!("--requests={mine}"),
                 format!("--kv-tokens={}", spec.prompt_tokens),
                 format!("--depth={}", spec.depth),
+                format!("--verify={}", spec.verify),
             ];
             args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
-            if !hetero {
+            // Open loop: the receivers serve until told to stop (SIGTERM),
+            // once every request the senders saved has loaded.
+            if !open {
+                args.push(format!("--requests={mine}"));
+            }
+            if !hetero && !open {
                 // Each sender's requests for this receiver, to note when
                 // each is held: request r of sender s goes to (s + r) % D.
                 let n = spec.receivers;
@@ -537,8 +691,19 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--prompt-tokens={}", spec.prompt_tokens),
                 format!("--prefix={prefix}"),
                 format!("--first-receiver={s}"),
-                "--paced=true".to_string(),
             ];
+            if open {
+                args.push("--open-loop=true".into());
+                args.push(format!("--concurrency={}", spec.concurrency));
+                if let Some(r) = spec.rate {
+                    args.push(format!("--rate={r}"));
+                }
+                if let Some(d) = spec.duration {
+                    args.push(format!("--duration={d}"));
+                }
+            } else {
+                args.push("--paced=true".into());
+            }
             if spec.engine_path(mode) {
                 args.push("--engine=true".into());
                 args.push(format!(
@@ -567,6 +732,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
     let senders = spec.senders * ptp;
     let mut senders_exited = 0;
     let mut reported: Vec<String> = Vec::new();
+    // Open loop: requests saved (each will load), and whether the
+    // receivers were told to stop.
+    let (mut saved, mut stopped) = (0usize, false);
     while exited < procs.len() - 1 {
         let left = deadline.saturating_duration_since(Instant::now());
         let Ok((who, v)) = rx.recv_timeout(left) else {
@@ -575,6 +743,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         };
         match v["event"].as_str() {
             Some("put") => {
+                if v["outcome"] == "pushed" || v["outcome"] == "announced" {
+                    saved += 1;
+                }
                 if v["outcome"] != "pushed" && v["outcome"] != "announced" {
                     failures.push(format!("{who}: put {} -> {}", v["req"], v["outcome"]));
                     // No load will follow: let that sender go on regardless.
@@ -651,6 +822,16 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
             }
             _ => {}
         }
+        if open && !stopped && senders_exited == senders && loads.len() >= saved {
+            // Every saved request loaded: the receivers may go.
+            stopped = true;
+            for p in procs.iter().filter(|p| p.name.starts_with("receiver")) {
+                // SAFETY: sending SIGTERM to our own child process.
+                unsafe {
+                    libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM);
+                }
+            }
+        }
     }
     let elapsed = t0.elapsed();
     bar.finish();
@@ -685,7 +866,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         &loads,
         &sender_done,
         &receiver_done,
-        total,
+        if open { puts.len() } else { total },
         failures.is_empty(),
         elapsed,
     )?;
