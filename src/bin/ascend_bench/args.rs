@@ -22,3 +22,23 @@ pub fn parse<T: clap::Parser>(command: &str, args: &[String]) -> Result<Option<T
         }
     }
 }
+
+/// How requests arrive: the open-loop flags `run` takes and passes on to
+/// its sender processes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoadArgs {
+    /// Requests in flight per sender (1: closed loop, each request starts
+    /// when the previous one loaded). Above 1, or with --rate or
+    /// --duration, senders run open loop and save from an engine cache
+    /// through the request API (several saves in flight).
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    /// Poisson arrivals per second per sender [default: as fast as
+    /// --concurrency allows]; a request that finds no free slot waits, and
+    /// its e2e latency counts from its arrival.
+    #[arg(long, value_name = "R")]
+    pub rate: Option<f64>,
+    /// Keep requests arriving for S seconds instead of --requests.
+    #[arg(long, value_name = "S")]
+    pub duration: Option<f64>,
+}

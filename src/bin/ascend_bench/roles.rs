@@ -173,15 +173,9 @@ struct SenderCli {
     /// from an engine cache through `SaveQueue::submit`.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     open_loop: bool,
-    /// Requests in flight at once (--open-loop).
-    #[arg(long, default_value_t = 1)]
-    concurrency: usize,
-    /// Poisson arrivals per second (--open-loop).
-    #[arg(long, value_name = "R")]
-    rate: Option<f64>,
-    /// Keep requests arriving for S seconds instead of --requests (--open-loop).
-    #[arg(long, value_name = "S")]
-    duration: Option<f64>,
+    /// How requests arrive (with --open-loop).
+    #[command(flatten)]
+    load: crate::args::LoadArgs,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -290,9 +284,9 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             bail!("--open-loop needs the same TP size on both sides, whole-request saves and no --prefill-layer-ms");
         }
         let open = OpenLoop {
-            concurrency: a.concurrency.max(1),
-            rate: a.rate,
-            duration: a.duration.map(Duration::from_secs_f64),
+            concurrency: a.load.concurrency.max(1),
+            rate: a.load.rate,
+            duration: a.load.duration.map(Duration::from_secs_f64),
             requests,
         };
         let mut engine = OpenPrefill::start(

@@ -185,20 +185,9 @@ struct RunCli {
     /// Ping-pong pages per pool on the decode side (staged pull-delay).
     #[arg(long, default_value_t = 4)]
     depth: usize,
-    /// Requests in flight per sender (1: closed loop, each request starts
-    /// when the previous one loaded). Above 1, or with --rate or
-    /// --duration, senders run open loop and save from an engine cache
-    /// through the request API (several saves in flight).
-    #[arg(long, default_value_t = 1)]
-    concurrency: usize,
-    /// Poisson arrivals per second per sender [default: as fast as
-    /// --concurrency allows]; a request that finds no free slot waits, and
-    /// its e2e latency counts from its arrival.
-    #[arg(long, value_name = "R")]
-    rate: Option<f64>,
-    /// Run each mode for S seconds of arrivals instead of --requests.
-    #[arg(long, value_name = "S")]
-    duration: Option<f64>,
+    /// How requests arrive.
+    #[command(flatten)]
+    load: crate::args::LoadArgs,
     /// `all`: every byte of every request; `sample`: every byte of one
     /// request in eight, the first and last byte of every page of the others.
     #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
@@ -235,16 +224,17 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         .parse()
         .map_err(|_| anyhow!("--device {:?}: expected cpu, npu or npu:N", a.device))?;
     let hetero = a.prefill_tp.unwrap_or(a.tp) != a.decode_tp.unwrap_or(a.tp);
-    let open = a.concurrency > 1 || a.rate.is_some() || a.duration.is_some() || a.sweep;
-    if a.concurrency == 0 {
+    let open =
+        a.load.concurrency > 1 || a.load.rate.is_some() || a.load.duration.is_some() || a.sweep;
+    if a.load.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
-    if let Some(r) = a.rate {
+    if let Some(r) = a.load.rate {
         if !r.is_finite() || r <= 0.0 {
             bail!("--rate {r}: expected arrivals per second, above 0");
         }
     }
-    if let Some(d) = a.duration {
+    if let Some(d) = a.load.duration {
         if !d.is_finite() || d <= 0.0 {
             bail!("--duration {d}: expected seconds, above 0");
         }
@@ -299,9 +289,9 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         pools: (0, 0),
         base,
         prefill_layer_ms: a.prefill_layer_ms,
-        concurrency: a.concurrency,
-        rate: a.rate,
-        duration: a.duration,
+        concurrency: a.load.concurrency,
+        rate: a.load.rate,
+        duration: a.load.duration,
         verify: a.verify.clone(),
     };
     let (json_path, plot_path) = (a.json, a.plot);
@@ -335,8 +325,8 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     if a.sweep {
         return sweep(
             spec,
-            a.rate.unwrap_or(4.0),
-            a.duration.unwrap_or(3.0),
+            a.load.rate.unwrap_or(4.0),
+            a.load.duration.unwrap_or(3.0),
             json_path,
             plot_path,
         );
