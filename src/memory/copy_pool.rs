@@ -8,7 +8,7 @@
 //! process may copy on, and two workers in one process (a test, a bench, an
 //! engine with both roles) each with a pool of their own would run twice as
 //! many copy threads as cores. The host KV-cache copies
-//! ([`KvCache`](crate::kv::KvCache)), which see no config, use it too.
+//! (`kv::KvCache`), which see no config, use it too.
 //! The first worker to start sizes it from its `pd_copy_threads`
 //! ([`configure`]); a later worker asking for another size gets a warning
 //! and shares the pool as it is. Copies that run before any worker started
