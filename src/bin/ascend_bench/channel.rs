@@ -336,42 +336,85 @@ fn memcpy_rate(
 
 /// One TCP stream over loopback moving `bytes` from a buffer into a buffer.
 pub fn raw_tcp_gbps(bytes: usize, reps: usize) -> Result<f64> {
+    raw_tcp_streams_gbps(bytes, reps, 1)
+}
+
+/// The connections the tcp channel opens per peer (its default), the
+/// stream count of the N-stream TCP baseline.
+pub fn tcp_streams() -> usize {
+    ascend_pd::channel::tcp::TcpOptions::default()
+        .connections
+        .max(1)
+}
+
+/// `streams` TCP streams over loopback, at once, each moving its share of
+/// `bytes` from a buffer into a buffer: the rate of all of them together
+/// (median of `reps` after a warm-up).
+pub fn raw_tcp_streams_gbps(bytes: usize, reps: usize, streams: usize) -> Result<f64> {
+    let streams = streams.max(1);
+    let share = bytes.div_ceil(streams);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut ack = [0u8; 1];
-        loop {
-            let mut left = bytes;
-            while left > 0 {
-                let n = s.read(&mut buf[..left.min(1 << 20)])?;
-                if n == 0 {
-                    return Ok(());
+        let mut served = Vec::new();
+        for _ in 0..streams {
+            let (mut s, _) = listener.accept()?;
+            served.push(std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let mut left = share;
+                    while left > 0 {
+                        let n = s.read(&mut buf[..left.min(1 << 20)])?;
+                        if n == 0 {
+                            return Ok(());
+                        }
+                        left -= n;
+                    }
+                    s.write_all(&[1])?;
                 }
-                left -= n;
-            }
-            ack[0] = 1;
-            s.write_all(&ack)?;
+            }));
         }
+        for h in served {
+            h.join()
+                .map_err(|_| std::io::Error::other("tcp baseline reader panicked"))??;
+        }
+        Ok(())
     });
-    let mut c = TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
+    let mut conns = Vec::new();
+    for _ in 0..streams {
+        let c = TcpStream::connect(addr)?;
+        c.set_nodelay(true)?;
+        conns.push(c);
+    }
     let data = vec![0x5au8; 1 << 20];
     let mut rates = Vec::new();
-    let mut ack = [0u8; 1];
     for _ in 0..=reps {
         let t = Instant::now();
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(data.len());
-            c.write_all(&data[..n])?;
-            left -= n;
-        }
-        c.read_exact(&mut ack)?;
-        rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+        std::thread::scope(|sc| -> std::io::Result<()> {
+            let handles: Vec<_> = conns
+                .iter_mut()
+                .map(|c| {
+                    let data = &data;
+                    sc.spawn(move || -> std::io::Result<()> {
+                        let mut left = share;
+                        while left > 0 {
+                            let n = left.min(data.len());
+                            c.write_all(&data[..n])?;
+                            left -= n;
+                        }
+                        c.read_exact(&mut [0u8; 1])
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join()
+                    .map_err(|_| std::io::Error::other("tcp baseline writer panicked"))??;
+            }
+            Ok(())
+        })?;
+        rates.push((share * streams) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
-    drop(c);
+    drop(conns);
     server
         .join()
         .map_err(|_| anyhow!("tcp baseline thread panicked"))??;

@@ -116,25 +116,35 @@ fn slot_mapping(rng: &mut fastrand::Rng, tokens: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Chunk `i`'s bytes (`tokens` tokens of `key`'s pattern) at `slots`: for
-/// each token, layer and plane, the byte range in the cache and in the chunk.
-fn token_runs<'a>(
-    spec: &'a KvCacheSpec,
+/// Chunk `i`'s bytes (`tokens` tokens of `key`'s pattern) at `slots`: the
+/// byte ranges in the cache and in the chunk, one per layer, plane and run
+/// of tokens that lie one after the other on both sides (a block's worth
+/// where the slots of a block are consecutive).
+pub fn token_runs(
+    spec: &KvCacheSpec,
     tokens: usize,
-    slots: &'a [i64],
-) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> + 'a {
+    slots: &[i64],
+) -> Vec<(std::ops::Range<usize>, std::ops::Range<usize>)> {
     let tb = spec.token_bytes();
     let (layers, planes) = (spec.layers, spec.planes());
-    (0..tokens).flat_map(move |t| {
-        (0..planes).flat_map(move |plane| {
-            (0..layers).map(move |layer| {
-                let at = spec.offset(layer, plane, slots[t] as usize);
+    let mut runs: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)> = Vec::new();
+    for plane in 0..planes {
+        for layer in 0..layers {
+            for (t, &slot) in slots.iter().enumerate().take(tokens) {
+                let at = spec.offset(layer, plane, slot as usize);
                 // A chunk is [planes][layers][tokens][hidden].
                 let from = ((plane * layers + layer) * tokens + t) * tb;
-                (at..at + tb, from..from + tb)
-            })
-        })
-    })
+                match runs.last_mut() {
+                    Some((a, f)) if a.end == at && f.end == from => {
+                        a.end += tb;
+                        f.end += tb;
+                    }
+                    _ => runs.push((at..at + tb, from..from + tb)),
+                }
+            }
+        }
+    }
+    runs
 }
 
 /// The pattern of `key`, `tokens` tokens long.
@@ -587,7 +597,6 @@ struct Pending {
     req: String,
     keys: Vec<String>,
     tokens: Vec<usize>,
-    chunks: Vec<Vec<u8>>,
     spec: TransferSpec,
     slots: Vec<i64>,
     blocks: Vec<usize>,
@@ -620,20 +629,24 @@ pub struct OpenPrefill {
     free: Vec<usize>,
     open: std::collections::HashMap<String, OpenSave>,
     pending: Option<Pending>,
-    written: Vec<Vec<Vec<u8>>>,
     rng: fastrand::Rng,
+    /// `--verify sample`: the receivers check only some requests whole.
+    sample: bool,
     /// Thread CPU seconds spent generating and writing the KV (the bench's
     /// stand-in for the model, not the library's work).
     pub bench_cpu_s: f64,
 }
 
 impl OpenPrefill {
-    /// An engine for `in_flight` requests of up to `max_tokens` tokens.
+    /// An engine for `in_flight` requests of up to `max_tokens` tokens;
+    /// `sample`: the receivers check every byte of only some requests
+    /// ([`crate::roles::checked_whole`]).
     pub fn start(
         sender: Arc<Sender>,
         max_tokens: usize,
         in_flight: usize,
         seed: u64,
+        sample: bool,
     ) -> anyhow::Result<OpenPrefill> {
         let layout = sender.chunk_layout();
         let blocks = max_tokens.div_ceil(RUN_BLOCK) * in_flight.max(1) + 2;
@@ -651,8 +664,8 @@ impl OpenPrefill {
             free: (0..blocks).collect(),
             open: Default::default(),
             pending: None,
-            written: Vec::new(),
             rng: fastrand::Rng::with_seed(seed),
+            sample,
             bench_cpu_s: 0.0,
         })
     }
@@ -673,45 +686,20 @@ impl OpenPrefill {
         self.pending.is_none() && self.free.len() >= tokens.div_ceil(RUN_BLOCK)
     }
 
-    /// Request `r`'s chunk bytes (each key's pattern), as the generator
-    /// thread makes them ahead of time.
-    /// Reuses `bufs` (an earlier request's, written already) so no fresh
-    /// memory is faulted in per request.
-    pub fn generate(
-        layout: &ChunkLayout,
-        keys: &[String],
-        tokens: &[usize],
-        mut bufs: Vec<Vec<u8>>,
-    ) -> Vec<Vec<u8>> {
-        bufs.resize_with(keys.len(), Vec::new);
-        for ((b, k), &t) in bufs.iter_mut().zip(keys).zip(tokens) {
-            b.resize(layout.bytes_for(t), 0);
-            pattern::fill(b, key_seed(k));
-        }
-        bufs
-    }
-
-    /// The chunk buffers of the requests written since the last call (for
-    /// [`OpenPrefill::generate`] to reuse).
-    pub fn take_written(&mut self) -> Option<Vec<Vec<u8>>> {
-        self.written.pop()
-    }
-
     /// Whether a request's KV is being written (see [`OpenPrefill::step`]).
     pub fn writing(&self) -> bool {
         self.pending.is_some()
     }
 
     /// Starts request `req`: takes free blocks for its chunks (`keys`,
-    /// `tokens` tokens each, their bytes `chunks`, generated beforehand),
-    /// which [`OpenPrefill::step`] writes into the cache one chunk at a
-    /// time before submitting the save.
+    /// `tokens` tokens each), whose KV (each key's pattern)
+    /// [`OpenPrefill::step`] writes into the cache one chunk at a time
+    /// before submitting the save.
     pub fn begin(
         &mut self,
         req: &str,
         keys: Vec<String>,
         tokens: &[usize],
-        chunks: Vec<Vec<u8>>,
         spec: TransferSpec,
     ) -> Result<(), String> {
         let total: usize = tokens.iter().sum();
@@ -728,7 +716,6 @@ impl OpenPrefill {
             req: req.to_string(),
             keys,
             tokens: tokens.to_vec(),
-            chunks,
             spec,
             slots,
             blocks,
@@ -743,7 +730,7 @@ impl OpenPrefill {
     /// submitted (`Ok`), or refused.
     pub fn step(&mut self) -> Option<Result<String, (String, String)>> {
         let p = self.pending.as_mut()?;
-        if p.next < p.chunks.len() {
+        if p.next < p.keys.len() {
             let cpu0 = crate::roles::thread_cpu_s();
             // Other saves may be gathering: write under the cache's lock,
             // a chunk at a time so they interleave.
@@ -752,9 +739,20 @@ impl OpenPrefill {
             let mem = unsafe { self.mem.bytes_mut() };
             let spec = *self.cache.spec();
             let t = p.tokens[p.next];
-            let chunk = &p.chunks[p.next];
+            let seed = key_seed(&p.keys[p.next]);
+            let len = t * spec.token_bytes() * spec.layers * spec.planes();
+            let whole = crate::roles::checked_whole(&p.req, self.sample);
+            // The chunk's pattern, made where the model would write it: all
+            // of it, or (a request the receivers check only in part) the
+            // bytes they check, its first and last.
             for (at, from) in token_runs(&spec, t, &p.slots[p.first..p.first + t]) {
-                mem[at].copy_from_slice(&chunk[from]);
+                let (at, from) = match whole {
+                    true => (at, from),
+                    false if from.start == 0 => (at.start..at.start + 1, 0..1),
+                    false if from.end == len => (at.end - 1..at.end, len - 1..len),
+                    false => continue,
+                };
+                pattern::fill_at(&mut mem[at], seed, from.start);
             }
             p.first += t;
             p.next += 1;
@@ -762,8 +760,7 @@ impl OpenPrefill {
             self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
             return None;
         }
-        let mut p = self.pending.take()?;
-        self.written.push(std::mem::take(&mut p.chunks));
+        let p = self.pending.take()?;
         let save = SaveRequest {
             keys: p.keys,
             slot_mapping: p.slots,

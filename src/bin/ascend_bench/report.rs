@@ -80,6 +80,15 @@ pub struct ModeReport {
     pub memcpy_1t_gbps: f64,
     /// The same memcpy split over the copy pool (`pd_copy_threads`), same run.
     pub memcpy_mt_gbps: f64,
+    /// tcp: `tcp_streams` loopback TCP streams at once, buffer to buffer,
+    /// same run (0 on other channels).
+    pub tcp_nstream_gbps: f64,
+    /// The streams of `tcp_nstream_gbps`: the tcp channel's connections
+    /// per peer.
+    pub tcp_streams: usize,
+    /// `--sweep`: this step ran at 70% of the mode's saturation (the
+    /// best sustained GB/s of the doubling steps).
+    pub at_70pct: bool,
     /// How long `put` blocked the prefill side.
     pub put_latency_ms: Percentiles,
     /// put start → the receiver holds the request (landed, read, or proxies).
@@ -153,9 +162,6 @@ pub struct ModeReport {
     pub bench_cpu_s_per_gb: (f64, f64),
     /// Most requests of one sender in flight at once (submit → loaded).
     pub max_in_flight: usize,
-    /// Seconds the open-loop senders (summed) had a slot free but waited
-    /// for the bench's KV generator: above 0, the bench limited the rate.
-    pub generator_wait_s: f64,
 }
 
 /// The steady window starts this fraction of the mode's span (first
@@ -324,10 +330,6 @@ pub fn summarize(
             per_gb(receives, "bench_cpu_s"),
         ),
         max_in_flight: max_overlap(&spans),
-        generator_wait_s: sends
-            .iter()
-            .map(|v| v["generator_wait_s"].as_f64().unwrap_or(0.0))
-            .sum(),
         mode: mode.to_string(),
         channel: spec.channel.name().to_string(),
         device: spec.device.to_string(),
@@ -388,6 +390,29 @@ pub fn summarize(
     })
 }
 
+impl ModeReport {
+    /// What `sustained_gbps` is compared with: the N-stream TCP baseline
+    /// on tcp, the copy pool's memcpy otherwise; its name and GB/s.
+    pub fn sustained_baseline(&self) -> (String, f64) {
+        match self.channel.as_str() {
+            "tcp" => (
+                format!("{}-stream TCP", self.tcp_streams),
+                self.tcp_nstream_gbps,
+            ),
+            _ => ("memcpy mt".into(), self.memcpy_mt_gbps),
+        }
+    }
+
+    /// `sustained_gbps` over [`ModeReport::sustained_baseline`].
+    pub fn sustained_ratio(&self) -> f64 {
+        let (_, b) = self.sustained_baseline();
+        match b > 0.0 {
+            true => self.sustained_gbps / b,
+            false => 0.0,
+        }
+    }
+}
+
 /// The summary table.
 pub fn table(modes: &[ModeReport]) -> String {
     let mut s = String::new();
@@ -437,9 +462,10 @@ pub fn table(modes: &[ModeReport]) -> String {
     if modes.iter().any(|m| m.open_loop) {
         let _ = writeln!(
             s,
-            "\n{:<20} {:>10} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+            "\n{:<20} {:>10} {:>9} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
             "open loop",
             "sust GB/s",
+            "vs base",
             "e2e ms p50/p99/p999",
             "gather ms p50/99",
             "load ms p50/p99",
@@ -451,9 +477,10 @@ pub fn table(modes: &[ModeReport]) -> String {
             let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
             let _ = writeln!(
                 s,
-                "{:<20} {:>10.2} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+                "{:<20} {:>10.2} {:>9.3} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
                 m.mode,
                 m.sustained_gbps,
+                m.sustained_ratio(),
                 format!(
                     "{:.1}/{:.1}/{:.1}",
                     m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
@@ -468,10 +495,12 @@ pub fn table(modes: &[ModeReport]) -> String {
         if let Some(m) = modes.first() {
             let _ = writeln!(
                 s,
-                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
+                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). vs base: sust GB/s over {} {:.2} GB/s (same run). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
                 m.concurrency,
                 m.rate.map_or("arrivals as fast as that allows".into(), |r| format!("Poisson arrivals at {r}/s")),
                 m.duration_s.map_or(format!("{} requests", m.requests), |d| format!("{d} s")),
+                m.sustained_baseline().0,
+                m.sustained_baseline().1,
                 STEADY_FROM * 100.0,
                 m.bench_cpu_s_per_gb.0,
                 m.bench_cpu_s_per_gb.1,
@@ -500,6 +529,8 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
         "version": env!("CARGO_PKG_VERSION"),
         "memcpy_1t_gbps": modes.first().map(|m| round3(m.memcpy_1t_gbps)),
         "memcpy_mt_gbps": modes.first().map(|m| round3(m.memcpy_mt_gbps)),
+        "tcp_nstream_gbps": modes.first().filter(|m| m.tcp_streams > 0).map(|m| round3(m.tcp_nstream_gbps)),
+        "tcp_streams": modes.first().filter(|m| m.tcp_streams > 0).map(|m| m.tcp_streams),
         "machine": {
             "cpus": cpus,
             "os": std::env::consts::OS,
@@ -543,6 +574,9 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "duration_s": m.duration_s,
             "bytes_delivered": m.bytes_delivered,
             "sustained_gbps": round3(m.sustained_gbps),
+            "sustained_baseline": m.sustained_baseline().0,
+            "sustained_ratio": round3(m.sustained_ratio()),
+            "at_70pct_of_saturation": m.at_70pct,
             "steady_s": round3(m.steady_s),
             "e2e_ms": m.e2e_ms.json3(),
             "gather_ms": m.gather_ms.json3(),
@@ -550,7 +584,6 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "cpu_s_per_gb": {"sender": round3(m.cpu_s_per_gb.0), "receiver": round3(m.cpu_s_per_gb.1)},
             "bench_cpu_s_per_gb": {"sender": round3(m.bench_cpu_s_per_gb.0), "receiver": round3(m.bench_cpu_s_per_gb.1)},
             "max_in_flight": m.max_in_flight,
-            "generator_wait_s": round3(m.generator_wait_s),
             });
             if let (Some(o), Value::Object(more)) = (o.as_object_mut(), more) {
                 o.extend(more);
@@ -678,11 +711,12 @@ pub fn sweep_table(modes: &[ModeReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\n{:<20} {:>10} {:>10} {:>22} {:>20} {:>9} {:>9}",
+        "\n{:<20} {:>10} {:>10} {:>22} {:>9} {:>20} {:>9} {:>9}",
         "mode",
         "rate /s",
         "sust GB/s",
         "e2e ms p50/p99/p999",
+        "p99/p50",
         "cpu s/GB send/recv",
         "requests",
         "verified"
@@ -690,14 +724,22 @@ pub fn sweep_table(modes: &[ModeReport]) -> String {
     for m in modes {
         let _ = writeln!(
             s,
-            "{:<20} {:>10} {:>10.3} {:>22} {:>20} {:>9} {:>9}",
+            "{:<20} {:>10} {:>10.3} {:>22} {:>9.2} {:>20} {:>9} {:>9}",
             m.mode,
-            m.rate.map_or("-".into(), |r| format!("{r}")),
+            match (m.rate, m.at_70pct) {
+                (Some(r), true) => format!("{r:.2} 70%"),
+                (Some(r), false) => format!("{r}"),
+                (None, _) => "-".into(),
+            },
             m.sustained_gbps,
             format!(
                 "{:.1}/{:.1}/{:.1}",
                 m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
             ),
+            match m.e2e_ms.p50 > 0.0 {
+                true => m.e2e_ms.p99 / m.e2e_ms.p50,
+                false => 0.0,
+            },
             format!("{:.3}/{:.3}", m.cpu_s_per_gb.0, m.cpu_s_per_gb.1),
             m.requests,
             if m.verified { "yes" } else { "FAILED" }
@@ -705,7 +747,7 @@ pub fn sweep_table(modes: &[ModeReport]) -> String {
     }
     let _ = writeln!(
         s,
-        "rate: Poisson arrivals per second per sender, doubling each step until the mode saturates; see the open-loop notes of `run` for the columns."
+        "rate: Poisson arrivals per second per sender, doubling each step until the mode saturates, then one step at 70% of the saturation's GB/s (marked 70%); see the open-loop notes of `run` for the columns."
     );
     s
 }

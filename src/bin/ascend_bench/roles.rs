@@ -62,6 +62,17 @@ pub fn chunk_key(req_id: &str, i: usize) -> String {
 }
 
 /// The pattern seed of a key (the receiver checks every byte against it).
+/// Whether every byte of request `req_id` is checked: always, or under
+/// `--verify sample` (`sample`) one request in eight (ids ending in a
+/// multiple of 8).
+pub fn checked_whole(req_id: &str, sample: bool) -> bool {
+    !sample
+        || req_id
+            .rsplit_once('-')
+            .and_then(|(_, n)| n.parse::<usize>().ok())
+            .is_none_or(|n| n % 8 == 0)
+}
+
 pub fn key_seed(key: &str) -> u64 {
     key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
@@ -176,6 +187,13 @@ struct SenderCli {
     /// How requests arrive (with --open-loop).
     #[command(flatten)]
     load: crate::args::LoadArgs,
+    /// What the receivers check (their --verify), with --open-loop:
+    /// under `sample` the stand-in model writes the whole KV of the
+    /// requests checked whole and only the checked bytes (each chunk's
+    /// first and last) of the others; on an Ascend host the device, not
+    /// the CPU, writes the KV.
+    #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
+    verify: String,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -278,7 +296,6 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
-    let mut generator_wait_s = 0.0;
     if a.open_loop {
         if hetero || config.layerwise || layer_ms > 0.0 {
             bail!("--open-loop needs the same TP size on both sides, whole-request saves and no --prefill-layer-ms");
@@ -294,6 +311,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             prompt,
             open.concurrency,
             0x5eed ^ rank as u64,
+            a.verify == "sample",
         )?;
         cpu_start = process_cpu_s();
         let targets_of = |r: usize| {
@@ -302,7 +320,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
                 &format!("{prefix}-{r}"),
             )
         };
-        let (good, most, waited) = run_open_loop(
+        let (good, most) = run_open_loop(
             &open,
             &mut engine,
             &prefix,
@@ -315,7 +333,6 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         )?;
         ok &= good;
         max_in_flight = most;
-        generator_wait_s = waited;
         bench_cpu_s += engine.bench_cpu_s;
         engine.close();
     }
@@ -444,7 +461,6 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
-        "generator_wait_s": generator_wait_s,
     }));
     Ok(ok && drained)
 }
@@ -500,7 +516,7 @@ fn run_open_loop(
     primary_free: &dyn Fn() -> usize,
     mode: TransferMode,
     registry: &Registry,
-) -> Result<(bool, usize, f64)> {
+) -> Result<(bool, usize)> {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     std::thread::Builder::new()
         .name("bench-credits".into())
@@ -521,35 +537,6 @@ fn run_open_loop(
         Some(r) => Duration::from_secs_f64(-(1.0 - rng.f64()).ln() / r),
         None => Duration::ZERO,
     };
-    // The bench's stand-in for the model: each request's KV (the pattern
-    // of its keys) made ahead on its own thread, one request ahead, so
-    // the loop keeps polling while it is made.
-    let (make_tx, made) = std::sync::mpsc::sync_channel(1);
-    let (reuse_tx, reuse_rx) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
-    {
-        let (prefix, tokens) = (prefix.to_string(), tokens.to_vec());
-        let limit = match open.duration {
-            Some(_) => usize::MAX,
-            None => open.requests,
-        };
-        std::thread::Builder::new()
-            .name("bench-kv-gen".into())
-            .spawn(move || {
-                for r in 0..limit {
-                    let cpu0 = thread_cpu_s();
-                    let req_id = format!("{prefix}-{r}");
-                    let keys: Vec<String> =
-                        (0..tokens.len()).map(|i| chunk_key(&req_id, i)).collect();
-                    let bufs = reuse_rx.try_recv().unwrap_or_default();
-                    let chunks = OpenPrefill::generate(&layout, &keys, &tokens, bufs);
-                    let cpu = thread_cpu_s() - cpu0;
-                    if make_tx.send((req_id, keys, chunks, cpu)).is_err() {
-                        break;
-                    }
-                }
-            })?;
-    }
-    let (mut generator_wait, mut want_since) = (0.0, None::<Instant>);
     let start = Instant::now();
     let mut next_arrival = start;
     let (mut credits, mut r, mut ok, mut most) = (open.concurrency, 0usize, true, 0usize);
@@ -574,28 +561,13 @@ fn run_open_loop(
             && now >= next_arrival
             && engine.has_room(total_tokens)
             && primary_free() >= n_chunks * (engine.gathering() + 1);
-        // The next request's KV, made ahead by the generator thread (the
-        // time it is not ready yet is the bench's, reported).
-        let next = match ready {
-            false => None,
-            true => match made.try_recv() {
-                Ok(x) => Some(x),
-                Err(std::sync::mpsc::TryRecvError::Empty) => {
-                    want_since.get_or_insert(now);
-                    None
-                }
-                Err(_) => bail!("the KV generator thread stopped"),
-            },
-        };
-        if let Some((req_id, keys, chunks, cpu)) = next {
-            if let Some(w) = want_since.take() {
-                generator_wait += w.elapsed().as_secs_f64();
-            }
-            engine.bench_cpu_s += cpu;
-            // A request that waited (for a slot, or for its KV to be made)
-            // arrived earlier; that wait counts, the write into the engine
-            // cache that follows does not (it is the bench's).
+        if ready {
+            // A request that waited for a slot arrived earlier; that wait
+            // counts, the write of its KV into the engine cache that
+            // follows does not (it is the bench's stand-in for the model).
             let queued = now.duration_since(next_arrival).as_secs_f64();
+            let req_id = format!("{prefix}-{r}");
+            let keys: Vec<String> = (0..n_chunks).map(|i| chunk_key(&req_id, i)).collect();
             let spec = spec_of(r);
             credits -= 1;
             most = most.max(open.concurrency - credits);
@@ -607,13 +579,10 @@ fn run_open_loop(
             let bytes: u64 = tokens.iter().map(|&t| layout.bytes_for(t) as u64).sum();
             arrived.insert(req_id.clone(), queued);
             bytes_of.insert(req_id.clone(), bytes);
-            if let Err(e) = engine.begin(&req_id, keys, tokens, chunks, spec) {
+            if let Err(e) = engine.begin(&req_id, keys, tokens, spec) {
                 bail!("{e}");
             }
             busy = true;
-        }
-        if let Some(bufs) = engine.take_written() {
-            let _ = reuse_tx.send(bufs);
         }
         if engine.writing() {
             busy = true;
@@ -653,7 +622,7 @@ fn run_open_loop(
             std::thread::sleep(Duration::from_micros(200));
         }
     }
-    Ok((ok, most, generator_wait))
+    Ok((ok, most))
 }
 
 /// Writes the key's pattern into a chunk: directly on host pages, through
@@ -1326,41 +1295,37 @@ impl DecodeSide {
         let mut first = 0;
         // Sampled: one request in eight whole, the others' pages at their
         // first and last byte.
-        let whole = !self.sample
-            || req_id
-                .rsplit_once('-')
-                .and_then(|(_, n)| n.parse::<usize>().ok())
-                .is_none_or(|n| n % 8 == 0);
+        let whole = checked_whole(req_id, self.sample);
         let cpu0 = thread_cpu_s();
+        let spec = *self.cache.spec();
+        let mut buf = Vec::new();
         for (k, &t) in keys.iter().zip(&tokens) {
-            let mut page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
-            self.cache.gather(&slots[first..first + t], &mut page)?;
+            // Each run of the chunk's tokens read back from the cache (into
+            // a buffer the size of a block's run, which stays in the CPU's
+            // cache) and checked against the key's pattern where the
+            // chunk has it.
+            let runs = crate::engine::token_runs(&spec, t, &slots[first..first + t]);
             first += t;
-            bytes += page.byte_len() as u64;
-            let b = page
-                .host_bytes()
-                .ok_or_else(|| anyhow!("scratch pages are host pages"))?;
+            let len = self.layout.bytes_for(t);
+            bytes += len as u64;
             let seed = key_seed(k);
-            let bad = match whole {
-                true => {
-                    checked += b.len() as u64;
-                    pattern::first_mismatch(b, seed)
+            let mut bad = None;
+            for (at, from) in runs {
+                let (at, from) = match whole {
+                    true => (at, from),
+                    // Sampled: the chunk's first and last byte only.
+                    false if from.start == 0 => (at.start..at.start + 1, 0..1),
+                    false if from.end == len => (at.end - 1..at.end, len - 1..len),
+                    false => continue,
+                };
+                buf.resize(at.len(), 0);
+                self.cache.read(at.start, &mut buf)?;
+                checked += buf.len() as u64;
+                if let Some(j) = pattern::mismatch_at(&buf, seed, from.start) {
+                    bad = Some(from.start + j);
+                    break;
                 }
-                false => {
-                    let last = b.len().saturating_sub(1);
-                    let mut want = [0u8; 1];
-                    let mut bad = None;
-                    for at in [0, last] {
-                        pattern::fill_at(&mut want, seed, at);
-                        if b.get(at) != Some(&want[0]) {
-                            bad = Some(at);
-                            break;
-                        }
-                    }
-                    checked += b.len().min(2) as u64;
-                    bad
-                }
-            };
+            }
             if let Some(at) = bad {
                 eprintln!(
                     "receiver: {k}: byte {at} in the KV cache differs from what the sender wrote"
