@@ -440,6 +440,13 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
         );
         assert_eq!(m["bytes_delivered"], m["bytes_verified"], "{m}");
         assert!(m["sustained_gbps"].as_f64().unwrap() > 0.0, "{m}");
+        // Compared with the copy pool's memcpy of the same run.
+        assert_eq!(m["sustained_baseline"], "memcpy mt", "{m}");
+        let ratio = m["sustained_gbps"].as_f64().unwrap() / doc["memcpy_mt_gbps"].as_f64().unwrap();
+        assert!(
+            (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() < 2e-3,
+            "{m}"
+        );
         for k in ["e2e_ms", "gather_ms", "load_ms"] {
             let p = |q: &str| m[k][q].as_f64().unwrap_or_else(|| panic!("{k}.{q} in {m}"));
             assert!(p("p50") <= p("p99") && p("p99") <= p("p999"), "{k} in {m}");
@@ -451,6 +458,54 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
         let most = m["max_in_flight"].as_u64().unwrap();
         assert!((2..=4).contains(&most), "{m}");
     }
+    assert!(doc["memcpy_1t_gbps"].as_f64().unwrap() > 0.0, "{doc}");
+    assert!(doc["tcp_nstream_gbps"].is_null(), "{doc}");
+    // Over tcp, sustained throughput is compared with as many loopback
+    // TCP streams at once as the channel opens per peer.
+    let out = bench()
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args([
+            "--channel",
+            "tcp",
+            "--modes",
+            "pull-delay",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--prompt-tokens",
+            "150",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let streams = doc["tcp_streams"].as_u64().unwrap();
+    assert!(streams >= 2, "{doc}");
+    let m = &doc["modes"][0];
+    assert_eq!(m["verified"], true, "{m}");
+    assert_eq!(
+        m["sustained_baseline"],
+        format!("{streams}-stream TCP"),
+        "{m}"
+    );
+    let ratio = m["sustained_gbps"].as_f64().unwrap() / doc["tcp_nstream_gbps"].as_f64().unwrap();
+    assert!(
+        (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() < 2e-3,
+        "{m}"
+    );
+    assert!(
+        stdout.contains(&format!("{streams}-stream TCP")),
+        "{stdout}"
+    );
     // Sampled verification: still verified, fewer bytes checked than delivered.
     let out = bench()
         .args(["run", "--config"])
@@ -534,7 +589,10 @@ fn sweep_runs_doubling_rates_and_plots_latency_against_throughput() {
     assert!(stdout.contains("rate /s"), "{stdout}");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(doc["sweep"], true);
-    let steps = doc["modes"].as_array().unwrap();
+    let all = doc["modes"].as_array().unwrap();
+    let (at70, steps): (Vec<&Value>, Vec<&Value>) = all
+        .iter()
+        .partition(|m| m["at_70pct_of_saturation"] == true);
     assert!((2..=10).contains(&steps.len()), "{doc}");
     for (i, m) in steps.iter().enumerate() {
         assert_eq!(m["mode"], "push", "{m}");
@@ -547,6 +605,23 @@ fn sweep_runs_doubling_rates_and_plots_latency_against_throughput() {
         assert_eq!(m["bytes_verified"], m["bytes_delivered"], "{m}");
         assert!(m["e2e_ms"]["p99"].is_number(), "{m}");
     }
+    // Then one step at 70% of the best step's delivered GB/s: its rate
+    // (requests per second per sender) is 70% of the best's GB/s over
+    // a request's bytes.
+    assert_eq!(at70.len(), 1, "{doc}");
+    let best = steps
+        .iter()
+        .map(|m| m["sustained_gbps"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    let per_request = 2.0 * 2.0 * 150.0 * 128.0 * 2.0;
+    let want = 0.7 * best * 1e9 / per_request;
+    let got = at70[0]["rate"].as_f64().unwrap();
+    assert!(
+        (got - want).abs() <= 0.01 + want * 0.01,
+        "70% step at {got}/s, want {want}/s: {doc}"
+    );
+    assert_eq!(at70[0]["verified"], true, "{doc}");
+    assert!(stdout.contains("70%"), "{stdout}");
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg"), "{svg}");
     for label in ["e2e latency (ms) vs delivered GB/s", "push p50", "push p99"] {
@@ -759,6 +834,59 @@ fn n_senders_m_receivers_and_tp_ranks_each_load_only_their_own_requests() {
             12 * per_request,
             "{m}"
         );
+    }
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(cfg);
+}
+
+/// Open loop with more prefills than decodes and the reverse: every
+/// request of every sender loads on its receiver, every byte verified.
+#[test]
+fn xpyd_under_load_verifies_every_byte_both_ways() {
+    let cfg = small_model_config("xpyd.yaml");
+    let json = tmp("xpyd.json");
+    for (senders, receivers) in [(4, 2), (2, 4)] {
+        let out = bench()
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .args([
+                "--senders",
+                &senders.to_string(),
+                "--receivers",
+                &receivers.to_string(),
+                "--concurrency",
+                "2",
+                "--requests",
+                "4",
+                "--prompt-tokens",
+                "150",
+                "--modes",
+                "push,pull-delay",
+                "--json",
+            ])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{senders}P{receivers}D: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let per_request = 2 * 2 * 150 * 128 * 2u64;
+        let n = senders as u64 * 4;
+        for m in doc["modes"].as_array().unwrap() {
+            assert_eq!(m["save_path"], "gather", "{m}");
+            assert_eq!(m["requests"], n, "{senders}P{receivers}D: {m}");
+            assert_eq!(m["verified"], true, "{senders}P{receivers}D: {m}");
+            assert_eq!(
+                m["bytes_verified"].as_u64().unwrap(),
+                n * per_request,
+                "{senders}P{receivers}D: {m}"
+            );
+            assert!(m["max_in_flight"].as_u64().unwrap() >= 1, "{m}");
+        }
     }
     let _ = std::fs::remove_file(json);
     let _ = std::fs::remove_file(cfg);
