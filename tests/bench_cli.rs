@@ -414,6 +414,8 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
     );
     for col in [
         "sust GB/s",
+        "vs base",
+        "xfer ms p50/p99",
         "e2e ms p50/p99/p999",
         "cpu s/GB send/recv",
         "in flight",
@@ -447,7 +449,7 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
             (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() < 2e-3,
             "{m}"
         );
-        for k in ["e2e_ms", "gather_ms", "load_ms"] {
+        for k in ["e2e_ms", "gather_ms", "transfer_ms", "load_ms"] {
             let p = |q: &str| m[k][q].as_f64().unwrap_or_else(|| panic!("{k}.{q} in {m}"));
             assert!(p("p50") <= p("p99") && p("p99") <= p("p999"), "{k} in {m}");
         }

@@ -153,6 +153,10 @@ pub struct ModeReport {
     pub e2e_ms: Percentiles,
     /// Submit → `poll_cache_released` reported the save (open loop only).
     pub gather_ms: Percentiles,
+    /// The bytes' move from the sender's pages into the receiver's memory
+    /// (open loop only): push, the gather's end → the put's end;
+    /// pull-eager, → the receiver read every key; pull-delay, its load.
+    pub transfer_ms: Percentiles,
     /// The decode load (fetch + scatter).
     pub load_ms: Percentiles,
     /// Process CPU seconds per GB delivered, senders and receivers, and
@@ -216,6 +220,7 @@ pub fn summarize(
     let mut bytes_verified = 0u64;
     let mut all_verified = clean && loads.len() == expected && puts.len() == expected;
     let (mut e2e3, mut gather, mut spans, mut delivered) = (vec![], vec![], vec![], vec![]);
+    let mut transfer = vec![];
     let mut first_arrival = f64::INFINITY;
     for (req, p) in puts {
         let arrived = p["arrived_at"].as_f64().unwrap_or(f(p, "put_start"));
@@ -239,6 +244,18 @@ pub fn summarize(
             .unwrap_or_else(|| l["bytes"].as_u64().unwrap_or(0));
         let (ra, ls, le) = (f(l, "ready_at"), f(l, "load_start"), f(l, "load_end"));
         e2e3.push((arrived, (le - arrived).max(0.0) * 1e3, (le - ls) * 1e3));
+        // The bytes between the sender's pages and the receiver's memory:
+        // push from the gather's end until the write and its notice are
+        // over, pull-eager until the receiver read every key, pull-delay
+        // its load (the read goes straight into the decode cache).
+        if let Some(g) = p["gathered_at"].as_f64() {
+            let t = match mode {
+                "push" => pe - g,
+                "pull-eager" => ra - g,
+                _ => le - ls,
+            };
+            transfer.push((arrived, t.max(0.0) * 1e3));
+        }
         spans.push((req.clone(), f(p, "put_start"), le));
         delivered.push((le, l["bytes"].as_u64().unwrap_or(0)));
         // Held: every key landed (push, push-layerwise, pull-eager), or
@@ -323,6 +340,7 @@ pub fn summarize(
         steady_s,
         e2e_ms: steady(e2e3),
         gather_ms: steady(gather),
+        transfer_ms: steady(transfer),
         load_ms: steady(steady_loads),
         cpu_s_per_gb: (per_gb(sends, "cpu_s"), per_gb(receives, "cpu_s")),
         bench_cpu_s_per_gb: (
@@ -462,12 +480,13 @@ pub fn table(modes: &[ModeReport]) -> String {
     if modes.iter().any(|m| m.open_loop) {
         let _ = writeln!(
             s,
-            "\n{:<20} {:>10} {:>9} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+            "\n{:<20} {:>10} {:>9} {:>22} {:>16} {:>16} {:>16} {:>20} {:>9} {:>8}",
             "open loop",
             "sust GB/s",
             "vs base",
             "e2e ms p50/p99/p999",
             "gather ms p50/99",
+            "xfer ms p50/p99",
             "load ms p50/p99",
             "cpu s/GB send/recv",
             "in flight",
@@ -477,7 +496,7 @@ pub fn table(modes: &[ModeReport]) -> String {
             let pp = |p: Percentiles| format!("{:.1}/{:.1}", p.p50, p.p99);
             let _ = writeln!(
                 s,
-                "{:<20} {:>10.2} {:>9.3} {:>22} {:>16} {:>16} {:>20} {:>9} {:>8}",
+                "{:<20} {:>10.2} {:>9.3} {:>22} {:>16} {:>16} {:>16} {:>20} {:>9} {:>8}",
                 m.mode,
                 m.sustained_gbps,
                 m.sustained_ratio(),
@@ -486,6 +505,7 @@ pub fn table(modes: &[ModeReport]) -> String {
                     m.e2e_ms.p50, m.e2e_ms.p99, m.e2e_ms.p999
                 ),
                 pp(m.gather_ms),
+                pp(m.transfer_ms),
                 pp(m.load_ms),
                 format!("{:.3}/{:.3}", m.cpu_s_per_gb.0, m.cpu_s_per_gb.1),
                 m.max_in_flight,
@@ -495,7 +515,7 @@ pub fn table(modes: &[ModeReport]) -> String {
         if let Some(m) = modes.first() {
             let _ = writeln!(
                 s,
-                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). vs base: sust GB/s over {} {:.2} GB/s (same run). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
+                "open loop: {} in flight per sender, {}, {}; saved from an engine cache (save path: gather). vs base: sust GB/s over {} {:.2} GB/s (same run). sust GB/s: bytes loaded into decode KV caches per wall second after the first {:.0}% of the span (first arrival to last load); latencies of the requests arriving after it. e2e: arrival -> loaded. xfer: push, gather end -> written and landed; pull-eager, -> read by the receiver; pull-delay, its load. cpu s/GB: process CPU (user+sys, after start-up) per GB delivered, incl. the bench's pattern generation/checks ({:.3}/{:.3} s/GB of it).",
                 m.concurrency,
                 m.rate.map_or("arrivals as fast as that allows".into(), |r| format!("Poisson arrivals at {r}/s")),
                 m.duration_s.map_or(format!("{} requests", m.requests), |d| format!("{d} s")),
@@ -580,6 +600,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "steady_s": round3(m.steady_s),
             "e2e_ms": m.e2e_ms.json3(),
             "gather_ms": m.gather_ms.json3(),
+            "transfer_ms": m.transfer_ms.json3(),
             "load_ms": m.load_ms.json3(),
             "cpu_s_per_gb": {"sender": round3(m.cpu_s_per_gb.0), "receiver": round3(m.cpu_s_per_gb.1)},
             "bench_cpu_s_per_gb": {"sender": round3(m.bench_cpu_s_per_gb.0), "receiver": round3(m.bench_cpu_s_per_gb.1)},
