@@ -61,7 +61,7 @@ use crate::memory::npu::{device_buffer, is_acl_device};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
 use ascend_sys::DeviceBuffer;
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -462,6 +462,21 @@ fn reply(stream: &mut impl Write, status: u8, msg: &str) -> io::Result<()> {
     stream.write_all(m)
 }
 
+/// Writes every byte of `bufs`, in as few calls as the stream takes
+/// (one `writev` for a header and its payload).
+fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// How long a connection may take, in all, to send its hello and (with a
 /// secret) its proof: a client that trickles bytes cannot hold a serving
 /// slot longer.
@@ -519,6 +534,14 @@ impl Write for Deadline<'_> {
         let left = self.left()?;
         self.stream.set_write_timeout(Some(left))?;
         self.stream.write(buf).map_err(|e| self.timed_out(e))
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream
+            .write_vectored(bufs)
+            .map_err(|e| self.timed_out(e))
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -700,16 +723,18 @@ fn serve_connection(mut stream: TcpStream, served: &Served, idle: &IdleMark) {
         // trickle in or its reply is read.
         idle.set(true);
         let _ = stream.set_read_timeout(Some(served.io_timeout));
-        if !matches!(stream.read(&mut req[..1]), Ok(1)) {
-            return;
-        }
+        // Usually the whole header comes in this one read.
+        let got = match stream.read(&mut req) {
+            Ok(n) if n > 0 => n,
+            _ => return,
+        };
         idle.set(false);
         let mut stream = Deadline {
             stream: &mut stream,
             deadline: Instant::now() + served.io_timeout,
             what: REQUEST_LATE,
         };
-        if stream.read_exact(&mut req[1..]).is_err() {
+        if stream.read_exact(&mut req[got..]).is_err() {
             return;
         }
         let r = Request::parse(&req);
@@ -752,7 +777,9 @@ fn serve_connection(mut stream: TcpStream, served: &Served, idle: &IdleMark) {
                 // SAFETY: in the pool as above; under a live read grant the
                 // page is sealed (only read) until the grant is over.
                 let src = unsafe { std::slice::from_raw_parts(addr.cast_const(), len) };
-                reply(&mut stream, 0, "").and_then(|_| stream.write_all(src))
+                // The reply's header and the bytes in one call.
+                let head = [0u8; REPLY_LEN];
+                write_all_vectored(&mut stream, &mut [IoSlice::new(&head), IoSlice::new(src)])
             }
         };
         if ok.is_err() {
@@ -1380,7 +1407,11 @@ fn run_direct_on_connection(
     };
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
+    let mut heads = Vec::with_capacity(window * REQ_LEN);
     while done < slices.len() {
+        // The requests the window has room for, in one write.
+        heads.clear();
+        let first = sent;
         while sent < slices.len() && sent - done < window {
             let sl = slices[sent];
             let h = Request {
@@ -1392,25 +1423,43 @@ fn run_direct_on_connection(
                 tag: GrantTag::UNTAGGED,
             }
             .encode();
-            arm(stream, sl.op)?;
-            stream
-                .write_all(&h)
-                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            heads.extend_from_slice(&h);
             sent += 1;
+        }
+        if !heads.is_empty() {
+            let op = slices[first].op;
+            arm(stream, op)?;
+            stream
+                .write_all(&heads)
+                .map_err(|e| gone(p, Some(op), &e, opts.io_timeout))?;
         }
         let sl = slices[done];
         arm(stream, sl.op)?;
         read_reply(p, stream, sl.op, opts)?;
-        for &(dst, len) in &segs[sl.segs.0..sl.segs.1] {
-            // SAFETY: read_direct's caller vouched that each op's [dst, dst +
-            // len), which the segments split, is host memory it may write,
-            // untouched by anyone else, for the whole call; read_direct
-            // returns only after this thread ended.
-            let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+        let mut dst: Vec<IoSliceMut<'_>> = segs[sl.segs.0..sl.segs.1]
+            .iter()
+            .map(|&(dst, len)| {
+                // SAFETY: read_direct's caller vouched that each op's [dst,
+                // dst + len), which the segments split, is host memory it
+                // may write, untouched by anyone else, for the whole call;
+                // read_direct returns only after this thread ended. The
+                // segments of one request do not overlap (they split
+                // disjoint destinations).
+                IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) })
+            })
+            .collect();
+        // Each call waits at most until the deadline (re-armed per call).
+        let mut left: &mut [IoSliceMut<'_>] = &mut dst;
+        while !left.is_empty() {
             arm(stream, sl.op)?;
-            stream
-                .read_exact(dst)
-                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            let n = match stream.read_vectored(left) {
+                Ok(0) => Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                Ok(n) => Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+                Err(e) => Err(e),
+            }
+            .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            IoSliceMut::advance_slices(&mut left, n);
         }
         done += 1;
     }
@@ -1432,7 +1481,9 @@ fn run_on_connection<P: LocalPage>(
     let Conn { stream, stagers } = connected(p, node, conn, opts)?;
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
+    let mut heads = Vec::with_capacity(window * REQ_LEN);
     while done < slices.len() {
+        heads.clear();
         while sent < slices.len() && sent - done < window {
             let sl = slices[sent];
             let op = &ops[sl.op];
@@ -1449,31 +1500,41 @@ fn run_on_connection<P: LocalPage>(
                 tag,
             }
             .encode();
-            stream
-                .write_all(&h)
-                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
-            if kind == OpKind::Write {
-                if let Some((dev, at)) = local_device(op, sl.local) {
-                    stagers
-                        .get(dev, opts.io_timeout)
-                        .and_then(|st| st.send_from(stream, dev, at, sl.len, None))
-                        .map_err(|e| stage_err(p, sl.op, e, opts.io_timeout))?;
-                    sent += 1;
-                    continue;
-                }
-                // SAFETY: check_ops proved sl.local+sl.len <= op.local_end()
-                // <= the local page size, and `ops` keeps the page alive.
-                let src = unsafe {
-                    std::slice::from_raw_parts(
-                        (op.local.addr() as usize + sl.local) as *const u8,
-                        sl.len,
-                    )
-                };
-                stream
-                    .write_all(src)
-                    .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+            if kind == OpKind::Read {
+                // Reads' requests go out together, below.
+                heads.extend_from_slice(&h);
+                sent += 1;
+                continue;
             }
+            if let Some((dev, at)) = local_device(op, sl.local) {
+                stream
+                    .write_all(&h)
+                    .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+                stagers
+                    .get(dev, opts.io_timeout)
+                    .and_then(|st| st.send_from(stream, dev, at, sl.len, None))
+                    .map_err(|e| stage_err(p, sl.op, e, opts.io_timeout))?;
+                sent += 1;
+                continue;
+            }
+            // SAFETY: check_ops proved sl.local+sl.len <= op.local_end()
+            // <= the local page size, and `ops` keeps the page alive.
+            let src = unsafe {
+                std::slice::from_raw_parts(
+                    (op.local.addr() as usize + sl.local) as *const u8,
+                    sl.len,
+                )
+            };
+            // The request and its payload in one call.
+            write_all_vectored(stream, &mut [IoSlice::new(&h), IoSlice::new(src)])
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
             sent += 1;
+        }
+        if !heads.is_empty() {
+            let op = slices[done].op;
+            stream
+                .write_all(&heads)
+                .map_err(|e| gone(p, Some(op), &e, opts.io_timeout))?;
         }
         let sl = slices[done];
         read_reply(p, stream, sl.op, opts)?;
