@@ -629,6 +629,11 @@ impl RunPrefill {
         })
     }
 
+    /// The cache's layout.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv
+    }
+
     /// Prefills request `req` (chunks `keys` of `tokens` tokens) layer by
     /// layer and saves it; when each step happened, and how the save ended.
     pub fn run(
@@ -878,6 +883,11 @@ impl OpenPrefill {
             kv,
             bench_cpu_s: 0.0,
         })
+    }
+
+    /// The cache's layout.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv
     }
 
     /// Saves submitted whose end was not polled yet.

@@ -300,6 +300,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     };
     let mut ok = true;
     let mut bench_cpu_s = 0.0;
+    // The layout of the engine cache built (the flag's when there is none).
+    let mut kv_layout = engine.as_ref().map_or(a.kv_layout, RunPrefill::kv_layout);
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
@@ -321,6 +323,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             a.verify == "sample",
             (a.kv_layout, config.kv.num_kv_heads),
         )?;
+        kv_layout = engine.kv_layout();
         cpu_start = process_cpu_s();
         let targets_of = |r: usize| {
             spec_to(
@@ -469,7 +472,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
-        "kv_layout": a.kv_layout.name(),
+        "kv_layout": kv_layout.name(),
     }));
     Ok(ok && drained)
 }
@@ -965,7 +968,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         eprintln!("receiver: NPU via the {note}");
     }
     emit(json!({"event": "receiver_ready", "npu_runtime": runtime,
-        "kv_layout": a.kv_layout.name()}));
+        "kv_layout": decode.kv.name()}));
     // CPU time from now on (start-up is not per byte).
     let cpu_start = process_cpu_s();
     let page = config.page_bytes();
@@ -1046,7 +1049,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         "bytes_read": st.bytes_read,
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": decode.bench_cpu_s,
-        "kv_layout": a.kv_layout.name(),
+        // The layout the cache was built in.
+        "kv_layout": decode.kv.name(),
     }));
     watch_stop.store(true, Ordering::SeqCst);
     if let Some(w) = watcher {
@@ -1119,6 +1123,8 @@ struct DecodeSide {
     /// When requests were first seen held (see [`spawn_watcher`]).
     held: HeldAt,
     cache: OwnedKvCache,
+    /// The cache's layout.
+    kv: KvLayout,
     block_size: usize,
     scratch: Arc<PagePool>,
     layout: ChunkLayout,
@@ -1163,6 +1169,7 @@ impl DecodeSide {
         Ok(DecodeSide {
             held: Default::default(),
             cache,
+            kv,
             block_size,
             scratch,
             layout,
