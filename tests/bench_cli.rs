@@ -1227,3 +1227,137 @@ fn mixed_prefill_and_decode_tp_verify_every_byte_in_every_mode() {
     assert!(err.contains("one must be a multiple of the other"), "{err}");
     let _ = std::fs::remove_file(cfg);
 }
+
+/// `--kv-layout` puts the prefill engine's and the decode worker's KV
+/// caches in another layout the library wraps (GPU backends' stacked K/V,
+/// vLLM's CPU backend's transposed K): the stand-in model writes each
+/// request's KV there, the saves gather it, the loads scatter it into the
+/// decode cache, and every byte read back from that cache is the key's
+/// pattern, closed loop (whole and layer-wise saves) and open loop, with
+/// the layout in the JSON and the table's notes.
+#[test]
+fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
+    let cfg = small_model_config("kv-layout.yaml");
+    let json = tmp("kv-layout.json");
+    // 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    let run = |args: &[&str]| -> (Value, String) {
+        let out = bench()
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .args(["--prompt-tokens", "150", "--json"])
+            .arg(&json)
+            .args(args)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{args:?}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (doc, stdout)
+    };
+    for layout in ["vllm-cpu", "stacked"] {
+        let closed = [
+            "--kv-layout",
+            layout,
+            "--modes",
+            "push,pull-delay,push-layerwise",
+            "--prefill-layer-ms",
+            "0",
+            "--requests",
+            "2",
+        ];
+        let open = [
+            "--kv-layout",
+            layout,
+            "--modes",
+            "push,pull-delay",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+        ];
+        for (args, requests, modes) in [
+            (
+                &closed[..],
+                2,
+                &["push", "pull-delay", "push-layerwise"][..],
+            ),
+            (&open[..], 4, &["push", "pull-delay"][..]),
+        ] {
+            let (doc, stdout) = run(args);
+            assert!(
+                stdout.contains(&format!("KV cache layout {layout}.")),
+                "{stdout}"
+            );
+            let ms = doc["modes"].as_array().unwrap();
+            let names: Vec<&str> = ms.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+            assert_eq!(names, modes, "{args:?}");
+            for m in ms {
+                assert_eq!(m["kv_layout"], layout, "{m}");
+                assert_eq!(m["save_path"], "gather", "{m}");
+                assert_eq!(m["verify"], "all", "{m}");
+                assert_eq!(m["verified"], true, "{m}");
+                assert_eq!(m["requests"], requests, "{m}");
+                assert_eq!(
+                    m["bytes_verified"].as_u64().unwrap(),
+                    requests * per_request,
+                    "{m}"
+                );
+            }
+        }
+    }
+    // Sampled: the model writes whole only the requests checked whole, and
+    // the checked first and last byte of the others' chunks, in the layout.
+    let (doc, _) = run(&[
+        "--kv-layout",
+        "vllm-cpu",
+        "--modes",
+        "push",
+        "--concurrency",
+        "2",
+        "--requests",
+        "10",
+        "--verify",
+        "sample",
+    ]);
+    let m = &doc["modes"][0];
+    assert_eq!(m["kv_layout"], "vllm-cpu", "{m}");
+    assert_eq!(m["verified"], true, "{m}");
+    // Requests 0 and 8 whole; the others' 3 pages at 2 bytes each.
+    assert_eq!(
+        m["bytes_verified"].as_u64().unwrap(),
+        2 * per_request + 8 * 3 * 2,
+        "{m}"
+    );
+    // The default is vLLM-Ascend's layout, and says so.
+    let (doc, _) = run(&["--modes", "push", "--requests", "1"]);
+    assert_eq!(doc["modes"][0]["kv_layout"], "ascend");
+    assert_eq!(doc["modes"][0]["verified"], true);
+    // Another layout on an NPU decode cache is refused before anything starts.
+    let out = bench()
+        .args(["run", "--device", "npu", "--kv-layout", "stacked"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-layout stacked needs --device cpu"),
+        "{err}"
+    );
+    let out = bench()
+        .args(["run", "--kv-layout", "paged"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("ascend") && err.contains("stacked") && err.contains("vllm-cpu"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(json);
+    let _ = std::fs::remove_file(cfg);
+}

@@ -15,7 +15,7 @@
 
 use crate::roles::key_seed;
 use ascend_pd::backend::{Receiver, Sender, TransferSpec};
-use ascend_pd::kv::{KvCache, KvCacheSpec, KvTensor};
+use ascend_pd::kv::{KvCache, KvCacheSpec, KvStrides, KvTensor};
 use ascend_pd::layout::ChunkLayout;
 use ascend_pd::memory::pattern;
 use ascend_pd::requests::{
@@ -33,6 +33,151 @@ const BLOCK: usize = 8;
 const BLOCKS: usize = 64;
 /// Longest a save or load may take before the soak calls it lost.
 const COMPLETION_WAIT: Duration = Duration::from_secs(60);
+
+/// How the bench's engine KV caches lie in memory (`--kv-layout`): each
+/// one the library wraps with `KvCache::wrap_host` (the contiguous layout)
+/// or `KvCache::wrap_host_strided` (the others).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvLayout {
+    /// vLLM-Ascend's: per layer a K and a V `[num_blocks, block_size,
+    /// heads, head]` (the contiguous layout; MLA: one latent per layer).
+    #[default]
+    Ascend,
+    /// GPU backends': one `[2, num_blocks, block_size, heads × head]`
+    /// tensor per layer, K's plane then V's, the layers' tensors apart.
+    Stacked,
+    /// vLLM's CPU backend's: one `[num_blocks, heads, block_size, 2 ×
+    /// head]` tensor per layer, each (block, head) holding K transposed
+    /// (element-major) then V token-major; not for MLA.
+    VllmCpu,
+}
+
+impl KvLayout {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvLayout::Ascend => "ascend",
+            KvLayout::Stacked => "stacked",
+            KvLayout::VllmCpu => "vllm-cpu",
+        }
+    }
+}
+
+/// Bytes from one layer's tensor to the next in a non-contiguous engine
+/// cache: its `planes × plane_bytes` rounded up to a 4 KiB page, and a page
+/// more, so the layers lie apart as separately allocated tensors do (and a
+/// write at a contiguous-layout offset lands in the wrong place).
+fn layer_stride(spec: &KvCacheSpec) -> usize {
+    (spec.planes() * spec.plane_bytes()).div_ceil(4096) * 4096 + 4096
+}
+
+/// Bytes an engine cache of `spec` in layout `kv` allocates.
+fn engine_bytes(spec: &KvCacheSpec, kv: KvLayout) -> usize {
+    match kv {
+        KvLayout::Ascend => spec.bytes(),
+        _ => spec.layers * layer_stride(spec),
+    }
+}
+
+/// Wraps `mem` (at least [`engine_bytes`] long) as a host cache of `spec`
+/// in layout `kv`; `heads`: KV heads per plane (vLLM's CPU layout is per
+/// head).
+///
+/// # Safety
+/// As [`KvCache::wrap_host`]: the memory stays allocated, readable and
+/// writable until the cache is dropped.
+unsafe fn wrap_engine_memory(
+    spec: KvCacheSpec,
+    mem: &EngineMemory,
+    kv: KvLayout,
+    heads: usize,
+) -> anyhow::Result<KvCache> {
+    let whole = mem.tensor();
+    let layers: Vec<KvTensor> = (0..spec.layers)
+        .map(|l| KvTensor {
+            addr: whole.addr + (l * layer_stride(&spec)) as u64,
+            bytes: spec.planes() * spec.plane_bytes(),
+        })
+        .collect();
+    let (strides, planes) = match kv {
+        // SAFETY: forwarded to the caller's contract.
+        KvLayout::Ascend => return Ok(unsafe { KvCache::wrap_host(spec, &[whole]) }?),
+        KvLayout::Stacked => (
+            vec![KvStrides::contiguous(&spec)],
+            KvStrides::stacked_planes(&spec, &layers)?,
+        ),
+        KvLayout::VllmCpu => {
+            let why = |e: ascend_pd::kv::KvError| anyhow::anyhow!("--kv-layout vllm-cpu: {e}");
+            (
+                KvStrides::vllm_cpu(&spec, heads).map_err(why)?.to_vec(),
+                KvStrides::vllm_cpu_planes(&spec, heads, &layers).map_err(why)?,
+            )
+        }
+    };
+    // SAFETY: every plane lies inside `mem` (each layer's tensor is
+    // `planes × plane_bytes` from its start, `layer_stride` apart, all in
+    // `engine_bytes`); the rest is the caller's contract.
+    Ok(unsafe { KvCache::wrap_host_strided(spec, &strides, &planes) }?)
+}
+
+/// A host KV cache in a chosen layout over memory the bench allocated, and
+/// that memory, freed after the cache: the decode side's cache.
+pub struct OwnedKvCache {
+    cache: Option<KvCache>,
+    mem: Option<EngineMemory>,
+}
+
+impl OwnedKvCache {
+    /// A zeroed host cache of `spec` in layout `kv` (`heads`: KV heads per
+    /// plane).
+    pub fn host(spec: KvCacheSpec, kv: KvLayout, heads: usize) -> anyhow::Result<OwnedKvCache> {
+        let mem = EngineMemory::zeroed(engine_bytes(&spec, kv));
+        // SAFETY: the memory is zeroed host memory of `engine_bytes`, freed
+        // only in `drop`, after the cache.
+        match unsafe { wrap_engine_memory(spec, &mem, kv, heads) } {
+            Ok(cache) => Ok(OwnedKvCache {
+                cache: Some(cache),
+                mem: Some(mem),
+            }),
+            Err(e) => {
+                // SAFETY: no cache was made over the memory.
+                unsafe { mem.free() };
+                Err(e)
+            }
+        }
+    }
+
+    /// A cache that owns its memory (`KvCache::host`, `KvCache::npu`).
+    pub fn own(cache: KvCache) -> OwnedKvCache {
+        OwnedKvCache {
+            cache: Some(cache),
+            mem: None,
+        }
+    }
+}
+
+impl std::ops::Deref for OwnedKvCache {
+    type Target = KvCache;
+    fn deref(&self) -> &KvCache {
+        self.cache.as_ref().expect("set until drop")
+    }
+}
+
+impl std::ops::DerefMut for OwnedKvCache {
+    fn deref_mut(&mut self) -> &mut KvCache {
+        self.cache.as_mut().expect("set until drop")
+    }
+}
+
+impl Drop for OwnedKvCache {
+    fn drop(&mut self) {
+        drop(self.cache.take());
+        if let Some(mem) = self.mem.take() {
+            // SAFETY: the only cache over the memory was just dropped.
+            unsafe { mem.free() };
+        }
+    }
+}
 
 /// Memory an engine allocated for its KV cache; the library's `KvCache`
 /// wraps it. Freed only once nothing can reach it any more.
@@ -70,41 +215,58 @@ impl EngineMemory {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<u8>(), self.words * 8) }
     }
 
+    /// Frees the memory.
+    ///
+    /// # Safety
+    /// Nothing may reach it any more (no cache wraps it).
+    unsafe fn free(self) {
+        // SAFETY: `ptr`/`words` are the boxed slice made in `zeroed`, which
+        // the caller says nothing reaches any more.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.words)) });
+    }
+
     /// Frees the memory, unless something may still reach it.
     fn release(self, cache: Arc<SharedKvCache>) {
         if Arc::strong_count(&cache) == 1 {
             drop(cache);
             // SAFETY: the only cache wrapping the memory is gone, and with
-            // it every pointer the library held; `ptr`/`words` are the
-            // boxed slice made in `zeroed`.
-            drop(unsafe {
-                Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.words))
-            });
+            // it every pointer the library held.
+            unsafe { self.free() };
         } else {
             log::warn!("an engine cache is still shared at the end: its memory is leaked");
         }
     }
 }
 
-/// A host cache for chunks of `layout`, over memory the engine allocated.
+/// A host cache for chunks of `layout`, over memory the engine allocated
+/// (the soak's engines: the contiguous layout).
 fn engine_cache(layout: &ChunkLayout) -> anyhow::Result<(EngineMemory, Arc<SharedKvCache>)> {
-    engine_cache_of(layout, BLOCKS, BLOCK)
+    engine_cache_of(layout, BLOCKS, BLOCK, KvLayout::Ascend, 1)
 }
 
-/// [`engine_cache`] of `blocks` blocks of `block` tokens.
+/// [`engine_cache`] of `blocks` blocks of `block` tokens in layout `kv`
+/// (`heads`: KV heads per plane).
 fn engine_cache_of(
     layout: &ChunkLayout,
     blocks: usize,
     block: usize,
+    kv: KvLayout,
+    heads: usize,
 ) -> anyhow::Result<(EngineMemory, Arc<SharedKvCache>)> {
     let spec = KvCacheSpec::for_layout(layout, blocks, block);
-    let mem = EngineMemory::zeroed(spec.bytes());
-    // SAFETY: the memory is host memory of `spec.bytes()` bytes or more,
+    let mem = EngineMemory::zeroed(engine_bytes(&spec, kv));
+    // SAFETY: the memory is host memory of `engine_bytes` bytes or more,
     // readable and writable, freed only after the cache (`release`); the
     // engines write it only where no save reads (under the cache's lock, or
     // a layer not yet handed over to a layer-wise save).
-    let cache = unsafe { KvCache::wrap_host(spec, &[mem.tensor()]) }?;
-    Ok((mem, SharedKvCache::new(cache)))
+    match unsafe { wrap_engine_memory(spec, &mem, kv, heads) } {
+        Ok(cache) => Ok((mem, SharedKvCache::new(cache))),
+        Err(e) => {
+            // SAFETY: no cache was made over the memory.
+            unsafe { mem.free() };
+            Err(e)
+        }
+    }
 }
 
 /// A slot mapping for `tokens` tokens over randomly chosen blocks.
@@ -426,18 +588,27 @@ pub struct RunPrefill {
     layout: ChunkLayout,
     blocks: usize,
     rng: fastrand::Rng,
+    /// The cache's layout (`--kv-layout`).
+    kv: KvLayout,
     /// Thread CPU seconds spent generating and writing the KV (the bench's
     /// stand-in for the model, not the library's work).
     pub bench_cpu_s: f64,
 }
 
 impl RunPrefill {
-    /// An engine for requests of up to `max_tokens` tokens.
-    pub fn start(sender: Arc<Sender>, max_tokens: usize, seed: u64) -> anyhow::Result<RunPrefill> {
+    /// An engine for requests of up to `max_tokens` tokens, its cache in
+    /// layout `kv` (`heads`: KV heads per plane).
+    pub fn start(
+        sender: Arc<Sender>,
+        max_tokens: usize,
+        seed: u64,
+        kv: KvLayout,
+        heads: usize,
+    ) -> anyhow::Result<RunPrefill> {
         let layout = sender.chunk_layout();
         // Two blocks to spare: the shuffled block table still varies.
         let blocks = max_tokens.div_ceil(RUN_BLOCK) + 2;
-        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK)?;
+        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK, kv, heads)?;
         // Touch every page now, as an engine's cache is before serving: the
         // first request's layers would otherwise pay the page faults.
         let base = mem.ptr.cast::<u8>();
@@ -453,8 +624,14 @@ impl RunPrefill {
             layout,
             blocks,
             rng: fastrand::Rng::with_seed(seed),
+            kv,
             bench_cpu_s: 0.0,
         })
+    }
+
+    /// The cache's layout.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv
     }
 
     /// Prefills request `req` (chunks `keys` of `tokens` tokens) layer by
@@ -511,8 +688,14 @@ impl RunPrefill {
                 std::thread::sleep(compute);
             }
             let cpu0 = crate::roles::thread_cpu_s();
-            self.write_layer(&chunks, tokens, &slots, layer);
+            let written = self.write_layer(&chunks, tokens, &slots, layer);
             self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
+            if let Err(e) = written {
+                if layerwise {
+                    let _ = self.saves.close_layered(req);
+                }
+                return (times, Err(format!("writing layer {layer}: {}", short(&e))));
+            }
             if layerwise {
                 if let Err(e) = self.saves.save_layer(req, layer) {
                     let _ = self.saves.close_layered(req);
@@ -545,10 +728,36 @@ impl RunPrefill {
     }
 
     /// Writes layer `layer` of every chunk (its K and V rows) at the
-    /// request's slots.
-    fn write_layer(&self, chunks: &[Vec<u8>], tokens: &[usize], slots: &[i64], layer: usize) {
+    /// request's slots: straight into the memory in the contiguous layout,
+    /// through the cache (`KvCache::write`, which maps each token's bytes
+    /// through the layout's strides) in the others.
+    fn write_layer(
+        &self,
+        chunks: &[Vec<u8>],
+        tokens: &[usize],
+        slots: &[i64],
+        layer: usize,
+    ) -> Result<(), ascend_pd::kv::KvError> {
         let spec = *self.cache.spec();
         let (tb, layers, planes) = (spec.token_bytes(), spec.layers, spec.planes());
+        if self.kv != KvLayout::Ascend {
+            // Under the lock: no worker copies meanwhile (a layer-wise save
+            // reads only layers handed over, but the lock is what lets us
+            // write through the cache).
+            let mut cache = self.cache.lock();
+            let mut first = 0;
+            for (chunk, &t) in chunks.iter().zip(tokens) {
+                for (i, &slot) in slots[first..first + t].iter().enumerate() {
+                    for plane in 0..planes {
+                        let at = spec.offset(layer, plane, slot as usize);
+                        let from = ((plane * layers + layer) * t + i) * tb;
+                        cache.write(at, &chunk[from..from + tb])?;
+                    }
+                }
+                first += t;
+            }
+            return Ok(());
+        }
         let base = self.mem.ptr.cast::<u8>();
         let len = self.mem.words * 8;
         let mut first = 0;
@@ -574,6 +783,7 @@ impl RunPrefill {
             }
             first += t;
         }
+        Ok(())
     }
 
     /// Stops the save queue and frees the cache.
@@ -632,6 +842,8 @@ pub struct OpenPrefill {
     rng: fastrand::Rng,
     /// `--verify sample`: the receivers check only some requests whole.
     sample: bool,
+    /// The cache's layout (`--kv-layout`).
+    kv: KvLayout,
     /// Thread CPU seconds spent generating and writing the KV (the bench's
     /// stand-in for the model, not the library's work).
     pub bench_cpu_s: f64,
@@ -640,17 +852,19 @@ pub struct OpenPrefill {
 impl OpenPrefill {
     /// An engine for `in_flight` requests of up to `max_tokens` tokens;
     /// `sample`: the receivers check every byte of only some requests
-    /// ([`crate::roles::checked_whole`]).
+    /// ([`crate::roles::checked_whole`]); its cache in layout `kv`
+    /// (`heads`: KV heads per plane).
     pub fn start(
         sender: Arc<Sender>,
         max_tokens: usize,
         in_flight: usize,
         seed: u64,
         sample: bool,
+        (kv, heads): (KvLayout, usize),
     ) -> anyhow::Result<OpenPrefill> {
         let layout = sender.chunk_layout();
         let blocks = max_tokens.div_ceil(RUN_BLOCK) * in_flight.max(1) + 2;
-        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK)?;
+        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK, kv, heads)?;
         let base = mem.ptr.cast::<u8>();
         for at in (0..mem.words * 8).step_by(4096) {
             // SAFETY: `at` is inside the allocation of `words * 8` bytes,
@@ -666,8 +880,14 @@ impl OpenPrefill {
             pending: None,
             rng: fastrand::Rng::with_seed(seed),
             sample,
+            kv,
             bench_cpu_s: 0.0,
         })
+    }
+
+    /// The cache's layout.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv
     }
 
     /// Saves submitted whose end was not polled yet.
@@ -734,9 +954,7 @@ impl OpenPrefill {
             let cpu0 = crate::roles::thread_cpu_s();
             // Other saves may be gathering: write under the cache's lock,
             // a chunk at a time so they interleave.
-            let _guard = self.cache.lock();
-            // SAFETY: the guard keeps every worker out of the cache.
-            let mem = unsafe { self.mem.bytes_mut() };
+            let mut guard = self.cache.lock();
             let spec = *self.cache.spec();
             let t = p.tokens[p.next];
             let seed = key_seed(&p.keys[p.next]);
@@ -744,19 +962,43 @@ impl OpenPrefill {
             let whole = crate::roles::checked_whole(&p.req, self.sample);
             // The chunk's pattern, made where the model would write it: all
             // of it, or (a request the receivers check only in part) the
-            // bytes they check, its first and last.
-            for (at, from) in token_runs(&spec, t, &p.slots[p.first..p.first + t]) {
-                let (at, from) = match whole {
-                    true => (at, from),
-                    false if from.start == 0 => (at.start..at.start + 1, 0..1),
-                    false if from.end == len => (at.end - 1..at.end, len - 1..len),
-                    false => continue,
-                };
-                pattern::fill_at(&mut mem[at], seed, from.start);
+            // bytes they check, its first and last — in either layout.
+            let runs = token_runs(&spec, t, &p.slots[p.first..p.first + t]);
+            let runs = runs.into_iter().filter_map(|(at, from)| match whole {
+                true => Some((at, from)),
+                false if from.start == 0 => Some((at.start..at.start + 1, 0..1)),
+                false if from.end == len => Some((at.end - 1..at.end, len - 1..len)),
+                false => None,
+            });
+            let mut failed = None;
+            if self.kv == KvLayout::Ascend {
+                // SAFETY: the guard keeps every worker out of the cache.
+                let mem = unsafe { self.mem.bytes_mut() };
+                for (at, from) in runs {
+                    pattern::fill_at(&mut mem[at], seed, from.start);
+                }
+            } else {
+                // `at` is an offset of the logical (contiguous) layout:
+                // the pattern made in a scratch buffer and written through
+                // the cache, which maps it through the layout's strides.
+                let mut buf = Vec::new();
+                for (at, from) in runs {
+                    buf.resize(at.len(), 0);
+                    pattern::fill_at(&mut buf, seed, from.start);
+                    if let Err(e) = guard.write(at.start, &buf) {
+                        failed = Some(format!("writing the KV: {e}"));
+                        break;
+                    }
+                }
             }
             p.first += t;
             p.next += 1;
-            drop(_guard);
+            drop(guard);
+            if let Some(why) = failed {
+                let p = self.pending.take()?;
+                self.free.extend(p.blocks);
+                return Some(Err((p.req, why)));
+            }
             self.bench_cpu_s += crate::roles::thread_cpu_s() - cpu0;
             return None;
         }

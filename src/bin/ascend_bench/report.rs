@@ -140,6 +140,9 @@ pub struct ModeReport {
     pub save_path: String,
     /// `all` or `sample`.
     pub verify: String,
+    /// The engine KV caches' layout (`--kv-layout`), as every sender and
+    /// receiver reported it.
+    pub kv_layout: String,
     /// Bytes loaded into decode KV caches (verified loads).
     pub bytes_delivered: u64,
     /// Bytes delivered per wall second in the steady window (see
@@ -219,6 +222,18 @@ pub fn summarize(
     let (mut first_start, mut last_end) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut bytes_verified = 0u64;
     let mut all_verified = clean && loads.len() == expected && puts.len() == expected;
+    // Every worker ran the layout asked for (a worker that ignored the flag
+    // would verify its bytes in another layout).
+    for v in sender_done.iter().chain(receiver_done) {
+        if v["kv_layout"] != spec.kv_layout.name() {
+            eprintln!(
+                "  {mode}: a worker reported KV layout {} instead of {}",
+                v["kv_layout"],
+                spec.kv_layout.name()
+            );
+            all_verified = false;
+        }
+    }
     let (mut e2e3, mut gather, mut spans, mut delivered) = (vec![], vec![], vec![], vec![]);
     let mut transfer = vec![];
     let mut first_arrival = f64::INFINITY;
@@ -332,6 +347,7 @@ pub fn summarize(
         }
         .to_string(),
         verify: spec.verify.clone(),
+        kv_layout: spec.kv_layout.name().to_string(),
         bytes_delivered,
         sustained_gbps: match steady_s > 0.0 {
             true => steady_bytes as f64 / steady_s / 1e9,
@@ -530,8 +546,8 @@ pub fn table(modes: &[ModeReport]) -> String {
     if let Some(m) = modes.first() {
         let _ = writeln!(
             s,
-            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}.",
-            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1
+            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}, KV cache layout {}.",
+            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1, m.kv_layout
         );
         let _ = writeln!(
             s,
@@ -589,6 +605,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             let more = json!({
             "save_path": m.save_path,
             "verify": m.verify,
+            "kv_layout": m.kv_layout,
             "concurrency": m.concurrency,
             "rate": m.rate,
             "duration_s": m.duration_s,

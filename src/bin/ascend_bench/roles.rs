@@ -3,7 +3,7 @@
 //! print one JSON line per request on stdout, stop cleanly on SIGINT /
 //! SIGTERM, and can serve their counters in OpenMetrics text.
 
-use crate::engine::{OpenPrefill, RunPrefill};
+use crate::engine::{KvLayout, OpenPrefill, OwnedKvCache, RunPrefill};
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
@@ -194,6 +194,10 @@ struct SenderCli {
     /// the CPU, writes the KV.
     #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
     verify: String,
+    /// The layout of the engine's KV cache (with --engine, --open-loop or
+    /// --prefill-layer-ms; see `ascend-bench run --help`).
+    #[arg(long, value_enum, default_value_t = KvLayout::Ascend)]
+    kv_layout: KvLayout,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -264,7 +268,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         eprintln!("sender: rank {rank} sends nothing: its MLA latent is sent by another rank");
         emit(
             json!({"event": "sender_done", "drained": true, "peak_pinned_pages": 0,
-            "pool_allocated": 0, "bytes_written": 0, "pulls_expired": 0}),
+            "pool_allocated": 0, "bytes_written": 0, "pulls_expired": 0,
+            "kv_layout": a.kv_layout.name()}),
         );
         return Ok(true);
     }
@@ -279,6 +284,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             Arc::clone(&sender),
             prompt,
             0x5eed ^ rank as u64,
+            a.kv_layout,
+            config.kv.num_kv_heads,
         )?),
         false => None,
     };
@@ -293,6 +300,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     };
     let mut ok = true;
     let mut bench_cpu_s = 0.0;
+    // The layout of the engine cache built (the flag's when there is none).
+    let mut kv_layout = engine.as_ref().map_or(a.kv_layout, RunPrefill::kv_layout);
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
@@ -312,7 +321,9 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             open.concurrency,
             0x5eed ^ rank as u64,
             a.verify == "sample",
+            (a.kv_layout, config.kv.num_kv_heads),
         )?;
+        kv_layout = engine.kv_layout();
         cpu_start = process_cpu_s();
         let targets_of = |r: usize| {
             spec_to(
@@ -461,6 +472,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
+        "kv_layout": kv_layout.name(),
     }));
     Ok(ok && drained)
 }
@@ -875,6 +887,10 @@ struct ReceiverCli {
     /// last byte of every page of the others.
     #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
     verify: String,
+    /// The layout of the decode KV cache (a host cache; see `ascend-bench
+    /// run --help`).
+    #[arg(long, value_enum, default_value_t = KvLayout::Ascend)]
+    kv_layout: KvLayout,
 }
 
 pub fn receiver_main(args: &[String]) -> Result<bool> {
@@ -903,7 +919,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     }
     install_signal_handlers();
     let receiver = Arc::new(Receiver::start(&config, rank)?);
-    let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth)?;
+    let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth, a.kv_layout)?;
     decode.sample = a.verify == "sample";
     let watch_stop = Arc::new(AtomicBool::new(false));
     // Pull-delay holds proxies, never landed keys: its requests are held
@@ -951,7 +967,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     if let Some(note) = &runtime {
         eprintln!("receiver: NPU via the {note}");
     }
-    emit(json!({"event": "receiver_ready", "npu_runtime": runtime}));
+    emit(json!({"event": "receiver_ready", "npu_runtime": runtime,
+        "kv_layout": decode.kv.name()}));
     // CPU time from now on (start-up is not per byte).
     let cpu_start = process_cpu_s();
     let page = config.page_bytes();
@@ -1032,6 +1049,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         "bytes_read": st.bytes_read,
         "cpu_s": process_cpu_s() - cpu_start,
         "bench_cpu_s": decode.bench_cpu_s,
+        // The layout the cache was built in.
+        "kv_layout": decode.kv.name(),
     }));
     watch_stop.store(true, Ordering::SeqCst);
     if let Some(w) = watcher {
@@ -1103,7 +1122,9 @@ fn spawn_watcher(
 struct DecodeSide {
     /// When requests were first seen held (see [`spawn_watcher`]).
     held: HeldAt,
-    cache: KvCache,
+    cache: OwnedKvCache,
+    /// The cache's layout.
+    kv: KvLayout,
     block_size: usize,
     scratch: Arc<PagePool>,
     layout: ChunkLayout,
@@ -1116,25 +1137,39 @@ struct DecodeSide {
 }
 
 impl DecodeSide {
-    /// A host KV cache for requests of up to `kv_tokens` tokens, in 128-token blocks.
-    fn new(config: &PdConfig, rank: usize, kv_tokens: usize, depth: usize) -> Result<DecodeSide> {
+    /// A KV cache in layout `kv` for requests of up to `kv_tokens` tokens,
+    /// in 128-token blocks.
+    fn new(
+        config: &PdConfig,
+        rank: usize,
+        kv_tokens: usize,
+        depth: usize,
+        kv: KvLayout,
+    ) -> Result<DecodeSide> {
         let layout = config.chunk_layout();
         let block_size = 128;
         let spec =
             KvCacheSpec::for_layout(&layout, kv_tokens.div_ceil(block_size).max(1), block_size);
         // The KV cache lives where the decode worker's buffers do.
-        let cache = match config.buffer_device {
-            BufferDevice::Npu(n) => {
+        let cache = match (config.buffer_device, kv) {
+            (BufferDevice::Npu(n), KvLayout::Ascend) => {
                 let device = AclRuntime::load()?.device(n.unwrap_or(rank as u32))?;
-                KvCache::npu(&device, spec)?
+                OwnedKvCache::own(KvCache::npu(&device, spec)?)
             }
-            BufferDevice::Cpu => KvCache::host(spec)?,
+            (BufferDevice::Npu(_), _) => bail!(
+                "--kv-layout {} is for host caches: with NPU buffers the decode cache is \
+                 vLLM-Ascend's (--kv-layout ascend)",
+                kv.name()
+            ),
+            (BufferDevice::Cpu, KvLayout::Ascend) => OwnedKvCache::own(KvCache::host(spec)?),
+            (BufferDevice::Cpu, _) => OwnedKvCache::host(spec, kv, config.kv.num_kv_heads)?,
         };
         let page = layout.page_bytes();
         let scratch = PagePool::new(RegisteredBuffer::host(page, page, false)?);
         Ok(DecodeSide {
             held: Default::default(),
             cache,
+            kv,
             block_size,
             scratch,
             layout,
@@ -1303,7 +1338,9 @@ impl DecodeSide {
             // Each run of the chunk's tokens read back from the cache (into
             // a buffer the size of a block's run, which stays in the CPU's
             // cache) and checked against the key's pattern where the
-            // chunk has it.
+            // chunk has it. The runs are offsets of the logical
+            // (contiguous) layout: `KvCache::read` maps them through the
+            // cache's strides whatever its --kv-layout.
             let runs = crate::engine::token_runs(&spec, t, &slots[first..first + t]);
             first += t;
             let len = self.layout.bytes_for(t);

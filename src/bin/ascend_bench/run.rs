@@ -4,6 +4,7 @@
 use crate::channel::{
     memcpy_gbps, memcpy_mt_gbps, raw_tcp_gbps, raw_tcp_streams_gbps, tcp_streams,
 };
+use crate::engine::KvLayout;
 use crate::report::{self, ModeReport};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role};
@@ -62,6 +63,8 @@ pub struct RunSpec {
     pub duration: Option<f64>,
     /// `all` or `sample` (`--verify`).
     pub verify: String,
+    /// The engine KV caches' layout (`--kv-layout`).
+    pub kv_layout: KvLayout,
 }
 
 impl RunSpec {
@@ -194,6 +197,14 @@ struct RunCli {
     /// request in eight, the first and last byte of every page of the others.
     #[arg(long, default_value = "all", value_parser = ["all", "sample"])]
     verify: String,
+    /// The layout of the engine KV caches: the prefill engine's (when
+    /// there is one: --prefill-layer-ms, push-layerwise, the open loop)
+    /// and the decode worker's (each layout below). Layouts other than
+    /// `ascend` need --device cpu; the stand-in model writes their KV
+    /// through the cache (`KvCache::write`, strided copies), more slowly
+    /// than `ascend`'s direct writes.
+    #[arg(long, value_enum, default_value_t = KvLayout::Ascend)]
+    kv_layout: KvLayout,
     /// Run each mode at a series of --rate values, doubling from --rate
     /// [default: 4/s], for --duration each [default: 3 s], until it
     /// saturates (sustained GB/s grew by less than 10% over the best so far,
@@ -295,6 +306,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         rate: a.load.rate,
         duration: a.load.duration,
         verify: a.verify.clone(),
+        kv_layout: a.kv_layout,
     };
     let (json_path, plot_path) = (a.json, a.plot);
     if spec.requests == 0 || spec.prompt_tokens == 0 {
@@ -307,6 +319,20 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     // before any worker starts.
     rank_config(&spec, Role::Sender)?;
     rank_config(&spec, Role::Receiver)?;
+    if spec.device.is_npu() && spec.kv_layout != KvLayout::Ascend {
+        bail!(
+            "--kv-layout {} needs --device cpu: with --device {} the decode cache is on the NPU \
+             in vLLM-Ascend's layout (--kv-layout ascend)",
+            spec.kv_layout.name(),
+            spec.device
+        );
+    }
+    if spec.kv_layout == KvLayout::VllmCpu && spec.base.chunk_layout().fmt.kv_planes() != 2 {
+        bail!(
+            "--kv-layout vllm-cpu holds K and V planes; this model's cache is MLA (one latent \
+             per layer): use --kv-layout ascend or stacked"
+        );
+    }
     if spec.device.is_npu() && spec.channel == ChannelKind::Shm {
         bail!("--device npu needs --channel tcp or hccl: shm moves host memory only");
     }
@@ -645,6 +671,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--kv-tokens={}", spec.prompt_tokens),
                 format!("--depth={}", spec.depth),
                 format!("--verify={}", spec.verify),
+                format!("--kv-layout={}", spec.kv_layout.name()),
             ];
             args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
             // Open loop: the receivers serve until told to stop (SIGTERM),
@@ -727,6 +754,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--prompt-tokens={}", spec.prompt_tokens),
                 format!("--prefix={prefix}"),
                 format!("--first-receiver={s}"),
+                format!("--kv-layout={}", spec.kv_layout.name()),
             ];
             if open {
                 args.push("--open-loop=true".into());
