@@ -10,7 +10,8 @@
 
 use ascend_pd::channel::handshake::{self, Hello};
 use ascend_pd::channel::{
-    self as chan, ChannelError, DirectRead, GrantTag, PeerId, ReadOp, TransferChannel, WriteOp,
+    self as chan, ChannelError, DirectRead, DirectWrite, GrantTag, PeerId, ReadOp, TransferChannel,
+    WriteOp,
 };
 use ascend_pd::config::{ChannelKind, Role, TransferMode};
 use ascend_pd::memory::npu::{self, AclRuntime};
@@ -1011,6 +1012,118 @@ fn ranged_writes_move_only_their_range_at_the_same_offset() {
         let again = l.channel.read(pid, reads(check, uuid, |_| 5)).unwrap();
         assert!(peer_page_ok(&again[0], 5, PAGE), "{kind:?}");
         drop((src, again));
+        l.objs.clear();
+        assert!(settles(&l.pool), "{kind:?}");
+    }
+}
+
+/// Direct writes (a push straight from the engine's KV cache): each range
+/// of caller memory lands at its offset of the peer's page and nothing
+/// else of the page changes — ranges that continue one another in the peer
+/// page from scattered sources (a chunk's rows out of cache blocks), more
+/// of them than one `writev` takes, and single ranges; a range past the
+/// page is refused before anything moves; hccl says it cannot.
+#[test]
+fn direct_writes_send_caller_memory_into_the_peers_pages() {
+    for kind in KINDS {
+        let peer = Peer::spawn(kind, 8, PAGE, "push", "peer");
+        let ctx = zmq::Context::new();
+        let mut l = local(kind, 8);
+        let (pid, uuid) = connect(&ctx, &l, &peer);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        if kind == ChannelKind::Hccl {
+            assert!(!l.channel.writes_direct(DeviceKind::Cpu));
+            // SAFETY: no op, nothing read.
+            let e = unsafe {
+                l.channel
+                    .write_direct(pid, GrantTag::UNTAGGED, &[], deadline)
+            }
+            .unwrap_err();
+            assert!(matches!(e, ChannelError::Unsupported(_)), "{e}");
+            continue;
+        }
+        assert!(l.channel.writes_direct(DeviceKind::Cpu), "{kind:?}");
+        let seed = 0xd1ec7;
+        let mut src = vec![0u8; 3 * PAGE];
+        pattern::fill(&mut src, seed);
+        // Page 0: 2000 rows of 32 bytes back to back in the peer's page,
+        // taken from the source in reverse order (one request, 2000
+        // segments). Page 1: three ranges apart. Page 2: one whole page.
+        let row = 32;
+        let mut ops: Vec<DirectWrite> = (0..2000)
+            .map(|r| DirectWrite {
+                src: src.as_ptr() as usize + (1999 - r) * row,
+                remote: BufferRef { uuid, page: 0 },
+                offset: 100 + r * row,
+                len: row,
+            })
+            .collect();
+        let apart = [
+            (PAGE + 5, 7, 3000),
+            (PAGE + 9000, 5000, 1),
+            (2 * PAGE - 10, 9, 10),
+        ];
+        for &(from, off, len) in &apart {
+            ops.push(DirectWrite {
+                src: src.as_ptr() as usize + from,
+                remote: BufferRef { uuid, page: 1 },
+                offset: off,
+                len,
+            });
+        }
+        ops.push(DirectWrite {
+            src: src.as_ptr() as usize + 2 * PAGE,
+            remote: BufferRef { uuid, page: 2 },
+            offset: 0,
+            len: PAGE,
+        });
+        // SAFETY: every source range lies in `src`, which nothing writes
+        // until the call returned.
+        unsafe {
+            l.channel
+                .write_direct(pid, GrantTag::UNTAGGED, &ops, deadline)
+        }
+        .unwrap();
+        let back_pages: Vec<MemObj> = l.objs.drain(..3).collect();
+        let back = l
+            .channel
+            .read(pid, reads(back_pages, uuid, |i| i as u32))
+            .unwrap();
+        let theirs = |page: u64| {
+            let mut v = vec![0u8; PAGE];
+            pattern::fill(&mut v, pattern::page_seed(PEER_SEED, page));
+            v
+        };
+        let mut want = theirs(0);
+        for r in 0..2000 {
+            let at = 100 + r * row;
+            want[at..at + row].copy_from_slice(&src[(1999 - r) * row..(2000 - r) * row]);
+        }
+        assert!(host(&back[0]) == &want[..], "{kind:?} page 0");
+        let mut want = theirs(1);
+        for &(from, off, len) in &apart {
+            want[off..off + len].copy_from_slice(&src[from..from + len]);
+        }
+        assert!(host(&back[1]) == &want[..], "{kind:?} page 1");
+        assert!(host(&back[2]) == &src[2 * PAGE..], "{kind:?} page 2");
+        // Past the end of page 5: refused, and the page unchanged.
+        let bad = [DirectWrite {
+            src: src.as_ptr() as usize,
+            remote: BufferRef { uuid, page: 5 },
+            offset: PAGE - 100,
+            len: 200,
+        }];
+        // SAFETY: as above.
+        let e = unsafe {
+            l.channel
+                .write_direct(pid, GrantTag::UNTAGGED, &bad, deadline)
+        }
+        .unwrap_err();
+        assert!(matches!(e, ChannelError::BadRef { .. }), "{kind:?}: {e}");
+        let check: Vec<MemObj> = back.into_iter().take(1).collect();
+        let again = l.channel.read(pid, reads(check, uuid, |_| 5)).unwrap();
+        assert!(peer_page_ok(&again[0], 5, PAGE), "{kind:?}");
+        drop(again);
         l.objs.clear();
         assert!(settles(&l.pool), "{kind:?}");
     }

@@ -22,7 +22,7 @@ mod zmq_io;
 pub use crate::protocol::PutOutcome;
 pub use counters::{MessageCounters, MessageKind};
 pub use receiver::{FetchError, Receiver, ReceiverStats};
-pub use sender::{LayerSource, Sender, SenderStats, SenderTimeouts, TransferSpec};
+pub use sender::{DirectLayer, LayerSource, Sender, SenderStats, SenderTimeouts, TransferSpec};
 
 use crate::channel::ChannelError;
 use crate::config::ConfigError;

@@ -49,6 +49,37 @@ pub trait LayerSource {
     fn prefetch(&mut self, layer: usize, targets: &[(usize, crate::memory::BufferRef)]) {
         let _ = (layer, targets);
     }
+
+    /// Layer `layer` written straight from the engine's memory into the
+    /// receiver's pages, with no staging page: `None` (the default) when
+    /// this source stages, and [`LayerSource::layer`] is asked instead.
+    /// Errors as for `layer`.
+    fn direct_layer(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, crate::memory::BufferRef)],
+    ) -> Option<Result<DirectLayer, String>> {
+        let _ = (layer, targets);
+        None
+    }
+}
+
+/// One layer's direct writes ([`LayerSource::direct_layer`]): ranges of
+/// host memory sent straight into the receiver's pages.
+pub struct DirectLayer {
+    ops: Vec<crate::channel::DirectWrite>,
+}
+
+impl DirectLayer {
+    /// The writes of one layer.
+    ///
+    /// # Safety
+    /// Each op's `[src, src + len)` must be host memory that stays
+    /// readable, and that nothing writes, until the put that asked for the
+    /// layer returned (the write reads it until then).
+    pub unsafe fn new(ops: Vec<crate::channel::DirectWrite>) -> DirectLayer {
+        DirectLayer { ops }
+    }
 }
 
 /// What a put sends: sealed chunks, or layers from a [`LayerSource`].
@@ -702,23 +733,44 @@ impl Sender {
                     targets,
                 } => {
                     held = None;
-                    let ops = match &mut payload {
-                        Payload::Layers(source) => source.layer(layer, &targets),
-                        Payload::Whole(_) => Err("a whole put was asked for a layer".into()),
+                    let direct = match &mut payload {
+                        Payload::Layers(source) => source.direct_layer(layer, &targets),
+                        Payload::Whole(_) => None,
                     };
-                    match ops {
-                        Ok(ops) => {
-                            let end = match &mut payload {
-                                Payload::Layers(source) => {
-                                    self.write_then(peer, tag, ops, &mut last_io, || {
-                                        source.prefetch(layer + 1, &targets)
-                                    })
-                                }
-                                Payload::Whole(_) => self.write(peer, tag, ops, &mut last_io),
-                            };
+                    match direct {
+                        Some(Ok(d)) => {
+                            let end = self.write_direct(peer, tag, &d, &mut last_io);
                             lock(&s.core).on_written(&mut put, Instant::now(), end)
                         }
-                        Err(why) => lock(&s.core).on_layer_missing(&mut put, Instant::now(), why),
+                        Some(Err(why)) => {
+                            lock(&s.core).on_layer_missing(&mut put, Instant::now(), why)
+                        }
+                        None => {
+                            let ops = match &mut payload {
+                                Payload::Layers(source) => source.layer(layer, &targets),
+                                Payload::Whole(_) => {
+                                    Err("a whole put was asked for a layer".into())
+                                }
+                            };
+                            match ops {
+                                Ok(ops) => {
+                                    let end = match &mut payload {
+                                        Payload::Layers(source) => {
+                                            self.write_then(peer, tag, ops, &mut last_io, || {
+                                                source.prefetch(layer + 1, &targets)
+                                            })
+                                        }
+                                        Payload::Whole(_) => {
+                                            self.write(peer, tag, ops, &mut last_io)
+                                        }
+                                    };
+                                    lock(&s.core).on_written(&mut put, Instant::now(), end)
+                                }
+                                Err(why) => {
+                                    lock(&s.core).on_layer_missing(&mut put, Instant::now(), why)
+                                }
+                            }
+                        }
                     }
                 }
             };
@@ -745,6 +797,44 @@ impl Sender {
                     s.counters.bump(MessageKind::Malformed);
                 }
                 Err(r.into())
+            }
+        }
+    }
+
+    /// Whether a put can write straight from host memory (push over a
+    /// channel that sends from caller memory; `pd_push_direct_write`).
+    pub fn writes_direct(&self) -> bool {
+        let s = &self.shared;
+        s.config.push_direct_write
+            && s.config.mode() == TransferMode::Push
+            && s.channel.writes_direct(crate::memory::DeviceKind::Cpu)
+    }
+
+    /// Runs one direct write to the end and says how it ended.
+    fn write_direct(
+        &self,
+        peer: crate::channel::PeerId,
+        tag: GrantTag,
+        layer: &DirectLayer,
+        last_io: &mut Option<BackendError>,
+    ) -> WriteEnd {
+        let s = &self.shared;
+        let bytes: u64 = layer.ops.iter().map(|o| o.len as u64).sum();
+        let deadline = Instant::now() + s.config.push_landing_timeout;
+        // SAFETY: DirectLayer::new's contract: every source stays readable
+        // and unwritten until this put returns, and write_direct returns
+        // only once no byte of it is read any more.
+        let r = unsafe { s.channel.write_direct(peer, tag, &layer.ops, deadline) };
+        match r {
+            Ok(()) => {
+                s.counters.add_bytes(bytes);
+                WriteEnd::Written
+            }
+            Err(e) => {
+                *last_io = Some(e.into());
+                s.counters.bump(MessageKind::TransferError);
+                // Nothing of it runs after the call.
+                WriteEnd::Failed
             }
         }
     }

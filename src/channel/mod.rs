@@ -128,6 +128,23 @@ impl PeerTable {
 
     /// Checks op `i` of a direct read: its range must lie inside one page
     /// of a known buffer. Returns the byte offset of that page in its buffer.
+    pub(crate) fn resolve_direct_write(
+        &self,
+        i: usize,
+        op: &DirectWrite,
+    ) -> Result<u64, ChannelError> {
+        self.resolve(op.remote, op.offset.saturating_add(op.len))
+            .map(|(_, page)| page)
+            .map_err(|reason| ChannelError::BadRef {
+                op: i,
+                remote: op.remote,
+                reason: format!(
+                    "a direct write of {} bytes at offset {}: {reason}",
+                    op.len, op.offset
+                ),
+            })
+    }
+
     pub(crate) fn resolve_direct(&self, i: usize, op: &DirectRead) -> Result<u64, ChannelError> {
         self.resolve(op.remote, op.offset.saturating_add(op.len))
             .map(|(_, page)| page)
@@ -179,6 +196,21 @@ pub struct DirectRead {
     /// The address it goes to: a host address, or a device address in
     /// memory registered with the channel ([`TransferChannel::register_direct`]).
     pub dst: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// One range of a direct write: `len` bytes of caller memory at `src` (a
+/// KV cache) straight to `offset` of a remote page, with no local page in
+/// between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirectWrite {
+    /// The host address the bytes come from.
+    pub src: usize,
+    /// The remote page.
+    pub remote: BufferRef,
+    /// Where the range starts in that page.
+    pub offset: usize,
     /// Bytes.
     pub len: usize,
 }
@@ -536,6 +568,38 @@ pub trait TransferChannel: Send + Sync {
         let _ = (peer, ops, deadline);
         Err(ChannelError::Unsupported(format!(
             "the {} channel cannot read into caller memory",
+            self.kind().name()
+        )))
+    }
+
+    /// Whether [`TransferChannel::write_direct`] can send from caller
+    /// memory on `device`.
+    fn writes_direct(&self, device: DeviceKind) -> bool {
+        let _ = device;
+        false
+    }
+
+    /// Writes every range of `ops` from caller host memory straight into
+    /// `peer`'s pages (granted to us for writing, under `tag`) and returns
+    /// once each has landed or failed — never earlier, so no copy outlives
+    /// the call. Every remote range is validated before any byte moves. A
+    /// write still waiting for the peer at `deadline` is given up and its
+    /// connection dropped. Channels that cannot send from caller memory
+    /// refuse (the caller stages through its pages instead).
+    ///
+    /// # Safety
+    /// Each `[src, src + len)` must be host memory the caller may read for
+    /// the whole call and that nothing writes meanwhile.
+    unsafe fn write_direct(
+        &self,
+        peer: PeerId,
+        tag: GrantTag,
+        ops: &[DirectWrite],
+        deadline: Instant,
+    ) -> Result<(), ChannelError> {
+        let _ = (peer, tag, ops, deadline);
+        Err(ChannelError::Unsupported(format!(
+            "the {} channel cannot write from caller memory",
             self.kind().name()
         )))
     }

@@ -13,8 +13,9 @@
 use super::grant::GrantTable;
 use super::{
     check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
-    Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
-    PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    Completion, DirectRead, DirectWrite, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
+    OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp,
+    WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
@@ -322,6 +323,58 @@ impl TransferChannel for ShmChannel {
 
     fn reads_direct(&self, device: DeviceKind) -> bool {
         device == DeviceKind::Cpu
+    }
+
+    fn writes_direct(&self, device: DeviceKind) -> bool {
+        device == DeviceKind::Cpu
+    }
+
+    unsafe fn write_direct(
+        &self,
+        peer: PeerId,
+        tag: GrantTag,
+        ops: &[DirectWrite],
+        deadline: std::time::Instant,
+    ) -> Result<(), ChannelError> {
+        // One-sided, as submit_write: a memcpy into a mapped page cannot
+        // stall on the peer, and its quarantine of revoked pages keeps a
+        // late write harmless.
+        let _ = (tag, deadline);
+        let p = self.peer(peer)?;
+        let mut pieces = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let page = p.table.resolve_direct_write(i, op)?;
+            let map = &p.maps[&op.remote.uuid];
+            slice_into(
+                &mut pieces,
+                op.src,
+                map.ptr as usize + page as usize + op.offset,
+                op.len,
+            );
+        }
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail: format!("process {} exited", p.pid),
+            });
+        }
+        // SAFETY: resolve_direct_write proved each destination range lies
+        // inside a page of a mapped peer pool, which stays mapped while `p`
+        // lives, granted to us for writing; each source is memory this
+        // write's caller may read and nothing writes for the call
+        // (write_direct's contract); peer mappings and local memory are
+        // distinct, so no destination overlaps a source. copy_pieces splits
+        // over threads only pieces whose destinations it proved disjoint.
+        unsafe { copy_pool::copy_pieces(&pieces) };
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: Some(ops.len().saturating_sub(1)),
+                detail: format!("process {} exited during the write", p.pid),
+            });
+        }
+        Ok(())
     }
 
     unsafe fn read_direct(

@@ -51,9 +51,9 @@ use super::grant::{GrantTable, Serving};
 use super::staging::{StageError, Stager};
 use super::{
     bind_listener, check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc,
-    ChannelError, Completion, DirectRead, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
-    OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp,
-    WriteOp,
+    ChannelError, Completion, DirectRead, DirectWrite, Endpoint, GrantId, GrantStats, GrantTag,
+    LocalPage, OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel,
+    TransferOp, WriteOp,
 };
 use crate::auth::{self, Nonce, Secret, Step, NONCE_LEN, PROOF_LEN, SECRET_ENV, SECRET_KEY};
 use crate::config::ChannelKind;
@@ -1043,6 +1043,49 @@ impl TransferChannel for TcpChannel {
         })
     }
 
+    fn writes_direct(&self, device: DeviceKind) -> bool {
+        device == DeviceKind::Cpu
+    }
+
+    unsafe fn write_direct(
+        &self,
+        peer: PeerId,
+        tag: GrantTag,
+        ops: &[DirectWrite],
+        deadline: Instant,
+    ) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        for (i, op) in ops.iter().enumerate() {
+            p.table.resolve_direct_write(i, op)?;
+            if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
+                return Err(ChannelError::BadRef {
+                    op: i,
+                    remote: op.remote,
+                    reason: "a direct write past 4 GiB into a page (tcp offsets are 32-bit)".into(),
+                });
+            }
+        }
+        // Cut as a direct read is (ranges that continue one another in the
+        // remote page share requests), the segments being the sources.
+        let as_ranges: Vec<DirectRead> = ops
+            .iter()
+            .map(|o| DirectRead {
+                remote: o.remote,
+                offset: o.offset,
+                dst: o.src,
+                len: o.len,
+            })
+            .collect();
+        let (slices, segs) = direct_slices(&as_ranges, self.opts.slice_bytes);
+        let (node, opts, segs) = (self.node.as_str(), &self.opts, segs.as_slice());
+        let p = &*p;
+        // on_connections returns only after every connection thread ended,
+        // so no byte is read from the sources after this call.
+        on_connections(p, &slices, |conn, mine| {
+            run_direct_write_on_connection(p, node, conn, tag, mine, segs, opts, deadline)
+        })
+    }
+
     fn submit_write(
         &self,
         peer: PeerId,
@@ -1452,6 +1495,7 @@ fn run_direct_on_connection(
         let mut left: &mut [IoSliceMut<'_>] = &mut dst;
         while !left.is_empty() {
             arm(stream, sl.op)?;
+            // (std passes at most the kernel's IOV_MAX segments per call.)
             let n = match stream.read_vectored(left) {
                 Ok(0) => Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
                 Ok(n) => Ok(n),
@@ -1461,6 +1505,86 @@ fn run_direct_on_connection(
             .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
             IoSliceMut::advance_slices(&mut left, n);
         }
+        done += 1;
+    }
+    // The connection is reused: back to the usual timeouts.
+    stream.set_read_timeout(Some(opts.io_timeout)).ok();
+    stream.set_write_timeout(Some(opts.io_timeout)).ok();
+    Ok(())
+}
+
+/// A direct write's share of one connection: requests pipelined `window`
+/// deep, each sent with its payload gathered from its source segments.
+#[allow(clippy::too_many_arguments)]
+fn run_direct_write_on_connection(
+    p: &TcpPeer,
+    node: &str,
+    conn: &mut Option<Conn>,
+    tag: GrantTag,
+    slices: &[DirectSlice],
+    segs: &[(usize, usize)],
+    opts: &TcpOptions,
+    deadline: Instant,
+) -> Result<(), ChannelError> {
+    let Conn { stream, .. } = connected(p, node, conn, opts)?;
+    // Every blocking call waits at most until the deadline, then the write
+    // is given up (the caller drops the connection).
+    let arm = |stream: &TcpStream, op: usize| -> Result<(), ChannelError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ChannelError::Timeout {
+                what: format!("direct write to {} ({}), op {op}", p.node, p.addr),
+                after: opts.io_timeout.min(left),
+            });
+        }
+        let t = Some(left.min(opts.io_timeout));
+        stream.set_read_timeout(t).ok();
+        stream.set_write_timeout(t).ok();
+        Ok(())
+    };
+    let window = opts.window.max(1);
+    let (mut sent, mut done) = (0usize, 0usize);
+    while done < slices.len() {
+        while sent < slices.len() && sent - done < window {
+            let sl = slices[sent];
+            let h = Request {
+                magic: MAGIC,
+                op: OP_WRITE,
+                at: sl.remote,
+                offset: sl.offset as u32,
+                len: sl.len as u64,
+                tag,
+            }
+            .encode();
+            let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(1 + sl.segs.1 - sl.segs.0);
+            bufs.push(IoSlice::new(&h));
+            for &(src, len) in &segs[sl.segs.0..sl.segs.1] {
+                // SAFETY: write_direct's caller vouched that each op's [src,
+                // src + len), which the segments split, is host memory it may
+                // read and nothing writes for the whole call; write_direct
+                // returns only after this thread ended.
+                bufs.push(IoSlice::new(unsafe {
+                    std::slice::from_raw_parts(src as *const u8, len)
+                }));
+            }
+            // Each call waits at most until the deadline (re-armed per call).
+            let mut left: &mut [IoSlice<'_>] = &mut bufs;
+            while !left.is_empty() {
+                arm(stream, sl.op)?;
+                let n = match stream.write_vectored(left) {
+                    Ok(0) => Err(io::Error::from(io::ErrorKind::WriteZero)),
+                    Ok(n) => Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+                    Err(e) => Err(e),
+                }
+                .map_err(|e| gone(p, Some(sl.op), &e, opts.io_timeout))?;
+                IoSlice::advance_slices(&mut left, n);
+            }
+            sent += 1;
+        }
+        let sl = slices[done];
+        arm(stream, sl.op)?;
+        read_reply(p, stream, sl.op, opts)?;
         done += 1;
     }
     // The connection is reused: back to the usual timeouts.

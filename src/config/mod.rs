@@ -299,6 +299,13 @@ pub struct PdConfig {
     /// pass (the engine integration hands layers over; see
     /// `SaveQueue::open_layered`).
     pub layerwise: bool,
+    /// `pd_push_direct_write` (sender, push mode; default true): a save from
+    /// a host KV cache writes its bytes straight from the cache into the
+    /// receiver's pages, with no staging page of ours in between (one copy
+    /// less), over channels that can send from caller memory (shm, tcp);
+    /// false, or another channel or an NPU cache, gathers into pool pages
+    /// first.
+    pub push_direct_write: bool,
     /// `pd_cpu_buffer_size`; `None` falls back to `pd_buffer_size`.
     pub cpu_buffer_size: Option<u64>,
     /// `pd_alloc_fail_backoff_ttl` (default 2 s).
@@ -356,6 +363,7 @@ impl PdConfig {
             pull_done_port: None,
             use_cpu_offload: false,
             layerwise: false,
+            push_direct_write: true,
             cpu_buffer_size: None,
             alloc_fail_backoff_ttl: Duration::from_secs(2),
             pull_pending_ttl: Duration::from_secs(360),
@@ -917,6 +925,7 @@ impl PdConfig {
         let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));
         let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
         let _ = writeln!(s, "pd_layerwise: {}", self.layerwise);
+        let _ = writeln!(s, "pd_push_direct_write: {}", self.push_direct_write);
         let cpu = if self.use_cpu_offload {
             self.cpu_pool_bytes().to_string()
         } else {

@@ -989,6 +989,46 @@ impl KvCache {
         self.run_gather(&copies, dst)
     }
 
+    /// Where layer `layer` of a chunk (`meta`, its tokens at `slots`) lies
+    /// in this host cache: `(address, offset in the chunk's page, bytes)`
+    /// per run, the copies [`KvCache::gather_layer`] would make into a page
+    /// holding the chunk at its start. A direct write sends them from the
+    /// cache straight into a receiver's page. Host caches only (an NPU
+    /// cache's memory is not addressable by the host).
+    pub fn layer_sources(
+        &self,
+        layer: usize,
+        slots: &[i64],
+        meta: ChunkMeta,
+    ) -> Result<Vec<(usize, usize, usize)>, KvError> {
+        if !matches!(self.mem, Memory::Host(_)) {
+            return Err(KvError::Unsupported {
+                cache: self.device(),
+                page: DeviceKind::Cpu,
+                hint: "a direct write sends from host memory: stage an NPU cache through pages",
+            });
+        }
+        self.spec.check_piece(&meta.layout, meta.hidden_offset)?;
+        if layer >= meta.layout.layers {
+            return Err(KvError::InvalidSpec(format!(
+                "layer {layer} asked of chunks of {} layer(s)",
+                meta.layout.layers
+            )));
+        }
+        Ok(layer_copies(
+            &self.spec,
+            &self.strides,
+            meta.layout.hidden,
+            meta.hidden_offset,
+            meta.tokens,
+            slots,
+            layer..layer + 1,
+        )?
+        .iter()
+        .map(|c| (self.addr_of(c), c.chunk_offset, c.len))
+        .collect())
+    }
+
     fn run_gather(
         &mut self,
         copies: &[PlaneCopy],

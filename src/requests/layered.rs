@@ -9,8 +9,8 @@
 //! which each layer's bytes are valid), and whether more will come.
 
 use super::{err_text, SaveJob, SharedKvCache};
-use crate::backend::{lock, LayerSource, Sender, TransferSpec};
-use crate::channel::WriteOp;
+use crate::backend::{lock, DirectLayer, LayerSource, Sender, TransferSpec};
+use crate::channel::{DirectWrite, WriteOp};
 use crate::memory::{BufferRef, ChunkMeta, MemObj, SealedMemObj};
 use crate::protocol::ChunkDesc;
 use ascend_sys::{Device, Event};
@@ -212,6 +212,9 @@ struct QueueLayers<'a> {
     deadline: Instant,
     /// A layer gathered ahead while the one before was written.
     ready: Option<(usize, Result<Vec<WriteOp>, String>)>,
+    /// Each layer goes straight from the cache into the receiver's pages
+    /// (`pd_push_direct_write`): no staging sets.
+    direct: bool,
 }
 
 impl QueueLayers<'_> {
@@ -262,7 +265,60 @@ impl QueueLayers<'_> {
     }
 }
 
+impl QueueLayers<'_> {
+    /// Waits for layer `layer` and returns where each target chunk's rows
+    /// of it lie in the (host) cache, to be sent straight to the receiver.
+    fn direct_writes(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, BufferRef)],
+    ) -> Result<DirectLayer, String> {
+        if let Some(event) = self.gate.wait(layer, self.deadline, self.timeout)? {
+            // A host cache the engine fills through an NPU: its bytes are
+            // there once the event completed.
+            event
+                .synchronize()
+                .map_err(|e| format!("waiting for the engine's event of layer {layer}: {e}"))?;
+        }
+        let cache = lock(&self.cache.cache);
+        let mut ops = Vec::new();
+        for &(i, remote) in targets {
+            for (src, offset, len) in cache
+                .layer_sources(layer, self.slots[i], self.metas[i])
+                .map_err(err_text)?
+            {
+                ops.push(DirectWrite {
+                    src,
+                    remote,
+                    offset,
+                    len,
+                });
+            }
+        }
+        drop(cache);
+        // SAFETY: the sources are the request's rows of a handed-over layer
+        // in a host cache: memory the cache's wrapper vouched lives as long
+        // as the cache, which this save holds (`job.cache`) until its puts
+        // returned; and the engine does not write a handed-over layer of a
+        // save's slots until `poll_cache_released` reported the save, which
+        // comes only after run_layered's puts returned (the SaveQueue
+        // contract, as for the gathers).
+        Ok(unsafe { DirectLayer::new(ops) })
+    }
+}
+
 impl LayerSource for QueueLayers<'_> {
+    fn direct_layer(
+        &mut self,
+        layer: usize,
+        targets: &[(usize, BufferRef)],
+    ) -> Option<Result<DirectLayer, String>> {
+        if !self.direct {
+            return None;
+        }
+        Some(self.direct_writes(layer, targets))
+    }
+
     fn layer(
         &mut self,
         layer: usize,
@@ -281,6 +337,38 @@ impl LayerSource for QueueLayers<'_> {
             self.ready = Some((layer, self.gather(layer, targets)));
         }
     }
+}
+
+/// Runs below this many bytes make a direct write slower than a gather
+/// into pages (a strided cache's per-element runs): such caches stage.
+const DIRECT_MIN_RUN: usize = 4096;
+
+/// Whether a save from `cache` writes straight from it: a host cache whose
+/// runs are not tiny, and a sender that writes directly
+/// ([`Sender::writes_direct`]).
+pub(super) fn writes_direct(sender: &Sender, cache: &SharedKvCache) -> bool {
+    cache.device.is_none()
+        && sender.writes_direct()
+        && lock(&cache.cache).min_run_bytes() >= DIRECT_MIN_RUN
+}
+
+/// A whole save (`SaveQueue::submit`) sent as a layer-wise put of layers
+/// all already written, straight from the cache ([`writes_direct`]): the
+/// receiver allocates, each layer is written from the cache into its
+/// pages, and it takes the chunks as landed after the last; `released`
+/// once none reads the cache any more.
+pub(super) fn run_direct_whole(
+    sender: &Sender,
+    job: &SaveJob,
+    released: impl FnOnce(),
+) -> Result<(), String> {
+    let layers = sender.chunk_layout().layers;
+    let gate = LayerGate::new(layers, None, true);
+    for l in 0..layers {
+        gate.hand(&job.req.spec.req_id, l, None)?;
+    }
+    gate.close("every layer was handed over");
+    run_layered(sender, job, &gate, released)
 }
 
 /// Runs a layer-wise save: one layer-wise put per decode rank this rank
@@ -310,6 +398,7 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
         .collect();
     let timeout = sender.config().push_landing_timeout;
     let deadline = Instant::now() + timeout;
+    let direct = writes_direct(sender, &job.cache);
     let pieces = sender.pieces(&req.keys);
     let put_piece = |route: crate::kv::tp::Route, keys: Vec<String>| -> Result<(), String> {
         let offset = sender.piece_offset(&route);
@@ -331,11 +420,12 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
                 .map(Held::Own)
                 .collect())
         };
-        let sets = [set()?, set()?];
-        let pool = match &sets[0][0] {
-            Held::Own(p) => p.buffer_ref().uuid,
-            _ => unreachable!("just allocated"),
+        // Direct: nothing staged, no pages of ours.
+        let sets = match direct {
+            true => [Vec::new(), Vec::new()],
+            false => [set()?, set()?],
         };
+        let pool = sender.allocator().primary().uuid();
         let descs: Vec<ChunkDesc> = metas.iter().map(|&meta| ChunkDesc { pool, meta }).collect();
         let mut source = QueueLayers {
             sets,
@@ -348,6 +438,7 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
             timeout,
             deadline,
             ready: None,
+            direct,
         };
         let spec = TransferSpec {
             receiver_rank: Some(route.rank),

@@ -403,6 +403,12 @@ impl SaveQueue {
                         lock(&state.book).cache_released(&id);
                     })
                     .map(|()| SaveRun::Sent),
+                    None if layered::writes_direct(&sender, &job.cache) => {
+                        layered::run_direct_whole(&sender, &job, || {
+                            lock(&state.book).cache_released(&id);
+                        })
+                        .map(|()| SaveRun::Sent)
+                    }
                     None => run_save(&sender, &job, || lock(&state.book).cache_released(&id)),
                 });
                 if let Err(e) = &r {
