@@ -431,6 +431,12 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
     for m in modes {
         assert_eq!(m["save_path"], "gather", "{m}");
         assert_eq!(m["save"], "submit", "{m}");
+        // Push saves write straight from the engine cache (its runs are a
+        // 16-token block of 256-byte rows, 4 KiB).
+        match m["mode"].as_str().unwrap() {
+            "push" => assert_eq!(m["push_write"], "direct", "{m}"),
+            _ => assert!(m["push_write"].is_null(), "{m}"),
+        }
         assert_eq!(m["verify"], "all", "{m}");
         assert_eq!(m["verified"], true, "{m}");
         let n = m["requests"].as_u64().unwrap();
@@ -1299,6 +1305,16 @@ fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
             for m in ms {
                 assert_eq!(m["kv_layout"], layout, "{m}");
                 assert_eq!(m["save_path"], "gather", "{m}");
+                // Push saves write straight from a cache whose runs are a
+                // block (stacked); vLLM CPU's K is scattered per element,
+                // so they stage.
+                if m["mode"].as_str().unwrap().starts_with("push") {
+                    let want = match layout {
+                        "vllm-cpu" => "staged",
+                        _ => "direct",
+                    };
+                    assert_eq!(m["push_write"], want, "{m}");
+                }
                 assert_eq!(m["verify"], "all", "{m}");
                 assert_eq!(m["verified"], true, "{m}");
                 assert_eq!(m["requests"], requests, "{m}");

@@ -466,6 +466,15 @@ impl SaveQueue {
         &self.sender
     }
 
+    /// Whether saves from `cache` write straight from it into the
+    /// receivers' pages (`pd_push_direct_write`: push mode, a host cache
+    /// with runs of 4 KiB or more, a channel that sends from caller
+    /// memory), rather than gathering into the sender's pages first. Then
+    /// `poll_cache_released` reports a save when its write is over.
+    pub fn writes_direct(&self, cache: &SharedKvCache) -> bool {
+        layered::writes_direct(&self.sender, cache)
+    }
+
     /// Queues the save of one request from `cache`. Checked now: the key
     /// count against the chunks of the slot mapping, every slot against
     /// the cache, and that no slot is padding (negative: a save sends every

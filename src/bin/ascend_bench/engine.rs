@@ -596,6 +596,21 @@ pub struct RunPrefill {
 }
 
 impl RunPrefill {
+    /// How its push saves write: `direct` (from the cache into the
+    /// receiver's pages) or `staged` (gathered into pool pages first);
+    /// `None` in the pull modes.
+    pub fn push_write(&self) -> Option<&'static str> {
+        match self.saves.sender().mode() {
+            ascend_pd::config::TransferMode::Push => {
+                Some(match self.saves.writes_direct(&self.cache) {
+                    true => "direct",
+                    false => "staged",
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// An engine for requests of up to `max_tokens` tokens, its cache in
     /// layout `kv` (`heads`: KV heads per plane).
     pub fn start(
@@ -850,6 +865,21 @@ pub struct OpenPrefill {
 }
 
 impl OpenPrefill {
+    /// How its push saves write: `direct` (from the cache into the
+    /// receiver's pages) or `staged` (gathered into pool pages first);
+    /// `None` in the pull modes.
+    pub fn push_write(&self) -> Option<&'static str> {
+        match self.saves.sender().mode() {
+            ascend_pd::config::TransferMode::Push => {
+                Some(match self.saves.writes_direct(&self.cache) {
+                    true => "direct",
+                    false => "staged",
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// An engine for `in_flight` requests of up to `max_tokens` tokens;
     /// `sample`: the receivers check every byte of only some requests
     /// ([`crate::roles::checked_whole`]); its cache in layout `kv`

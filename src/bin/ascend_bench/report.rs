@@ -140,6 +140,10 @@ pub struct ModeReport {
     pub save_path: String,
     /// `all` or `sample`.
     pub verify: String,
+    /// How push saves through the request API wrote: `direct` (from the
+    /// engine cache into the receiver's pages) or `staged` (gathered into
+    /// the sender's pages); `None` without such saves.
+    pub push_write: Option<String>,
     /// The engine KV caches' layout (`--kv-layout`), as every sender and
     /// receiver reported it.
     pub kv_layout: String,
@@ -347,6 +351,9 @@ pub fn summarize(
         }
         .to_string(),
         verify: spec.verify.clone(),
+        push_write: sends
+            .iter()
+            .find_map(|v| v["push_write"].as_str().map(str::to_string)),
         kv_layout: spec.kv_layout.name().to_string(),
         bytes_delivered,
         sustained_gbps: match steady_s > 0.0 {
@@ -604,6 +611,7 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             });
             let more = json!({
             "save_path": m.save_path,
+            "push_write": m.push_write,
             "verify": m.verify,
             "kv_layout": m.kv_layout,
             "concurrency": m.concurrency,

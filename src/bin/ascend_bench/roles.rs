@@ -305,6 +305,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
+    let mut push_write: Option<&'static str> = None;
     if a.open_loop {
         if hetero || config.layerwise || layer_ms > 0.0 {
             bail!("--open-loop needs the same TP size on both sides, whole-request saves and no --prefill-layer-ms");
@@ -345,6 +346,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         ok &= good;
         max_in_flight = most;
         bench_cpu_s += engine.bench_cpu_s;
+        push_write = engine.push_write();
         engine.close();
     }
     for r in 0..requests {
@@ -451,6 +453,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     }
     if let Some(engine) = engine.take() {
         bench_cpu_s += engine.bench_cpu_s;
+        push_write = push_write.or(engine.push_write());
         engine.close();
     }
     // Pins are released by the receivers' Done; give them time, bounded.
@@ -473,6 +476,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
         "kv_layout": kv_layout.name(),
+        "push_write": push_write,
     }));
     Ok(ok && drained)
 }
