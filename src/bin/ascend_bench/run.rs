@@ -483,12 +483,14 @@ pub fn run(mut spec: RunSpec) -> Result<Vec<ModeReport>> {
     let page = spec.base.page_bytes();
     let chunks = spec.prompt_tokens.div_ceil(spec.base.chunk_size) as u64;
     // Sender pool: a few requests in flight (pull pins until Done).
-    // Receiver pool: push/eager hold requests until loaded.
+    // Receiver pool: push/eager hold requests until loaded; each receiver
+    // takes its share of the senders' requests (round-robin).
     // Open loop: room for every request in flight, and the next one.
     let inflight = spec.concurrency as u64;
+    let share = (spec.senders as u64).div_ceil(spec.receivers.max(1) as u64);
     spec.pools = (
         (chunks * 4.max(inflight + 2)).max(8) * page,
-        (chunks * 4.max(inflight + 1) * spec.senders as u64).max(8) * page,
+        (chunks * 4.max(inflight + 1) * share).max(8) * page,
     );
     let bytes_per_request = spec.base.chunk_layout().bytes_for(spec.base.chunk_size) as u64
         * (spec.prompt_tokens / spec.base.chunk_size) as u64
