@@ -1,7 +1,8 @@
 //! Copies run on the copy pool's threads: a request saved over shm through
-//! the request API (the save gathers from an engine-owned host KV cache)
-//! and loaded back (scattered into another) moves every byte, and the
-//! pool's counters show the gather ran and that the copies ran on two
+//! the request API (a pull save gathers from an engine-owned host KV
+//! cache; a push save writes from it straight into the receiver's pages)
+//! and loaded back (scattered into another, or read into it) moves every
+//! byte, and the pool's counters show the gather ran and that the copies ran on two
 //! distinct pool threads with `pd_copy_threads: 2`, and on none with
 //! `pd_copy_threads: 1` (copies inline on the calling thread).
 //!
@@ -113,13 +114,23 @@ fn save_and_load(mode: TransferMode, copy_threads: u64) {
     // A push lands in the receiver's pages and is scattered into the cache;
     // a pull-delay load reads the sender's pages straight into the cache.
     let scatters = mode == TransferMode::Push;
-    // (a) The save gathered the request from the engine's cache (and a
-    // push's load scattered it into the other).
-    assert!(
-        after.gather_bytes - before.gather_bytes >= request_bytes,
-        "{what}: gathered {} of {request_bytes} bytes: {after:?}",
-        after.gather_bytes - before.gather_bytes
-    );
+    // (a) The save took the request from the engine's cache: a pull save
+    // gathered it into the sender's pages; a push save (direct, the
+    // default) wrote it from the cache straight into the receiver's pages,
+    // so it gathered nothing and used no sender page. A push's load
+    // scattered it into the other cache.
+    if scatters {
+        assert!(saves.writes_direct(&prefill), "{what}");
+        assert_eq!(after.gather_bytes, before.gather_bytes, "{what}: {after:?}");
+        assert_eq!(sender.stats().bytes_written, request_bytes, "{what}");
+        assert_eq!(sender.stats().pools.cpu.unwrap().high_water, 0, "{what}");
+    } else {
+        assert!(
+            after.gather_bytes - before.gather_bytes >= request_bytes,
+            "{what}: gathered {} of {request_bytes} bytes: {after:?}",
+            after.gather_bytes - before.gather_bytes
+        );
+    }
     assert!(
         !scatters || after.scatter_bytes - before.scatter_bytes >= request_bytes,
         "{what}: scattered {} of {request_bytes} bytes: {after:?}",
@@ -147,15 +158,14 @@ fn save_and_load(mode: TransferMode, copy_threads: u64) {
             by_thread.iter().filter(|&&b| b > 0).count() >= 2,
             "{what}: copies ran on fewer than 2 pool threads: {by_thread:?}"
         );
-        // Gather, shm transfer (and a push's scatter) each move the
-        // request once.
-        let moves = if scatters { 3 } else { 2 };
+        // Each copy moves the request once: pull, the gather and the shm
+        // read; push, the direct write and the load's scatter.
         assert!(
-            by_thread.iter().sum::<u64>() >= moves * request_bytes,
+            by_thread.iter().sum::<u64>() >= 2 * request_bytes,
             "{what}: {by_thread:?}"
         );
         assert!(
-            after.gather_pooled_bytes - before.gather_pooled_bytes >= request_bytes,
+            scatters || after.gather_pooled_bytes - before.gather_pooled_bytes >= request_bytes,
             "{what}: {after:?}"
         );
         assert!(

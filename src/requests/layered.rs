@@ -215,6 +215,10 @@ struct QueueLayers<'a> {
     /// Each layer goes straight from the cache into the receiver's pages
     /// (`pd_push_direct_write`): no staging sets.
     direct: bool,
+    /// A whole save (every layer written before it started): the first
+    /// layer's write carries every layer, in one batch large enough for
+    /// the copy pool, and the others are empty.
+    whole: bool,
 }
 
 impl QueueLayers<'_> {
@@ -280,9 +284,14 @@ impl QueueLayers<'_> {
                 .synchronize()
                 .map_err(|e| format!("waiting for the engine's event of layer {layer}: {e}"))?;
         }
+        let layers = match (self.whole, layer) {
+            (false, l) => l..l + 1,
+            (true, 0) => 0..self.metas.first().map_or(0, |m| m.layout.layers),
+            (true, _) => 0..0,
+        };
         let cache = lock(&self.cache.cache);
         let mut ops = Vec::new();
-        for &(i, remote) in targets {
+        for (layer, &(i, remote)) in layers.flat_map(|l| targets.iter().map(move |t| (l, t))) {
             for (src, offset, len) in cache
                 .layer_sources(layer, self.slots[i], self.metas[i])
                 .map_err(err_text)?
@@ -368,7 +377,7 @@ pub(super) fn run_direct_whole(
         gate.hand(&job.req.spec.req_id, l, None)?;
     }
     gate.close("every layer was handed over");
-    run_layered(sender, job, &gate, released)
+    run_layered_as(sender, job, &gate, true, released)
 }
 
 /// Runs a layer-wise save: one layer-wise put per decode rank this rank
@@ -380,13 +389,25 @@ pub(super) fn run_layered(
     gate: &LayerGate,
     released: impl FnOnce(),
 ) -> Result<(), String> {
-    let r = run_puts(sender, job, gate);
+    run_layered_as(sender, job, gate, false, released)
+}
+
+/// [`run_layered`]; `whole`: every layer was written before the save
+/// started ([`run_direct_whole`]).
+fn run_layered_as(
+    sender: &Sender,
+    job: &SaveJob,
+    gate: &LayerGate,
+    whole: bool,
+    released: impl FnOnce(),
+) -> Result<(), String> {
+    let r = run_puts(sender, job, gate, whole);
     gate.end();
     released();
     r
 }
 
-fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), String> {
+fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate, whole: bool) -> Result<(), String> {
     let req = &job.req;
     let layout = sender.chunk_layout();
     let chunk = layout.tokens;
@@ -439,6 +460,7 @@ fn run_puts(sender: &Sender, job: &SaveJob, gate: &LayerGate) -> Result<(), Stri
             deadline,
             ready: None,
             direct,
+            whole,
         };
         let spec = TransferSpec {
             receiver_rank: Some(route.rank),
