@@ -22,6 +22,7 @@
 mod ffi;
 mod hccl;
 mod install;
+pub mod link;
 mod memory;
 mod runtime;
 mod status;
