@@ -34,7 +34,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 /// The environment variable that selects the modeled link.
 pub const LINK_ENV: &str = "ASCEND_PD_EMU_LINK";
@@ -209,12 +209,13 @@ impl Table {
             }
             let name = cols[0];
             if name.is_empty()
+                || name.len() > 31
                 || !name
                     .chars()
                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
             {
                 return Err(at(format!(
-                    "link name {name:?} must be lowercase letters, digits and '-'"
+                    "link name {name:?} must be 1 to 31 lowercase letters, digits and '-'"
                 )));
             }
             let path = Path::parse(cols[1])
@@ -430,6 +431,12 @@ impl LinkClock {
     }
 }
 
+/// This process's link clock (see the module documentation).
+pub(crate) fn process_clock() -> &'static Mutex<LinkClock> {
+    static CLOCK: OnceLock<Mutex<LinkClock>> = OnceLock::new();
+    CLOCK.get_or_init(Default::default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -599,6 +606,10 @@ mod tests {
             (&format!("{head}x,pcie,any,1,2\n"), "path"),
             (&format!("{head}x,comm,both,1,2\n"), "direction"),
             (&format!("{head}X,comm,any,1,2\n"), "name"),
+            (
+                &format!("{head}{},comm,any,1,2\n", "x".repeat(32)),
+                "long name",
+            ),
             (&format!("{head}x,comm,write,1,2\n"), "no read row"),
             (&format!("{head}x,comm,any,1,2\nx,comm,read,1,2\n"), "twice"),
             (head, "no links"),
