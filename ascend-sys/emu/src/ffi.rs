@@ -526,3 +526,85 @@ pub unsafe extern "C" fn HcclBatchGet(
     });
     hccl_status("HcclBatchGet", r)
 }
+
+// ---------------------------------------------------- emulator only
+
+/// Counters of one path of the modeled link (see [`AscendEmuLinkStats`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AscendEmuLinkPathStats {
+    /// One-sided ops accounted on the link.
+    pub ops: u64,
+    /// Bytes those ops moved.
+    pub bytes: u64,
+    /// Modeled seconds the link was busy with them (never wall time).
+    pub busy_seconds: f64,
+}
+
+/// What `ascend_emu_link_stats` reports.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AscendEmuLinkStats {
+    /// The modeled link's name (`ASCEND_PD_EMU_LINK`), NUL-terminated;
+    /// empty when no link is modeled (then every counter is 0).
+    pub link: [c_char; 32],
+    /// Modeled time at which the link has finished every op accounted.
+    pub modeled_end_seconds: f64,
+    /// HCCL communication domain (`HcclBatchPut` / `HcclBatchGet`).
+    pub comm: AscendEmuLinkPathStats,
+    /// HIXL's `hixl_cs` path (nothing accounts on it yet).
+    pub hixl: AscendEmuLinkPathStats,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<AscendEmuLinkPathStats>() == 24);
+    assert!(std::mem::size_of::<AscendEmuLinkStats>() == 88);
+};
+
+/// Emulator only, no CANN counterpart: this process's modeled-link
+/// counters (see the `link` module). With `reset` non-zero the counters and
+/// the link's clock start again from zero after being read. Returns 0, or
+/// `ACL_ERROR_INVALID_PARAM` when `out` is NULL or `ASCEND_PD_EMU_LINK`
+/// names no known link (the text, naming the known links, is then in
+/// `aclGetRecentErrMsg`).
+#[no_mangle]
+pub unsafe extern "C" fn ascend_emu_link_stats(
+    out: *mut AscendEmuLinkStats,
+    reset: c_int,
+) -> c_int {
+    let r = out_ptr(out, "out").and_then(|out| {
+        let model = crate::link::from_env()
+            .map_err(|e| Failure::acl(ACL_ERROR_INVALID_PARAM, e.to_string()))?;
+        let mut clock = crate::link::process_clock()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let path = |p| {
+            let s = clock.stats(p);
+            AscendEmuLinkPathStats {
+                ops: s.ops,
+                bytes: s.bytes,
+                busy_seconds: s.busy_seconds,
+            }
+        };
+        let mut stats = AscendEmuLinkStats {
+            link: [0; 32],
+            modeled_end_seconds: clock.free_at(),
+            comm: path(crate::link::Path::Comm),
+            hixl: path(crate::link::Path::Hixl),
+        };
+        if let Some(l) = model {
+            // Names are short ASCII (checked by the table's parser); the
+            // last byte stays NUL.
+            for (d, b) in stats.link.iter_mut().zip(l.name().bytes().take(31)) {
+                *d = b as c_char;
+            }
+        }
+        if reset != 0 {
+            *clock = Default::default();
+        }
+        // SAFETY: out is non-null and points to a caller-owned struct.
+        unsafe { out.write(stats) };
+        Ok(())
+    });
+    acl_status("ascend_emu_link_stats", r)
+}

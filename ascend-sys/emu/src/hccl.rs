@@ -11,6 +11,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::link::{self, Direction, Path as LinkPath};
 use crate::memory::{memfd_name, page_size, round_up, Lookup, Placement, Region};
 use crate::runtime::{current_device, runtime};
 use crate::status::*;
@@ -803,6 +804,8 @@ pub(crate) fn batch(
     stream: usize,
     put: bool,
 ) -> Result<(), Failure> {
+    // A misspelt link is refused, first, rather than run at memory speed.
+    let model = link::from_env().map_err(|e| Failure::hccl(HCCL_E_PARA, e.to_string()))?;
     let c = comm(handle)?;
     c.check_peer(remote_rank)?;
     let stream = runtime()
@@ -893,9 +896,31 @@ pub(crate) fn batch(
     if copies.is_empty() {
         return Ok(());
     }
+    let dir = if put {
+        Direction::Write
+    } else {
+        Direction::Read
+    };
+    let sizes: Vec<u64> = copies.iter().map(|c| c.len as u64).collect();
+    let pace = match model {
+        Some(l) => {
+            let secs = sizes
+                .iter()
+                .map(|&n| l.op_seconds(LinkPath::Comm, dir, n).unwrap_or(0.0))
+                .sum::<f64>();
+            Duration::from_secs_f64(secs)
+        }
+        None => Duration::ZERO,
+    };
     stream
-        .submit(Task::Copies { copies, keep })
-        .map_err(|f| Failure::hccl(HCCL_E_RUNTIME, f.message))
+        .submit(Task::Copies { copies, keep, pace })
+        .map_err(|f| Failure::hccl(HCCL_E_RUNTIME, f.message))?;
+    // Accounted once queued, in the order batches were accepted; every
+    // batch is submitted at modeled time 0 (see `link`), so they queue.
+    if let Some(l) = model {
+        lock(link::process_clock()).submit(l, LinkPath::Comm, dir, 0.0, sizes);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -9,7 +9,10 @@
 //! real cross-stream ordering. HCCL's root info names a loopback socket for
 //! a real two-process rendezvous; registered memory is mapped by the peer
 //! and `HcclBatchPut` / `HcclBatchGet` copy into or out of that mapping in
-//! stream order, rejecting anything outside the enabled regions.
+//! stream order, rejecting anything outside the enabled regions. With
+//! `ASCEND_PD_EMU_LINK` set, those batches are also accounted on a modeled
+//! link ([`link`]), readable through the emulator-only C function
+//! `ascend_emu_link_stats`.
 //!
 //! This is an emulator. It has not been compared against Ascend hardware,
 //! and passing tests against it says nothing about the real path.
@@ -22,6 +25,7 @@
 mod ffi;
 mod hccl;
 mod install;
+pub mod link;
 mod memory;
 mod runtime;
 mod status;

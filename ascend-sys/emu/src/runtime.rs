@@ -507,6 +507,8 @@ pub(crate) fn memcpy_async(
     stream.submit(Task::Copies {
         copies: vec![copy],
         keep,
+        // Local copies are not on the modeled link.
+        pace: std::time::Duration::ZERO,
     })
 }
 

@@ -4,6 +4,7 @@
 use std::any::Any;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::status::{Failure, ACL_ERROR_RT_INVALID_HANDLE};
 
@@ -19,9 +20,14 @@ pub(crate) struct Copy {
 pub(crate) enum Task {
     /// Copies in order. `keep` holds the memory the copies touch alive
     /// until they have run, even if it is freed or unmapped meanwhile.
+    /// The task takes at least `pace` of wall time (the modeled link's time
+    /// for these copies; zero without a link model), so that a stream's
+    /// batches finish roughly when the link would let them. Nothing
+    /// reported as a modeled figure comes from this wait.
     Copies {
         copies: Vec<Copy>,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
+        pace: Duration,
     },
     /// Marks `event` complete up to record number `seq`.
     Record { event: Arc<Event>, seq: u64 },
@@ -125,7 +131,8 @@ impl Stream {
 
 fn execute(task: Task) -> Result<(), Failure> {
     match task {
-        Task::Copies { copies, keep } => {
+        Task::Copies { copies, keep, pace } => {
+            let began = Instant::now();
             for c in &copies {
                 // SAFETY: both ranges were checked against live allocations
                 // (or enabled peer mappings) when the task was submitted, and
@@ -134,6 +141,9 @@ fn execute(task: Task) -> Result<(), Failure> {
                 unsafe { std::ptr::copy(c.src as *const u8, c.dst as *mut u8, c.len) };
             }
             drop(keep);
+            if let Some(rest) = pace.checked_sub(began.elapsed()) {
+                std::thread::sleep(rest);
+            }
             Ok(())
         }
         Task::Record { event, seq } => {
@@ -202,7 +212,6 @@ impl Event {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn a_stream_blocked_on_an_event_resumes_after_the_record() {
