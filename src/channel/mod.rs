@@ -126,36 +126,29 @@ impl PeerTable {
         self.by_uuid.values()
     }
 
-    /// Checks op `i` of a direct read: its range must lie inside one page
-    /// of a known buffer. Returns the byte offset of that page in its buffer.
-    pub(crate) fn resolve_direct_write(
+    /// Checks op `i` of a direct `what` ("read" or "write"): `len` bytes at
+    /// `offset` of `remote` must lie inside one page of a known buffer.
+    /// Returns the byte offset of that page in its buffer.
+    pub(crate) fn resolve_range(
         &self,
         i: usize,
-        op: &DirectWrite,
+        remote: BufferRef,
+        offset: usize,
+        len: usize,
+        what: &str,
     ) -> Result<u64, ChannelError> {
-        self.resolve(op.remote, op.offset.saturating_add(op.len))
+        self.resolve(remote, offset.saturating_add(len))
             .map(|(_, page)| page)
             .map_err(|reason| ChannelError::BadRef {
                 op: i,
-                remote: op.remote,
-                reason: format!(
-                    "a direct write of {} bytes at offset {}: {reason}",
-                    op.len, op.offset
-                ),
+                remote,
+                reason: format!("a direct {what} of {len} bytes at offset {offset}: {reason}"),
             })
     }
 
+    /// [`PeerTable::resolve_range`] of a direct read.
     pub(crate) fn resolve_direct(&self, i: usize, op: &DirectRead) -> Result<u64, ChannelError> {
-        self.resolve(op.remote, op.offset.saturating_add(op.len))
-            .map(|(_, page)| page)
-            .map_err(|reason| ChannelError::BadRef {
-                op: i,
-                remote: op.remote,
-                reason: format!(
-                    "a direct read of {} bytes at offset {}: {reason}",
-                    op.len, op.offset
-                ),
-            })
+        self.resolve_range(i, op.remote, op.offset, op.len, "read")
     }
 
     /// Checks that `len` bytes at `remote` lie inside one page of a known

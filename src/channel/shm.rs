@@ -340,41 +340,27 @@ impl TransferChannel for ShmChannel {
         // stall on the peer, and its quarantine of revoked pages keeps a
         // late write harmless.
         let _ = (tag, deadline);
-        let p = self.peer(peer)?;
-        let mut pieces = Vec::with_capacity(ops.len());
-        for (i, op) in ops.iter().enumerate() {
-            let page = p.table.resolve_direct_write(i, op)?;
-            let map = &p.maps[&op.remote.uuid];
-            slice_into(
-                &mut pieces,
-                op.src,
-                map.ptr as usize + page as usize + op.offset,
-                op.len,
-            );
-        }
-        if !p.alive() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail: format!("process {} exited", p.pid),
-            });
-        }
-        // SAFETY: resolve_direct_write proved each destination range lies
-        // inside a page of a mapped peer pool, which stays mapped while `p`
-        // lives, granted to us for writing; each source is memory this
-        // write's caller may read and nothing writes for the call
-        // (write_direct's contract); peer mappings and local memory are
-        // distinct, so no destination overlaps a source. copy_pieces splits
-        // over threads only pieces whose destinations it proved disjoint.
-        unsafe { copy_pool::copy_pieces(&pieces) };
-        if !p.alive() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: Some(ops.len().saturating_sub(1)),
-                detail: format!("process {} exited during the write", p.pid),
-            });
-        }
-        Ok(())
+        let plan = |p: &ShmPeer| {
+            let mut pieces = Vec::with_capacity(ops.len());
+            for (i, op) in ops.iter().enumerate() {
+                let page = p
+                    .table
+                    .resolve_range(i, op.remote, op.offset, op.len, "write")?;
+                let map = &p.maps[&op.remote.uuid];
+                slice_into(
+                    &mut pieces,
+                    op.src,
+                    map.ptr as usize + page as usize + op.offset,
+                    op.len,
+                );
+            }
+            Ok(pieces)
+        };
+        // SAFETY: resolve_range proved each destination range lies inside
+        // a page of a mapped peer pool, granted to us for writing; each
+        // source is memory this write's caller may read and nothing writes
+        // for the call (write_direct's contract).
+        unsafe { self.copy_direct(peer, ops.len(), "write", plan) }
     }
 
     unsafe fn read_direct(
@@ -386,41 +372,25 @@ impl TransferChannel for ShmChannel {
         // A memcpy from a mapped page cannot stall on the peer; the caller
         // checks the lease once the copies are done.
         let _ = deadline;
-        let p = self.peer(peer)?;
-        let mut pieces = Vec::with_capacity(ops.len());
-        for (i, op) in ops.iter().enumerate() {
-            let page = p.table.resolve_direct(i, op)?;
-            let map = &p.maps[&op.remote.uuid];
-            slice_into(
-                &mut pieces,
-                map.ptr as usize + page as usize + op.offset,
-                op.dst,
-                op.len,
-            );
-        }
-        if !p.alive() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail: format!("process {} exited", p.pid),
-            });
-        }
+        let plan = |p: &ShmPeer| {
+            let mut pieces = Vec::with_capacity(ops.len());
+            for (i, op) in ops.iter().enumerate() {
+                let page = p.table.resolve_direct(i, op)?;
+                let map = &p.maps[&op.remote.uuid];
+                slice_into(
+                    &mut pieces,
+                    map.ptr as usize + page as usize + op.offset,
+                    op.dst,
+                    op.len,
+                );
+            }
+            Ok(pieces)
+        };
         // SAFETY: resolve_direct proved each source range lies inside a
-        // page of a mapped peer pool, which stays mapped while `p` lives;
-        // each destination is memory this read's caller may write and
-        // nothing else touches for the call (read_direct's contract); peer
-        // mappings and local memory are distinct, so no destination
-        // overlaps a source. copy_pieces splits over threads only pieces
-        // whose destinations it proved disjoint.
-        unsafe { copy_pool::copy_pieces(&pieces) };
-        if !p.alive() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: Some(ops.len().saturating_sub(1)),
-                detail: format!("process {} exited during the read", p.pid),
-            });
-        }
-        Ok(())
+        // page of a mapped peer pool; each destination is memory this
+        // read's caller may write and nothing else touches for the call
+        // (read_direct's contract).
+        unsafe { self.copy_direct(peer, ops.len(), "read", plan) }
     }
 
     fn grant(
@@ -470,6 +440,47 @@ impl TransferChannel for ShmChannel {
 }
 
 impl ShmChannel {
+    /// Runs the copies `plan` makes from `peer`'s mapped pages (a direct
+    /// read or write of `ops` ops, `what`), on the copy pool, with the
+    /// peer's process checked alive before and after.
+    ///
+    /// # Safety
+    /// Each piece's source must be readable and its destination writable
+    /// for its length, nothing else touching either for the call: `plan`
+    /// resolves the peer side inside its mapped pages, and the caller
+    /// vouches for its own memory.
+    unsafe fn copy_direct(
+        &self,
+        peer: PeerId,
+        ops: usize,
+        what: &str,
+        plan: impl FnOnce(&ShmPeer) -> Result<Vec<CopyPiece>, ChannelError>,
+    ) -> Result<(), ChannelError> {
+        let p = self.peer(peer)?;
+        let pieces = plan(&p)?;
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: None,
+                detail: format!("process {} exited", p.pid),
+            });
+        }
+        // SAFETY: the caller's contract for every piece; peer mappings
+        // stay mapped while `p` lives, and peer mappings and local memory
+        // are distinct, so no destination overlaps a source. copy_pieces
+        // splits over threads only pieces whose destinations it proved
+        // disjoint.
+        unsafe { copy_pool::copy_pieces(&pieces) };
+        if !p.alive() {
+            return Err(ChannelError::PeerGone {
+                peer: p.node.clone(),
+                op: Some(ops.saturating_sub(1)),
+                detail: format!("process {} exited during the {what}", p.pid),
+            });
+        }
+        Ok(())
+    }
+
     fn submit<P: LocalPage>(
         &self,
         peer: PeerId,

@@ -1023,16 +1023,7 @@ impl TransferChannel for TcpChannel {
         deadline: Instant,
     ) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
-        for (i, op) in ops.iter().enumerate() {
-            p.table.resolve_direct(i, op)?;
-            if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
-                return Err(ChannelError::BadRef {
-                    op: i,
-                    remote: op.remote,
-                    reason: "a direct read past 4 GiB into a page (tcp offsets are 32-bit)".into(),
-                });
-            }
-        }
+        check_direct(&p, ops, "read")?;
         let (slices, segs) = direct_slices(ops, self.opts.slice_bytes);
         let (node, opts, segs) = (self.node.as_str(), &self.opts, segs.as_slice());
         let p = &*p;
@@ -1055,16 +1046,6 @@ impl TransferChannel for TcpChannel {
         deadline: Instant,
     ) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
-        for (i, op) in ops.iter().enumerate() {
-            p.table.resolve_direct_write(i, op)?;
-            if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
-                return Err(ChannelError::BadRef {
-                    op: i,
-                    remote: op.remote,
-                    reason: "a direct write past 4 GiB into a page (tcp offsets are 32-bit)".into(),
-                });
-            }
-        }
         // Cut as a direct read is (ranges that continue one another in the
         // remote page share requests), the segments being the sources.
         let as_ranges: Vec<DirectRead> = ops
@@ -1076,6 +1057,7 @@ impl TransferChannel for TcpChannel {
                 len: o.len,
             })
             .collect();
+        check_direct(&p, &as_ranges, "write")?;
         let (slices, segs) = direct_slices(&as_ranges, self.opts.slice_bytes);
         let (node, opts, segs) = (self.node.as_str(), &self.opts, segs.as_slice());
         let p = &*p;
@@ -1376,6 +1358,23 @@ struct DirectSlice {
     offset: usize,
     len: usize,
     segs: (usize, usize),
+}
+
+/// Checks every range of a direct `what` ("read" or "write") against the
+/// peer's table, and that it fits the protocol's 32-bit page offsets.
+fn check_direct(p: &TcpPeer, ops: &[DirectRead], what: &str) -> Result<(), ChannelError> {
+    for (i, op) in ops.iter().enumerate() {
+        p.table
+            .resolve_range(i, op.remote, op.offset, op.len, what)?;
+        if u32::try_from(op.offset.saturating_add(op.len)).is_err() {
+            return Err(ChannelError::BadRef {
+                op: i,
+                remote: op.remote,
+                reason: format!("a direct {what} past 4 GiB into a page (tcp offsets are 32-bit)"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Cuts a direct read into requests of at most `cap` bytes. Ops that

@@ -343,6 +343,19 @@ fn completion(mut poll: impl FnMut() -> Vec<Completion>, req: &str) -> Option<Ou
     }
 }
 
+/// How push saves from `cache` write: `direct` (from the cache into the
+/// receiver's pages) or `staged` (gathered into pool pages first); `None`
+/// in the pull modes.
+fn push_write(saves: &SaveQueue, cache: &SharedKvCache) -> Option<&'static str> {
+    match saves.sender().mode() {
+        ascend_pd::config::TransferMode::Push => Some(match saves.writes_direct(cache) {
+            true => "direct",
+            false => "staged",
+        }),
+        _ => None,
+    }
+}
+
 /// The prefill engine: its KV cache and its save queue.
 pub struct PrefillEngine {
     saves: SaveQueue,
@@ -596,19 +609,9 @@ pub struct RunPrefill {
 }
 
 impl RunPrefill {
-    /// How its push saves write: `direct` (from the cache into the
-    /// receiver's pages) or `staged` (gathered into pool pages first);
-    /// `None` in the pull modes.
+    /// How its push saves write (see [`push_write`]).
     pub fn push_write(&self) -> Option<&'static str> {
-        match self.saves.sender().mode() {
-            ascend_pd::config::TransferMode::Push => {
-                Some(match self.saves.writes_direct(&self.cache) {
-                    true => "direct",
-                    false => "staged",
-                })
-            }
-            _ => None,
-        }
+        push_write(&self.saves, &self.cache)
     }
 
     /// An engine for requests of up to `max_tokens` tokens, its cache in
@@ -865,19 +868,9 @@ pub struct OpenPrefill {
 }
 
 impl OpenPrefill {
-    /// How its push saves write: `direct` (from the cache into the
-    /// receiver's pages) or `staged` (gathered into pool pages first);
-    /// `None` in the pull modes.
+    /// How its push saves write (see [`push_write`]).
     pub fn push_write(&self) -> Option<&'static str> {
-        match self.saves.sender().mode() {
-            ascend_pd::config::TransferMode::Push => {
-                Some(match self.saves.writes_direct(&self.cache) {
-                    true => "direct",
-                    false => "staged",
-                })
-            }
-            _ => None,
-        }
+        push_write(&self.saves, &self.cache)
     }
 
     /// An engine for `in_flight` requests of up to `max_tokens` tokens;
