@@ -374,7 +374,11 @@ pub(super) fn run_direct_whole(
     let layers = sender.chunk_layout().layers;
     let gate = LayerGate::new(layers, None, true);
     for l in 0..layers {
-        gate.hand(&job.req.spec.req_id, l, None)?;
+        if let Err(e) = gate.hand(&job.req.spec.req_id, l, None) {
+            // Nothing read the cache: it is the engine's again.
+            released();
+            return Err(e);
+        }
     }
     gate.close("every layer was handed over");
     run_layered_as(sender, job, &gate, true, released)
