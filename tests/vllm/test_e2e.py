@@ -173,14 +173,14 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         # from its transfer's end. The worker writes that event when it next
         # polls the library (an engine step), which may come after the
         # request's output: wait for it, bounded.
-        want = len(PROMPTS) + len(FOLLOW_UP)
+        n_released = len(PROMPTS) + len(FOLLOW_UP)
         deadline = time.monotonic() + 30
         while True:
             released = {_external(ev["req_id"]) for ev in pre.events_of("released")}
-            if len(released) >= want or time.monotonic() > deadline:
+            if len(released) >= n_released or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert len(released) == want, pre.events_of("released")
+        assert len(released) == n_released, pre.events_of("released")
 
         pools = _settle([dec, pre], ["receiver", "sender"])
         RESULTS[mode] = {
