@@ -26,6 +26,7 @@ mod acl;
 pub mod emulator;
 mod error;
 mod hccl;
+pub mod link;
 mod loader;
 mod memory;
 pub mod result;
