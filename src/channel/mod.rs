@@ -28,6 +28,8 @@ mod completion;
 pub mod grant;
 pub mod handshake;
 pub mod hccl;
+mod liveness;
+mod one_sided;
 pub mod shm;
 mod staging;
 pub mod tcp;

@@ -1,0 +1,615 @@
+//! What the one-sided device channels (`hccl`, `hixl`) share: the
+//! per-peer setup that runs on its own thread and is waited on (bounded),
+//! the batch that owns its pages until the device is done with them, the
+//! completion thread that waits for each batch in slices while watching
+//! the peer's liveness link, and the rules for work given up unfinished
+//! (its pages stay quarantined until the device proves it stopped).
+//!
+//! Each channel supplies what differs: how a batch is polled
+//! ([`Pending`]), and how work given up unfinished is held until the
+//! device can no longer touch its pages ([`Pending::abandon`]).
+
+use super::liveness::Watch;
+use super::{pages_of, ChannelError, CompletionSender, DirectRegistration, LocalPage, TransferOp};
+use crossbeam_channel::Receiver;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+/// How often a waiting batch looks at the liveness link.
+pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(20);
+
+/// Locks `m`, carrying on after a panic elsewhere poisoned it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The bounds on one peer's setup and batches.
+#[derive(Clone, Debug)]
+pub(crate) struct Bounds {
+    /// The channel's name, for errors and logs.
+    pub(crate) channel: &'static str,
+    /// What setup does, for the timeout's message.
+    pub(crate) setup_steps: &'static str,
+    /// Longest a peer's setup may take, counted from attach.
+    pub(crate) setup_timeout: Duration,
+    /// Longest one batch may run before it is reported as timed out.
+    pub(crate) batch_timeout: Duration,
+    /// How long a running batch may still finish after its peer was seen gone.
+    pub(crate) gone_grace: Duration,
+}
+
+/// A peer's ready connection, as far as the shared machinery looks at it.
+pub(crate) trait Watched: Send + Sync + 'static {
+    /// The liveness link of the pair.
+    fn watch(&self) -> &Arc<Watch>;
+}
+
+/// A region of caller memory registered for direct reads (a KV cache).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DirectRegion {
+    pub(crate) id: u64,
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+}
+
+impl DirectRegion {
+    /// Whether `[addr, addr + len)` lies inside this region.
+    pub(crate) fn holds(&self, addr: usize, len: usize) -> bool {
+        self.addr <= addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.addr + self.len)
+    }
+}
+
+/// A connection to a peer that registers direct-read regions on itself
+/// (hccl: on its communicator; hixl: on its client).
+pub(crate) trait DirectLink: Send + Sync + 'static {
+    /// Deregisters the regions `ids` from this connection. Called when the
+    /// registration is dropped: no direct read into them is running then.
+    fn forget_direct(&self, ids: &[u64]);
+}
+
+/// Memory registered for direct reads (KV caches), and the links it may be
+/// registered on. A link registers a region the first time it needs it;
+/// dropping a region's registration deregisters it on every such link.
+/// This lock is always taken before a link's own, which orders both.
+pub(crate) struct DirectState<L> {
+    next: u64,
+    /// Every registration's regions, in the order they were made.
+    pub(crate) regions: Vec<DirectRegion>,
+    links: Vec<Weak<L>>,
+}
+
+impl<L> Default for DirectState<L> {
+    fn default() -> Self {
+        DirectState {
+            next: 0,
+            regions: Vec::new(),
+            links: Vec::new(),
+        }
+    }
+}
+
+impl<L: DirectLink> DirectState<L> {
+    /// Registers `regions` (checked against those already registered) for
+    /// the channel instance `channel`; dropping what is returned forgets
+    /// them here and on every remembered link.
+    /// `self` is `state`, locked.
+    pub(crate) fn add(
+        &mut self,
+        state: &Arc<Mutex<DirectState<L>>>,
+        channel: u64,
+        regions: &[(usize, usize)],
+    ) -> Result<DirectRegistration, ChannelError> {
+        let st = self;
+        check_new_regions(&st.regions, regions)?;
+        let mut ids = Vec::with_capacity(regions.len());
+        for &(addr, len) in regions {
+            st.next += 1;
+            let id = st.next;
+            st.regions.push(DirectRegion { id, addr, len });
+            ids.push(id);
+        }
+        Ok(DirectRegistration::new(
+            channel,
+            Box::new(DirectHold {
+                state: Arc::clone(state),
+                ids,
+            }),
+        ))
+    }
+
+    /// Remembers `link` for deregistration (once), before anything is
+    /// registered on it, so a failure part-way leaves nothing a dropped
+    /// registration cannot find.
+    pub(crate) fn remember(&mut self, link: &Arc<L>) {
+        if !self.links.iter().any(|l| l.as_ptr() == Arc::as_ptr(link)) {
+            self.links.retain(|l| l.strong_count() > 0);
+            self.links.push(Arc::downgrade(link));
+        }
+    }
+}
+
+/// What a [`DirectRegistration`] of a device channel holds: dropping it
+/// forgets its regions and deregisters them from every link.
+struct DirectHold<L: DirectLink> {
+    // Strong: links (an abandoned batch's, say) can outlive the channel,
+    // and their registrations must still go with the memory.
+    state: Arc<Mutex<DirectState<L>>>,
+    ids: Vec<u64>,
+}
+
+impl<L: DirectLink> Drop for DirectHold<L> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.state);
+        st.regions.retain(|r| !self.ids.contains(&r.id));
+        st.links.retain(|l| l.strong_count() > 0);
+        for link in st.links.iter().filter_map(Weak::upgrade) {
+            // A direct read holds `&` to the memory for its whole call, so
+            // none is in flight here: deregistering is safe.
+            link.forget_direct(&self.ids);
+        }
+    }
+}
+
+/// Checks regions to be registered for direct reads against those already
+/// registered (`have`): each non-empty, not wrapping, and overlapping none.
+fn check_new_regions(
+    have: &[DirectRegion],
+    regions: &[(usize, usize)],
+) -> Result<(), ChannelError> {
+    for &(addr, len) in regions {
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(ChannelError::Unsupported(format!(
+                "cannot register {len} bytes at {addr:#x} for direct reads"
+            )));
+        }
+        if let Some(r) = have
+            .iter()
+            .find(|r| addr < r.addr + r.len && r.addr < addr + len)
+        {
+            return Err(ChannelError::Unsupported(format!(
+                "[{addr:#x}, +{len}) overlaps memory already registered for direct reads \
+                 ([{:#x}, +{}]): is another KV cache over the same memory alive?",
+                r.addr, r.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A peer's setup outcome, waited on by submit and wait_ready.
+pub(crate) struct SetupCell<L> {
+    bounds: Bounds,
+    state: Mutex<SetupState<L>>,
+    changed: Condvar,
+    started: Instant,
+}
+
+enum SetupState<L> {
+    Pending,
+    Ready(Arc<L>),
+    Failed(String),
+    /// Detached; the liveness link of a setup that had completed, to learn
+    /// when the peer closes its end.
+    Closed(Option<Arc<Watch>>),
+}
+
+impl<L: Watched> SetupCell<L> {
+    pub(crate) fn new(bounds: Bounds) -> SetupCell<L> {
+        SetupCell {
+            bounds,
+            state: Mutex::new(SetupState::Pending),
+            changed: Condvar::new(),
+            started: Instant::now(),
+        }
+    }
+
+    pub(crate) fn finish(&self, r: Result<L, String>) {
+        let mut s = lock(&self.state);
+        match (&*s, r) {
+            // Detached meanwhile: the link drops here, closing its end of
+            // the liveness link; keep reading the peer's end.
+            (SetupState::Closed(_), Ok(link)) => {
+                *s = SetupState::Closed(Some(Arc::clone(link.watch())))
+            }
+            (SetupState::Closed(_), Err(_)) => {}
+            (_, Ok(link)) => *s = SetupState::Ready(Arc::new(link)),
+            (_, Err(m)) => *s = SetupState::Failed(m),
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// Detaches: new batches are refused; the link (and our end of the
+    /// liveness link) closes once the batches still holding it have ended.
+    pub(crate) fn close(&self) {
+        let mut s = lock(&self.state);
+        let watch = match &*s {
+            SetupState::Ready(link) => Some(Arc::clone(link.watch())),
+            SetupState::Closed(w) => w.clone(),
+            _ => None,
+        };
+        *s = SetupState::Closed(watch);
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// `None` while setup runs; then whether it completed (and the peer
+    /// is still attached).
+    pub(crate) fn ready(&self) -> Option<bool> {
+        match &*lock(&self.state) {
+            SetupState::Pending => None,
+            SetupState::Ready(_) => Some(true),
+            SetupState::Failed(_) | SetupState::Closed(_) => Some(false),
+        }
+    }
+
+    /// Whether a set-up peer closed its end of the liveness link (it
+    /// exited, or detached after its last batch).
+    pub(crate) fn peer_closed(&self) -> bool {
+        matches!(&*lock(&self.state), SetupState::Ready(link) if link.watch().peer_closed())
+    }
+
+    /// Whether the peer can no longer touch our memory: its setup never
+    /// completed, or it closed its end of the liveness link (after its last
+    /// batch) or exited.
+    pub(crate) fn peer_cannot_access(&self) -> bool {
+        match &*lock(&self.state) {
+            SetupState::Pending => false,
+            SetupState::Ready(link) => link.watch().peer_closed(),
+            SetupState::Failed(_) | SetupState::Closed(None) => true,
+            SetupState::Closed(Some(w)) => w.peer_closed(),
+        }
+    }
+
+    /// Waits (until the setup timeout, counted from attach) for the
+    /// outcome: the ready connection, or why there is none.
+    pub(crate) fn wait(&self, node: &str) -> Result<Arc<L>, ChannelError> {
+        let timeout = self.bounds.setup_timeout;
+        let deadline = self.started + timeout;
+        let mut s = lock(&self.state);
+        loop {
+            match &*s {
+                SetupState::Ready(l) => return Ok(Arc::clone(l)),
+                SetupState::Failed(m) => {
+                    return Err(ChannelError::Handshake(format!(
+                        "{} setup with {node} failed: {m}",
+                        self.bounds.channel
+                    )))
+                }
+                SetupState::Closed(_) => {
+                    return Err(ChannelError::PeerGone {
+                        peer: node.to_string(),
+                        op: None,
+                        detail: "detached".into(),
+                    })
+                }
+                SetupState::Pending => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ChannelError::Timeout {
+                    what: format!(
+                        "{} setup with {node} ({})",
+                        self.bounds.channel, self.bounds.setup_steps
+                    ),
+                    after: timeout,
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A batch's pages and its waiter, whatever the pages' type.
+pub(crate) trait Finish: Send {
+    /// The stream finished the batch: report with the pages.
+    fn complete(self: Box<Self>, result: Result<(), ChannelError>);
+    /// The batch is given up while the device may still use its pages:
+    /// report now without them; they stay quarantined in what is returned
+    /// until the stream is done with them.
+    fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send>;
+}
+
+pub(crate) struct Batch<P> {
+    pub(crate) ops: Vec<TransferOp<P>>,
+    pub(crate) tx: CompletionSender<P>,
+}
+
+impl<P: LocalPage> Finish for Batch<P> {
+    fn complete(self: Box<Self>, result: Result<(), ChannelError>) {
+        let Batch { ops, tx } = *self;
+        tx.complete(result, pages_of(ops));
+    }
+
+    fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send> {
+        let Batch { ops, tx } = *self;
+        for op in &ops {
+            op.local.watch().quarantine_if_held();
+        }
+        tx.complete(result, Vec::new());
+        Box::new(ops)
+    }
+}
+
+/// What one look at a running batch found.
+pub(crate) enum Polled {
+    /// The device finished every op.
+    Done,
+    /// Still running.
+    Waiting,
+    /// It ended failed, and the device no longer touches its pages.
+    Ended(ChannelError),
+    /// The look itself failed: nothing says the device stopped.
+    Broken(ChannelError),
+}
+
+/// A submitted batch as its channel tracks it.
+pub(crate) trait Pending: Send + 'static {
+    /// Looks at the batch, waiting at most about [`WAIT_SLICE`].
+    fn poll(&mut self) -> Polled;
+    /// The batch is given up while the device may still use `pages`: the
+    /// channel keeps them until the device can no longer touch them, and
+    /// returns what the completion thread must look at again for that
+    /// (`None`: the channel holds them itself).
+    fn abandon(self: Box<Self>, pages: Box<dyn Send>) -> Option<Box<dyn Abandoned>>;
+}
+
+/// Work given up unfinished, held by the completion thread.
+pub(crate) trait Abandoned: Send {
+    /// Whether the device proved the work finished (then it is dropped,
+    /// and its pages with it).
+    fn finished(&mut self) -> bool;
+}
+
+/// A submitted batch on its way to the completion thread.
+pub(crate) struct InFlight {
+    pub(crate) pending: Box<dyn Pending>,
+    pub(crate) batch: Box<dyn Finish>,
+    pub(crate) count: usize,
+    pub(crate) deadline: Instant,
+}
+
+/// How often abandoned work is looked at when no batch comes.
+const ABANDONED_CHECK: Duration = Duration::from_millis(200);
+
+/// Reports each batch of one peer as the device finishes it (in submission
+/// order, as one stream or client runs them). Ends when every sender of
+/// `rx` is gone (the link was dropped: no batch holds it any more).
+/// `stuck` is set once a batch was given up: later batches get no grace.
+pub(crate) fn complete_loop(
+    rx: &Receiver<InFlight>,
+    watch: &Watch,
+    node: &str,
+    bounds: &Bounds,
+    stuck: &AtomicBool,
+) {
+    let mut abandoned: Vec<Box<dyn Abandoned>> = Vec::new();
+    loop {
+        abandoned.retain_mut(|a| !a.finished());
+        let entry = match rx.recv_timeout(ABANDONED_CHECK) {
+            Ok(e) => e,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
+        let InFlight {
+            mut pending,
+            batch,
+            count,
+            deadline,
+        } = entry;
+        let was_stuck = stuck.load(Ordering::SeqCst);
+        match wait_batch(
+            pending.as_mut(),
+            watch,
+            node,
+            bounds,
+            was_stuck,
+            count,
+            deadline,
+        ) {
+            Ok(result) => {
+                drop(pending);
+                batch.complete(result);
+            }
+            Err(error) => {
+                stuck.store(true, Ordering::SeqCst);
+                let pages = batch.abandon(Err(error));
+                abandoned.extend(pending.abandon(pages));
+            }
+        }
+    }
+}
+
+/// `Ok(outcome)` once the device finished the batch (or it ended failed
+/// with its pages free); `Err` when it was abandoned unfinished (peer gone
+/// past the grace, past the deadline, or the look itself failed).
+fn wait_batch(
+    pending: &mut dyn Pending,
+    watch: &Watch,
+    node: &str,
+    bounds: &Bounds,
+    stuck: bool,
+    count: usize,
+    deadline: Instant,
+) -> Result<Result<(), ChannelError>, ChannelError> {
+    let gone = |detail: String| ChannelError::PeerGone {
+        peer: node.to_string(),
+        op: None,
+        detail,
+    };
+    let mut gone_at: Option<(Instant, String)> = None;
+    loop {
+        match pending.poll() {
+            Polled::Done => {
+                return Ok(match watch.check() {
+                    Ok(()) => Ok(()),
+                    Err(d) => Err(gone(format!(
+                        "{d}; the batch of {count} op(s) ran, but not with a live peer"
+                    ))),
+                })
+            }
+            Polled::Waiting => {}
+            Polled::Ended(e) => return Ok(Err(e)),
+            Polled::Broken(e) => return Err(e),
+        }
+        let now = Instant::now();
+        if gone_at.is_none() {
+            if let Err(d) = watch.check() {
+                gone_at = Some((now, d));
+            }
+        }
+        if let Some((at, d)) = &gone_at {
+            if stuck || now.duration_since(*at) >= bounds.gone_grace {
+                return Err(gone(format!(
+                    "{d}; the batch of {count} op(s) did not finish"
+                )));
+            }
+        }
+        if now >= deadline {
+            return Err(ChannelError::Timeout {
+                what: format!("{} batch of {count} op(s) with peer {node}", bounds.channel),
+                after: bounds.batch_timeout,
+            });
+        }
+    }
+}
+
+/// Whether the device proved that abandoned work finished: only its own
+/// word that the work completed counts. A failed query is no proof that
+/// the device stopped writing, so the work's pages stay quarantined (and
+/// are looked at again on the next pass).
+pub(crate) fn proven_finished<E: std::fmt::Display>(query: Result<bool, E>, node: &str) -> bool {
+    match query {
+        Ok(done) => done,
+        Err(e) => {
+            log::warn!(
+                "abandoned work to {node}: querying whether it finished failed ({e}); its \
+                 pages stay quarantined until the device says it did"
+            );
+            false
+        }
+    }
+}
+
+/// Calls `sync` until it succeeds, `on_error` at its first failure: an
+/// error is never proof that the device stopped, so this does not return
+/// while the device may still write into memory the caller gives back.
+/// Logged at the first failure and then about once a minute.
+pub(crate) fn settle_with<E: std::fmt::Display>(
+    mut sync: impl FnMut() -> Result<(), E>,
+    context: &str,
+    on_error: impl FnOnce(),
+) {
+    let mut on_error = Some(on_error);
+    let mut failures = 0u64;
+    let mut pause = WAIT_SLICE;
+    let mut log_at = Instant::now();
+    loop {
+        let e = match sync() {
+            Ok(()) => {
+                if failures > 0 {
+                    log::warn!(
+                        "{context}: the stream synchronised after {failures} failed attempt(s)"
+                    );
+                }
+                return;
+            }
+            Err(e) => e,
+        };
+        failures += 1;
+        if let Some(f) = on_error.take() {
+            f();
+        }
+        if Instant::now() >= log_at {
+            log::error!(
+                "{context}: the stream could not be synchronised ({e}; attempt {failures}); \
+                 waiting, as the device may still write into the KV cache slots of this read"
+            );
+            log_at = Instant::now() + Duration::from_secs(60);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+#[cfg(test)]
+mod device_word_tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn query_failed() -> ascend_sys::Error {
+        ascend_sys::Error::Timeout {
+            what: "event",
+            timeout: Duration::ZERO,
+        }
+    }
+
+    /// Abandoned work whose completion query fails keeps its pages: the
+    /// old loop took the error for "finished" and freed pages the device
+    /// might still be writing.
+    #[test]
+    fn a_failed_query_never_frees_abandoned_pages() {
+        let pages = Arc::new(());
+        let mut abandoned = vec![Arc::clone(&pages)];
+        for failed in [true, false, true] {
+            let answer = || {
+                if failed {
+                    Err(query_failed())
+                } else {
+                    Ok(false)
+                }
+            };
+            abandoned.retain(|_| !proven_finished(answer(), "peer"));
+            assert_eq!(Arc::strong_count(&pages), 2, "the pages stay held");
+        }
+        abandoned.retain(|_| !proven_finished(Ok::<bool, ascend_sys::Error>(true), "peer"));
+        assert_eq!(
+            Arc::strong_count(&pages),
+            1,
+            "freed once the device said so"
+        );
+    }
+
+    /// A direct read whose stream cannot be synchronised does not return
+    /// (giving the KV cache back to the engine) until it can.
+    #[test]
+    fn a_failed_synchronise_is_retried_until_the_device_answers() {
+        let calls = Cell::new(0);
+        let marked = Cell::new(0);
+        settle_with(
+            || {
+                calls.set(calls.get() + 1);
+                if calls.get() < 4 {
+                    Err(query_failed())
+                } else {
+                    Ok(())
+                }
+            },
+            "test read",
+            || marked.set(marked.get() + 1),
+        );
+        assert_eq!(
+            calls.get(),
+            4,
+            "returned only after the stream synchronised"
+        );
+        assert_eq!(
+            marked.get(),
+            1,
+            "the link is marked stuck at the first failure"
+        );
+        settle_with(
+            || Ok::<(), String>(()),
+            "test read",
+            || panic!("no failure"),
+        );
+    }
+}
