@@ -185,8 +185,7 @@ impl Opened {
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
             .map_err(|e| BackendError::Setup(e.to_string()))?;
-        let channel =
-            crate::channel::open(config.transfer_channel, host, node.as_str(), &pools, secret)?;
+        let channel = crate::channel::open_configured(config, host, node.as_str(), &pools, secret)?;
         let ctx = zmq::Context::new();
         let counters = std::sync::Arc::new(counters::MessageCounters::default());
         let c2 = std::sync::Arc::clone(&counters);

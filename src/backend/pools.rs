@@ -44,12 +44,13 @@ pub fn pool_spec(config: &PdConfig, device_index: u32) -> DualSpec {
 /// when it cannot be, the error says how to point at it or how to avoid it.
 pub fn allocator_for(config: &PdConfig, device_index: u32) -> Result<DualAllocator, MemoryError> {
     let spec = pool_spec(config, device_index);
-    let hccl = config.transfer_channel == ChannelKind::Hccl;
+    let hccl = config.transfer_channel.needs_acl_memory();
     let needs_runtime = spec.npu.is_some() || (hccl && spec.cpu_bytes.is_some());
     let runtime = if needs_runtime {
         Some(AclRuntime::load().map_err(|e| match (e, hccl) {
             (MemoryError::NoNpuRuntime(m), true) => MemoryError::NoNpuRuntime(format!(
-                "{m}\n(transfer_channel: hccl always needs CANN; transfer_channel: tcp does not)"
+                "{m}\n(transfer_channel: {} always needs CANN; transfer_channel: tcp does not)",
+                config.transfer_channel.name()
             )),
             (e, _) => e,
         })?)

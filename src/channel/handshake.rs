@@ -208,6 +208,12 @@ impl Hello {
                 peer: remote.node.clone(),
             });
         }
+        if let Some(e) = path_mismatch(self.channel, remote.channel) {
+            return Err(ChannelError::Handshake(format!(
+                "peer {}: {e}",
+                remote.node
+            )));
+        }
         if remote.channel != self.channel {
             return Err(ChannelError::Handshake(format!(
                 "peer {} uses transfer_channel {}, this side {}; set the same transfer_channel on both",
@@ -322,6 +328,30 @@ impl Hello {
                 s(&mut w, "hccl_watch");
                 s(&mut w, watch);
             }
+            Endpoint::Hixl {
+                session,
+                server,
+                device,
+                watch,
+            } => {
+                w.map_len(6).expect("6");
+                s(&mut w, "hixl_session");
+                w.uint(*session);
+                s(&mut w, "hixl_server");
+                s(&mut w, server);
+                s(&mut w, "hixl_protocol");
+                s(&mut w, protocol_name(device.protocol));
+                s(&mut w, "hixl_device");
+                w.uint(u64::from(device.device_phy_id));
+                // Empty: no RoCE address configured.
+                s(&mut w, "hixl_ipv4");
+                s(
+                    &mut w,
+                    &device.ipv4.map_or_else(String::new, |ip| ip.to_string()),
+                );
+                s(&mut w, "hixl_watch");
+                s(&mut w, watch);
+            }
         }
         s(&mut w, "error");
         match error {
@@ -347,6 +377,27 @@ impl Hello {
         decode_hello(bytes)
             .map(|d| (d.hello, d.error))
             .map_err(|e| ChannelError::Handshake(format!("malformed hello: {e}")))
+    }
+}
+
+/// Why two sides whose channels are HCCL's comm path and the HIXL path
+/// cannot talk (`transfer_channel: hccl` runs either, by `pd_hccl_path`):
+/// `None` for any other pair.
+fn path_mismatch(ours: ChannelKind, theirs: ChannelKind) -> Option<String> {
+    let path = |k: ChannelKind| match k {
+        ChannelKind::Hccl => Some("HCCL's comm path (pd_hccl_path: comm, or auto without HIXL)"),
+        ChannelKind::Hixl => {
+            Some("the HIXL path (pd_hccl_path: hixl or auto with HIXL, or transfer_channel: hixl)")
+        }
+        _ => None,
+    };
+    match (path(ours)?, path(theirs)?) {
+        _ if ours == theirs => None,
+        (a, b) => Some(format!(
+            "this side runs {a}, the peer {b}; both ends must run the same path: set the same \
+             pd_hccl_path on both (comm or hixl), or install HIXL (libcann_hixl.so) on both so \
+             auto picks it"
+        )),
     }
 }
 
@@ -708,10 +759,102 @@ fn unhex_root(s: &str) -> Result<Vec<u8>, String> {
         .collect()
 }
 
+/// The wire name of a HIXL endpoint's protocol.
+fn protocol_name(p: ascend_sys::HixlProtocol) -> &'static str {
+    match p {
+        ascend_sys::HixlProtocol::Roce => "roce",
+        ascend_sys::HixlProtocol::Hccs => "hccs",
+    }
+}
+
+/// The fields of a hixl endpoint, as they arrive.
+#[derive(Default)]
+struct HixlFields {
+    session: Option<u64>,
+    server: Option<String>,
+    protocol: Option<ascend_sys::HixlProtocol>,
+    device: Option<u32>,
+    ipv4: Option<Option<std::net::Ipv4Addr>>,
+    watch: Option<String>,
+}
+
+impl HixlFields {
+    /// Reads the value of `key` if it is a hixl field; false otherwise.
+    fn read(&mut self, key: &str, r: &mut Reader<'_>) -> Result<bool, String> {
+        let text = |r: &mut Reader<'_>| r.str().map(str::to_string).map_err(|e| raw(e, key));
+        match key {
+            "hixl_session" => self.session = Some(r.uint().map_err(|e| raw(e, key))?),
+            "hixl_server" => self.server = Some(text(r)?),
+            "hixl_protocol" => {
+                self.protocol = Some(match text(r)?.as_str() {
+                    "roce" => ascend_sys::HixlProtocol::Roce,
+                    "hccs" => ascend_sys::HixlProtocol::Hccs,
+                    p => return Err(format!("hixl_protocol {p:?}: expected roce or hccs")),
+                })
+            }
+            "hixl_device" => {
+                let d = r.uint().map_err(|e| raw(e, key))?;
+                self.device =
+                    Some(u32::try_from(d).map_err(|_| format!("hixl_device {d} out of range"))?);
+            }
+            "hixl_ipv4" => {
+                let v = text(r)?;
+                self.ipv4 = Some(match v.as_str() {
+                    "" => None,
+                    ip => Some(
+                        ip.parse()
+                            .map_err(|_| format!("hixl_ipv4 {ip:?} is not IPv4"))?,
+                    ),
+                });
+            }
+            "hixl_watch" => self.watch = Some(text(r)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The endpoint, when every field (or none) came.
+    fn endpoint(self) -> Result<Option<Endpoint>, String> {
+        match self {
+            HixlFields {
+                session: None,
+                server: None,
+                protocol: None,
+                device: None,
+                ipv4: None,
+                watch: None,
+            } => Ok(None),
+            HixlFields {
+                session: Some(session),
+                server: Some(server),
+                protocol: Some(protocol),
+                device: Some(device_phy_id),
+                ipv4: Some(ipv4),
+                watch: Some(watch),
+            } => Ok(Some(Endpoint::Hixl {
+                session,
+                server,
+                device: ascend_sys::HixlEndpoint {
+                    protocol,
+                    device_phy_id,
+                    ipv4,
+                },
+                watch,
+            })),
+            _ => Err(
+                "hixl endpoint needs hixl_session, hixl_server, hixl_protocol, \
+                      hixl_device, hixl_ipv4 and hixl_watch"
+                    .into(),
+            ),
+        }
+    }
+}
+
 fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
     let n = r.map_len().map_err(|e| raw(e, "endpoint"))?;
     let (mut pid, mut fds, mut tcp) = (None, None, None);
     let (mut root, mut session, mut device, mut watch) = (None, None, None, None);
+    let mut hixl = HixlFields::default();
     for _ in 0..n {
         let key = r.str().map_err(|e| raw(e, "endpoint"))?;
         match key {
@@ -739,7 +882,11 @@ fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
                 device = Some(u32::try_from(d).map_err(|_| format!("device {d} out of range"))?);
             }
             "hccl_watch" => watch = Some(r.str().map_err(|e| raw(e, key))?.to_string()),
-            _ => r.skip_value().map_err(|e| raw(e, key))?,
+            _ => {
+                if !hixl.read(key, r)? {
+                    r.skip_value().map_err(|e| raw(e, key))?
+                }
+            }
         }
     }
     let hccl = match (root, session, device, watch) {
@@ -756,11 +903,20 @@ fn decode_endpoint(r: &mut Reader<'_>) -> Result<Endpoint, String> {
             )
         }
     };
-    match (pid, fds, tcp, hccl) {
+    let hixl = hixl.endpoint()?;
+    let device = match (hccl, hixl) {
+        (Some(_), Some(_)) => None,
+        (h, x) => h.or(x),
+    };
+    match (pid, fds, tcp, device) {
         (Some(pid), Some(fds), None, None) => Ok(Endpoint::Shm { pid, fds }),
         (None, None, Some(addr), None) => Ok(Endpoint::Tcp { addr }),
         (None, None, None, Some(h)) => Ok(h),
-        _ => Err("endpoint must be one of {pid, fds} (shm), {tcp} (tcp) or {hccl_*} (hccl)".into()),
+        _ => Err(
+            "endpoint must be one of {pid, fds} (shm), {tcp} (tcp), {hccl_*} (hccl) or \
+             {hixl_*} (hixl)"
+                .into(),
+        ),
     }
 }
 

@@ -50,29 +50,23 @@
 //! Nothing here has run on Ascend hardware; it is tested against the CANN
 //! emulator (`ascend-sys/emu`).
 
-use super::grant::GrantTable;
-use super::liveness::{dial_watch, watch_proof, Watch, WatchServer};
+use super::liveness::{LinkRole, Watch, WatchServer};
 use super::one_sided::{
-    complete_loop, lock, proven_finished, settle_with, Abandoned, Batch, Bounds, DirectLink,
-    DirectState, Finish, InFlight, Pending, Polled, SetupCell, Watched, WAIT_SLICE,
+    acl_pools, check_coverage, complete_loop, lock, proven_finished, settle_with, Abandoned, Batch,
+    Bounds, DevicePeer, DevicePeers, DirectLink, DirectState, Finish, InFlight, LocalMem, Pending,
+    Polled, Watched, WAIT_SLICE,
 };
 use super::{
-    check_grant_pages, check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError,
-    Completion, DirectRead, DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage,
-    OpKind, PeerId, PeerPages, PeerRegistry, PeerTable, ReadOp, TransferChannel, TransferOp,
-    WriteOp,
+    check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion,
+    DirectRead, DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind,
+    PeerId, PeerPages, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
-use crate::auth::{Proof, Secret};
+use crate::auth::Secret;
 use crate::config::ChannelKind;
-use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
 use crate::memory::{BufferRef, DeviceKind, MemObj, PagePool, SealedMemObj};
-use ascend_sys::{
-    Comm, Device, DeviceBuffer, HostBuffer, MemKind, OneSidedOp, RegisteredMem, RemoteMem,
-    RootInfo, Stream,
-};
-use crossbeam_channel::{Receiver, Sender};
+use ascend_sys::{Comm, Device, MemKind, OneSidedOp, RegisteredMem, RemoteMem, RootInfo, Stream};
+use crossbeam_channel::Sender;
 use std::collections::{HashMap, HashSet};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -128,13 +122,6 @@ pub(crate) fn npu_err(context: String) -> impl FnOnce(ascend_sys::Error) -> Chan
     move |source| ChannelError::Npu { context, source }
 }
 
-/// A local pool as HCCL registers it.
-#[derive(Clone)]
-enum LocalMem {
-    Device(Arc<DeviceBuffer>),
-    Host(Arc<HostBuffer>),
-}
-
 /// The hccl channel of one worker: its pools, its liveness listener, its peers.
 pub struct HcclChannel {
     // Dropped first: stops routing liveness links to peers.
@@ -145,8 +132,7 @@ pub struct HcclChannel {
     local_uuids: HashSet<Uuid>,
     opts: HcclOptions,
     offers: Mutex<HashMap<u64, (RootInfo, Instant)>>,
-    peers: PeerRegistry<HcclPeer>,
-    grants: GrantTable<Arc<SetupCell<Link>>>,
+    peers: DevicePeers<Link>,
     auth: Option<Secret>,
     /// This instance, for direct registrations ([`TransferChannel::direct_registry`]).
     id: u64,
@@ -156,12 +142,6 @@ pub struct HcclChannel {
 /// Instances made so far (their ids).
 static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
-struct HcclPeer {
-    node: String,
-    table: PeerTable,
-    setup: Arc<SetupCell<Link>>,
-}
-
 impl HcclChannel {
     /// A channel over `pools` (every one allocated by the ACL runtime, all
     /// for one NPU); the liveness listener binds `host`.
@@ -170,45 +150,7 @@ impl HcclChannel {
         pools: &[Arc<PagePool>],
         opts: HcclOptions,
     ) -> Result<HcclChannel, ChannelError> {
-        let mut local = Vec::new();
-        let mut device: Option<Device> = None;
-        for p in pools {
-            let b = p.buffer();
-            // SAFETY: registered with a peer's communicator, which reads or
-            // writes a page only under a grant of it (or in a batch holding
-            // its handle); revoked grants wait for quiescence before the
-            // page goes back to its pool.
-            let mem = if let Some(d) = unsafe { device_buffer(b) } {
-                LocalMem::Device(Arc::clone(d))
-            } else if let Some(h) = unsafe { pinned_buffer(b) } {
-                // SAFETY: as above.
-                LocalMem::Host(Arc::clone(unsafe { h.buffer() }))
-            } else {
-                return Err(ChannelError::Unsupported(format!(
-                    "the hccl channel registers pools allocated by the ACL runtime, but pool {} on {} \
-                     is not (build the allocator with backend::pools::allocator_for, which pins \
-                     the CPU pool for transfer_channel: hccl, or use transfer_channel: tcp)",
-                    b.uuid().simple(),
-                    b.device()
-                )));
-            };
-            let d = device_of(b).expect("ACL-backed pools know their device");
-            match &device {
-                Some(first) if first.id() != d.id() => {
-                    return Err(ChannelError::Unsupported(format!(
-                        "hccl pools must belong to one NPU; found NPU {} and NPU {}",
-                        first.id(),
-                        d.id()
-                    )))
-                }
-                Some(_) => {}
-                None => device = Some(d),
-            }
-            local.push(mem);
-        }
-        let device = device.ok_or_else(|| {
-            ChannelError::Unsupported("the hccl channel needs at least one pool".into())
-        })?;
+        let (device, local) = acl_pools(pools, "hccl")?;
         let acl = device.acl();
         acl.hccl_status()
             .map_err(npu_err("loading HCCL for the hccl channel".into()))?;
@@ -228,8 +170,7 @@ impl HcclChannel {
             local,
             opts,
             offers: Mutex::new(HashMap::new()),
-            peers: PeerRegistry::default(),
-            grants: GrantTable::default(),
+            peers: DevicePeers::default(),
             auth: None,
             id: INSTANCES.fetch_add(1, Ordering::Relaxed),
             direct: Arc::default(),
@@ -248,7 +189,7 @@ impl HcclChannel {
         self.device.id()
     }
 
-    fn peer(&self, id: PeerId) -> Result<Arc<HcclPeer>, ChannelError> {
+    fn peer(&self, id: PeerId) -> Result<Arc<DevicePeer<Link>>, ChannelError> {
         self.peers.get(id)
     }
 
@@ -315,7 +256,7 @@ impl TransferChannel for HcclChannel {
             )));
         };
         let table = PeerTable::new(table)?;
-        let role = if root_info.is_empty() {
+        let (root, rank, link) = if root_info.is_empty() {
             // We connected and offered: the answer names our offer.
             let (root, _) = lock(&self.offers).remove(session).ok_or_else(|| {
                 ChannelError::Handshake(format!(
@@ -323,77 +264,44 @@ impl TransferChannel for HcclChannel {
                      or already used (the connecting side must offer a root info: use handshake::connect)"
                 ))
             })?;
-            let addr = watch
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| {
-                    ChannelError::Handshake(format!("peer {node}: bad liveness address {watch:?}"))
-                })?;
-            // With a secret the link's hello proves it is ours: nobody
-            // else can take the link the peer will trust as our liveness.
-            let proof = self
-                .auth
-                .as_ref()
-                .map(|s| watch_proof(s, *session, root.as_bytes(), watch));
-            SetupRole::Root {
-                root,
-                watch: addr,
-                session: *session,
-                proof,
-            }
+            let link = LinkRole::dial(node, watch, *session, root.as_bytes(), self.auth.as_ref())?;
+            (root, 0, link)
         } else {
             let root = RootInfo::from_bytes(root_info).map_err(|e| {
                 ChannelError::Handshake(format!("peer {node} sent a bad root info: {e}"))
             })?;
             let proof = self.auth.clone().map(|s| (s, root_info.clone()));
-            SetupRole::Joiner {
-                root,
-                watch: self.watch.expect(*session, proof),
-            }
+            (root, 1, LinkRole::Await(self.watch.expect(*session, proof)))
         };
-        let setup = Arc::new(SetupCell::new(self.opts.bounds()));
         let job = SetupJob {
             node: node.to_string(),
             device: self.device.clone(),
             local: self.local.clone(),
             table: table.clone(),
-            role,
+            root,
+            rank,
+            link,
             opts: self.opts.clone(),
         };
-        let cell = Arc::clone(&setup);
-        std::thread::Builder::new()
-            .name("pd-hccl-setup".into())
-            .spawn(move || cell.finish(job.run()))
-            .map_err(|source| ChannelError::Io {
-                context: "spawning the hccl setup thread".into(),
-                source,
-            })?;
-        let peer = Arc::new(HcclPeer {
-            node: node.to_string(),
+        self.peers.attach(
+            node,
             table,
-            setup,
-        });
-        let (id, replaced) = self.peers.insert(node, peer);
-        for old in replaced {
-            old.setup.close();
-        }
-        Ok(id)
+            self.opts.bounds(),
+            "pd-hccl-setup",
+            move || job.run(),
+        )
     }
 
     fn detach(&self, peer: PeerId) {
-        if let Some(p) = self.peers.remove(peer) {
-            p.setup.close();
-        }
+        self.peers.detach(peer);
     }
 
     fn gone_peers(&self) -> Vec<PeerId> {
-        self.peers.select(|p| p.setup.peer_closed())
+        self.peers.gone()
     }
 
     fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
-        let p = self.peer(peer)?;
-        p.setup.wait(&p.node).map(|_| ())
+        self.peers.wait_ready(peer)
     }
 
     fn submit_read(
@@ -569,24 +477,19 @@ impl TransferChannel for HcclChannel {
         tag: GrantTag,
         pages: &[BufferRef],
     ) -> Result<GrantId, ChannelError> {
-        check_grant_pages(&self.pools, pages)?;
-        let (node, p) = self.peers.entry(peer)?;
-        Ok(self
-            .grants
-            .add(&node, access, tag, pages, Arc::clone(&p.setup)))
+        self.peers.grant(&self.pools, peer, access, tag, pages)
     }
 
     fn release(&self, grant: GrantId) -> bool {
-        self.grants.release(grant)
+        self.peers.release(grant)
     }
 
     fn revoke(&self, grant: GrantId) {
-        self.grants.revoke(grant);
+        self.peers.revoke(grant);
     }
 
     fn is_quiescent(&self, grant: GrantId) -> bool {
-        self.grants
-            .settle(grant, |e| e.read_only() || e.session.peer_cannot_access())
+        self.peers.is_quiescent(grant)
     }
 
     fn auth(&self) -> Option<&Secret> {
@@ -597,21 +500,12 @@ impl TransferChannel for HcclChannel {
     /// memory the peer registered with HCCL, no two overlapping; pending
     /// until then (a table alone is only what the peer says).
     fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
-        let Ok(p) = self.peer(peer) else {
-            return PeerPages::Verified(0);
-        };
-        match p.setup.ready() {
-            None => PeerPages::Pending,
-            Some(true) => PeerPages::Verified(super::table_pages(p.table.descs())),
-            Some(false) => PeerPages::Verified(0),
-        }
+        self.peers.verified_pages(peer)
     }
 
     fn grant_stats(&self) -> GrantStats {
-        GrantStats {
-            unauthenticated: self.watch.shared.unproven.load(Ordering::Relaxed),
-            ..self.grants.stats()
-        }
+        self.peers
+            .grant_stats(self.watch.shared.unproven.load(Ordering::Relaxed))
     }
 }
 
@@ -744,52 +638,24 @@ impl HcclChannel {
     }
 }
 
-/// Which rank this side is, and what it needs for the rendezvous.
-enum SetupRole {
-    /// The connecting side: it made the root info and dials the liveness link.
-    Root {
-        root: RootInfo,
-        watch: SocketAddr,
-        session: u64,
-        /// With a deployment secret: the proof the hello carries.
-        proof: Option<Proof>,
-    },
-    /// The listening side: the liveness link arrives through the watch server.
-    Joiner {
-        root: RootInfo,
-        watch: Receiver<TcpStream>,
-    },
-}
-
 /// Everything a peer's setup thread needs.
 struct SetupJob {
     node: String,
     device: Device,
     local: Vec<LocalMem>,
     table: PeerTable,
-    role: SetupRole,
+    root: RootInfo,
+    /// 0 on the connecting side (which made the root info), 1 on the other.
+    rank: u32,
+    link: LinkRole,
     opts: HcclOptions,
 }
 
 impl SetupJob {
     fn run(self) -> Result<Link, String> {
         let deadline = Instant::now() + self.opts.setup_timeout;
-        let (root, rank, watch) = match self.role {
-            SetupRole::Root {
-                root,
-                watch,
-                session,
-                proof,
-            } => (root, 0, dial_watch(watch, session, proof, deadline)?),
-            SetupRole::Joiner { root, watch } => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let s = watch.recv_timeout(left).map_err(|_| {
-                    format!("the peer did not open its liveness link within {left:?}")
-                })?;
-                (root, 1, s)
-            }
-        };
-        let watch = Arc::new(Watch::new(watch)?);
+        let watch = self.link.open(deadline)?;
+        let (root, rank) = (self.root, self.rank);
         let e = |what: &str| {
             let what = what.to_string();
             move |err: ascend_sys::Error| format!("{what}: {err}")
@@ -814,33 +680,8 @@ impl SetupJob {
             .map(|d| comm.enable_access(d))
             .collect::<Result<_, _>>()
             .map_err(e("enabling access to the peer's memory"))?;
-        // The peer's table (what ops address) must lie inside what it
-        // registered, each byte in one buffer only: the table's pages are
-        // then memory the peer holds (a pull-delay receiver's proxy cap).
-        let mut descs: Vec<&BufferDesc> = self.table.descs().collect();
-        descs.sort_by_key(|d| d.base);
-        if let Some(w) = descs.windows(2).find(|w| w[0].base + w[0].len > w[1].base) {
-            return Err(format!(
-                "peer buffers {} and {} overlap (at {:#x}); each buffer is its own memory",
-                w[0].uuid.simple(),
-                w[1].uuid.simple(),
-                w[1].base
-            ));
-        }
-        for d in self.table.descs() {
-            let covered = remotes
-                .iter()
-                .any(|r| r.addr() <= d.base && d.base + d.len <= r.addr().saturating_add(r.len()));
-            if !covered {
-                return Err(format!(
-                    "peer buffer {} ({} bytes at {:#x}) is not inside any memory the peer registered \
-                     with HCCL",
-                    d.uuid.simple(),
-                    d.len,
-                    d.base
-                ));
-            }
-        }
+        let regions: Vec<(u64, u64)> = remotes.iter().map(|r| (r.addr(), r.len())).collect();
+        check_coverage(&self.table, &regions, "HCCL")?;
         let stream = self
             .device
             .create_stream()

@@ -62,6 +62,64 @@ pub(crate) fn watch_hello(session: u64, proof: Option<&Proof>) -> Vec<u8> {
     hello
 }
 
+/// How this side gets its liveness link to a peer.
+pub(crate) enum LinkRole {
+    /// The connecting side dials the listener the answer named.
+    Dial {
+        addr: SocketAddr,
+        session: u64,
+        /// With a deployment secret: the proof the hello carries.
+        proof: Option<Proof>,
+    },
+    /// The listening side: the link arrives through its [`WatchServer`].
+    Await(Receiver<TcpStream>),
+}
+
+impl LinkRole {
+    /// The dialling role for the listener at `watch` (as the peer's
+    /// answer named it), proving `fresh` with `secret` when one is set.
+    pub(crate) fn dial(
+        node: &str,
+        watch: &str,
+        session: u64,
+        fresh: &[u8],
+        secret: Option<&Secret>,
+    ) -> Result<LinkRole, ChannelError> {
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(watch)
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                ChannelError::Handshake(format!("peer {node}: bad liveness address {watch:?}"))
+            })?;
+        // With a secret the link's hello proves it is ours: nobody else
+        // can take the link the peer will trust as our liveness.
+        let proof = secret.map(|s| watch_proof(s, session, fresh, watch));
+        Ok(LinkRole::Dial {
+            addr,
+            session,
+            proof,
+        })
+    }
+
+    /// Opens (or waits for) the link by `deadline`.
+    pub(crate) fn open(self, deadline: Instant) -> Result<Arc<Watch>, String> {
+        let stream = match self {
+            LinkRole::Dial {
+                addr,
+                session,
+                proof,
+            } => dial_watch(addr, session, proof, deadline)?,
+            LinkRole::Await(rx) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                rx.recv_timeout(left).map_err(|_| {
+                    format!("the peer did not open its liveness link within {left:?}")
+                })?
+            }
+        };
+        Watch::new(stream).map(Arc::new)
+    }
+}
+
 /// Opens the liveness link of `session` to the listener at `addr` (with
 /// `proof`, when a deployment secret is set) and waits for its ack.
 pub(crate) fn dial_watch(

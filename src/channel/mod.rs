@@ -23,11 +23,15 @@
 //!   out of registered pools (NPU pools staged through pinned host memory).
 //! - [`hccl`]: HCCL one-sided put/get through ascend-sys, one two-rank
 //!   communicator per peer pair (tested against the CANN emulator only).
+//! - [`hixl`]: HIXL's client-server one-sided put/get through ascend-sys,
+//!   one server per worker and one client per peer (tested against the
+//!   CANN emulator only).
 
 mod completion;
 pub mod grant;
 pub mod handshake;
 pub mod hccl;
+pub mod hixl;
 mod liveness;
 mod one_sided;
 pub mod shm;
@@ -39,7 +43,7 @@ pub(crate) use completion::{CompletionSender, LocalPage};
 pub use grant::{Access, GrantId, GrantStats, GrantTag};
 
 use crate::auth::Secret;
-use crate::config::ChannelKind;
+use crate::config::{ChannelKind, HcclPath};
 pub use crate::memory::DirectRegistration;
 use crate::memory::{
     BufferRef, DeviceKind, MemObj, Page, PagePool, RegisteredBuffer, SealedMemObj,
@@ -426,6 +430,20 @@ pub enum Endpoint {
         /// connection per peer whose closing tells that the peer is gone.
         watch: String,
     },
+    /// hixl: where this side's HIXL server listens and its device
+    /// endpoint. The connecting side offers a fresh `session` per
+    /// connection; the listening side answers with the same one.
+    Hixl {
+        /// Names the offer (random); 0 in a plain advertisement.
+        session: u64,
+        /// `ip:port` of this side's HIXL server.
+        server: String,
+        /// This side's HIXL endpoint (protocol, device physical id, RoCE
+        /// address), which the peer's client names as its remote.
+        device: ascend_sys::HixlEndpoint,
+        /// `host:port` of this side's liveness link listener (as hccl's).
+        watch: String,
+    },
 }
 
 /// A one-sided transfer channel over the local pools.
@@ -708,7 +726,99 @@ pub fn open(
         ChannelKind::Hccl => Arc::new(
             hccl::HcclChannel::new(host, pools, hccl::HcclOptions::default())?.with_auth(auth),
         ),
+        ChannelKind::Hixl => Arc::new(
+            hixl::HixlChannel::new(
+                host,
+                pools,
+                &crate::config::HixlSettings::default(),
+                hixl::HixlOptions::default(),
+            )?
+            .with_auth(auth),
+        ),
     })
+}
+
+/// Which channel `transfer_channel: hccl` opens for `pd_hccl_path:
+/// setting`, given whether HIXL loaded (`hixl`: the library's path, or why
+/// it did not load), and the reason, for the log. `hixl` without HIXL is
+/// an error that names the fix.
+pub fn choose_hccl_path(
+    setting: HcclPath,
+    hixl: Result<&std::path::Path, String>,
+) -> Result<(ChannelKind, String), ChannelError> {
+    match (setting, hixl) {
+        (HcclPath::Comm, _) => Ok((
+            ChannelKind::Hccl,
+            "HCCL's comm path, as pd_hccl_path: comm asks".into(),
+        )),
+        (HcclPath::Auto, Ok(path)) => Ok((
+            ChannelKind::Hixl,
+            format!(
+                "the HIXL path: pd_hccl_path is auto and HIXL loaded from {}",
+                path.display()
+            ),
+        )),
+        (HcclPath::Auto, Err(why)) => Ok((
+            ChannelKind::Hccl,
+            format!("HCCL's comm path: pd_hccl_path is auto and HIXL did not load ({why})"),
+        )),
+        (HcclPath::Hixl, Ok(path)) => Ok((
+            ChannelKind::Hixl,
+            format!(
+                "the HIXL path, as pd_hccl_path: hixl asks (HIXL from {})",
+                path.display()
+            ),
+        )),
+        (HcclPath::Hixl, Err(why)) => Err(ChannelError::Unsupported(format!(
+            "pd_hccl_path: hixl, but HIXL did not load ({why}); install HIXL (libcann_hixl.so, \
+             CANN 9.1 or the hixl package) next to libascendcl.so or in ASCEND_PD_CANN_LIB_DIR, \
+             or set pd_hccl_path: comm (or auto) to run HCCL's comm path"
+        ))),
+    }
+}
+
+/// Opens the channel `config` asks for over `pools` (see [`open`]):
+/// `transfer_channel: hccl` runs the path [`choose_hccl_path`] picks for
+/// its `pd_hccl_path` (logged, with the reason), and the HIXL path takes
+/// the `pd_hixl_*` keys.
+pub fn open_configured(
+    config: &crate::config::PdConfig,
+    host: &str,
+    node: &str,
+    pools: &[Arc<PagePool>],
+    auth: Option<Secret>,
+) -> Result<Arc<dyn TransferChannel>, ChannelError> {
+    let kind = match config.transfer_channel {
+        ChannelKind::Hccl => {
+            let acl = pools
+                .iter()
+                .find_map(|p| crate::memory::npu::device_of(p.buffer()))
+                .map(|d| d.acl().clone());
+            let hixl = match &acl {
+                Some(acl) => acl.hixl().map_err(|e| e.to_string()),
+                None => Err("no pool was allocated by the ACL runtime".into()),
+            };
+            let (kind, why) = choose_hccl_path(
+                config.hccl_path,
+                hixl.as_ref()
+                    .map(|h| h.library_path())
+                    .map_err(Clone::clone),
+            )?;
+            log::info!("transfer_channel hccl runs {why}");
+            kind
+        }
+        kind => kind,
+    };
+    if kind != ChannelKind::Hixl {
+        return open(kind, host, node, pools, auth);
+    }
+    if auth.is_none() {
+        crate::auth::warn_unauthenticated_once();
+    }
+    Ok(Arc::new(
+        hixl::HixlChannel::new(host, pools, &config.hixl, hixl::HixlOptions::default())?
+            .with_auth(auth),
+    ))
 }
 
 /// Validates a batch against the peer table: the remote range exists and

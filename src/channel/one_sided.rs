@@ -9,12 +9,259 @@
 //! ([`Pending`]), and how work given up unfinished is held until the
 //! device can no longer touch its pages ([`Pending::abandon`]).
 
+use super::grant::GrantTable;
 use super::liveness::Watch;
-use super::{pages_of, ChannelError, CompletionSender, DirectRegistration, LocalPage, TransferOp};
+use super::{
+    check_grant_pages, pages_of, table_pages, Access, BufferDesc, ChannelError, CompletionSender,
+    DirectRegistration, GrantId, GrantStats, GrantTag, LocalPage, PeerId, PeerPages, PeerRegistry,
+    PeerTable, TransferOp,
+};
+use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
+use crate::memory::BufferRef;
+use crate::memory::PagePool;
+use ascend_sys::{Device, DeviceBuffer, HostBuffer, MemKind};
 use crossbeam_channel::Receiver;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
+
+/// A local pool as the device channels register it: NPU pools as device
+/// memory, CPU pools as ACL-pinned host memory (nothing else registers).
+#[derive(Clone)]
+pub(crate) enum LocalMem {
+    Device(Arc<DeviceBuffer>),
+    Host(Arc<HostBuffer>),
+}
+
+impl LocalMem {
+    /// The kind, address and length to register.
+    pub(crate) fn region(&self) -> (MemKind, *mut u8, usize) {
+        match self {
+            LocalMem::Device(b) => (MemKind::Device, b.as_ptr().cast(), b.len()),
+            LocalMem::Host(b) => (MemKind::Host, b.as_ptr().cast(), b.len()),
+        }
+    }
+}
+
+/// The device of `pools` and each pool as `channel` registers it: every
+/// pool must be allocated by the ACL runtime, all for one NPU.
+pub(crate) fn acl_pools(
+    pools: &[Arc<PagePool>],
+    channel: &str,
+) -> Result<(Device, Vec<LocalMem>), ChannelError> {
+    let mut local = Vec::new();
+    let mut device: Option<Device> = None;
+    for p in pools {
+        let b = p.buffer();
+        // SAFETY: registered with a peer's connection, which reads or
+        // writes a page only under a grant of it (or in a batch holding
+        // its handle); revoked grants wait for quiescence before the
+        // page goes back to its pool.
+        let mem = if let Some(d) = unsafe { device_buffer(b) } {
+            LocalMem::Device(Arc::clone(d))
+        } else if let Some(h) = unsafe { pinned_buffer(b) } {
+            // SAFETY: as above.
+            LocalMem::Host(Arc::clone(unsafe { h.buffer() }))
+        } else {
+            return Err(ChannelError::Unsupported(format!(
+                "the {channel} channel registers pools allocated by the ACL runtime, but pool {} \
+                 on {} is not (build the allocator with backend::pools::allocator_for, which \
+                 pins the CPU pool for transfer_channel: {channel}, or use transfer_channel: tcp)",
+                b.uuid().simple(),
+                b.device()
+            )));
+        };
+        let d = device_of(b).expect("ACL-backed pools know their device");
+        match &device {
+            Some(first) if first.id() != d.id() => {
+                return Err(ChannelError::Unsupported(format!(
+                    "{channel} pools must belong to one NPU; found NPU {} and NPU {}",
+                    first.id(),
+                    d.id()
+                )))
+            }
+            Some(_) => {}
+            None => device = Some(d),
+        }
+        local.push(mem);
+    }
+    let device = device.ok_or_else(|| {
+        ChannelError::Unsupported(format!("the {channel} channel needs at least one pool"))
+    })?;
+    Ok((device, local))
+}
+
+/// An attached peer of a device channel: its validated table and its setup.
+pub(crate) struct DevicePeer<L> {
+    pub(crate) node: String,
+    pub(crate) table: PeerTable,
+    pub(crate) setup: Arc<SetupCell<L>>,
+}
+
+/// The peers of a device channel and the grants of its pages to them. The
+/// device copies one-sidedly, so a grant cannot be enforced: a revoked
+/// grant is quiescent once the peer can no longer touch our memory (its
+/// setup never completed, or it closed its end of the liveness link).
+pub(crate) struct DevicePeers<L> {
+    peers: PeerRegistry<DevicePeer<L>>,
+    grants: GrantTable<Arc<SetupCell<L>>>,
+}
+
+impl<L> Default for DevicePeers<L> {
+    fn default() -> Self {
+        DevicePeers {
+            peers: PeerRegistry::default(),
+            grants: GrantTable::default(),
+        }
+    }
+}
+
+impl<L: Watched> DevicePeers<L> {
+    /// The peer `id`.
+    pub(crate) fn get(&self, id: PeerId) -> Result<Arc<DevicePeer<L>>, ChannelError> {
+        self.peers.get(id)
+    }
+
+    /// Attaches `node` with its `table`, whose setup runs `job` on a thread
+    /// named `thread`; a peer attached before as `node` is closed.
+    pub(crate) fn attach(
+        &self,
+        node: &str,
+        table: PeerTable,
+        bounds: Bounds,
+        thread: &str,
+        job: impl FnOnce() -> Result<L, String> + Send + 'static,
+    ) -> Result<PeerId, ChannelError> {
+        let setup = Arc::new(SetupCell::new(bounds));
+        let cell = Arc::clone(&setup);
+        std::thread::Builder::new()
+            .name(thread.into())
+            .spawn(move || cell.finish(job()))
+            .map_err(|source| ChannelError::Io {
+                context: format!("spawning the {thread} thread"),
+                source,
+            })?;
+        let peer = Arc::new(DevicePeer {
+            node: node.to_string(),
+            table,
+            setup,
+        });
+        let (id, replaced) = self.peers.insert(node, peer);
+        for old in replaced {
+            old.setup.close();
+        }
+        Ok(id)
+    }
+
+    /// Detaches `id`: new batches are refused; its link closes once the
+    /// batches still holding it have ended.
+    pub(crate) fn detach(&self, id: PeerId) {
+        if let Some(p) = self.peers.remove(id) {
+            p.setup.close();
+        }
+    }
+
+    /// The peers that closed their end of the liveness link.
+    pub(crate) fn gone(&self) -> Vec<PeerId> {
+        self.peers.select(|p| p.setup.peer_closed())
+    }
+
+    /// Waits (bounded) for `id`'s setup and reports its failure.
+    pub(crate) fn wait_ready(&self, id: PeerId) -> Result<(), ChannelError> {
+        let p = self.get(id)?;
+        p.setup.wait(&p.node).map(|_| ())
+    }
+
+    /// Grants `pages` of `pools` to `peer`.
+    pub(crate) fn grant(
+        &self,
+        pools: &[Arc<PagePool>],
+        peer: PeerId,
+        access: Access,
+        tag: GrantTag,
+        pages: &[BufferRef],
+    ) -> Result<GrantId, ChannelError> {
+        check_grant_pages(pools, pages)?;
+        let (node, p) = self.peers.entry(peer)?;
+        Ok(self
+            .grants
+            .add(&node, access, tag, pages, Arc::clone(&p.setup)))
+    }
+
+    /// See [`super::TransferChannel::release`].
+    pub(crate) fn release(&self, grant: GrantId) -> bool {
+        self.grants.release(grant)
+    }
+
+    /// See [`super::TransferChannel::revoke`].
+    pub(crate) fn revoke(&self, grant: GrantId) {
+        self.grants.revoke(grant);
+    }
+
+    /// See [`super::TransferChannel::is_quiescent`].
+    pub(crate) fn is_quiescent(&self, grant: GrantId) -> bool {
+        self.grants
+            .settle(grant, |e| e.read_only() || e.session.peer_cannot_access())
+    }
+
+    /// The grant counters, with `unproven` liveness hellos refused.
+    pub(crate) fn grant_stats(&self, unproven: u64) -> GrantStats {
+        GrantStats {
+            unauthenticated: unproven,
+            ..self.grants.stats()
+        }
+    }
+
+    /// The pages of the peer's table once setup proved every buffer inside
+    /// memory the peer registered, no two overlapping; pending until then
+    /// (a table alone is only what the peer says).
+    pub(crate) fn verified_pages(&self, id: PeerId) -> PeerPages {
+        let Ok(p) = self.get(id) else {
+            return PeerPages::Verified(0);
+        };
+        match p.setup.ready() {
+            None => PeerPages::Pending,
+            Some(true) => PeerPages::Verified(table_pages(p.table.descs())),
+            Some(false) => PeerPages::Verified(0),
+        }
+    }
+}
+
+/// Checks that the peer's table (what ops address) lies inside the memory
+/// it registered (`regions`: address, bytes), each byte in one buffer only:
+/// the table's pages are then memory the peer holds (a pull-delay
+/// receiver's proxy cap). `api` names where it registered ("HCCL").
+pub(crate) fn check_coverage(
+    table: &PeerTable,
+    regions: &[(u64, u64)],
+    api: &str,
+) -> Result<(), String> {
+    let mut descs: Vec<&BufferDesc> = table.descs().collect();
+    descs.sort_by_key(|d| d.base);
+    if let Some(w) = descs.windows(2).find(|w| w[0].base + w[0].len > w[1].base) {
+        return Err(format!(
+            "peer buffers {} and {} overlap (at {:#x}); each buffer is its own memory",
+            w[0].uuid.simple(),
+            w[1].uuid.simple(),
+            w[1].base
+        ));
+    }
+    for d in descs {
+        let covered = regions
+            .iter()
+            .any(|&(addr, len)| addr <= d.base && d.base + d.len <= addr.saturating_add(len));
+        if !covered {
+            return Err(format!(
+                "peer buffer {} ({} bytes at {:#x}) is not inside any memory the peer registered \
+                 with {api}",
+                d.uuid.simple(),
+                d.len,
+                d.base
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// How often a waiting batch looks at the liveness link.
 pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(20);

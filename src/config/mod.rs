@@ -62,6 +62,10 @@ pub enum ChannelKind {
     Tcp,
     /// Shared host memory; same host only.
     Shm,
+    /// HIXL's client-server one-sided put/get between Ascend devices
+    /// (`libcann_hixl.so`); also what `hccl` runs with `pd_hccl_path: hixl`
+    /// (or `auto` where HIXL loads).
+    Hixl,
 }
 
 impl ChannelKind {
@@ -71,7 +75,14 @@ impl ChannelKind {
             ChannelKind::Hccl => "hccl",
             ChannelKind::Tcp => "tcp",
             ChannelKind::Shm => "shm",
+            ChannelKind::Hixl => "hixl",
         }
+    }
+
+    /// Whether this channel registers its pools with the ACL runtime, so
+    /// they must be ACL memory (the CPU pool pinned by it): hccl and hixl.
+    pub fn needs_acl_memory(self) -> bool {
+        matches!(self, ChannelKind::Hccl | ChannelKind::Hixl)
     }
 }
 
@@ -82,7 +93,101 @@ impl FromStr for ChannelKind {
             "hccl" => Ok(ChannelKind::Hccl),
             "tcp" => Ok(ChannelKind::Tcp),
             "shm" => Ok(ChannelKind::Shm),
+            "hixl" => Ok(ChannelKind::Hixl),
             _ => Err(()),
+        }
+    }
+}
+
+/// Which software path `transfer_channel: hccl` moves bytes on (`pd_hccl_path`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HcclPath {
+    /// HIXL's client-server path where `libcann_hixl.so` loads, HCCL's
+    /// communicator path otherwise (the log says which, and why).
+    Auto,
+    /// HCCL's communicator path (`HcclBatchPut` / `HcclBatchGet`).
+    Comm,
+    /// HIXL's client-server path; an error when HIXL does not load.
+    Hixl,
+}
+
+impl HcclPath {
+    /// The YAML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            HcclPath::Auto => "auto",
+            HcclPath::Comm => "comm",
+            HcclPath::Hixl => "hixl",
+        }
+    }
+}
+
+impl FromStr for HcclPath {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "auto" => Ok(HcclPath::Auto),
+            "comm" => Ok(HcclPath::Comm),
+            "hixl" => Ok(HcclPath::Hixl),
+            _ => Err(()),
+        }
+    }
+}
+
+/// The transport of this worker's HIXL endpoint (`pd_hixl_protocol`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HixlProtocol {
+    /// RDMA over Converged Ethernet, between servers (needs `pd_hixl_device_ip`).
+    Roce,
+    /// HCCS, between NPUs of one server or super node.
+    Hccs,
+}
+
+impl HixlProtocol {
+    /// The YAML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            HixlProtocol::Roce => "roce",
+            HixlProtocol::Hccs => "hccs",
+        }
+    }
+}
+
+impl FromStr for HixlProtocol {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "roce" => Ok(HixlProtocol::Roce),
+            "hccs" => Ok(HixlProtocol::Hccs),
+            _ => Err(()),
+        }
+    }
+}
+
+/// What the HIXL path needs to know about this worker's device (the
+/// `pd_hixl_*` keys). Only HIXL on hardware uses them; the CANN emulator
+/// ignores them, and nothing here has run on hardware.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HixlSettings {
+    /// `pd_hixl_protocol` (default `roce`).
+    pub protocol: HixlProtocol,
+    /// `pd_hixl_device_ip`: the NPU's RoCE NIC address (`hccn_tool -i N -ip -g`).
+    pub device_ip: Option<std::net::Ipv4Addr>,
+    /// `pd_hixl_port`: the TCP port this worker's HIXL server listens on
+    /// (default 0: a free port, picked at start).
+    pub port: u16,
+    /// `pd_hixl_device_phy_id`: the NPU's physical id when it differs from
+    /// the logical one the pools use (default: the same).
+    pub device_phy_id: Option<u32>,
+}
+
+impl Default for HixlSettings {
+    fn default() -> Self {
+        HixlSettings {
+            protocol: HixlProtocol::Roce,
+            device_ip: None,
+            port: 0,
+            device_phy_id: None,
         }
     }
 }
@@ -250,6 +355,10 @@ pub struct PdConfig {
     pub enable_pd: bool,
     /// `transfer_channel`.
     pub transfer_channel: ChannelKind,
+    /// `pd_hccl_path` (with `transfer_channel: hccl`; default `auto`).
+    pub hccl_path: HcclPath,
+    /// The `pd_hixl_*` keys (the HIXL path's device endpoint).
+    pub hixl: HixlSettings,
     /// `pd_role`.
     pub role: Role,
     /// `pd_buffer_size` in bytes, as written (see [`PdConfig::buffer_pool_bytes`]).
@@ -346,6 +455,8 @@ impl PdConfig {
         PdConfig {
             enable_pd: true,
             transfer_channel: ChannelKind::Hccl,
+            hccl_path: HcclPath::Auto,
+            hixl: HixlSettings::default(),
             role,
             buffer_size: 0,
             buffer_device: BufferDevice::Npu(None),
@@ -609,6 +720,20 @@ impl PdConfig {
                     .to_string(),
             );
         }
+        if self.hccl_path != HcclPath::Auto && self.transfer_channel != ChannelKind::Hccl {
+            warnings.push(format!(
+                "pd_hccl_path: ignored because transfer_channel is {} (it picks the path of \
+                 transfer_channel: hccl)",
+                self.transfer_channel.name()
+            ));
+        }
+        if self.hixl != HixlSettings::default() && !self.transfer_channel.needs_acl_memory() {
+            warnings.push(format!(
+                "pd_hixl_*: ignored because transfer_channel is {} (they describe the HIXL \
+                 endpoint of transfer_channel: hixl or hccl)",
+                self.transfer_channel.name()
+            ));
+        }
         if self.transfer_channel == ChannelKind::Shm && self.has_npu_pool() {
             bad(
                 "pd_buffer_device",
@@ -616,7 +741,7 @@ impl PdConfig {
                     "is {} but transfer_channel shm moves host memory only (device memory is not host-mappable)",
                     self.buffer_device
                 ),
-                "use pd_buffer_device: cpu with shm, or transfer_channel: hccl or tcp for NPU buffers",
+                "use pd_buffer_device: cpu with shm, or transfer_channel: hccl, hixl or tcp for NPU buffers",
             );
         }
         if self.buffer_size == 0 {

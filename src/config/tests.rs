@@ -212,7 +212,7 @@ fn unknown_enum_values_are_errors_listing_the_choices() {
     expect_problem(
         &RECEIVER.replace("transfer_channel: hccl", "transfer_channel: nixl"),
         "transfer_channel",
-        &["\"nixl\"", "hccl, tcp, shm"],
+        &["\"nixl\"", "hccl, tcp, shm, hixl"],
     );
     expect_problem(
         &RECEIVER.replace("pd_buffer_device: npu", "pd_buffer_device: cuda"),

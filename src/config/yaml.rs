@@ -1,7 +1,8 @@
 //! YAML text → [`PdConfig`], with type errors that name the key.
 
 use super::{
-    BufferDevice, ChannelKind, ConfigError, ConfigProblem, KvLayout, PdConfig, PortList, Role,
+    BufferDevice, ChannelKind, ConfigError, ConfigProblem, HcclPath, HixlProtocol, HixlSettings,
+    KvLayout, PdConfig, PortList, Role,
 };
 use crate::layout::Dtype;
 use serde_yaml::{Mapping, Value};
@@ -14,6 +15,11 @@ const MAX_SECONDS: f64 = 1e9;
 pub(crate) const KNOWN_KEYS: &[&str] = &[
     "enable_pd",
     "transfer_channel",
+    "pd_hccl_path",
+    "pd_hixl_protocol",
+    "pd_hixl_device_ip",
+    "pd_hixl_port",
+    "pd_hixl_device_phy_id",
     "pd_role",
     "pd_buffer_size",
     "pd_buffer_device",
@@ -141,6 +147,17 @@ impl<'a> Reader<'a> {
             Value::String(s) => Some(s.clone()),
             v => {
                 self.wrong(key, "a string", v);
+                None
+            }
+        }
+    }
+
+    fn ipv4(&mut self, key: &str) -> Option<std::net::Ipv4Addr> {
+        let v = self.get(key)?;
+        match v.as_str().and_then(|s| s.parse().ok()) {
+            Some(ip) => Some(ip),
+            None => {
+                self.wrong(key, "an IPv4 address in quotes, e.g. \"192.168.1.8\"", v);
                 None
             }
         }
@@ -293,8 +310,29 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
             "transfer_channel",
             d.transfer_channel,
             |s| s.parse::<ChannelKind>().ok(),
-            "hccl, tcp, shm",
+            "hccl, tcp, shm, hixl",
         ),
+        hccl_path: r.choice(
+            "pd_hccl_path",
+            d.hccl_path,
+            |s| s.parse::<HcclPath>().ok(),
+            "auto, comm, hixl",
+        ),
+        hixl: HixlSettings {
+            protocol: r.choice(
+                "pd_hixl_protocol",
+                d.hixl.protocol,
+                |s| s.parse::<HixlProtocol>().ok(),
+                "roce, hccs",
+            ),
+            device_ip: r.ipv4("pd_hixl_device_ip"),
+            port: r
+                .get("pd_hixl_port")
+                .map_or(0, |v| r.port("pd_hixl_port", v).unwrap_or(0)),
+            device_phy_id: r
+                .uint("pd_hixl_device_phy_id")
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        },
         role,
         buffer_size: r.uint("pd_buffer_size").unwrap_or(0),
         buffer_device: r.choice(
