@@ -208,6 +208,10 @@ impl TransferChannel for HcclChannel {
         ChannelKind::Hccl
     }
 
+    fn link_path(&self) -> Option<super::LinkPath> {
+        Some(super::LinkPath::Comm)
+    }
+
     fn local_table(&self) -> Vec<BufferDesc> {
         table_of(&self.pools)
     }

@@ -248,6 +248,12 @@ impl TransferChannel for HixlChannel {
         ChannelKind::Hixl
     }
 
+    /// HIXL's client-server path, which the link table prices apart from
+    /// HCCL's communication domain.
+    fn link_path(&self) -> Option<super::LinkPath> {
+        Some(super::LinkPath::Hixl)
+    }
+
     fn local_table(&self) -> Vec<BufferDesc> {
         table_of(&self.pools)
     }

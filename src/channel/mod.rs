@@ -48,6 +48,8 @@ pub use crate::memory::DirectRegistration;
 use crate::memory::{
     BufferRef, DeviceKind, MemObj, Page, PagePool, RegisteredBuffer, SealedMemObj,
 };
+/// The path a channel's ops take over an Ascend link ([`TransferChannel::link_path`]).
+pub use ascend_sys::link::Path as LinkPath;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -517,6 +519,15 @@ pub trait TransferChannel: Send + Sync {
         tag: GrantTag,
         ops: Vec<WriteOp>,
     ) -> Result<Completion<SealedMemObj>, ChannelError>;
+
+    /// The software path this channel's one-sided ops take over an Ascend
+    /// link, so that a load can price its op sizes with a link model
+    /// ([`ascend_sys::link`], `pd_npu_link`): hccl's communication domain
+    /// is [`LinkPath::Comm`]. `None` for channels whose cost does not follow
+    /// the NPU link table (shm, tcp).
+    fn link_path(&self) -> Option<LinkPath> {
+        None
+    }
 
     /// Whether [`TransferChannel::read_direct`] can read into memory of
     /// `device` (once registered, for channels with a

@@ -192,6 +192,70 @@ impl Default for HixlSettings {
     }
 }
 
+/// `pd_npu_link`: the Ascend link whose published throughput by op size
+/// ([`ascend_sys::link`]) a receiver prices its loads' one-sided ops with,
+/// on channels that take such a link (hccl), to choose between reading
+/// pull-delay chunks straight into the KV cache (one op per block run) and
+/// reading each chunk's page whole, then scattering it on the device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NpuLink {
+    /// The link the CANN emulator models (`ASCEND_PD_EMU_LINK`), if any;
+    /// otherwise none.
+    #[default]
+    Auto,
+    /// No model: a load reads directly wherever the channel can.
+    Off,
+    /// A link of the table, by name (`a2-roce`, `a2-hccs`, `a3-hccs`, `a3-roce`).
+    Named(String),
+}
+
+impl NpuLink {
+    /// The YAML spelling.
+    pub fn name(&self) -> &str {
+        match self {
+            NpuLink::Auto => "auto",
+            NpuLink::Off => "none",
+            NpuLink::Named(n) => n,
+        }
+    }
+
+    /// Parses `auto`, `none` or a link of the built-in table.
+    pub fn parse(s: &str) -> Option<NpuLink> {
+        match s {
+            "auto" => Some(NpuLink::Auto),
+            "none" => Some(NpuLink::Off),
+            n => ascend_sys::link::Table::builtin()
+                .link(n)
+                .map(|_| NpuLink::Named(n.to_string())),
+        }
+    }
+
+    /// The values [`NpuLink::parse`] takes, for error messages.
+    pub fn allowed() -> String {
+        let mut v = vec!["auto", "none"];
+        v.extend(ascend_sys::link::Table::builtin().names());
+        v.join(", ")
+    }
+
+    /// The link this setting selects now: `auto` reads
+    /// `ASCEND_PD_EMU_LINK` (an unknown value there is an error naming the
+    /// known ones).
+    pub fn resolve(&self) -> Result<Option<&'static ascend_sys::link::Link>, String> {
+        let table = ascend_sys::link::Table::builtin();
+        match self {
+            NpuLink::Off => Ok(None),
+            NpuLink::Named(n) => table
+                .link(n)
+                .map(Some)
+                .ok_or_else(|| format!("pd_npu_link: {n:?} is not a known link")),
+            NpuLink::Auto => {
+                let env = std::env::var(ascend_sys::link::LINK_ENV).ok();
+                table.select(env.as_deref()).map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
 /// Where the main transfer buffer lives (`pd_buffer_device`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BufferDevice {
@@ -415,6 +479,8 @@ pub struct PdConfig {
     /// false, or another channel or an NPU cache, gathers into pool pages
     /// first.
     pub push_direct_write: bool,
+    /// `pd_npu_link` (receiver; default `auto`): see [`NpuLink`].
+    pub npu_link: NpuLink,
     /// `pd_cpu_buffer_size`; `None` falls back to `pd_buffer_size`.
     pub cpu_buffer_size: Option<u64>,
     /// `pd_alloc_fail_backoff_ttl` (default 2 s).
@@ -475,6 +541,7 @@ impl PdConfig {
             use_cpu_offload: false,
             layerwise: false,
             push_direct_write: true,
+            npu_link: NpuLink::Auto,
             cpu_buffer_size: None,
             alloc_fail_backoff_ttl: Duration::from_secs(2),
             pull_pending_ttl: Duration::from_secs(360),
@@ -1051,6 +1118,7 @@ impl PdConfig {
         let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
         let _ = writeln!(s, "pd_layerwise: {}", self.layerwise);
         let _ = writeln!(s, "pd_push_direct_write: {}", self.push_direct_write);
+        let _ = writeln!(s, "pd_npu_link: {}", self.npu_link.name());
         let cpu = if self.use_cpu_offload {
             self.cpu_pool_bytes().to_string()
         } else {

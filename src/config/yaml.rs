@@ -2,7 +2,7 @@
 
 use super::{
     BufferDevice, ChannelKind, ConfigError, ConfigProblem, HcclPath, HixlProtocol, HixlSettings,
-    KvLayout, PdConfig, PortList, Role,
+    KvLayout, NpuLink, PdConfig, PortList, Role,
 };
 use crate::layout::Dtype;
 use serde_yaml::{Mapping, Value};
@@ -38,6 +38,7 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "pd_use_cpu_offload",
     "pd_layerwise",
     "pd_push_direct_write",
+    "pd_npu_link",
     "pd_cpu_buffer_size",
     "pd_alloc_fail_backoff_ttl",
     "pd_pull_pending_ttl",
@@ -358,6 +359,12 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
         use_cpu_offload: r.bool("pd_use_cpu_offload", false),
         layerwise: r.bool("pd_layerwise", false),
         push_direct_write: r.bool("pd_push_direct_write", true),
+        npu_link: r.choice(
+            "pd_npu_link",
+            NpuLink::Auto,
+            NpuLink::parse,
+            &NpuLink::allowed(),
+        ),
         cpu_buffer_size: r.uint("pd_cpu_buffer_size"),
         alloc_fail_backoff_ttl: r.seconds("pd_alloc_fail_backoff_ttl", 2.0),
         pull_pending_ttl: r.seconds("pd_pull_pending_ttl", 360.0),

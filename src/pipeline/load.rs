@@ -21,7 +21,7 @@ use super::pingpong::{
     ReadFailure,
 };
 use super::scatter::{ScatterItem, ScatterLane, ScatterTicket, SharedCache};
-use super::{KeyFailure, LoadError, LoadOptions, LoadReport};
+use super::{cost, KeyFailure, LoadError, LoadOptions, LoadReport};
 use crate::channel::{Completion, DirectRead, PeerId, ReadOp, TransferChannel, TransferOp};
 use crate::kv::{plan, KvCache, ScatterStats};
 use crate::layout::ChunkLayout;
@@ -30,6 +30,7 @@ use crate::protocol::{
     Lookup, ProxyEntry, ReadOutcome, ReceiverCore, SendPullDone, RESIDENT_EXPIRED,
 };
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -53,6 +54,11 @@ pub(crate) trait LoadEnv: Sync {
     fn read_bytes(&self, bytes: u64);
     /// Counts a failed transfer.
     fn transfer_failed(&self);
+    /// The modeled Ascend link loads price their ops with (`pd_npu_link`),
+    /// if any.
+    fn npu_link(&self) -> Option<&'static ascend_sys::link::Link> {
+        None
+    }
 }
 
 /// One key of a load: its place in the request and its tokens' slots.
@@ -106,6 +112,8 @@ struct LoadTally {
     pools: usize,
     peak_buffer_bytes: usize,
     direct: usize,
+    /// Why the link model chose the path (see [`modeled_direct`]).
+    path_reason: Option<String>,
 }
 
 impl LoadTally {
@@ -268,6 +276,7 @@ pub(crate) fn load_keys(
         && env.channel().reads_direct(device)
         && worth_reading_direct(&cache.lock())
         && distinct_slots(slot_mapping)
+        && modeled_direct(env, &groups, cache, slot_mapping, &mut tally)
         && registered(env.channel(), &mut cache.lock())
         && groups.iter().all(|g| prepared(env, &g.sender_id));
     let shared = cache;
@@ -358,6 +367,7 @@ pub(crate) fn load_keys(
         copies: tally.scatter.copies as u64,
         dones_sent: tally.dones,
         direct: tally.direct,
+        path_reason: tally.path_reason,
         elapsed: start.elapsed(),
     };
     if tally.failed.is_empty() {
@@ -664,6 +674,62 @@ fn worth_reading_direct(cache: &KvCache) -> bool {
     false
 }
 
+/// With a modeled link (`pd_npu_link`) under a channel whose ops follow
+/// one (hccl), whether reading `groups` directly into the cache is modeled
+/// no more than [`cost::DIRECT_TOLERANCE`] times slower than reading their
+/// pages whole and scattering them (see [`cost`]); the reason goes to the
+/// log and the load report. Without a model: true (direct wherever the
+/// channel can).
+fn modeled_direct(
+    env: &impl LoadEnv,
+    groups: &[SenderGroup],
+    cache: &SharedCache<'_>,
+    slot_mapping: &[i64],
+    tally: &mut LoadTally,
+) -> bool {
+    let (Some(link), Some(path)) = (env.npu_link(), env.channel().link_path()) else {
+        return true;
+    };
+    let mut direct = Vec::new();
+    let mut staged = Vec::new();
+    {
+        let c = cache.lock();
+        for (item, p) in groups.iter().flat_map(|g| g.items.iter()) {
+            // A chunk the cache cannot take fails on either path; it is
+            // left out of both prices.
+            let Ok(runs) = c.direct_targets(&p.meta, &slot_mapping[item.slots.clone()]) else {
+                continue;
+            };
+            let mut ops: Vec<DirectRead> = runs
+                .into_iter()
+                .map(|r| DirectRead {
+                    remote: p.remote,
+                    offset: r.chunk_offset,
+                    dst: r.addr,
+                    len: r.len,
+                })
+                .collect();
+            cost::coalesce(&mut ops);
+            direct.extend(ops);
+            staged.push(p.byte_len());
+        }
+    }
+    let Some(price) = cost::PathPrice::of(link, path, &direct, staged) else {
+        return true;
+    };
+    let wins = price.direct_wins();
+    // Said once at info when the choice changes, and for every load at debug.
+    static LAST: AtomicU8 = AtomicU8::new(0);
+    let code = if wins { 1 } else { 2 };
+    if LAST.swap(code, Ordering::Relaxed) != code {
+        log::info!("pull-delay load path: {price}");
+    } else {
+        log::debug!("pull-delay load path: {price}");
+    }
+    tally.path_reason = Some(price.to_string());
+    wins
+}
+
 /// Whether no slot appears twice in `slots` (padding aside).
 fn distinct_slots(slots: &[i64]) -> bool {
     let mut v: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
@@ -721,12 +787,18 @@ fn load_group_direct(
                 .direct_targets(&p.meta, &slot_mapping[item.slots.clone()]);
             match targets {
                 Ok(runs) => {
-                    ops.extend(runs.into_iter().map(|r| DirectRead {
-                        remote: p.remote,
-                        offset: r.chunk_offset,
-                        dst: r.addr,
-                        len: r.len,
-                    }));
+                    let mut mine: Vec<DirectRead> = runs
+                        .into_iter()
+                        .map(|r| DirectRead {
+                            remote: p.remote,
+                            offset: r.chunk_offset,
+                            dst: r.addr,
+                            len: r.len,
+                        })
+                        .collect();
+                    // Ranges adjacent in the page and in the cache: one op.
+                    cost::coalesce(&mut mine);
+                    ops.extend(mine);
                     began.push((item, p));
                 }
                 Err(_) => {

@@ -18,6 +18,7 @@
 //! - the load (`load`): grouping per sender, a pipeline per group,
 //!   draining, Done — behind the receiver's `load`.
 
+pub(crate) mod cost;
 pub(crate) mod load;
 pub(crate) mod pingpong;
 pub(crate) mod scatter;
@@ -103,6 +104,9 @@ pub struct LoadReport {
     /// Of the proxies, those read straight into the KV cache (a direct
     /// load: no staging page); the others went through the ping-pong pages.
     pub direct: usize,
+    /// Why the proxies took the path they did, when a modeled link chose
+    /// it (`pd_npu_link` under hccl): both paths' modeled link time.
+    pub path_reason: Option<String>,
     /// Wall time of the load.
     pub elapsed: Duration,
 }

@@ -121,6 +121,9 @@ struct Shared {
     /// (tcp) may hold here: the pages of this receiver's own pools, at
     /// least [`MIN_UNVERIFIED_PROXIES`].
     unverified_cap: u64,
+    /// The link `pd_npu_link` selects, resolved at start: loads price
+    /// their one-sided ops with it (see `pipeline::cost`).
+    npu_link: Option<&'static ascend_sys::link::Link>,
     stop: AtomicBool,
 }
 
@@ -391,6 +394,10 @@ impl LoadEnv for Shared {
     fn transfer_failed(&self) {
         self.counters.bump(MessageKind::TransferError);
     }
+
+    fn npu_link(&self) -> Option<&'static ascend_sys::link::Link> {
+        self.npu_link
+    }
 }
 
 /// A decode worker's PD receiver.
@@ -435,6 +442,18 @@ impl Receiver {
             read_margin_pct: config.pull_read_margin_pct,
             resident_ttl: Some(config.resident_ttl).filter(|t| !t.is_zero()),
         });
+        let npu_link = config
+            .npu_link
+            .resolve()
+            .map_err(|e| BackendError::Setup(format!("pd_npu_link: {e}")))?;
+        if let (Some(l), Some(path)) = (npu_link, channel.link_path()) {
+            log::info!(
+                "loads price their {path:?} ops on the modeled link {} (pd_npu_link: {}) \
+                 to choose direct or staged reads",
+                l.name(),
+                config.npu_link.name()
+            );
+        }
         let (eager_tx, eager_rx) = crossbeam_channel::unbounded();
         let own_pages = alloc.pools().map(|p| p.stats().total as u64).sum::<u64>();
         let shared = Arc::new(Shared {
@@ -457,6 +476,7 @@ impl Receiver {
             )),
             tp: TpInfo::of(config, rank),
             unverified_cap: own_pages.max(MIN_UNVERIFIED_PROXIES),
+            npu_link,
             stop: AtomicBool::new(false),
         });
         let hello = Hello::local(
