@@ -1078,6 +1078,23 @@ impl PdConfig {
         }
         let _ = writeln!(s, "enable_pd: {}", self.enable_pd);
         let _ = writeln!(s, "transfer_channel: {}", self.transfer_channel.name());
+        let _ = writeln!(s, "pd_hccl_path: {}", self.hccl_path.name());
+        let _ = writeln!(s, "pd_hixl_protocol: {}", self.hixl.protocol.name());
+        let _ = writeln!(
+            s,
+            "pd_hixl_device_ip: {}",
+            self.hixl
+                .device_ip
+                .map_or("null".into(), |ip| format!("\"{ip}\""))
+        );
+        let _ = writeln!(s, "pd_hixl_port: {}", self.hixl.port);
+        let _ = writeln!(
+            s,
+            "pd_hixl_device_phy_id: {}",
+            self.hixl
+                .device_phy_id
+                .map_or("null".into(), |n| n.to_string())
+        );
         let _ = writeln!(s, "pd_role: {}", self.role.name());
         let _ = writeln!(s, "pd_buffer_size: {}", self.buffer_pool_bytes());
         let _ = writeln!(s, "pd_buffer_device: {}", self.buffer_device);

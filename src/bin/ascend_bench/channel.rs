@@ -50,13 +50,13 @@ fn parse_device(s: &str) -> Result<PoolDevice> {
     }
 }
 
-/// The CANN runtime, when `kind` and `device` need one (hccl always does).
+/// The CANN runtime, when `kind` and `device` need one (hccl and hixl always do).
 pub fn runtime_for(kind: ChannelKind, device: PoolDevice) -> Result<Option<AclRuntime>> {
-    if kind != ChannelKind::Hccl && device == PoolDevice::Cpu {
+    if !kind.needs_acl_memory() && device == PoolDevice::Cpu {
         return Ok(None);
     }
     Ok(Some(AclRuntime::load().context(
-        "the hccl channel and NPU pools need CANN (or its emulator)",
+        "the hccl and hixl channels and NPU pools need CANN (or its emulator)",
     )?))
 }
 
@@ -73,7 +73,7 @@ pub fn make_pool(
     let rt = || runtime.ok_or_else(|| anyhow!("no CANN runtime was loaded"));
     let buf = match (device, kind) {
         (PoolDevice::Npu, _) => RegisteredBuffer::npu(rt()?, 0, pages * bytes, bytes)?,
-        (PoolDevice::Cpu, ChannelKind::Hccl) => {
+        (PoolDevice::Cpu, k) if k.needs_acl_memory() => {
             RegisteredBuffer::pinned_host(rt()?, 0, pages * bytes, bytes)?
         }
         (PoolDevice::Cpu, _) => {
@@ -113,7 +113,7 @@ pub fn pages_match<P: std::ops::Deref<Target = Page>>(objs: &[P], seed: u64) -> 
 
 fn parse_kind(s: &str) -> Result<ChannelKind> {
     s.parse()
-        .map_err(|_| anyhow!("--channel {s:?}: expected shm, tcp or hccl"))
+        .map_err(|_| anyhow!("--channel {s:?}: expected shm, tcp, hccl or hixl"))
 }
 
 /// The passive peer: pools filled with the pattern, a handshake server,
@@ -428,7 +428,8 @@ pub fn raw_tcp_streams_gbps(bytes: usize, reps: usize, streams: usize) -> Result
     about = "transfer-channel micro-benchmark between two processes, with a same-run baseline"
 )]
 struct ChannelCli {
-    /// shm, tcp or hccl.
+    /// shm, tcp, hccl or hixl. hccl runs HCCL's comm path (as pd_hccl_path:
+    /// comm), so hccl and hixl compare the two paths.
     #[arg(long, default_value = "shm")]
     channel: String,
     /// write (push) or read (pull).
@@ -664,7 +665,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             "avg_tx_us": cols.tx.0,
             "p99_tx_us": cols.tx.1,
         });
-        if device == PoolDevice::Npu || kind == ChannelKind::Hccl {
+        if device == PoolDevice::Npu || kind.needs_acl_memory() {
             v["device"] = device_name(device).into();
         }
         std::fs::write(&path, serde_json::to_string_pretty(&v)? + "\n")

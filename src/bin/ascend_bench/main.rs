@@ -41,11 +41,13 @@ commands:
                          by a ProxyNotif on --notify-port
   proxy --port N [--host H] [--forward HOST:PORT]... [--metrics-port M]
                          receives ProxyNotif from senders and forwards it to decoders
-  channel [--channel shm|tcp|hccl] [--device cpu|npu] [--op write|read]
+  channel [--channel shm|tcp|hccl|hixl] [--device cpu|npu] [--op write|read]
           [--chunk-bytes N] [--chunks M] [--reps R] [--json FILE]
                          transfer-channel micro-benchmark between two processes,
-                         with a same-run baseline (memcpy for shm/hccl, one TCP stream
-                         for tcp); hccl and npu pools need CANN or --emulator
+                         with a same-run baseline (memcpy for shm/hccl/hixl, one TCP
+                         stream for tcp); hccl, hixl and npu pools need CANN or
+                         --emulator. In the bench hccl is HCCL's comm path
+                         (pd_hccl_path: comm), so hccl and hixl compare
   selftest [--devices A,B] [--json FILE]
                          checks in order what ascend-pd needs from CANN (libraries,
                          devices, 2 MiB allocations, copies, stream/event ordering,

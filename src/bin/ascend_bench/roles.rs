@@ -8,7 +8,7 @@ use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
 use ascend_pd::channel::GrantStats;
-use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, TransferMode};
+use ascend_pd::config::{BufferDevice, PdConfig, PortList, TransferMode};
 use ascend_pd::kv::tp::{self, HeadRange, TpPlan};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::{self, AclRuntime};
@@ -780,7 +780,7 @@ fn fill_piece(c: &mut MemObj, model: &ModelSplit, seed: u64, from: usize) -> Res
 
 /// "CANN runtime at ..." when the config needs an NPU, for the logs and the report.
 pub fn npu_runtime_note(config: &PdConfig) -> Result<Option<String>> {
-    if !config.buffer_device.is_npu() && config.transfer_channel != ChannelKind::Hccl {
+    if !config.buffer_device.is_npu() && !config.transfer_channel.needs_acl_memory() {
         return Ok(None);
     }
     Ok(Some(AclRuntime::load()?.describe()))

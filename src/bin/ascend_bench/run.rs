@@ -7,7 +7,7 @@ use crate::channel::{
 use crate::engine::KvLayout;
 use crate::report::{self, ModeReport};
 use anyhow::{anyhow, bail, Context, Result};
-use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role};
+use ascend_pd::config::{BufferDevice, ChannelKind, HcclPath, PdConfig, PortList, Role};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -147,7 +147,9 @@ struct RunCli {
     /// Llama-3-8B-shaped cache, 256-token chunks).
     #[arg(long, value_name = "FILE")]
     config: Option<String>,
-    /// Transfer channel: shm, tcp or hccl.
+    /// Transfer channel: shm, tcp, hccl or hixl. hccl runs HCCL's comm path
+    /// (the workers get pd_hccl_path: comm), so hccl and hixl compare the
+    /// two paths.
     #[arg(long, default_value = "shm")]
     channel: String,
     /// Buffer device: cpu, npu or npu:N.
@@ -231,7 +233,7 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     let channel: ChannelKind = a
         .channel
         .parse()
-        .map_err(|_| anyhow!("--channel {:?}: expected shm, tcp or hccl", a.channel))?;
+        .map_err(|_| anyhow!("--channel {:?}: expected shm, tcp, hccl or hixl", a.channel))?;
     let device: BufferDevice = a
         .device
         .parse()
@@ -334,9 +336,9 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         );
     }
     if spec.device.is_npu() && spec.channel == ChannelKind::Shm {
-        bail!("--device npu needs --channel tcp or hccl: shm moves host memory only");
+        bail!("--device npu needs --channel tcp, hccl or hixl: shm moves host memory only");
     }
-    if spec.device.is_npu() || spec.channel == ChannelKind::Hccl {
+    if spec.device.is_npu() || spec.channel.needs_acl_memory() {
         // Say which runtime the workers will load (they search the same way).
         match ascend_pd::memory::npu::AclRuntime::load() {
             Ok(rt) => eprintln!(
@@ -638,6 +640,8 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         let (init, alloc) = (ports(dtp)?, ports(dtp)?);
         let mut c = rank_config(spec, Role::Receiver)?;
         c.transfer_channel = spec.channel;
+        // hccl is HCCL's comm path here, so hccl and hixl compare.
+        c.hccl_path = HcclPath::Comm;
         c.buffer_device = spec.device;
         c.pull_mode = pull;
         c.delay_pull = delay;
@@ -726,6 +730,8 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         let done = ports(ptp)?;
         let mut c = rank_config(spec, Role::Sender)?;
         c.transfer_channel = spec.channel;
+        // hccl is HCCL's comm path here, so hccl and hixl compare.
+        c.hccl_path = HcclPath::Comm;
         c.buffer_device = spec.device;
         c.pull_mode = pull;
         c.delay_pull = delay;

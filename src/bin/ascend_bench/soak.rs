@@ -36,7 +36,9 @@ use crate::engine::{DecodeEngine, Loaded, PrefillEngine};
 use crate::roles::{chunk_key, key_seed};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, SenderTimeouts, TransferSpec};
-use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
+use ascend_pd::config::{
+    BufferDevice, ChannelKind, HcclPath, PdConfig, PortList, Role, TransferMode,
+};
 use ascend_pd::memory::{pattern, ChunkMeta, MemObj, PoolStats, SealedMemObj};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -169,7 +171,7 @@ pub fn soak_main(args: &[String]) -> Result<bool> {
         .map(|c| {
             c.trim()
                 .parse()
-                .map_err(|_| anyhow!("--channels: unknown channel {c:?} (shm, tcp or hccl)"))
+                .map_err(|_| anyhow!("--channels: unknown channel {c:?} (shm, tcp, hccl or hixl)"))
         })
         .collect::<Result<_>>()?;
     let modes: Vec<TransferMode> = modes
@@ -322,6 +324,8 @@ fn config(
     let mut c = PdConfig::with_defaults(role);
     c.auth_secret_file = Some(dir.join("secret"));
     c.transfer_channel = channel;
+    // hccl is HCCL's comm path here, as in `run`.
+    c.hccl_path = HcclPath::Comm;
     c.buffer_device = BufferDevice::Cpu;
     c.chunk_size = CHUNK;
     c.kv.num_layers = 2;
