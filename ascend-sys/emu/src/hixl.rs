@@ -869,9 +869,13 @@ pub(crate) struct Op {
 
 /// Checks a whole batch and queues it on the client's worker; nothing is
 /// queued unless every op is valid. Returns the transfer's handle.
-fn submit(c: &Client, st: &mut ClientState, ops: &[Op], put: bool) -> Result<usize, Failure> {
-    // A misspelt link is refused, first, rather than run at memory speed.
-    let model = link::from_env().map_err(|e| para(e.to_string()))?;
+fn submit(
+    c: &Client,
+    st: &mut ClientState,
+    model: Option<&link::Link>,
+    ops: &[Op],
+    put: bool,
+) -> Result<usize, Failure> {
     if let Some(why) = &st.failed {
         return Err(failed(format!(
             "the client is in the failed state since an earlier batch failed ({why}); \
@@ -1034,10 +1038,17 @@ fn note_failure<T>(st: &mut ClientState, r: Result<T, Failure>) -> Result<T, Fai
     r
 }
 
+/// The link model, or the refusal of a misspelt one (checked first, so a
+/// typo never runs at memory speed).
+fn link_model() -> Result<Option<&'static link::Link>, Failure> {
+    link::from_env().map_err(|e| para(e.to_string()))
+}
+
 pub(crate) fn client_batch_async(handle: usize, ops: &[Op], put: bool) -> Result<usize, Failure> {
+    let model = link_model()?;
     let c = client(handle)?;
     let mut st = lock(&c.state);
-    let r = submit(&c, &mut st, ops, put);
+    let r = submit(&c, &mut st, model, ops, put);
     note_failure(&mut st, r)
 }
 
@@ -1047,10 +1058,11 @@ pub(crate) fn client_batch_sync(
     put: bool,
     timeout_ms: u32,
 ) -> Result<(), Failure> {
+    let model = link_model()?;
     let c = client(handle)?;
     let t = {
         let mut st = lock(&c.state);
-        let r = submit(&c, &mut st, ops, put);
+        let r = submit(&c, &mut st, model, ops, put);
         note_failure(&mut st, r)?
     };
     let (event, seq) = {
