@@ -487,6 +487,12 @@ impl CannLibraries {
             .map_err(|m| m.to_error())
     }
 
+    /// Loads libcann_hixl.so if not done yet (see [`crate::Acl::hixl`]);
+    /// `Ok` when it is usable, otherwise why not.
+    pub fn hixl_status(&self) -> Result<()> {
+        self.hixl().map(drop)
+    }
+
     /// The libcann_hixl.so that was loaded, if it has been asked for and
     /// loaded.
     pub fn hixl_path(&self) -> Option<&Path> {
