@@ -26,9 +26,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-const KINDS: [ChannelKind; 3] = [ChannelKind::Shm, ChannelKind::Tcp, ChannelKind::Hccl];
+const KINDS: [ChannelKind; 4] = [
+    ChannelKind::Shm,
+    ChannelKind::Tcp,
+    ChannelKind::Hccl,
+    ChannelKind::Hixl,
+];
 /// The channels that move NPU pages.
-const NPU_KINDS: [ChannelKind; 2] = [ChannelKind::Tcp, ChannelKind::Hccl];
+const NPU_KINDS: [ChannelKind; 3] = [ChannelKind::Tcp, ChannelKind::Hccl, ChannelKind::Hixl];
 const PAGE: usize = 64 << 10;
 const PEER_SEED: u64 = 0xfeed;
 
@@ -65,7 +70,7 @@ fn runtime() -> &'static AclRuntime {
 fn pool_on(kind: ChannelKind, dev: Dev, bytes: usize, page: usize) -> Arc<PagePool> {
     let buf = match (dev, kind) {
         (Dev::Npu, _) => RegisteredBuffer::npu(runtime(), 0, bytes, page).unwrap(),
-        (Dev::Cpu, ChannelKind::Hccl) => {
+        (Dev::Cpu, k) if k.needs_acl_memory() => {
             RegisteredBuffer::pinned_host(runtime(), 0, bytes, page).unwrap()
         }
         (Dev::Cpu, _) => RegisteredBuffer::host(bytes, page, kind == ChannelKind::Shm).unwrap(),
@@ -428,8 +433,10 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
         (ChannelKind::Shm, Dev::Cpu),
         (ChannelKind::Tcp, Dev::Cpu),
         (ChannelKind::Hccl, Dev::Cpu),
+        (ChannelKind::Hixl, Dev::Cpu),
         (ChannelKind::Tcp, Dev::Npu),
         (ChannelKind::Hccl, Dev::Npu),
+        (ChannelKind::Hixl, Dev::Npu),
     ];
     for (kind, dev) in cases {
         let mut peer = Peer::spawn_on(kind, dev, 64, 1 << 20, "push", "peer");
@@ -478,9 +485,9 @@ fn a_peer_killed_mid_batch_is_an_error_in_bounded_time() {
             "{kind:?} {dev:?}: {e}"
         );
         assert!(e.to_string().contains("peer"), "{kind:?} {dev:?}: {e}");
-        if kind == ChannelKind::Hccl {
-            // HCCL copies into a dead peer's mapping succeed in the emulator:
-            // the liveness link is what must catch it.
+        if kind.needs_acl_memory() {
+            // HCCL and HIXL copies into a dead peer's mapping succeed in the
+            // emulator: the liveness link is what must catch it.
             assert!(
                 matches!(e, ChannelError::PeerGone { .. })
                     && e.to_string().contains("liveness link"),
@@ -800,22 +807,29 @@ fn cpu_and_npu_pools_move_every_byte_in_all_four_directions() {
     }
 }
 
-/// hccl reads straight into NPU memory only once it is registered with
-/// the channel (the emulator, like HCCL, refuses a local range outside
-/// registered memory), every byte lands where asked, and dropping the
-/// registration deregisters it on the communicator (registering the same
-/// memory again then succeeds, which the emulator refuses for memory still
-/// registered).
+/// hccl and hixl read straight into NPU memory only once it is registered
+/// with the channel (the emulator, like HCCL and HIXL, refuses a local
+/// range outside registered memory), every byte lands where asked, and
+/// dropping the registration deregisters it (hccl: on the communicator,
+/// registering the same memory again then succeeds, which the emulator
+/// refuses for memory still registered; hixl: the direct client that had
+/// it is destroyed and the next read makes a new one).
 #[test]
-fn hccl_direct_reads_land_only_in_registered_npu_memory() {
-    let peer = Peer::spawn_on(ChannelKind::Hccl, Dev::Cpu, 4, PAGE, "push", "peer");
+fn direct_reads_land_only_in_registered_npu_memory() {
+    for kind in [ChannelKind::Hccl, ChannelKind::Hixl] {
+        direct_reads_land_only_in_registered_npu_memory_on(kind);
+    }
+}
+
+fn direct_reads_land_only_in_registered_npu_memory_on(kind: ChannelKind) {
+    let peer = Peer::spawn_on(kind, Dev::Cpu, 4, PAGE, "push", "peer");
     let ctx = zmq::Context::new();
-    let l = local_on(ChannelKind::Hccl, Dev::Npu, 2);
+    let l = local_on(kind, Dev::Npu, 2);
     let (pid, uuid) = connect(&ctx, &l, &peer);
     let ch = l.channel.as_ref();
     let npu0 = DeviceKind::Npu(0);
     assert!(ch.reads_direct(npu0) && !ch.reads_direct(DeviceKind::Cpu));
-    let id = ch.direct_registry().expect("hccl registers direct targets");
+    let id = ch.direct_registry().expect("registers direct targets");
 
     let dev = runtime().device(0).unwrap();
     let cache = dev.alloc(2 * PAGE).unwrap();
@@ -851,7 +865,7 @@ fn hccl_direct_reads_land_only_in_registered_npu_memory() {
         // the runtime, which outlives the registration.
         let reg = unsafe { ch.register_direct(npu0, &[(base, 2 * PAGE)]) }
             .unwrap()
-            .expect("hccl hands back a registration");
+            .expect("hands back a registration");
         assert_eq!(reg.channel(), id);
         // SAFETY: as above.
         let twice = unsafe { ch.register_direct(npu0, &[(base + PAGE, PAGE)]) };
@@ -889,6 +903,26 @@ fn hccl_direct_reads_land_only_in_registered_npu_memory() {
             "round {round}: {err}"
         );
     }
+    // A cache registered after a direct read already connected (hixl:
+    // after the direct client was made without it) is read into too.
+    // SAFETY: as above.
+    let first = unsafe { ch.register_direct(npu0, &[(base, 2 * PAGE)]) }.unwrap();
+    read(&ops).unwrap();
+    let later = dev.alloc(PAGE).unwrap();
+    later.fill(0, PAGE, 0).unwrap();
+    // SAFETY: `later` is device memory of NPU 0 that outlives the registration.
+    let second = unsafe { ch.register_direct(npu0, &[(later.addr() as usize, PAGE)]) }.unwrap();
+    let into_later = [DirectRead {
+        dst: later.addr() as usize,
+        ..ops[1]
+    }];
+    read(&into_later).unwrap();
+    let mut got = vec![0u8; PAGE];
+    later.copy_to_host(0, &mut got).unwrap();
+    let mut want = vec![0u8; PAGE];
+    pattern::fill(&mut want, pattern::page_seed(PEER_SEED, 1));
+    assert!(got == want, "{kind:?}: the later cache got peer page 1");
+    drop((first, second));
     // SAFETY: not registered (refused before anything happens).
     let host = unsafe { ch.register_direct(DeviceKind::Cpu, &[(base, PAGE)]) };
     assert!(host.unwrap_err().to_string().contains("NPU 0"));
@@ -1031,7 +1065,7 @@ fn direct_writes_send_caller_memory_into_the_peers_pages() {
         let mut l = local(kind, 8);
         let (pid, uuid) = connect(&ctx, &l, &peer);
         let deadline = Instant::now() + Duration::from_secs(30);
-        if kind == ChannelKind::Hccl {
+        if kind.needs_acl_memory() {
             assert!(!l.channel.writes_direct(DeviceKind::Cpu));
             // SAFETY: no op, nothing read.
             let e = unsafe {
