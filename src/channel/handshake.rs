@@ -1671,6 +1671,77 @@ mod tests {
     }
 
     #[test]
+    fn hixl_endpoints_round_trip_and_incomplete_ones_are_refused() {
+        for ipv4 in [None, Some("10.1.2.3".parse().unwrap())] {
+            for protocol in [
+                ascend_sys::HixlProtocol::Roce,
+                ascend_sys::HixlProtocol::Hccs,
+            ] {
+                let ep = Endpoint::Hixl {
+                    session: 0x0123_4567_89ab_cdef,
+                    server: "127.0.0.1:26000".into(),
+                    device: ascend_sys::HixlEndpoint {
+                        protocol,
+                        device_phy_id: 5,
+                        ipv4,
+                    },
+                    watch: "127.0.0.1:4000".into(),
+                };
+                let h = hello(ep);
+                let (back, err) = Hello::decode(&h.encode(None)).unwrap();
+                assert_eq!((back, err), (h, None));
+            }
+        }
+        // A field missing, or an unknown protocol.
+        let full = hello(Endpoint::Hixl {
+            session: 1,
+            server: "127.0.0.1:26000".into(),
+            device: ascend_sys::HixlEndpoint {
+                protocol: ascend_sys::HixlProtocol::Roce,
+                device_phy_id: 0,
+                ipv4: None,
+            },
+            watch: "127.0.0.1:4000".into(),
+        })
+        .encode(None);
+        let swap = |from: &str, to: &str| {
+            let (a, b) = (from.as_bytes(), to.as_bytes());
+            assert_eq!(a.len(), b.len());
+            let at = full.windows(a.len()).position(|w| w == a).expect(from);
+            let mut v = full.clone();
+            v[at..at + a.len()].copy_from_slice(b);
+            Hello::decode(&v).unwrap_err().to_string()
+        };
+        let e = swap("hixl_watch", "hixl_xxxxx");
+        assert!(e.contains("hixl endpoint needs"), "{e}");
+        let e = swap("roce", "rdma");
+        assert!(e.contains("hixl_protocol"), "{e}");
+    }
+
+    #[test]
+    fn comm_and_hixl_ends_are_refused_naming_pd_hccl_path() {
+        let mut ours = hello(Endpoint::Tcp { addr: "a:1".into() });
+        ours.channel = ChannelKind::Hixl;
+        let mut theirs = ours.clone();
+        theirs.role = Role::Receiver;
+        theirs.channel = ChannelKind::Hccl;
+        let e = ours.agree(&theirs).unwrap_err().to_string();
+        assert!(
+            e.contains("pd_hccl_path") && e.contains("HIXL path") && e.contains("comm path"),
+            "{e}"
+        );
+        // Other channel pairs keep their own message.
+        theirs.channel = ChannelKind::Tcp;
+        let e = ours.agree(&theirs).unwrap_err().to_string();
+        assert!(
+            e.contains("set the same transfer_channel") && !e.contains("pd_hccl_path"),
+            "{e}"
+        );
+        theirs.channel = ChannelKind::Hixl;
+        assert!(ours.agree(&theirs).is_ok());
+    }
+
+    #[test]
     fn challenges_are_used_once_expire_and_stay_bounded() {
         let t0 = Instant::now();
         let mut c = Challenges::default();

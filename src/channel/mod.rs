@@ -1057,6 +1057,42 @@ mod tests {
     }
 
     #[test]
+    fn the_hccl_path_follows_the_setting_and_whether_hixl_loads() {
+        let lib = std::path::Path::new("/opt/cann/lib64/libcann_hixl.so");
+        let absent = || Err("libcann_hixl.so not found in /opt/cann/lib64".to_string());
+        let (k, why) = choose_hccl_path(HcclPath::Auto, Ok(lib)).unwrap();
+        assert_eq!(k, ChannelKind::Hixl);
+        assert!(
+            why.contains("auto") && why.contains("/opt/cann/lib64/libcann_hixl.so"),
+            "{why}"
+        );
+        let (k, why) = choose_hccl_path(HcclPath::Auto, absent()).unwrap();
+        assert_eq!(k, ChannelKind::Hccl);
+        assert!(
+            why.contains("comm path") && why.contains("not found"),
+            "{why}"
+        );
+        for hixl in [Ok(lib), absent()] {
+            let (k, why) = choose_hccl_path(HcclPath::Comm, hixl).unwrap();
+            assert_eq!(k, ChannelKind::Hccl);
+            assert!(why.contains("pd_hccl_path: comm"), "{why}");
+        }
+        let (k, _) = choose_hccl_path(HcclPath::Hixl, Ok(lib)).unwrap();
+        assert_eq!(k, ChannelKind::Hixl);
+        let e = choose_hccl_path(HcclPath::Hixl, absent())
+            .unwrap_err()
+            .to_string();
+        for words in [
+            "pd_hccl_path: hixl",
+            "not found",
+            "install HIXL",
+            "pd_hccl_path: comm",
+        ] {
+            assert!(e.contains(words), "{words}: {e}");
+        }
+    }
+
+    #[test]
     fn peer_tables_reject_nonsense() {
         let mut d = desc(2);
         d.page_size = 0;
