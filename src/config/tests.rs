@@ -488,3 +488,66 @@ fn peer_tp_size_splits_heads_and_refuses_what_cannot_split() {
     let c = ok(&format!("{SENDER}pd_peer_tp_size: 4\nuse_mla: true\n")).config;
     assert!(c.tp_plan().unwrap().replicated);
 }
+
+#[test]
+fn the_hccl_path_and_the_hixl_endpoint_keys_are_read_checked_and_printed() {
+    let c = ok(RECEIVER).config;
+    assert_eq!(c.hccl_path, HcclPath::Auto);
+    assert_eq!(c.hixl, HixlSettings::default());
+    let c = ok(&format!(
+        "{RECEIVER}pd_hccl_path: comm\npd_hixl_protocol: hccs\npd_hixl_device_ip: \"192.168.1.8\"\n\
+         pd_hixl_port: 26000\npd_hixl_device_phy_id: 4\n"
+    ));
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let c = c.config;
+    assert_eq!(c.hccl_path, HcclPath::Comm);
+    assert_eq!(
+        c.hixl,
+        HixlSettings {
+            protocol: HixlProtocol::Hccs,
+            device_ip: Some("192.168.1.8".parse().unwrap()),
+            port: 26000,
+            device_phy_id: Some(4),
+        }
+    );
+    // The effective YAML prints them, and reads back the same.
+    let again = ok(&c.to_effective_yaml()).config;
+    assert_eq!((again.hccl_path, again.hixl), (c.hccl_path, c.hixl));
+    let hixl = ok(&RECEIVER.replace("transfer_channel: hccl", "transfer_channel: hixl")).config;
+    assert_eq!(hixl.transfer_channel, ChannelKind::Hixl);
+    expect_problem(
+        &format!("{RECEIVER}pd_hccl_path: hixl-cs\n"),
+        "pd_hccl_path",
+        &["\"hixl-cs\"", "auto, comm, hixl"],
+    );
+    expect_problem(
+        &format!("{RECEIVER}pd_hixl_protocol: rdma\n"),
+        "pd_hixl_protocol",
+        &["\"rdma\"", "roce, hccs"],
+    );
+    expect_problem(
+        &format!("{RECEIVER}pd_hixl_device_ip: 192.168.1\n"),
+        "pd_hixl_device_ip",
+        &["IPv4 address"],
+    );
+}
+
+#[test]
+fn hccl_path_and_hixl_keys_are_ignored_with_a_warning_on_other_channels() {
+    let tcp = RECEIVER.replace("transfer_channel: hccl", "transfer_channel: tcp");
+    let w = ok(&format!("{tcp}pd_hccl_path: comm\npd_hixl_port: 26000\n")).warnings;
+    assert!(
+        w.iter()
+            .any(|w| w.starts_with("pd_hccl_path: ignored") && w.contains("tcp")),
+        "{w:?}"
+    );
+    assert!(
+        w.iter().any(|w| w.starts_with("pd_hixl_*: ignored")),
+        "{w:?}"
+    );
+    // On hixl the endpoint keys count, pd_hccl_path does not.
+    let hixl = RECEIVER.replace("transfer_channel: hccl", "transfer_channel: hixl");
+    let w = ok(&format!("{hixl}pd_hccl_path: comm\npd_hixl_port: 26000\n")).warnings;
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].starts_with("pd_hccl_path: ignored"), "{w:?}");
+}
