@@ -979,9 +979,35 @@ fn selftest_passes_on_the_emulator_and_names_it() {
     assert_eq!(doc["runtime"], "emulator");
     assert_eq!(doc["passed"], true);
     let steps = doc["steps"].as_array().unwrap();
-    assert_eq!(steps.len(), 8);
+    assert_eq!(steps.len(), 11);
     for s in steps {
         assert_eq!(s["result"], "pass", "{s}");
+    }
+    // The HIXL steps: the library the emulator serves, a two-process
+    // hixl transfer and a 1P1D run over hixl, each verified.
+    let step = |name: &str| {
+        steps
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no step {name}: {steps:?}"))
+    };
+    let lib = step("HIXL library (libcann_hixl.so)");
+    assert!(
+        lib["detail"].as_str().unwrap().ends_with("libcann_hixl.so"),
+        "{lib}"
+    );
+    for (name, cmd) in [
+        (
+            "hixl loopback transfer (2 processes)",
+            "channel --channel=hixl",
+        ),
+        ("1P1D run --device npu --channel hixl", "run --channel=hixl"),
+    ] {
+        let d = step(name)["detail"].as_str().unwrap().to_string();
+        assert!(
+            d.contains(cmd) && d.contains("every byte verified"),
+            "{name}: {d}"
+        );
     }
     let hccl = steps
         .iter()

@@ -22,7 +22,7 @@ const USAGE: &str = "\
 usage: ascend-bench [COMMAND]
 
 commands:
-  run [--config FILE] [--channel shm|tcp|hccl] [--device cpu|npu] [--depth N]
+  run [--config FILE] [--channel shm|tcp|hccl|hixl] [--device cpu|npu] [--depth N]
       [--modes push,pull-eager,pull-delay,pull-delay-offload]
       [--requests N] [--prompt-tokens N] [--senders P] [--receivers D] [--tp N]
       [--prefill-tp A --decode-tp B] [--json FILE] [--plot FILE.svg]
@@ -30,6 +30,8 @@ commands:
                          proxy processes on this machine; every byte is verified.
                          --prefill-tp/--decode-tp: different TP sizes (one a multiple
                          of the other); each decode rank's heads are checked.
+                         hccl runs HCCL's comm path (pd_hccl_path: comm) in run,
+                         channel and soak, so hccl and hixl compare the two paths.
                          The default (no command) is `run` with built-in settings.
   sender --config FILE (--receiver HOST --init-port P[,P] --alloc-port P[,P] |
          --to HOST/P[,P]/P[,P] ...) [--requests N] [--prompt-tokens N] [--rank R]
@@ -46,15 +48,16 @@ commands:
                          transfer-channel micro-benchmark between two processes,
                          with a same-run baseline (memcpy for shm/hccl/hixl, one TCP
                          stream for tcp); hccl, hixl and npu pools need CANN or
-                         --emulator. In the bench hccl is HCCL's comm path
-                         (pd_hccl_path: comm), so hccl and hixl compare
+                         --emulator
   selftest [--devices A,B] [--json FILE]
                          checks in order what ascend-pd needs from CANN (libraries,
                          devices, 2 MiB allocations, copies, stream/event ordering,
                          two-process HCCL one-sided put/get above the per-call op
-                         limit, tcp staging an NPU pool, a 1P1D hccl run); prints
-                         pass/fail with the runtime's text and the likely fix
-  soak [--requests N] [--seed S] [--channels shm,tcp] [--modes push,pull-eager,pull-delay]
+                         limit, tcp staging an NPU pool, a 1P1D hccl run; then HIXL:
+                         the library, a two-process hixl transfer, a 1P1D hixl run,
+                         skipped without HIXL, which is optional); prints pass/fail
+                         with the runtime's text and the likely fix
+  soak [--requests N] [--seed S] [--channels shm,tcp[,hccl,hixl]] [--modes push,pull-eager,pull-delay]
        [--faults KIND,...] [--json FILE]
                          requests across modes and channels with seeded random faults
                          (malformed and oversized frames, lost and delayed side-channel

@@ -67,8 +67,18 @@ const HINT_HCCL: &str =
      address (hccn_tool); HCCL_CONNECT_TIMEOUT bounds the rendezvous";
 const HINT_TCP: &str = "the tcp channel could not stage NPU pages through pinned host memory: \
      see the output above (aclrtMallocHost limits, loopback firewall)";
+const HINT_HIXL: &str = "the HIXL transfer did not verify every byte: see its output above; \
+     HIXL wants each device's endpoint (pd_hixl_protocol, pd_hixl_device_ip from hccn_tool) and \
+     a reachable server port (pd_hixl_port); pd_hccl_path: comm runs the hccl channel without it";
 const HINT_RUN: &str = "the 1P1D run did not verify every byte: see its output above; rerun with \
      ASCEND_PD_LOG=debug and attach the output";
+
+/// The HIXL steps, in order (optional: skipped, not failed, without HIXL).
+const HIXL_STEPS: [&str; 3] = [
+    "HIXL library (libcann_hixl.so)",
+    "hixl loopback transfer (2 processes)",
+    "1P1D run --device npu --channel hixl",
+];
 
 /// `ascend-bench selftest`.
 #[derive(clap::Parser, Debug)]
@@ -183,6 +193,60 @@ pub fn selftest_main(args: &[String]) -> Result<bool> {
                 HINT_RUN,
             ),
         );
+        match acl.hixl() {
+            Ok(hixl) => {
+                push(
+                    HIXL_STEPS[0],
+                    Ok(format!("{}", hixl.library_path().display())),
+                );
+                push(
+                    HIXL_STEPS[1],
+                    run_self(
+                        &[
+                            "channel",
+                            "--channel=hixl",
+                            "--device=npu",
+                            "--chunks=16",
+                            "--chunk-bytes=1048576",
+                            "--reps=1",
+                        ],
+                        HINT_HIXL,
+                    ),
+                );
+                push(
+                    HIXL_STEPS[2],
+                    run_self(
+                        &[
+                            "run",
+                            "--channel=hixl",
+                            "--device=npu",
+                            "--modes=push,pull-eager,pull-delay",
+                            "--requests=2",
+                            "--prompt-tokens=512",
+                        ],
+                        HINT_HIXL,
+                    ),
+                );
+            }
+            // Optional: without HIXL the hccl channel runs its comm path.
+            Err(e) => {
+                for (i, name) in HIXL_STEPS.into_iter().enumerate() {
+                    steps.push(Step {
+                        name,
+                        outcome: Outcome::Skip,
+                        detail: if i == 0 {
+                            format!(
+                                "{e} (optional: transfer_channel: hccl then runs HCCL's comm \
+                                 path; transfer_channel: hixl cannot run)"
+                            )
+                        } else {
+                            "not run: HIXL did not load".into()
+                        },
+                        hint: None,
+                    });
+                }
+            }
+        }
     }
     let all = [
         "CANN libraries",
@@ -193,6 +257,9 @@ pub fn selftest_main(args: &[String]) -> Result<bool> {
         "HCCL one-sided put/get (2 processes)",
         "tcp channel staging an NPU pool",
         "1P1D run --device npu --channel hccl",
+        HIXL_STEPS[0],
+        HIXL_STEPS[1],
+        HIXL_STEPS[2],
     ];
     for name in all {
         if !steps.iter().any(|s| s.name == name) {
@@ -205,7 +272,14 @@ pub fn selftest_main(args: &[String]) -> Result<bool> {
         }
     }
     steps.sort_by_key(|s| all.iter().position(|n| *n == s.name));
-    let passed = steps.iter().all(|s| s.outcome == Outcome::Pass);
+    // HIXL is optional: its steps skipped because it did not load still pass.
+    let hixl_absent = steps
+        .iter()
+        .any(|s| s.name == HIXL_STEPS[0] && s.outcome == Outcome::Skip);
+    let passed = steps.iter().all(|s| {
+        s.outcome == Outcome::Pass
+            || (hixl_absent && HIXL_STEPS.contains(&s.name) && s.outcome == Outcome::Skip)
+    });
     let emulator = acl.as_ref().is_ok_and(Acl::is_emulator);
     print_table(&steps, emulator, passed);
     if let Some(path) = json {
