@@ -552,11 +552,14 @@ impl HixlChannel {
                     whole: whole.take().expect("the last part"),
                     joint: Arc::clone(j),
                     client: Arc::clone(&client),
+                    _link: Arc::clone(&link),
                 }),
             };
             let issued = client.issue(kind, part, deadline, &p.node);
             let pending: Box<dyn Pending> = match issued {
-                Ok(t) => Box::new(Running::new(t, part.len(), Arc::clone(&client), &p.node)),
+                Ok(t) => Box::new(
+                    Running::new(t, part.len(), Arc::clone(&client), &p.node).holding(&link),
+                ),
                 Err(e) if i == 0 => {
                     // Nothing was issued: the pages were never touched.
                     drop(finish);
@@ -571,9 +574,14 @@ impl HixlChannel {
                             whole: whole.take().expect("not yet handed over"),
                             joint: Arc::clone(joint.as_ref().expect("several parts")),
                             client: Arc::clone(&client),
+                            _link: Arc::clone(&link),
                         }),
                     };
-                    link.queue(Box::new(Refused(Some(e))), finish, 0, deadline);
+                    let refused = Refused {
+                        error: Some(e),
+                        _link: Arc::clone(&link),
+                    };
+                    link.queue(Box::new(refused), finish, 0, deadline);
                     break;
                 }
             };
@@ -801,6 +809,9 @@ impl Budget {
 
 /// A peer's ready connection: its client (replaced when it failed), the
 /// direct-read client, the liveness link and the completion thread's queue.
+/// Every queued part holds it, so it drops only after the last one ended;
+/// field order is drop order, and our end of the liveness link closes
+/// last, once the clients it held are destroyed (see `Closing`).
 struct Link {
     completer: Sender<InFlight>,
     dialer: Arc<Dialer>,
@@ -808,7 +819,24 @@ struct Link {
     /// The client direct reads use (see the module docs); direct reads of
     /// this peer run one at a time under this lock.
     direct: Mutex<Option<Client>>,
-    watch: Arc<Watch>,
+    watch: Closing,
+}
+
+/// Our end of a liveness link, closed when dropped: the promise to the
+/// peer that nothing of ours touches its memory any more.
+struct Closing(Arc<Watch>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+impl std::ops::Deref for Closing {
+    type Target = Watch;
+    fn deref(&self) -> &Watch {
+        &self.0
+    }
 }
 
 impl Link {
@@ -829,7 +857,7 @@ impl Link {
             dialer,
             client: Mutex::new(Arc::new(client)),
             direct: Mutex::new(None),
-            watch,
+            watch: Closing(watch),
         })
     }
 
@@ -912,15 +940,9 @@ impl Link {
     }
 }
 
-impl Drop for Link {
-    fn drop(&mut self) {
-        self.watch.close();
-    }
-}
-
 impl Watched for Link {
     fn watch(&self) -> &Arc<Watch> {
-        &self.watch
+        &self.watch.0
     }
 }
 
@@ -1001,6 +1023,9 @@ struct Running<C> {
     client: C,
     node: String,
     pause: Duration,
+    /// A queued part keeps its peer's link (and our end of the liveness
+    /// link) open until it ended.
+    _link: Option<Arc<Link>>,
 }
 
 impl<C: std::ops::Deref<Target = Client>> Running<C> {
@@ -1011,6 +1036,14 @@ impl<C: std::ops::Deref<Target = Client>> Running<C> {
             client,
             node: node.to_string(),
             pause: Duration::from_micros(10),
+            _link: None,
+        }
+    }
+
+    fn holding(self, link: &Arc<Link>) -> Running<C> {
+        Running {
+            _link: Some(Arc::clone(link)),
+            ..self
         }
     }
 
@@ -1082,13 +1115,17 @@ impl Pending for Running<Arc<Client>> {
     }
 }
 
-/// A part that could not start: it ends failed once the parts before it did.
-struct Refused(Option<ChannelError>);
+/// A part that could not start: it ends failed once the parts before it
+/// did (holding the link until then, as they do).
+struct Refused {
+    error: Option<ChannelError>,
+    _link: Arc<Link>,
+}
 
 impl Pending for Refused {
     fn poll(&mut self) -> Polled {
         Polled::Ended(
-            self.0
+            self.error
                 .take()
                 .unwrap_or_else(|| ChannelError::WorkerLost("a refused HIXL part".into())),
         )
@@ -1135,6 +1172,8 @@ struct Last {
     whole: Box<dyn Finish>,
     joint: Arc<Mutex<Joint>>,
     client: Arc<Client>,
+    /// Closed only after the client above is gone (field order).
+    _link: Arc<Link>,
 }
 
 impl Finish for Last {
@@ -1143,6 +1182,7 @@ impl Finish for Last {
             whole,
             joint,
             client,
+            _link: link,
         } = *self;
         let mut j = lock(&joint);
         let earlier = j.error.take();
@@ -1156,6 +1196,11 @@ impl Finish for Last {
         } else {
             whole.complete(result);
         }
+        drop(j);
+        // The client (perhaps the last hold on it, destroying it) before
+        // the link, whose drop closes our end of the liveness link.
+        drop(client);
+        drop(link);
     }
 
     fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send> {
