@@ -1403,3 +1403,37 @@ fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
     let _ = std::fs::remove_file(json);
     let _ = std::fs::remove_file(cfg);
 }
+
+/// `channel --channel hixl --emulator`: a batch of 9000 ops, more than the
+/// 4096 HIXL (and the emulator) take in flight on one client, is split
+/// into parts within the limit and moves every byte, both ways.
+#[test]
+fn a_hixl_batch_above_the_in_flight_limit_moves_every_byte_through_the_channel() {
+    for op in ["write", "read"] {
+        let out = bench()
+            .args([
+                "channel",
+                "--emulator",
+                "--channel=hixl",
+                "--device=npu",
+                "--chunks=9000",
+                "--chunk-bytes=4096",
+                "--reps=1",
+                &format!("--op={op}"),
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{op}: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains(&format!("channel hixl {op}: 9000 x 4096 bytes, npu pools")),
+            "{text}"
+        );
+        assert!(text.contains("verified  every byte"), "{text}");
+        assert!(text.contains("CANN emulator"), "{text}");
+    }
+}
