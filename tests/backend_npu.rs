@@ -1,5 +1,6 @@
 //! The backends over hccl and with NPU pools, against the CANN emulator
-//! (nothing here has run on Ascend hardware): every mode over hccl, and a
+//! (nothing here has run on Ascend hardware): every mode over hccl (its
+//! comm path) and hixl, and a
 //! CPU-offloading sender whose chunks come from host memory while its
 //! small NPU pool stays idle.
 
@@ -63,24 +64,27 @@ fn put_and_verify(r: &Receiver, rc: &PdConfig, s: &Sender, mode: TransferMode, p
 }
 
 #[test]
-fn every_mode_over_hccl_moves_every_byte() {
+fn every_mode_over_hccl_and_hixl_moves_every_byte() {
     emulator();
-    for mode in [
-        TransferMode::Push,
-        TransferMode::PullEager,
-        TransferMode::PullDelay,
-    ] {
-        let (r, rc, s) = pair(ChannelKind::Hccl, mode, 32);
-        put_and_verify(&r, &rc, &s, mode, &format!("hccl-{}", mode.name()));
-        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
-        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
+    for ch in [ChannelKind::Hccl, ChannelKind::Hixl] {
+        for mode in [
+            TransferMode::Push,
+            TransferMode::PullEager,
+            TransferMode::PullDelay,
+        ] {
+            let (r, rc, s) = pair(ch, mode, 32);
+            let what = format!("{}-{}", ch.name(), mode.name());
+            put_and_verify(&r, &rc, &s, mode, &what);
+            assert_no_pages(s.stats().pools.cpu.unwrap(), &what);
+            assert_no_pages(r.stats().pools.cpu.unwrap(), &what);
+        }
     }
 }
 
 #[test]
 fn an_offloading_npu_sender_is_read_from_host_memory_into_npu_pages() {
     emulator();
-    for ch in [ChannelKind::Tcp, ChannelKind::Hccl] {
+    for ch in [ChannelKind::Tcp, ChannelKind::Hccl, ChannelKind::Hixl] {
         let mode = TransferMode::PullDelay;
         let mut rc = receiver_config(ch, mode, 16);
         rc.buffer_device = BufferDevice::Npu(Some(0));
@@ -129,9 +133,9 @@ fn an_offloading_npu_sender_is_read_from_host_memory_into_npu_pages() {
     }
 }
 
-/// With a deployment secret the hccl liveness link's hello carries a proof
-/// (issue 25): the genuine links of both sides are still taken, so every
-/// mode moves every byte and no hello was refused.
+/// With a deployment secret the hccl (and hixl) liveness link's hello
+/// carries a proof (issue 25): the genuine links of both sides are still
+/// taken, so every mode moves every byte and no hello was refused.
 #[test]
 fn every_mode_over_hccl_with_a_secret_moves_every_byte() {
     emulator();
@@ -139,18 +143,24 @@ fn every_mode_over_hccl_with_a_secret_moves_every_byte() {
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("secret");
     std::fs::write(&secret, "the hccl deployment's secret\n").unwrap();
-    for mode in [TransferMode::Push, TransferMode::PullDelay] {
-        let mut rc = receiver_config(ChannelKind::Hccl, mode, 32);
+    for (ch, mode) in [
+        (ChannelKind::Hccl, TransferMode::Push),
+        (ChannelKind::Hccl, TransferMode::PullDelay),
+        (ChannelKind::Hixl, TransferMode::Push),
+        (ChannelKind::Hixl, TransferMode::PullDelay),
+    ] {
+        let mut rc = receiver_config(ch, mode, 32);
         rc.auth_secret_file = Some(secret.clone());
         let r = Receiver::start(&rc, 0).unwrap();
-        let mut sc = sender_config(ChannelKind::Hccl, mode, 32);
+        let mut sc = sender_config(ch, mode, 32);
         sc.auth_secret_file = Some(secret.clone());
         let s = Sender::start(&sc, 0, Default::default()).unwrap();
-        put_and_verify(&r, &rc, &s, mode, &format!("hccl-auth-{}", mode.name()));
-        assert_eq!(r.stats().grants.unauthenticated, 0, "{mode:?}");
-        assert_eq!(s.stats().grants.unauthenticated, 0, "{mode:?}");
-        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
-        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
+        let what = format!("{}-auth-{}", ch.name(), mode.name());
+        put_and_verify(&r, &rc, &s, mode, &what);
+        assert_eq!(r.stats().grants.unauthenticated, 0, "{what}");
+        assert_eq!(s.stats().grants.unauthenticated, 0, "{what}");
+        assert_no_pages(s.stats().pools.cpu.unwrap(), &what);
+        assert_no_pages(r.stats().pools.cpu.unwrap(), &what);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

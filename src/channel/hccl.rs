@@ -52,14 +52,14 @@
 
 use super::liveness::{LinkRole, Watch, WatchServer};
 use super::one_sided::{
-    acl_pools, check_coverage, complete_loop, lock, proven_finished, settle_with, Abandoned, Batch,
-    Bounds, DevicePeer, DevicePeers, DirectLink, DirectState, Finish, InFlight, LocalMem, Pending,
-    Polled, Watched, WAIT_SLICE,
+    acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, proven_finished,
+    settle_with, Abandoned, Batch, Bounds, DevicePeer, DevicePeers, DirectLink, DirectState,
+    Finish, InFlight, LocalMem, Pending, Polled, Span, Watched, WAIT_SLICE,
 };
 use super::{
-    check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion,
-    DirectRead, DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind,
-    PeerId, PeerPages, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion, DirectRead,
+    DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
+    PeerPages, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::ChannelKind;
@@ -383,35 +383,14 @@ impl TransferChannel for HcclChannel {
         let _ = deadline;
         let p = self.peer(peer)?;
         let regions = lock(&self.direct).regions.clone();
-        let mut batch = Vec::with_capacity(ops.len());
-        for (i, op) in ops.iter().enumerate() {
-            let page = p.table.resolve_direct(i, op)?;
-            if !regions.iter().any(|r| r.holds(op.dst, op.len)) {
-                return Err(ChannelError::Unsupported(format!(
-                    "direct read op {i}: [{:#x}, +{}) is not in memory registered with this hccl \
-                     channel (register the KV cache: TransferChannel::register_direct)",
-                    op.dst, op.len
-                )));
-            }
-            batch.extend(one_sided(
-                &p.table,
-                op.remote,
-                op.dst as u64,
-                page + op.offset as u64,
-                op.len,
-            ));
-        }
+        let batch: Vec<OneSidedOp> = direct_spans(&p.table, ops, &regions, "hccl")?
+            .into_iter()
+            .map(one_sided)
+            .collect();
         if batch.is_empty() {
             return Ok(());
         }
-        let link = p.setup.wait(&p.node)?;
-        if let Err(detail) = link.watch.check() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail,
-            });
-        }
+        let link = p.live_link()?;
         if link.stuck.load(Ordering::SeqCst) {
             return Err(ChannelError::WorkerLost(format!(
                 "the hccl stream to {} is stuck behind work given up unfinished; direct reads are \
@@ -547,38 +526,14 @@ impl HcclChannel {
         ops: Vec<TransferOp<P>>,
     ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
-        let offsets = check_ops(&p.table, &ops, false)?;
-        let mut batch = Vec::with_capacity(ops.len());
-        for (i, (op, off)) in ops.iter().zip(&offsets).enumerate() {
-            let pool = op.local.pool();
-            if !self.local_uuids.contains(&pool.uuid()) {
-                return Err(ChannelError::BadLocal {
-                    op: i,
-                    local: op.local.buffer_ref(),
-                    reason: "its pool is not registered with this hccl channel (open the channel \
-                             over every pool transfers use)"
-                        .into(),
-                });
-            }
-            batch.extend(one_sided(
-                &p.table,
-                op.remote,
-                op.local.addr() + op.local_offset as u64,
-                *off + op.remote_offset as u64,
-                op.len,
-            ));
-        }
+        let batch: Vec<OneSidedOp> = batch_spans(&p.table, &ops, &self.local_uuids, "hccl")?
+            .into_iter()
+            .map(one_sided)
+            .collect();
         if batch.is_empty() {
             return Ok(Completion::ready(Ok(()), pages_of(ops)));
         }
-        let link = p.setup.wait(&p.node)?;
-        if let Err(detail) = link.watch.check() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail,
-            });
-        }
+        let link = p.live_link()?;
         let (call, done) = match kind {
             OpKind::Write => (
                 "HcclBatchPut",
@@ -751,25 +706,13 @@ impl DirectLink for Link {
     }
 }
 
-/// The op moving `len` bytes between `local` and byte `off` of the peer's
-/// buffer `remote` names (already resolved against `table`); none for an
-/// empty range.
-fn one_sided(
-    table: &PeerTable,
-    remote: BufferRef,
-    local: u64,
-    off: u64,
-    len: usize,
-) -> Option<OneSidedOp> {
-    if len == 0 {
-        return None;
+/// A span as an HCCL one-sided op.
+fn one_sided(s: Span) -> OneSidedOp {
+    OneSidedOp {
+        local_addr: s.local,
+        remote_addr: s.remote,
+        len: s.len,
     }
-    let base = table.get(&remote.uuid).expect("resolved before").base;
-    Some(OneSidedOp {
-        local_addr: local,
-        remote_addr: base + off,
-        len: len as u64,
-    })
 }
 
 /// A batch on a peer's stream: its completion, and the link (regions,

@@ -60,14 +60,14 @@
 
 use super::liveness::{LinkRole, Watch, WatchServer};
 use super::one_sided::{
-    acl_pools, check_coverage, complete_loop, lock, Abandoned, Batch, Bounds, DevicePeer,
-    DevicePeers, DirectLink, DirectRegion, DirectState, Finish, InFlight, LocalMem, Pending,
-    Polled, Watched,
+    acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, Abandoned, Batch,
+    Bounds, DevicePeer, DevicePeers, DirectLink, DirectRegion, DirectState, Finish, InFlight,
+    LocalMem, Pending, Polled, Span, Watched,
 };
 use super::{
-    check_ops, pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion,
-    DirectRead, DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind,
-    PeerId, PeerPages, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
+    pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion, DirectRead,
+    DirectRegistration, Endpoint, GrantId, GrantStats, GrantTag, LocalPage, OpKind, PeerId,
+    PeerPages, PeerTable, ReadOp, TransferChannel, TransferOp, WriteOp,
 };
 use crate::auth::Secret;
 use crate::config::{ChannelKind, HixlProtocol as ProtocolSetting, HixlSettings};
@@ -406,35 +406,14 @@ impl TransferChannel for HixlChannel {
     ) -> Result<(), ChannelError> {
         let p = self.peer(peer)?;
         let regions = lock(&self.direct).regions.clone();
-        let mut batch = Vec::with_capacity(ops.len());
-        for (i, op) in ops.iter().enumerate() {
-            let page = p.table.resolve_direct(i, op)?;
-            if !regions.iter().any(|r| r.holds(op.dst, op.len)) {
-                return Err(ChannelError::Unsupported(format!(
-                    "direct read op {i}: [{:#x}, +{}) is not in memory registered with this hixl \
-                     channel (register the KV cache: TransferChannel::register_direct)",
-                    op.dst, op.len
-                )));
-            }
-            batch.extend(hixl_op(
-                &p.table,
-                op.remote,
-                op.dst as u64,
-                page + op.offset as u64,
-                op.len,
-            ));
-        }
+        let batch: Vec<HixlOp> = direct_spans(&p.table, ops, &regions, "hixl")?
+            .into_iter()
+            .map(hixl_op)
+            .collect();
         if batch.is_empty() {
             return Ok(());
         }
-        let link = p.setup.wait(&p.node)?;
-        if let Err(detail) = link.watch.check() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail,
-            });
-        }
+        let link = p.live_link()?;
         let mut st = lock(&self.direct);
         let mut client = link.direct_client(&mut st, &link)?;
         drop(st);
@@ -505,37 +484,14 @@ impl HixlChannel {
         ops: Vec<TransferOp<P>>,
     ) -> Result<Completion<P>, ChannelError> {
         let p = self.peer(peer)?;
-        let offsets = check_ops(&p.table, &ops, false)?;
-        let mut batch = Vec::with_capacity(ops.len());
-        for (i, (op, off)) in ops.iter().zip(&offsets).enumerate() {
-            if !self.local_uuids.contains(&op.local.pool().uuid()) {
-                return Err(ChannelError::BadLocal {
-                    op: i,
-                    local: op.local.buffer_ref(),
-                    reason: "its pool is not registered with this hixl channel (open the channel \
-                             over every pool transfers use)"
-                        .into(),
-                });
-            }
-            batch.extend(hixl_op(
-                &p.table,
-                op.remote,
-                op.local.addr() + op.local_offset as u64,
-                *off + op.remote_offset as u64,
-                op.len,
-            ));
-        }
+        let batch: Vec<HixlOp> = batch_spans(&p.table, &ops, &self.local_uuids, "hixl")?
+            .into_iter()
+            .map(hixl_op)
+            .collect();
         if batch.is_empty() {
             return Ok(Completion::ready(Ok(()), pages_of(ops)));
         }
-        let link = p.setup.wait(&p.node)?;
-        if let Err(detail) = link.watch.check() {
-            return Err(ChannelError::PeerGone {
-                peer: p.node.clone(),
-                op: None,
-                detail,
-            });
-        }
+        let link = p.live_link()?;
         let client = link.client()?;
         let deadline = Instant::now() + self.opts.batch_timeout;
         let (tx, completion) = Completion::pending(watch_ops(&ops));
@@ -591,25 +547,13 @@ impl HixlChannel {
     }
 }
 
-/// The op moving `len` bytes between `local` and byte `off` of the peer's
-/// buffer `remote` names (already resolved against `table`); none for an
-/// empty range.
-fn hixl_op(
-    table: &PeerTable,
-    remote: BufferRef,
-    local: u64,
-    off: u64,
-    len: usize,
-) -> Option<HixlOp> {
-    if len == 0 {
-        return None;
+/// A span as a HIXL op.
+fn hixl_op(s: Span) -> HixlOp {
+    HixlOp {
+        remote: s.remote,
+        local: s.local as usize as *mut u8,
+        len: s.len,
     }
-    let base = table.get(&remote.uuid).expect("resolved before").base;
-    Some(HixlOp {
-        remote: base + off,
-        local: local as usize as *mut u8,
-        len: len as u64,
-    })
 }
 
 /// `ip` and `port` of a peer's `host:port` server address.

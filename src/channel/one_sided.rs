@@ -12,18 +12,20 @@
 use super::grant::GrantTable;
 use super::liveness::Watch;
 use super::{
-    check_grant_pages, pages_of, table_pages, Access, BufferDesc, ChannelError, CompletionSender,
-    DirectRegistration, GrantId, GrantStats, GrantTag, LocalPage, PeerId, PeerPages, PeerRegistry,
-    PeerTable, TransferOp,
+    check_grant_pages, check_ops, pages_of, table_pages, Access, BufferDesc, ChannelError,
+    CompletionSender, DirectRead, DirectRegistration, GrantId, GrantStats, GrantTag, LocalPage,
+    PeerId, PeerPages, PeerRegistry, PeerTable, TransferOp,
 };
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
 use crate::memory::BufferRef;
 use crate::memory::PagePool;
 use ascend_sys::{Device, DeviceBuffer, HostBuffer, MemKind};
 use crossbeam_channel::Receiver;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
+use uuid::Uuid;
 
 /// A local pool as the device channels register it: NPU pools as device
 /// memory, CPU pools as ACL-pinned host memory (nothing else registers).
@@ -224,6 +226,111 @@ impl<L: Watched> DevicePeers<L> {
             Some(true) => PeerPages::Verified(table_pages(p.table.descs())),
             Some(false) => PeerPages::Verified(0),
         }
+    }
+}
+
+/// One op of a device channel's batch: `len` bytes between the local
+/// address `local` and the peer's address `remote`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) local: u64,
+    pub(crate) remote: u64,
+    pub(crate) len: u64,
+}
+
+impl Span {
+    /// The span of `len` bytes between `local` and byte `off` of the peer's
+    /// buffer `remote` names (already resolved against `table`); none for
+    /// an empty range.
+    fn of(table: &PeerTable, remote: BufferRef, local: u64, off: u64, len: usize) -> Option<Span> {
+        if len == 0 {
+            return None;
+        }
+        let base = table.get(&remote.uuid).expect("resolved before").base;
+        Some(Span {
+            local,
+            remote: base + off,
+            len: len as u64,
+        })
+    }
+}
+
+/// The spans of a batch of `channel`, after the shared op check: every
+/// remote range inside a page of the peer's `table`, every local page of a
+/// pool of this channel (`local_uuids`, registered with the device).
+pub(crate) fn batch_spans<P: LocalPage>(
+    table: &PeerTable,
+    ops: &[TransferOp<P>],
+    local_uuids: &HashSet<Uuid>,
+    channel: &str,
+) -> Result<Vec<Span>, ChannelError> {
+    let offsets = check_ops(table, ops, false)?;
+    let mut spans = Vec::with_capacity(ops.len());
+    for (i, (op, off)) in ops.iter().zip(&offsets).enumerate() {
+        if !local_uuids.contains(&op.local.pool().uuid()) {
+            return Err(ChannelError::BadLocal {
+                op: i,
+                local: op.local.buffer_ref(),
+                reason: format!(
+                    "its pool is not registered with this {channel} channel (open the channel \
+                     over every pool transfers use)"
+                ),
+            });
+        }
+        spans.extend(Span::of(
+            table,
+            op.remote,
+            op.local.addr() + op.local_offset as u64,
+            *off + op.remote_offset as u64,
+            op.len,
+        ));
+    }
+    Ok(spans)
+}
+
+/// The spans of a direct read of `channel`: every remote range inside a
+/// page of the peer's `table`, every destination inside memory registered
+/// for direct reads (`regions`).
+pub(crate) fn direct_spans(
+    table: &PeerTable,
+    ops: &[DirectRead],
+    regions: &[DirectRegion],
+    channel: &str,
+) -> Result<Vec<Span>, ChannelError> {
+    let mut spans = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        let page = table.resolve_direct(i, op)?;
+        if !regions.iter().any(|r| r.holds(op.dst, op.len)) {
+            return Err(ChannelError::Unsupported(format!(
+                "direct read op {i}: [{:#x}, +{}) is not in memory registered with this \
+                 {channel} channel (register the KV cache: TransferChannel::register_direct)",
+                op.dst, op.len
+            )));
+        }
+        spans.extend(Span::of(
+            table,
+            op.remote,
+            op.dst as u64,
+            page + op.offset as u64,
+            op.len,
+        ));
+    }
+    Ok(spans)
+}
+
+impl<L: Watched> DevicePeer<L> {
+    /// The peer's connection once its setup is done and its liveness link
+    /// still open (a batch to a peer seen gone is refused).
+    pub(crate) fn live_link(&self) -> Result<Arc<L>, ChannelError> {
+        let link = self.setup.wait(&self.node)?;
+        if let Err(detail) = link.watch().check() {
+            return Err(ChannelError::PeerGone {
+                peer: self.node.clone(),
+                op: None,
+                detail,
+            });
+        }
+        Ok(link)
     }
 }
 

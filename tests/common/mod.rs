@@ -4,7 +4,9 @@
 #![allow(dead_code)]
 
 use ascend_pd::backend::{Receiver, Sender, TransferSpec};
-use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, PortList, Role, TransferMode};
+use ascend_pd::config::{
+    BufferDevice, ChannelKind, HcclPath, PdConfig, PortList, Role, TransferMode,
+};
 use ascend_pd::memory::{pattern, MemObj, Page, PoolStats, SealedMemObj};
 use std::time::Duration;
 
@@ -20,6 +22,9 @@ pub const CHUNK: usize = 16;
 fn base(role: Role, channel: ChannelKind, mode: TransferMode, pages: u64) -> PdConfig {
     let mut c = PdConfig::with_defaults(role);
     c.transfer_channel = channel;
+    // hccl tests test HCCL's comm path (auto would run the HIXL path, which
+    // the emulator provides); hixl is its own channel kind.
+    c.hccl_path = HcclPath::Comm;
     c.buffer_device = BufferDevice::Cpu;
     c.chunk_size = CHUNK;
     c.kv.num_layers = 2;
