@@ -796,7 +796,7 @@ fn run_on_an_emulated_npu_over_hccl_verifies_and_says_which_runtime() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ASCEND_PD_CANN_LIB_DIR"));
     let out = bench().args(["run", "--device", "npu"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --channel tcp or hccl"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --channel tcp, hccl or hixl"));
 }
 
 #[test]
