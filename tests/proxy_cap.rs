@@ -66,7 +66,9 @@ fn attach_through(
 ) -> Result<Liar, ChannelError> {
     let page = rc.page_bytes() as usize;
     let buf = match kind {
-        ChannelKind::Hccl => RegisteredBuffer::pinned_host(&emulator(), 0, pages * page, page),
+        k if k.needs_acl_memory() => {
+            RegisteredBuffer::pinned_host(&emulator(), 0, pages * page, page)
+        }
         _ => RegisteredBuffer::host(pages * page, page, kind == ChannelKind::Shm),
     }
     .unwrap();
@@ -173,18 +175,25 @@ fn a_tcp_sender_declaring_a_huge_table_is_capped_by_the_receivers_own_bound() {
 #[test]
 fn an_hccl_sender_aliasing_its_pool_gets_no_proxies() {
     emulator();
-    let (r, rc) = receiver(ChannelKind::Hccl);
-    let liar = attach_liar(ChannelKind::Hccl, &rc, "hccl-liar", 4, |h| {
-        let real = h.buffers[0];
-        h.buffers.extend((0..50).map(|_| BufferDesc {
-            uuid: Uuid::new_v4(),
-            ..real
-        }));
-    })
-    .unwrap();
-    let ks = keys("hccl-alias", 8);
-    assert!(!liar.announce(&rc, &ks, 0), "refused: nothing verified");
-    holds(&r, &[], &ks, 1);
+    // hixl checks the table against the regions the peer's HIXL server
+    // reported, as hccl does against the regions it enabled.
+    for kind in [ChannelKind::Hccl, ChannelKind::Hixl] {
+        let (r, rc) = receiver(kind);
+        let liar = attach_liar(kind, &rc, &format!("{}-liar", kind.name()), 4, |h| {
+            let real = h.buffers[0];
+            h.buffers.extend((0..50).map(|_| BufferDesc {
+                uuid: Uuid::new_v4(),
+                ..real
+            }));
+        })
+        .unwrap();
+        let ks = keys(&format!("{}-alias", kind.name()), 8);
+        assert!(
+            !liar.announce(&rc, &ks, 0),
+            "{kind:?}: refused: nothing verified"
+        );
+        holds(&r, &[], &ks, 1);
+    }
 }
 
 /// hccl, honest: the cap is the pages setup verified (4), and a
@@ -193,13 +202,19 @@ fn an_hccl_sender_aliasing_its_pool_gets_no_proxies() {
 #[test]
 fn an_honest_hccl_sender_holds_as_many_proxies_as_its_registered_pages() {
     emulator();
-    let (r, rc) = receiver(ChannelKind::Hccl);
-    let sender = attach_liar(ChannelKind::Hccl, &rc, "hccl-honest", 4, |_| {}).unwrap();
-    let ks = keys("hccl-honest", 4);
-    assert!(sender.announce(&rc, &ks, 0), "within its 4 pages");
-    let over = keys("hccl-over", 1);
-    assert!(!sender.announce(&rc, &over, 0), "a fifth proxy: refused");
-    holds(&r, &ks, &over, 1);
+    for kind in [ChannelKind::Hccl, ChannelKind::Hixl] {
+        let (r, rc) = receiver(kind);
+        let name = |what: &str| format!("{}-{what}", kind.name());
+        let sender = attach_liar(kind, &rc, &name("honest"), 4, |_| {}).unwrap();
+        let ks = keys(&name("honest"), 4);
+        assert!(sender.announce(&rc, &ks, 0), "{kind:?}: within its 4 pages");
+        let over = keys(&name("over"), 1);
+        assert!(
+            !sender.announce(&rc, &over, 0),
+            "{kind:?}: a fifth proxy: refused"
+        );
+        holds(&r, &ks, &over, 1);
+    }
 }
 
 /// shm: every buffer of the table is mapped from its own sealed memfd of
