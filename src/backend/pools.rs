@@ -38,8 +38,8 @@ pub fn pool_spec(config: &PdConfig, device_index: u32) -> DualSpec {
 
 /// Builds the allocator of a worker with `config` (`device_index` resolves a
 /// bare `npu`): the NPU pool from the CANN runtime when `pd_buffer_device`
-/// is `npu`, and with `transfer_channel: hccl` a CPU pool in the runtime's
-/// pinned host memory (HCCL registers nothing else). CANN is loaded from
+/// is `npu`, and with `transfer_channel: hccl` or `hixl` a CPU pool in the
+/// runtime's pinned host memory (HCCL and HIXL register nothing else). CANN is loaded from
 /// the default search (`ASCEND_PD_CANN_LIB_DIR` first) only when needed;
 /// when it cannot be, the error says how to point at it or how to avoid it.
 pub fn allocator_for(config: &PdConfig, device_index: u32) -> Result<DualAllocator, MemoryError> {

@@ -707,10 +707,13 @@ pub(crate) fn table_pages<'a>(table: impl IntoIterator<Item = &'a BufferDesc>) -
 }
 
 /// Opens the channel of `kind` over `pools`; `host` is where a tcp transfer
-/// server (or the hccl liveness listener) binds (the worker's own address),
-/// `node` this worker's id (its handshake node; tcp presents it to peers).
-/// `hccl` and NPU pools on `tcp` need pools allocated by the ACL runtime
-/// (`memory::npu`); the device comes from the pools. With `auth`, every
+/// server (or the hccl / hixl liveness listener, and the HIXL server)
+/// binds (the worker's own address), `node` this worker's id (its
+/// handshake node; tcp presents it to peers). `hccl`, `hixl` and NPU pools
+/// on `tcp` need pools allocated by the ACL runtime (`memory::npu`); the
+/// device comes from the pools. `hccl` here is always HCCL's comm path,
+/// and `hixl` takes the default `pd_hixl_*` settings: a worker's config
+/// goes through [`open_configured`]. With `auth`, every
 /// peer must prove it holds the secret ([`crate::auth`]); without, the data
 /// plane is unauthenticated, and a warning says so once per process.
 pub fn open(
