@@ -505,7 +505,10 @@ fn npu_link_takes_auto_none_or_a_table_link() {
     expect_problem(
         &format!("{RECEIVER}pd_npu_link: a2-nvlink\n"),
         "pd_npu_link",
-        &["\"a2-nvlink\"", "auto, none, a2-roce, a2-hccs, a3-hccs, a3-roce"],
+        &[
+            "\"a2-nvlink\"",
+            "auto, none, a2-roce, a2-hccs, a3-hccs, a3-roce",
+        ],
     );
     let named = NpuLink::Named("a2-hccs".into()).resolve().unwrap();
     assert_eq!(named.map(|l| l.name()), Some("a2-hccs"));
