@@ -783,6 +783,18 @@ mod tests {
     }
 
     #[test]
+    fn the_agreed_thread_properties_hold() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Hixl>();
+        send_sync::<HixlServer>();
+        send_sync::<HixlClient>();
+        send_sync::<HixlOp>();
+        send::<HixlMemId>();
+        send::<HixlTransfer>();
+    }
+
+    #[test]
     fn timeouts_saturate_to_u32_millis() {
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
         assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), u32::MAX);

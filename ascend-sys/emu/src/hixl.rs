@@ -172,6 +172,100 @@ pub(crate) fn endpoint_matches(offered: &EndpointKey, wanted: &EndpointKey) -> b
         }
 }
 
+// ------------------------------------------------------------ wire format
+
+/// The client's first message: its pid and the endpoint it wants.
+fn encode_hello(pid: u32, wanted: &EndpointKey) -> [u8; 32] {
+    let mut b = [0u8; 32];
+    b[..8].copy_from_slice(HELLO_MAGIC);
+    b[8..12].copy_from_slice(&pid.to_le_bytes());
+    b[12..32].copy_from_slice(&wanted.encode());
+    b
+}
+
+fn decode_hello(b: &[u8; 32]) -> Option<(u32, EndpointKey)> {
+    (&b[..8] == HELLO_MAGIC).then(|| {
+        let key = EndpointKey::decode(b[12..32].try_into().expect("20 bytes"));
+        (u32_at(b, 8), key)
+    })
+}
+
+/// The server's answer: its pid and whether it offers that endpoint.
+fn encode_welcome(pid: u32, offered: bool) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(HELLO_MAGIC);
+    b[8..12].copy_from_slice(&pid.to_le_bytes());
+    b[12..16].copy_from_slice(&u32::from(offered).to_le_bytes());
+    b
+}
+
+fn decode_welcome(b: &[u8; 16]) -> Option<(u32, bool)> {
+    (&b[..8] == HELLO_MAGIC).then(|| (u32_at(b, 8), u32_at(b, 12) == 1))
+}
+
+/// One region as the server describes it to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RegionDesc {
+    addr: u64,
+    size: u64,
+    mem_type: i32,
+    fd: i32,
+    region_id: u64,
+    offset: u64,
+    tag: String,
+}
+
+/// The server's answer to `MEMS_REQUEST` (tags cut at `MAX_TAG` bytes).
+fn encode_regions(regions: &[RegionDesc]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(8 + regions.len() * 64);
+    m.extend_from_slice(MEMS_REPLY);
+    m.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for r in regions {
+        m.extend_from_slice(&r.addr.to_le_bytes());
+        m.extend_from_slice(&r.size.to_le_bytes());
+        m.extend_from_slice(&r.mem_type.to_le_bytes());
+        m.extend_from_slice(&r.fd.to_le_bytes());
+        m.extend_from_slice(&r.region_id.to_le_bytes());
+        m.extend_from_slice(&r.offset.to_le_bytes());
+        let tag = &r.tag.as_bytes()[..r.tag.len().min(MAX_TAG)];
+        m.extend_from_slice(&(tag.len() as u32).to_le_bytes());
+        m.extend_from_slice(tag);
+    }
+    m
+}
+
+/// Reads one `encode_regions` message; refuses anything malformed.
+fn read_regions(s: &mut impl Read) -> io::Result<Vec<RegionDesc>> {
+    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
+    let mut head = [0u8; 8];
+    s.read_exact(&mut head)?;
+    let n = u32_at(&head, 4);
+    if &head[..4] != MEMS_REPLY || n > MAX_REGIONS {
+        return Err(bad("malformed region list"));
+    }
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let mut b = [0u8; 44];
+        s.read_exact(&mut b)?;
+        let tag_len = u32_at(&b, 40) as usize;
+        if tag_len > MAX_TAG {
+            return Err(bad("tag too long"));
+        }
+        let mut tag = vec![0u8; tag_len];
+        s.read_exact(&mut tag)?;
+        out.push(RegionDesc {
+            addr: u64_at(&b, 0),
+            size: u64_at(&b, 8),
+            mem_type: u32_at(&b, 16) as i32,
+            fd: u32_at(&b, 20) as i32,
+            region_id: u64_at(&b, 24),
+            offset: u64_at(&b, 32),
+            tag: String::from_utf8_lossy(&tag).into_owned(),
+        });
+    }
+    Ok(out)
+}
+
 // ------------------------------------------------------------ memory
 
 /// One registered range of this process.
@@ -458,19 +552,14 @@ impl Server {
         s.set_nodelay(true)?;
         let mut hello = [0u8; 32];
         s.read_exact(&mut hello)?;
-        if &hello[..8] != HELLO_MAGIC {
+        let Some((_client_pid, wanted)) = decode_hello(&hello) else {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "not an emulated HIXL client",
             ));
-        }
-        let wanted = EndpointKey::decode(hello[12..32].try_into().expect("20 bytes"));
+        };
         let offered = self.endpoints.iter().any(|e| endpoint_matches(e, &wanted));
-        let mut reply = [0u8; 16];
-        reply[..8].copy_from_slice(HELLO_MAGIC);
-        reply[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        reply[12..16].copy_from_slice(&u32::from(offered).to_le_bytes());
-        s.write_all(&reply)?;
+        s.write_all(&encode_welcome(std::process::id(), offered))?;
         if !offered {
             return Ok(());
         }
@@ -494,21 +583,20 @@ impl Server {
 
     fn regions_message(&self) -> Vec<u8> {
         let st = lock(&self.state);
-        let mut m = Vec::with_capacity(8 + st.regs.len() * 64);
-        m.extend_from_slice(MEMS_REPLY);
-        m.extend_from_slice(&(st.regs.len() as u32).to_le_bytes());
-        for r in st.regs.values() {
-            m.extend_from_slice(&(r.addr as u64).to_le_bytes());
-            m.extend_from_slice(&(r.size as u64).to_le_bytes());
-            m.extend_from_slice(&r.mem_type.to_le_bytes());
-            m.extend_from_slice(&r.region.raw_fd().to_le_bytes());
-            m.extend_from_slice(&r.region.id.to_le_bytes());
-            m.extend_from_slice(&((r.addr - r.region.base) as u64).to_le_bytes());
-            let tag = &r.tag.as_bytes()[..r.tag.len().min(MAX_TAG)];
-            m.extend_from_slice(&(tag.len() as u32).to_le_bytes());
-            m.extend_from_slice(tag);
-        }
-        m
+        let regions: Vec<RegionDesc> = st
+            .regs
+            .values()
+            .map(|r| RegionDesc {
+                addr: r.addr as u64,
+                size: r.size as u64,
+                mem_type: r.mem_type,
+                fd: r.region.raw_fd(),
+                region_id: r.region.id,
+                offset: (r.addr - r.region.base) as u64,
+                tag: r.tag.clone(),
+            })
+            .collect();
+        encode_regions(&regions)
     }
 
     /// Stops listening, closes every connection and waits for the threads.
@@ -713,70 +801,25 @@ pub(crate) fn client_connect(handle: usize, timeout_ms: u32) -> Result<(), Failu
         .and_then(|()| s.set_read_timeout(Some(left)))
         .and_then(|()| s.set_write_timeout(Some(left)))
         .map_err(|e| io_failure(&what, &e))?;
-    let mut hello = [0u8; 32];
-    hello[..8].copy_from_slice(HELLO_MAGIC);
-    hello[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    hello[12..32].copy_from_slice(&c.remote_endpoint.encode());
-    s.write_all(&hello).map_err(|e| io_failure(&what, &e))?;
+    s.write_all(&encode_hello(std::process::id(), &c.remote_endpoint))
+        .map_err(|e| io_failure(&what, &e))?;
     let mut reply = [0u8; 16];
     s.read_exact(&mut reply)
         .map_err(|e| io_failure(&what, &e))?;
-    if &reply[..8] != HELLO_MAGIC {
+    let Some((server_pid, offered)) = decode_welcome(&reply) else {
         return Err(failed(format!(
             "{addr} answered, but not as an emulated HIXL server"
         )));
-    }
-    if u32_at(&reply, 12) != 1 {
+    };
+    if !offered {
         return Err(failed(format!(
             "the server at {addr} offers no endpoint matching the client's remote endpoint ({})",
             c.remote_endpoint.describe()
         )));
     }
-    st.server_pid = u32_at(&reply, 8);
+    st.server_pid = server_pid;
     st.conn = Some(s);
     Ok(())
-}
-
-/// One region as the server described it.
-struct RegionDesc {
-    addr: u64,
-    size: u64,
-    mem_type: i32,
-    fd: i32,
-    region_id: u64,
-    offset: u64,
-    tag: String,
-}
-
-fn read_regions(s: &mut TcpStream) -> io::Result<Vec<RegionDesc>> {
-    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
-    let mut head = [0u8; 8];
-    s.read_exact(&mut head)?;
-    let n = u32_at(&head, 4);
-    if &head[..4] != MEMS_REPLY || n > MAX_REGIONS {
-        return Err(bad("malformed region list"));
-    }
-    let mut out = Vec::with_capacity(n as usize);
-    for _ in 0..n {
-        let mut b = [0u8; 44];
-        s.read_exact(&mut b)?;
-        let tag_len = u32_at(&b, 40) as usize;
-        if tag_len > MAX_TAG {
-            return Err(bad("tag too long"));
-        }
-        let mut tag = vec![0u8; tag_len];
-        s.read_exact(&mut tag)?;
-        out.push(RegionDesc {
-            addr: u64_at(&b, 0),
-            size: u64_at(&b, 8),
-            mem_type: u32_at(&b, 16) as i32,
-            fd: u32_at(&b, 20) as i32,
-            region_id: u64_at(&b, 24),
-            offset: u64_at(&b, 32),
-            tag: String::from_utf8_lossy(&tag).into_owned(),
-        });
-    }
-    Ok(out)
 }
 
 /// Asks the server for its regions, maps them, and fills the lists handed
@@ -1157,5 +1200,52 @@ mod tests {
         let k = key(hccs, Some([1, 2, 3, 4]), 7);
         assert_eq!(EndpointKey::decode(&k.encode()), k);
         assert_eq!(k.describe(), "HCCS 1.2.3.4 on device 7");
+    }
+
+    #[test]
+    fn handshake_messages_round_trip_and_reject_strangers() {
+        let k = key(sys::COMM_PROTOCOL_ROCE, Some([127, 0, 0, 1]), 1);
+        assert_eq!(decode_hello(&encode_hello(42, &k)), Some((42, k)));
+        assert_eq!(decode_hello(&[0u8; 32]), None);
+        assert_eq!(decode_welcome(&encode_welcome(7, true)), Some((7, true)));
+        assert_eq!(decode_welcome(&encode_welcome(7, false)), Some((7, false)));
+        assert_eq!(decode_welcome(&[1u8; 16]), None);
+    }
+
+    #[test]
+    fn region_lists_round_trip_and_malformed_ones_are_refused() {
+        let regions = vec![
+            RegionDesc {
+                addr: 0x7f00_0000_0000,
+                size: 1 << 20,
+                mem_type: MEM_TYPE_DEVICE,
+                fd: 9,
+                region_id: 3,
+                offset: 4096,
+                tag: "kv-cache".into(),
+            },
+            RegionDesc {
+                addr: 0x7f00_1000_0000,
+                size: 64,
+                mem_type: MEM_TYPE_HOST,
+                fd: 10,
+                region_id: 4,
+                offset: 0,
+                tag: String::new(),
+            },
+        ];
+        let bytes = encode_regions(&regions);
+        assert_eq!(read_regions(&mut &bytes[..]).unwrap(), regions);
+        assert!(read_regions(&mut &encode_regions(&[])[..])
+            .unwrap()
+            .is_empty());
+        // Truncated, wrong magic, absurd count.
+        assert!(read_regions(&mut &bytes[..bytes.len() - 1]).is_err());
+        let mut wrong = bytes.clone();
+        wrong[0] = b'X';
+        assert!(read_regions(&mut &wrong[..]).is_err());
+        let mut huge = bytes.clone();
+        huge[4..8].copy_from_slice(&(MAX_REGIONS + 1).to_le_bytes());
+        assert!(read_regions(&mut &huge[..]).is_err());
     }
 }
