@@ -286,8 +286,9 @@ unsafe impl Sync for HixlOp {}
 
 /// A submitted batch (`CompleteHandle`), to be polled with
 /// [`HixlClient::query`] until completed. Dropping it without that leaves
-/// the batch running and HIXL's record of it in place until the client is
-/// destroyed; the memory it names must stay untouched until then.
+/// the batch running and HIXL's record of it in place (its ops still count
+/// towards [`HIXL_OPS_IN_FLIGHT_LIMIT`]) until the client is destroyed;
+/// the memory it names must stay untouched until then.
 #[derive(Debug)]
 pub struct HixlTransfer(Handle);
 
@@ -328,7 +329,8 @@ impl HixlServer {
     ///
     /// Port 0 asks for an ephemeral port; only the emulator supports it
     /// (read the port with [`HixlServer::port`] after `listen`). With real
-    /// HIXL pick a port yourself.
+    /// HIXL pick a port yourself. With device endpoints HIXL wants the
+    /// device bound on the calling thread first ([`crate::Device::bind`]).
     pub fn create(
         hixl: &Hixl,
         ip: &str,
@@ -468,7 +470,8 @@ impl HixlClient {
     /// Creates a client of the server at `server_ip:server_port`, moving
     /// data between `local` (this side's endpoint) and `remote` (one the
     /// server offers) (`HixlCSClientCreate`, no global resource
-    /// configuration, traffic class and service level 0).
+    /// configuration, traffic class and service level 0). As with the
+    /// server, bind the device on the calling thread first.
     pub fn create(
         hixl: &Hixl,
         server_ip: &str,
