@@ -66,12 +66,12 @@ fn not_found(attempts: Vec<LoadAttempt>) -> Error {
     Error::EmulatorNotFound { attempts }
 }
 
-/// Returns a directory holding `libascendcl.so` and `libhccl.so`, both
-/// symbolic links to the one emulator library, ready for
+/// Returns a directory holding `libascendcl.so`, `libhccl.so` and
+/// `libcann_hixl.so`, all symbolic links to the one emulator library, ready for
 /// `ASCEND_PD_CANN_LIB_DIR` or [`crate::CannLibraries::open_dir`].
 ///
-/// Links, not copies: the dynamic loader sees both names as one file and
-/// maps it once, so ACL and HCCL share one emulator state. The directory is
+/// Links, not copies: the dynamic loader sees every name as one file and
+/// maps it once, so ACL, HCCL and HIXL share one emulator state. The directory is
 /// under the system temp dir, named after the library path, and reused by
 /// later calls and runs.
 pub fn install_dir() -> Result<PathBuf> {
@@ -96,7 +96,7 @@ pub fn install_dir() -> Result<PathBuf> {
         fnv1a(real.as_os_str().as_encoded_bytes())
     ));
     std::fs::create_dir_all(&dir).map_err(|e| io("cannot create the link directory", e))?;
-    for name in [crate::ACL_LIBRARY, crate::HCCL_LIBRARY] {
+    for name in [crate::ACL_LIBRARY, crate::HCCL_LIBRARY, crate::HIXL_LIBRARY] {
         link(&real, &dir.join(name)).map_err(|e| io("cannot link it", e))?;
     }
     *cached = Some(dir.clone());

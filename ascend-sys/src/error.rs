@@ -29,6 +29,18 @@ fn list(attempts: &[LoadAttempt]) -> String {
         .collect::<String>()
 }
 
+impl Error {
+    /// The `HixlStatus` of a failed HIXL call, `None` for other errors.
+    /// `HIXL_FAILED` and `HIXL_TIMEOUT` from a batch call leave a HIXL
+    /// client unusable (recreate it); `HIXL_PARAM_INVALID` does not.
+    pub fn hixl_status(&self) -> Option<u32> {
+        match self {
+            Error::Hixl { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
 /// Everything that can go wrong in ascend-sys.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -53,6 +65,20 @@ pub enum Error {
         /// `HcclGetErrorString` for the status.
         description: String,
         /// Detail from `aclGetRecentErrMsg`, or a note that there was none.
+        message: String,
+    },
+    /// A HIXL call (`libcann_hixl.so`) returned a failure status.
+    #[error("{call} failed with HIXL status {code} ({name}): {message}")]
+    Hixl {
+        /// The C function that failed.
+        call: &'static str,
+        /// Its `HixlStatus`.
+        code: u32,
+        /// The status's name (`HIXL_PARAM_INVALID`, ...; see
+        /// [`crate::result::hixl_status_name`]), or "unknown HixlStatus".
+        name: &'static str,
+        /// Detail from `aclGetRecentErrMsg`, or a note that there was none
+        /// (HIXL itself has no error-text function; it logs).
         message: String,
     },
     /// A CANN library could not be found or opened.

@@ -9,7 +9,9 @@
 //!   and the library's own text (`aclGetRecentErrMsg`, `HcclGetErrorString`).
 //! - safe wrappers: [`Acl`], [`Device`], [`DeviceBuffer`], [`HostBuffer`],
 //!   [`Stream`], [`Event`], [`Completion`], [`Comm`], [`RegisteredMem`],
-//!   [`RemoteMem`].
+//!   [`RemoteMem`], and HIXL's client/server API ([`Hixl`],
+//!   [`HixlServer`], [`HixlClient`]; `libcann_hixl.so`, optional, loaded
+//!   on first use by [`Acl::hixl`]).
 //!
 //! The libraries are found by [`search_locations`] (first
 //! `ASCEND_PD_CANN_LIB_DIR`) or given explicitly with
@@ -26,6 +28,7 @@ mod acl;
 pub mod emulator;
 mod error;
 mod hccl;
+mod hixl;
 pub mod link;
 mod loader;
 mod memory;
@@ -51,6 +54,11 @@ pub use hccl::{
     batch_op_limit_for_soc, Comm, MemDescriptor, MemKind, OneSidedOp, RegisteredMem, RemoteMem,
     RootInfo, BATCH_OP_LIMIT, BATCH_OP_LIMIT_ASCEND950, BATCH_OP_LIMIT_ENV, MEM_DESCRIPTOR_LEN,
     REGISTRATION_LIMIT, ROOT_INFO_LEN,
+};
+pub use hixl::{
+    Hixl, HixlClient, HixlEndpoint, HixlMemId, HixlOp, HixlProtocol, HixlRemoteMem, HixlServer,
+    HixlTransfer, HixlTransferState, EMU_SERVER_PORT_SYMBOL, HIXL_LIBRARY,
+    HIXL_OPS_IN_FLIGHT_LIMIT,
 };
 pub use loader::{
     available, search_locations, CannLibraries, SearchLocation, ACL_LIBRARY,

@@ -12,12 +12,18 @@
 //! resolve them, in `libhcomm.so` next to it. [`CannLibraries::one_sided_path`]
 //! says which library served them.
 //!
+//! `libcann_hixl.so` (HIXL, optional) is opened on first use
+//! ([`crate::Acl::hixl`]): next to libascendcl.so first, then in the same
+//! order; when the libraries are the emulator, only next to it.
+//!
 //! `ASCEND_PD_CANN_LIB_DIR=emulator` loads the CANN emulator (ascend-emu)
 //! instead, and only it (see [`crate::emulator`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, LoadAttempt, Result};
+use crate::hixl::{HixlShared, HIXL_LIBRARY};
 use crate::sys;
 
 /// File name of the ACL runtime library.
@@ -117,6 +123,39 @@ fn missing_hccl_symbol(lib: &sys::HcclLib) -> Option<&'static str> {
     required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
 }
 
+/// HIXL functions ascend-pd needs; the synchronous batch calls are optional.
+fn missing_hixl_symbol(lib: &sys::HixlLib) -> Option<&'static str> {
+    let required: [(&'static str, bool); 14] = [
+        ("HixlCSServerCreate", lib.HixlCSServerCreate.is_ok()),
+        ("HixlCSServerRegMem", lib.HixlCSServerRegMem.is_ok()),
+        ("HixlCSServerListen", lib.HixlCSServerListen.is_ok()),
+        ("HixlCSServerUnregMem", lib.HixlCSServerUnregMem.is_ok()),
+        ("HixlCSServerDestroy", lib.HixlCSServerDestroy.is_ok()),
+        ("HixlCSClientCreate", lib.HixlCSClientCreate.is_ok()),
+        ("HixlCSClientConnect", lib.HixlCSClientConnect.is_ok()),
+        (
+            "HixlCSClientGetRemoteMem",
+            lib.HixlCSClientGetRemoteMem.is_ok(),
+        ),
+        ("HixlCSClientRegMem", lib.HixlCSClientRegMem.is_ok()),
+        ("HixlCSClientUnregMem", lib.HixlCSClientUnregMem.is_ok()),
+        (
+            "HixlCSClientBatchPutAsync",
+            lib.HixlCSClientBatchPutAsync.is_ok(),
+        ),
+        (
+            "HixlCSClientBatchGetAsync",
+            lib.HixlCSClientBatchGetAsync.is_ok(),
+        ),
+        (
+            "HixlCSClientQueryCompleteStatus",
+            lib.HixlCSClientQueryCompleteStatus.is_ok(),
+        ),
+        ("HixlCSClientDestroy", lib.HixlCSClientDestroy.is_ok()),
+    ];
+    required.iter().find(|(_, ok)| !ok).map(|(name, _)| *name)
+}
+
 /// Whether a table resolves every one-sided function.
 fn has_one_sided(lib: &sys::HcclLib) -> bool {
     lib.HcclRegisterMem.is_ok()
@@ -178,6 +217,11 @@ fn open_acl(path: &Path) -> std::result::Result<sys::AclLib, libloading::Error> 
 fn open_hccl(path: &Path) -> std::result::Result<sys::HcclLib, libloading::Error> {
     // SAFETY: as in open_acl, for libhccl.so.
     unsafe { sys::HcclLib::new(path) }
+}
+
+fn open_hixl(path: &Path) -> std::result::Result<sys::HixlLib, libloading::Error> {
+    // SAFETY: as in open_acl, for libcann_hixl.so.
+    unsafe { sys::HixlLib::new(path) }
 }
 
 /// Searches `candidates` (`None` = system loader) for `library`.
@@ -242,8 +286,34 @@ impl HcclMissing {
     }
 }
 
+/// Why libcann_hixl.so is not usable, kept so every later request reports it.
+#[derive(Debug, Clone)]
+enum HixlMissing {
+    NotFound(Vec<LoadAttempt>),
+    MissingSymbol(PathBuf, &'static str),
+}
+
+/// What [`Error::Unsupported`] says when libcann_hixl.so is nowhere to be found.
+pub(crate) const HIXL_NOT_FOUND: &str =
+    "libcann_hixl.so (HIXL; it ships with CANN 9.1 or later, or as the separate hixl package: \
+     install it into the CANN lib64 directory next to libascendcl.so, or into a directory of \
+     the CANN search order such as ASCEND_PD_CANN_LIB_DIR)";
+
+impl HixlMissing {
+    fn to_error(&self) -> Error {
+        match self {
+            HixlMissing::NotFound(_) => Error::Unsupported(HIXL_NOT_FOUND),
+            HixlMissing::MissingSymbol(path, symbol) => Error::MissingSymbol {
+                path: path.clone(),
+                symbol,
+            },
+        }
+    }
+}
+
 /// The opened CANN libraries. libascendcl.so is required; libhccl.so is
-/// optional until a communicator is needed.
+/// optional until a communicator is needed; libcann_hixl.so is opened on
+/// first request only.
 pub struct CannLibraries {
     acl: sys::AclLib,
     acl_path: PathBuf,
@@ -251,6 +321,13 @@ pub struct CannLibraries {
     /// libhcomm.so, opened only when libhccl.so does not resolve the
     /// one-sided functions and libhcomm.so does.
     hcomm: Option<(sys::HcclLib, PathBuf)>,
+    /// The candidates searched, in order, for libraries other than
+    /// libascendcl.so (`None` = the system loader), and the unset
+    /// variables among the search locations.
+    candidates: Vec<Option<PathBuf>>,
+    unset: Vec<&'static str>,
+    /// libcann_hixl.so, once asked for.
+    hixl: OnceLock<std::result::Result<Arc<HixlShared>, HixlMissing>>,
 }
 
 impl std::fmt::Debug for CannLibraries {
@@ -259,6 +336,7 @@ impl std::fmt::Debug for CannLibraries {
             .field("acl_path", &self.acl_path)
             .field("hccl_path", &self.hccl_path())
             .field("one_sided_path", &self.one_sided_path())
+            .field("hixl_path", &self.hixl_path())
             .finish()
     }
 }
@@ -277,13 +355,21 @@ impl CannLibraries {
             missing_hccl_symbol,
         )
         .map_err(HcclMissing::from_error);
-        Ok(CannLibraries::assemble(acl, acl_path, hccl))
+        Ok(CannLibraries::assemble(
+            acl,
+            acl_path,
+            hccl,
+            candidates.to_vec(),
+            Vec::new(),
+        ))
     }
 
     fn assemble(
         acl: sys::AclLib,
         acl_path: PathBuf,
         hccl: std::result::Result<(sys::HcclLib, PathBuf), HcclMissing>,
+        candidates: Vec<Option<PathBuf>>,
+        unset: Vec<&'static str>,
     ) -> CannLibraries {
         let hcomm = match &hccl {
             Ok((lib, path)) if !has_one_sided(lib) => open_hcomm_near(path),
@@ -294,6 +380,9 @@ impl CannLibraries {
             acl_path,
             hccl,
             hcomm,
+            candidates,
+            unset,
+            hixl: OnceLock::new(),
         }
     }
 
@@ -344,7 +433,13 @@ impl CannLibraries {
             missing_hccl_symbol,
         )
         .map_err(HcclMissing::from_error);
-        Ok(CannLibraries::assemble(acl, acl_path, hccl))
+        Ok(CannLibraries::assemble(
+            acl,
+            acl_path,
+            hccl,
+            hccl_candidates,
+            unset,
+        ))
     }
 
     /// The libascendcl.so that was loaded.
@@ -379,6 +474,77 @@ impl CannLibraries {
     /// CANN's libraries).
     pub fn is_emulator(&self) -> bool {
         crate::emulator::is_emulator_library(&self.acl_path)
+    }
+
+    /// libcann_hixl.so, opened on the first call (next to libascendcl.so
+    /// first, then where libhccl.so was searched; the emulator: only next
+    /// to it) and kept. Absent: [`Error::Unsupported`] saying what to
+    /// install; lacking a required function: [`Error::MissingSymbol`].
+    pub(crate) fn hixl(&self) -> Result<Arc<HixlShared>> {
+        self.hixl
+            .get_or_init(|| self.open_hixl())
+            .clone()
+            .map_err(|m| m.to_error())
+    }
+
+    /// Loads libcann_hixl.so if not done yet (see [`crate::Acl::hixl`]);
+    /// `Ok` when it is usable, otherwise why not.
+    pub fn hixl_status(&self) -> Result<()> {
+        self.hixl().map(drop)
+    }
+
+    /// The libcann_hixl.so that was loaded, if it has been asked for and
+    /// loaded.
+    pub fn hixl_path(&self) -> Option<&Path> {
+        match self.hixl.get() {
+            Some(Ok(shared)) => Some(shared.path()),
+            _ => None,
+        }
+    }
+
+    /// Where libcann_hixl.so was looked for and why each place failed,
+    /// once it has been asked for and was not found (empty otherwise).
+    pub fn hixl_attempts(&self) -> Vec<LoadAttempt> {
+        match self.hixl.get() {
+            Some(Err(HixlMissing::NotFound(attempts))) => attempts.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn open_hixl(&self) -> std::result::Result<Arc<HixlShared>, HixlMissing> {
+        let mut candidates = Vec::new();
+        if self.acl_path.is_absolute() {
+            candidates.push(self.acl_path.parent().map(Path::to_path_buf));
+        }
+        if !self.is_emulator() {
+            for c in &self.candidates {
+                if !candidates.contains(c) {
+                    candidates.push(c.clone());
+                }
+            }
+        }
+        let unset = if self.is_emulator() {
+            &[][..]
+        } else {
+            &self.unset[..]
+        };
+        match search(
+            HIXL_LIBRARY,
+            &candidates,
+            unset,
+            open_hixl,
+            missing_hixl_symbol,
+        ) {
+            Ok((lib, path)) => Ok(Arc::new(HixlShared::new(lib, path, self.is_emulator()))),
+            Err(Error::MissingSymbol { path, symbol }) => {
+                Err(HixlMissing::MissingSymbol(path, symbol))
+            }
+            Err(Error::LibraryNotFound { attempts, .. }) => Err(HixlMissing::NotFound(attempts)),
+            Err(other) => Err(HixlMissing::NotFound(vec![LoadAttempt {
+                path: PathBuf::from(HIXL_LIBRARY),
+                outcome: other.to_string(),
+            }])),
+        }
     }
 
     /// The table the one-sided functions are called through.

@@ -68,6 +68,17 @@ pub fn hccl_error_name(code: u32) -> Option<&'static str> {
     })
 }
 
+/// Name of a `HixlStatus` (the four codes HIXL defines).
+pub fn hixl_status_name(code: u32) -> Option<&'static str> {
+    Some(match code {
+        sys::HIXL_SUCCESS => "HIXL_SUCCESS",
+        sys::HIXL_PARAM_INVALID => "HIXL_PARAM_INVALID",
+        sys::HIXL_TIMEOUT => "HIXL_TIMEOUT",
+        sys::HIXL_FAILED => "HIXL_FAILED",
+        _ => return None,
+    })
+}
+
 const NO_MESSAGE: &str = "(the library gave no further message)";
 
 /// Turns an ACL status into a `Result`; `recent` supplies the runtime's text.
@@ -113,6 +124,25 @@ pub(crate) fn hccl_result(
         call,
         code,
         description,
+        message: recent()
+            .filter(|t| !t.trim().is_empty())
+            .unwrap_or_else(|| NO_MESSAGE.to_string()),
+    })
+}
+
+/// Turns a HIXL status into a `Result`; `recent` supplies the latest text.
+pub(crate) fn hixl_result(
+    call: &'static str,
+    code: sys::HixlStatus,
+    recent: impl FnOnce() -> Option<String>,
+) -> Result<()> {
+    if code == sys::HIXL_SUCCESS {
+        return Ok(());
+    }
+    Err(Error::Hixl {
+        call,
+        code,
+        name: hixl_status_name(code).unwrap_or("unknown HixlStatus"),
         message: recent()
             .filter(|t| !t.trim().is_empty())
             .unwrap_or_else(|| NO_MESSAGE.to_string()),
@@ -280,6 +310,29 @@ mod tests {
         assert_eq!(hccl_error_name(25), None);
         // Every value 0..=24 of CANN 8.5 has a name; 25..1041 are unused.
         assert!((0..=24).all(|c| hccl_error_name(c).is_some()));
+    }
+
+    #[test]
+    fn hixl_failure_names_status_and_keeps_text() {
+        let err = hixl_result("HixlCSClientBatchGetAsync", 103_900, || {
+            Some("op 2: remote range outside every region".into())
+        })
+        .unwrap_err();
+        assert_eq!(err.hixl_status(), Some(103_900));
+        assert_eq!(
+            err.to_string(),
+            "HixlCSClientBatchGetAsync failed with HIXL status 103900 (HIXL_PARAM_INVALID): \
+             op 2: remote range outside every region"
+        );
+        let err = hixl_result("HixlCSClientConnect", 7, || None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "HixlCSClientConnect failed with HIXL status 7 (unknown HixlStatus): \
+             (the library gave no further message)"
+        );
+        assert!(hixl_result("HixlCSServerListen", 0, || None).is_ok());
+        assert_eq!(hixl_status_name(103_901), Some("HIXL_TIMEOUT"));
+        assert_eq!(hixl_status_name(503_900), Some("HIXL_FAILED"));
     }
 
     #[test]

@@ -19,6 +19,10 @@ pub const ACL_ERROR_RT_STREAM_SYNC_TIMEOUT: ::core::ffi::c_int = 507046;
 pub const ACL_ERROR_RT_EVENT_SYNC_TIMEOUT: ::core::ffi::c_int = 507047;
 pub const HCCL_ROOT_INFO_BYTES: u32 = 4108;
 pub const HCCL_MEM_DESC_LENGTH: u32 = 511;
+pub const HIXL_SUCCESS: u32 = 0;
+pub const HIXL_PARAM_INVALID: u32 = 103900;
+pub const HIXL_TIMEOUT: u32 = 103901;
+pub const HIXL_FAILED: u32 = 503900;
 pub type aclError = ::core::ffi::c_int;
 pub type aclrtStream = *mut ::core::ffi::c_void;
 pub type aclrtEvent = *mut ::core::ffi::c_void;
@@ -242,6 +246,467 @@ impl Default for HcclOneSideOpDesc {
         }
     }
 }
+pub const COMM_PROTOCOL_RESERVED: CommProtocol = -1;
+pub const COMM_PROTOCOL_HCCS: CommProtocol = 0;
+pub const COMM_PROTOCOL_ROCE: CommProtocol = 1;
+pub const COMM_PROTOCOL_PCIE: CommProtocol = 2;
+pub const COMM_PROTOCOL_SIO: CommProtocol = 3;
+pub const COMM_PROTOCOL_UBC_CTP: CommProtocol = 4;
+pub const COMM_PROTOCOL_UBC_TP: CommProtocol = 5;
+pub const COMM_PROTOCOL_UB_MEM: CommProtocol = 6;
+pub const COMM_PROTOCOL_UBOE: CommProtocol = 7;
+pub type CommProtocol = ::core::ffi::c_int;
+pub const COMM_ADDR_TYPE_RESERVED: CommAddrType = -1;
+pub const COMM_ADDR_TYPE_IP_V4: CommAddrType = 0;
+pub const COMM_ADDR_TYPE_IP_V6: CommAddrType = 1;
+pub const COMM_ADDR_TYPE_ID: CommAddrType = 2;
+pub const COMM_ADDR_TYPE_EID: CommAddrType = 3;
+pub type CommAddrType = ::core::ffi::c_int;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct CommAddr {
+    pub type_: CommAddrType,
+    pub __bindgen_anon_1: CommAddr__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub union CommAddr__bindgen_ty_1 {
+    pub raws: [u8; 36usize],
+    pub addr: u32,
+    pub addr6: [u32; 4usize],
+    pub id: u32,
+    pub eid: [u8; 16usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of CommAddr__bindgen_ty_1",
+    ][::core::mem::size_of::<CommAddr__bindgen_ty_1>() - 36usize];
+    [
+        "Alignment of CommAddr__bindgen_ty_1",
+    ][::core::mem::align_of::<CommAddr__bindgen_ty_1>() - 4usize];
+    [
+        "Offset of field: CommAddr__bindgen_ty_1::raws",
+    ][::core::mem::offset_of!(CommAddr__bindgen_ty_1, raws) - 0usize];
+    [
+        "Offset of field: CommAddr__bindgen_ty_1::addr",
+    ][::core::mem::offset_of!(CommAddr__bindgen_ty_1, addr) - 0usize];
+    [
+        "Offset of field: CommAddr__bindgen_ty_1::addr6",
+    ][::core::mem::offset_of!(CommAddr__bindgen_ty_1, addr6) - 0usize];
+    [
+        "Offset of field: CommAddr__bindgen_ty_1::id",
+    ][::core::mem::offset_of!(CommAddr__bindgen_ty_1, id) - 0usize];
+    [
+        "Offset of field: CommAddr__bindgen_ty_1::eid",
+    ][::core::mem::offset_of!(CommAddr__bindgen_ty_1, eid) - 0usize];
+};
+impl Default for CommAddr__bindgen_ty_1 {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CommAddr"][::core::mem::size_of::<CommAddr>() - 40usize];
+    ["Alignment of CommAddr"][::core::mem::align_of::<CommAddr>() - 4usize];
+    [
+        "Offset of field: CommAddr::type_",
+    ][::core::mem::offset_of!(CommAddr, type_) - 0usize];
+};
+impl Default for CommAddr {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub const ENDPOINT_LOC_TYPE_RESERVED: EndpointLocType = -1;
+pub const ENDPOINT_LOC_TYPE_DEVICE: EndpointLocType = 0;
+pub const ENDPOINT_LOC_TYPE_HOST: EndpointLocType = 1;
+pub type EndpointLocType = ::core::ffi::c_int;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct EndpointLoc {
+    pub locType: EndpointLocType,
+    pub __bindgen_anon_1: EndpointLoc__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub union EndpointLoc__bindgen_ty_1 {
+    pub raws: [u8; 60usize],
+    pub device: EndpointLoc__bindgen_ty_1__bindgen_ty_1,
+    pub host: EndpointLoc__bindgen_ty_1__bindgen_ty_2,
+}
+#[repr(C)]
+#[derive(Default, Copy, Clone)]
+pub struct EndpointLoc__bindgen_ty_1__bindgen_ty_1 {
+    pub devPhyId: u32,
+    pub superDevId: u32,
+    pub serverIdx: u32,
+    pub superPodIdx: u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of EndpointLoc__bindgen_ty_1__bindgen_ty_1",
+    ][::core::mem::size_of::<EndpointLoc__bindgen_ty_1__bindgen_ty_1>() - 16usize];
+    [
+        "Alignment of EndpointLoc__bindgen_ty_1__bindgen_ty_1",
+    ][::core::mem::align_of::<EndpointLoc__bindgen_ty_1__bindgen_ty_1>() - 4usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1__bindgen_ty_1::devPhyId",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1__bindgen_ty_1, devPhyId)
+        - 0usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1__bindgen_ty_1::superDevId",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1__bindgen_ty_1, superDevId)
+        - 4usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1__bindgen_ty_1::serverIdx",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1__bindgen_ty_1, serverIdx)
+        - 8usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1__bindgen_ty_1::superPodIdx",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1__bindgen_ty_1, superPodIdx)
+        - 12usize];
+};
+#[repr(C)]
+#[derive(Default, Copy, Clone)]
+pub struct EndpointLoc__bindgen_ty_1__bindgen_ty_2 {
+    pub id: u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of EndpointLoc__bindgen_ty_1__bindgen_ty_2",
+    ][::core::mem::size_of::<EndpointLoc__bindgen_ty_1__bindgen_ty_2>() - 4usize];
+    [
+        "Alignment of EndpointLoc__bindgen_ty_1__bindgen_ty_2",
+    ][::core::mem::align_of::<EndpointLoc__bindgen_ty_1__bindgen_ty_2>() - 4usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1__bindgen_ty_2::id",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1__bindgen_ty_2, id) - 0usize];
+};
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of EndpointLoc__bindgen_ty_1",
+    ][::core::mem::size_of::<EndpointLoc__bindgen_ty_1>() - 60usize];
+    [
+        "Alignment of EndpointLoc__bindgen_ty_1",
+    ][::core::mem::align_of::<EndpointLoc__bindgen_ty_1>() - 4usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1::raws",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1, raws) - 0usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1::device",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1, device) - 0usize];
+    [
+        "Offset of field: EndpointLoc__bindgen_ty_1::host",
+    ][::core::mem::offset_of!(EndpointLoc__bindgen_ty_1, host) - 0usize];
+};
+impl Default for EndpointLoc__bindgen_ty_1 {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of EndpointLoc"][::core::mem::size_of::<EndpointLoc>() - 64usize];
+    ["Alignment of EndpointLoc"][::core::mem::align_of::<EndpointLoc>() - 4usize];
+    [
+        "Offset of field: EndpointLoc::locType",
+    ][::core::mem::offset_of!(EndpointLoc, locType) - 0usize];
+};
+impl Default for EndpointLoc {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct EndpointDesc {
+    pub protocol: CommProtocol,
+    pub commAddr: CommAddr,
+    pub loc: EndpointLoc,
+    pub __bindgen_anon_1: EndpointDesc__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub union EndpointDesc__bindgen_ty_1 {
+    pub raws: [u8; 52usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of EndpointDesc__bindgen_ty_1",
+    ][::core::mem::size_of::<EndpointDesc__bindgen_ty_1>() - 52usize];
+    [
+        "Alignment of EndpointDesc__bindgen_ty_1",
+    ][::core::mem::align_of::<EndpointDesc__bindgen_ty_1>() - 1usize];
+    [
+        "Offset of field: EndpointDesc__bindgen_ty_1::raws",
+    ][::core::mem::offset_of!(EndpointDesc__bindgen_ty_1, raws) - 0usize];
+};
+impl Default for EndpointDesc__bindgen_ty_1 {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of EndpointDesc"][::core::mem::size_of::<EndpointDesc>() - 160usize];
+    ["Alignment of EndpointDesc"][::core::mem::align_of::<EndpointDesc>() - 4usize];
+    [
+        "Offset of field: EndpointDesc::protocol",
+    ][::core::mem::offset_of!(EndpointDesc, protocol) - 0usize];
+    [
+        "Offset of field: EndpointDesc::commAddr",
+    ][::core::mem::offset_of!(EndpointDesc, commAddr) - 4usize];
+    [
+        "Offset of field: EndpointDesc::loc",
+    ][::core::mem::offset_of!(EndpointDesc, loc) - 44usize];
+};
+impl Default for EndpointDesc {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub const COMM_MEM_TYPE_INVALID: CommMemType = -1;
+pub const COMM_MEM_TYPE_DEVICE: CommMemType = 0;
+pub const COMM_MEM_TYPE_HOST: CommMemType = 1;
+pub type CommMemType = ::core::ffi::c_int;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct CommMem {
+    pub type_: CommMemType,
+    pub addr: *mut ::core::ffi::c_void,
+    pub size: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CommMem"][::core::mem::size_of::<CommMem>() - 24usize];
+    ["Alignment of CommMem"][::core::mem::align_of::<CommMem>() - 8usize];
+    [
+        "Offset of field: CommMem::type_",
+    ][::core::mem::offset_of!(CommMem, type_) - 0usize];
+    ["Offset of field: CommMem::addr"][::core::mem::offset_of!(CommMem, addr) - 8usize];
+    ["Offset of field: CommMem::size"][::core::mem::offset_of!(CommMem, size) - 16usize];
+};
+impl Default for CommMem {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type HixlServerHandle = *mut ::core::ffi::c_void;
+pub type HixlClientHandle = *mut ::core::ffi::c_void;
+pub type CompleteHandle = *mut ::core::ffi::c_void;
+pub type MemHandle = *mut ::core::ffi::c_void;
+pub type HixlStatus = u32;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct HixlServerConfig {
+    pub global_resource_config: *const ::core::ffi::c_char,
+    pub reserved: [u8; 120usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of HixlServerConfig"][::core::mem::size_of::<HixlServerConfig>() - 128usize];
+    [
+        "Alignment of HixlServerConfig",
+    ][::core::mem::align_of::<HixlServerConfig>() - 8usize];
+    [
+        "Offset of field: HixlServerConfig::global_resource_config",
+    ][::core::mem::offset_of!(HixlServerConfig, global_resource_config) - 0usize];
+    [
+        "Offset of field: HixlServerConfig::reserved",
+    ][::core::mem::offset_of!(HixlServerConfig, reserved) - 8usize];
+};
+impl Default for HixlServerConfig {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct HixlClientConfig {
+    pub global_resource_config: *const ::core::ffi::c_char,
+    pub reserved: [u8; 120usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of HixlClientConfig"][::core::mem::size_of::<HixlClientConfig>() - 128usize];
+    [
+        "Alignment of HixlClientConfig",
+    ][::core::mem::align_of::<HixlClientConfig>() - 8usize];
+    [
+        "Offset of field: HixlClientConfig::global_resource_config",
+    ][::core::mem::offset_of!(HixlClientConfig, global_resource_config) - 0usize];
+    [
+        "Offset of field: HixlClientConfig::reserved",
+    ][::core::mem::offset_of!(HixlClientConfig, reserved) - 8usize];
+};
+impl Default for HixlClientConfig {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct HixlClientDesc {
+    pub local_endpoint: *const EndpointDesc,
+    pub remote_endpoint: *const EndpointDesc,
+    pub server_ip: *const ::core::ffi::c_char,
+    pub server_port: u32,
+    pub tc: u8,
+    pub sl: u8,
+    pub reserved: [u8; 98usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of HixlClientDesc"][::core::mem::size_of::<HixlClientDesc>() - 128usize];
+    ["Alignment of HixlClientDesc"][::core::mem::align_of::<HixlClientDesc>() - 8usize];
+    [
+        "Offset of field: HixlClientDesc::local_endpoint",
+    ][::core::mem::offset_of!(HixlClientDesc, local_endpoint) - 0usize];
+    [
+        "Offset of field: HixlClientDesc::remote_endpoint",
+    ][::core::mem::offset_of!(HixlClientDesc, remote_endpoint) - 8usize];
+    [
+        "Offset of field: HixlClientDesc::server_ip",
+    ][::core::mem::offset_of!(HixlClientDesc, server_ip) - 16usize];
+    [
+        "Offset of field: HixlClientDesc::server_port",
+    ][::core::mem::offset_of!(HixlClientDesc, server_port) - 24usize];
+    [
+        "Offset of field: HixlClientDesc::tc",
+    ][::core::mem::offset_of!(HixlClientDesc, tc) - 28usize];
+    [
+        "Offset of field: HixlClientDesc::sl",
+    ][::core::mem::offset_of!(HixlClientDesc, sl) - 29usize];
+    [
+        "Offset of field: HixlClientDesc::reserved",
+    ][::core::mem::offset_of!(HixlClientDesc, reserved) - 30usize];
+};
+impl Default for HixlClientDesc {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct HixlServerDesc {
+    pub endpoint_list: *const EndpointDesc,
+    pub server_ip: *const ::core::ffi::c_char,
+    pub server_port: u32,
+    pub endpoint_list_num: u32,
+    pub reserved: [u8; 104usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of HixlServerDesc"][::core::mem::size_of::<HixlServerDesc>() - 128usize];
+    ["Alignment of HixlServerDesc"][::core::mem::align_of::<HixlServerDesc>() - 8usize];
+    [
+        "Offset of field: HixlServerDesc::endpoint_list",
+    ][::core::mem::offset_of!(HixlServerDesc, endpoint_list) - 0usize];
+    [
+        "Offset of field: HixlServerDesc::server_ip",
+    ][::core::mem::offset_of!(HixlServerDesc, server_ip) - 8usize];
+    [
+        "Offset of field: HixlServerDesc::server_port",
+    ][::core::mem::offset_of!(HixlServerDesc, server_port) - 16usize];
+    [
+        "Offset of field: HixlServerDesc::endpoint_list_num",
+    ][::core::mem::offset_of!(HixlServerDesc, endpoint_list_num) - 20usize];
+    [
+        "Offset of field: HixlServerDesc::reserved",
+    ][::core::mem::offset_of!(HixlServerDesc, reserved) - 24usize];
+};
+impl Default for HixlServerDesc {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct HixlOneSideOpDesc {
+    pub remote_buf: *mut ::core::ffi::c_void,
+    pub local_buf: *mut ::core::ffi::c_void,
+    pub len: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of HixlOneSideOpDesc"][::core::mem::size_of::<HixlOneSideOpDesc>() - 24usize];
+    [
+        "Alignment of HixlOneSideOpDesc",
+    ][::core::mem::align_of::<HixlOneSideOpDesc>() - 8usize];
+    [
+        "Offset of field: HixlOneSideOpDesc::remote_buf",
+    ][::core::mem::offset_of!(HixlOneSideOpDesc, remote_buf) - 0usize];
+    [
+        "Offset of field: HixlOneSideOpDesc::local_buf",
+    ][::core::mem::offset_of!(HixlOneSideOpDesc, local_buf) - 8usize];
+    [
+        "Offset of field: HixlOneSideOpDesc::len",
+    ][::core::mem::offset_of!(HixlOneSideOpDesc, len) - 16usize];
+};
+impl Default for HixlOneSideOpDesc {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub const HIXL_COMPLETE_STATUS_WAITING: HixlCompleteStatus = 0;
+pub const HIXL_COMPLETE_STATUS_COMPLETED: HixlCompleteStatus = 1;
+pub const HIXL_COMPLETE_STATUS_TIMEOUT: HixlCompleteStatus = 2;
+pub const HIXL_COMPLETE_STATUS_FAILED: HixlCompleteStatus = 3;
+pub type HixlCompleteStatus = ::core::ffi::c_uint;
 
 // ---- libascendcl.so ----
 
@@ -867,5 +1332,401 @@ impl HcclLib {
             .expect(
                 "Expected function, got error.",
             ))(comm, remoteRank, desc, descNum, stream)
+    }
+}
+
+// ---- libcann_hixl.so ----
+
+/* automatically generated by rust-bindgen 0.72.1 */
+
+pub struct HixlLib {
+    __library: ::libloading::Library,
+    pub HixlCSServerCreate: Result<
+        unsafe extern "C" fn(
+            server_desc: *const HixlServerDesc,
+            config: *const HixlServerConfig,
+            server_handle: *mut HixlServerHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSServerRegMem: Result<
+        unsafe extern "C" fn(
+            server_handle: HixlServerHandle,
+            mem_tag: *const ::core::ffi::c_char,
+            mem: *const CommMem,
+            mem_handle: *mut MemHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSServerListen: Result<
+        unsafe extern "C" fn(
+            server_handle: HixlServerHandle,
+            backlog: u32,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSServerUnregMem: Result<
+        unsafe extern "C" fn(
+            server_handle: HixlServerHandle,
+            mem_handle: MemHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSServerDestroy: Result<
+        unsafe extern "C" fn(server_handle: HixlServerHandle) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientCreate: Result<
+        unsafe extern "C" fn(
+            client_desc: *const HixlClientDesc,
+            config: *const HixlClientConfig,
+            client_handle: *mut HixlClientHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientConnect: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            timeout_ms: u32,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientGetRemoteMem: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            remote_mem_list: *mut *mut CommMem,
+            mem_tag_list: *mut *mut *mut ::core::ffi::c_char,
+            list_num: *mut u32,
+            timeout_ms: u32,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientRegMem: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            mem_tag: *const ::core::ffi::c_char,
+            mem: *const CommMem,
+            mem_handle: *mut MemHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientUnregMem: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            mem_handle: MemHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientBatchPutAsync: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            list_num: u32,
+            desc_list: *const HixlOneSideOpDesc,
+            complete_handle: *mut CompleteHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientBatchGetAsync: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            list_num: u32,
+            desc_list: *const HixlOneSideOpDesc,
+            complete_handle: *mut CompleteHandle,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientBatchPutSync: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            list_num: u32,
+            desc_list: *const HixlOneSideOpDesc,
+            timeout_ms: u32,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientBatchGetSync: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            list_num: u32,
+            desc_list: *const HixlOneSideOpDesc,
+            timeout_ms: u32,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientQueryCompleteStatus: Result<
+        unsafe extern "C" fn(
+            client_handle: HixlClientHandle,
+            complete_handle: CompleteHandle,
+            complete_status: *mut HixlCompleteStatus,
+        ) -> HixlStatus,
+        ::libloading::Error,
+    >,
+    pub HixlCSClientDestroy: Result<
+        unsafe extern "C" fn(client_handle: HixlClientHandle) -> HixlStatus,
+        ::libloading::Error,
+    >,
+}
+impl HixlLib {
+    pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
+    where
+        P: AsRef<::std::ffi::OsStr>,
+    {
+        let library = ::libloading::Library::new(path)?;
+        Self::from_library(library)
+    }
+    pub unsafe fn from_library<L>(library: L) -> Result<Self, ::libloading::Error>
+    where
+        L: Into<::libloading::Library>,
+    {
+        let __library = library.into();
+        let HixlCSServerCreate = __library.get(b"HixlCSServerCreate\0").map(|sym| *sym);
+        let HixlCSServerRegMem = __library.get(b"HixlCSServerRegMem\0").map(|sym| *sym);
+        let HixlCSServerListen = __library.get(b"HixlCSServerListen\0").map(|sym| *sym);
+        let HixlCSServerUnregMem = __library
+            .get(b"HixlCSServerUnregMem\0")
+            .map(|sym| *sym);
+        let HixlCSServerDestroy = __library
+            .get(b"HixlCSServerDestroy\0")
+            .map(|sym| *sym);
+        let HixlCSClientCreate = __library.get(b"HixlCSClientCreate\0").map(|sym| *sym);
+        let HixlCSClientConnect = __library
+            .get(b"HixlCSClientConnect\0")
+            .map(|sym| *sym);
+        let HixlCSClientGetRemoteMem = __library
+            .get(b"HixlCSClientGetRemoteMem\0")
+            .map(|sym| *sym);
+        let HixlCSClientRegMem = __library.get(b"HixlCSClientRegMem\0").map(|sym| *sym);
+        let HixlCSClientUnregMem = __library
+            .get(b"HixlCSClientUnregMem\0")
+            .map(|sym| *sym);
+        let HixlCSClientBatchPutAsync = __library
+            .get(b"HixlCSClientBatchPutAsync\0")
+            .map(|sym| *sym);
+        let HixlCSClientBatchGetAsync = __library
+            .get(b"HixlCSClientBatchGetAsync\0")
+            .map(|sym| *sym);
+        let HixlCSClientBatchPutSync = __library
+            .get(b"HixlCSClientBatchPutSync\0")
+            .map(|sym| *sym);
+        let HixlCSClientBatchGetSync = __library
+            .get(b"HixlCSClientBatchGetSync\0")
+            .map(|sym| *sym);
+        let HixlCSClientQueryCompleteStatus = __library
+            .get(b"HixlCSClientQueryCompleteStatus\0")
+            .map(|sym| *sym);
+        let HixlCSClientDestroy = __library
+            .get(b"HixlCSClientDestroy\0")
+            .map(|sym| *sym);
+        Ok(HixlLib {
+            __library,
+            HixlCSServerCreate,
+            HixlCSServerRegMem,
+            HixlCSServerListen,
+            HixlCSServerUnregMem,
+            HixlCSServerDestroy,
+            HixlCSClientCreate,
+            HixlCSClientConnect,
+            HixlCSClientGetRemoteMem,
+            HixlCSClientRegMem,
+            HixlCSClientUnregMem,
+            HixlCSClientBatchPutAsync,
+            HixlCSClientBatchGetAsync,
+            HixlCSClientBatchPutSync,
+            HixlCSClientBatchGetSync,
+            HixlCSClientQueryCompleteStatus,
+            HixlCSClientDestroy,
+        })
+    }
+    pub unsafe fn HixlCSServerCreate(
+        &self,
+        server_desc: *const HixlServerDesc,
+        config: *const HixlServerConfig,
+        server_handle: *mut HixlServerHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSServerCreate
+            .as_ref()
+            .expect("Expected function, got error."))(server_desc, config, server_handle)
+    }
+    pub unsafe fn HixlCSServerRegMem(
+        &self,
+        server_handle: HixlServerHandle,
+        mem_tag: *const ::core::ffi::c_char,
+        mem: *const CommMem,
+        mem_handle: *mut MemHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSServerRegMem
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(server_handle, mem_tag, mem, mem_handle)
+    }
+    pub unsafe fn HixlCSServerListen(
+        &self,
+        server_handle: HixlServerHandle,
+        backlog: u32,
+    ) -> HixlStatus {
+        (self
+            .HixlCSServerListen
+            .as_ref()
+            .expect("Expected function, got error."))(server_handle, backlog)
+    }
+    pub unsafe fn HixlCSServerUnregMem(
+        &self,
+        server_handle: HixlServerHandle,
+        mem_handle: MemHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSServerUnregMem
+            .as_ref()
+            .expect("Expected function, got error."))(server_handle, mem_handle)
+    }
+    pub unsafe fn HixlCSServerDestroy(
+        &self,
+        server_handle: HixlServerHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSServerDestroy
+            .as_ref()
+            .expect("Expected function, got error."))(server_handle)
+    }
+    pub unsafe fn HixlCSClientCreate(
+        &self,
+        client_desc: *const HixlClientDesc,
+        config: *const HixlClientConfig,
+        client_handle: *mut HixlClientHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientCreate
+            .as_ref()
+            .expect("Expected function, got error."))(client_desc, config, client_handle)
+    }
+    pub unsafe fn HixlCSClientConnect(
+        &self,
+        client_handle: HixlClientHandle,
+        timeout_ms: u32,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientConnect
+            .as_ref()
+            .expect("Expected function, got error."))(client_handle, timeout_ms)
+    }
+    pub unsafe fn HixlCSClientGetRemoteMem(
+        &self,
+        client_handle: HixlClientHandle,
+        remote_mem_list: *mut *mut CommMem,
+        mem_tag_list: *mut *mut *mut ::core::ffi::c_char,
+        list_num: *mut u32,
+        timeout_ms: u32,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientGetRemoteMem
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, remote_mem_list, mem_tag_list, list_num, timeout_ms)
+    }
+    pub unsafe fn HixlCSClientRegMem(
+        &self,
+        client_handle: HixlClientHandle,
+        mem_tag: *const ::core::ffi::c_char,
+        mem: *const CommMem,
+        mem_handle: *mut MemHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientRegMem
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, mem_tag, mem, mem_handle)
+    }
+    pub unsafe fn HixlCSClientUnregMem(
+        &self,
+        client_handle: HixlClientHandle,
+        mem_handle: MemHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientUnregMem
+            .as_ref()
+            .expect("Expected function, got error."))(client_handle, mem_handle)
+    }
+    pub unsafe fn HixlCSClientBatchPutAsync(
+        &self,
+        client_handle: HixlClientHandle,
+        list_num: u32,
+        desc_list: *const HixlOneSideOpDesc,
+        complete_handle: *mut CompleteHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientBatchPutAsync
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, list_num, desc_list, complete_handle)
+    }
+    pub unsafe fn HixlCSClientBatchGetAsync(
+        &self,
+        client_handle: HixlClientHandle,
+        list_num: u32,
+        desc_list: *const HixlOneSideOpDesc,
+        complete_handle: *mut CompleteHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientBatchGetAsync
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, list_num, desc_list, complete_handle)
+    }
+    pub unsafe fn HixlCSClientBatchPutSync(
+        &self,
+        client_handle: HixlClientHandle,
+        list_num: u32,
+        desc_list: *const HixlOneSideOpDesc,
+        timeout_ms: u32,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientBatchPutSync
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, list_num, desc_list, timeout_ms)
+    }
+    pub unsafe fn HixlCSClientBatchGetSync(
+        &self,
+        client_handle: HixlClientHandle,
+        list_num: u32,
+        desc_list: *const HixlOneSideOpDesc,
+        timeout_ms: u32,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientBatchGetSync
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, list_num, desc_list, timeout_ms)
+    }
+    pub unsafe fn HixlCSClientQueryCompleteStatus(
+        &self,
+        client_handle: HixlClientHandle,
+        complete_handle: CompleteHandle,
+        complete_status: *mut HixlCompleteStatus,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientQueryCompleteStatus
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(client_handle, complete_handle, complete_status)
+    }
+    pub unsafe fn HixlCSClientDestroy(
+        &self,
+        client_handle: HixlClientHandle,
+    ) -> HixlStatus {
+        (self
+            .HixlCSClientDestroy
+            .as_ref()
+            .expect("Expected function, got error."))(client_handle)
     }
 }

@@ -197,3 +197,61 @@ fn the_emulator_directory_serves_everything_from_libhccl() {
     assert!(libs.is_emulator());
     assert_eq!(libs.one_sided_path(), libs.hccl_path());
 }
+
+#[test]
+fn hixl_is_optional_and_its_absence_says_what_to_install() {
+    let emu = ascend_emu::library_path().unwrap();
+    let dir = scratch_dir("no-hixl");
+    std::os::unix::fs::symlink(&emu, dir.join("libascendcl.so")).unwrap();
+    std::os::unix::fs::symlink(&emu, dir.join("libhccl.so")).unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    // Everything else loads and works without it.
+    assert!(libs.hccl_status().is_ok());
+    assert!(libs.one_sided_path().is_some());
+    let err = libs.hixl_status().unwrap_err();
+    assert!(matches!(&err, Error::Unsupported(_)), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("libcann_hixl.so")
+            && text.contains("CANN 9.1")
+            && text.contains("hixl package"),
+        "{text}"
+    );
+    assert_eq!(libs.hixl_path(), None);
+    let tried = libs.hixl_attempts();
+    assert_eq!(tried.len(), 1, "{tried:?}");
+    assert_eq!(tried[0].path, dir.join("libcann_hixl.so"));
+    assert_eq!(tried[0].outcome, "no such file");
+
+    // A libcann_hixl.so without the HIXL functions is refused by name.
+    std::os::unix::fs::symlink(libc_path(), dir.join("libcann_hixl.so")).unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    let err = libs.hixl_status().unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::MissingSymbol {
+                symbol: "HixlCSServerCreate",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_emulator_directory_serves_hixl_from_the_same_file() {
+    let dir = ascend_emu::install_dir().unwrap();
+    let libs = CannLibraries::open_dir(&dir).unwrap();
+    assert_eq!(libs.hixl_path(), None, "not loaded before it is asked for");
+    libs.hixl_status().unwrap();
+    assert_eq!(
+        libs.hixl_path(),
+        Some(dir.join("libcann_hixl.so").as_path())
+    );
+    assert_eq!(
+        std::fs::canonicalize(dir.join("libcann_hixl.so")).unwrap(),
+        std::fs::canonicalize(dir.join("libascendcl.so")).unwrap()
+    );
+}

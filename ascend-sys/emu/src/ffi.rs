@@ -552,7 +552,7 @@ pub struct AscendEmuLinkStats {
     pub modeled_end_seconds: f64,
     /// HCCL communication domain (`HcclBatchPut` / `HcclBatchGet`).
     pub comm: AscendEmuLinkPathStats,
-    /// HIXL's `hixl_cs` path (nothing accounts on it yet).
+    /// HIXL's `hixl_cs` path (`HixlCSClientBatch*`).
     pub hixl: AscendEmuLinkPathStats,
 }
 

@@ -12,18 +12,23 @@
 //! stream order, rejecting anything outside the enabled regions. With
 //! `ASCEND_PD_EMU_LINK` set, those batches are also accounted on a modeled
 //! link ([`link`]), readable through the emulator-only C function
-//! `ascend_emu_link_stats`.
+//! `ascend_emu_link_stats`. HIXL's client/server API (`HixlCS*`) is a real
+//! TCP server and client that map each other's memory the same way; its
+//! batches are accounted on the link's `hixl` path.
 //!
 //! This is an emulator. It has not been compared against Ascend hardware,
 //! and passing tests against it says nothing about the real path.
 //!
 //! Use from tests: [`install_dir`] gives a directory in which
-//! `libascendcl.so` and `libhccl.so` both point at this library.
+//! `libascendcl.so`, `libhccl.so` and `libcann_hixl.so` all point at this
+//! library.
 
 #![warn(missing_docs)]
 
 mod ffi;
+mod ffi_hixl;
 mod hccl;
+mod hixl;
 mod install;
 pub mod link;
 mod memory;

@@ -172,6 +172,110 @@ impl Drop for Region {
     }
 }
 
+/// Another process's allocation (or part of it) mapped into this one
+/// through `/proc/<pid>/fd/<fd>`, as the peer's memfd.
+#[derive(Debug)]
+pub(crate) struct PeerMapping {
+    map_base: usize,
+    map_len: usize,
+    /// Offset of the mapped range's first byte inside the mapping.
+    delta: usize,
+}
+
+/// Why a peer's memory could not be mapped.
+#[derive(Debug)]
+pub(crate) enum PeerMapError {
+    /// The descriptor no longer names that allocation: freed, or the
+    /// process exited.
+    Gone,
+    /// Opening or mapping failed for another reason.
+    Os(String),
+}
+
+impl PeerMapping {
+    /// Maps `size` bytes at `offset` of region `region_id` of process
+    /// `pid`, whose memfd is its descriptor `fd`; checks first that the
+    /// descriptor still names that region.
+    pub(crate) fn open(
+        pid: u32,
+        fd: i32,
+        region_id: u64,
+        offset: usize,
+        size: usize,
+    ) -> Result<PeerMapping, PeerMapError> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        if !peer_region_alive(pid, fd, region_id) {
+            return Err(PeerMapError::Gone);
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| PeerMapError::Os(format!("cannot open {path}: {e}")))?;
+        let page = page_size();
+        let page_off = offset / page * page;
+        let delta = offset - page_off;
+        let map_len = delta
+            .checked_add(size)
+            .and_then(|n| round_up(n, page))
+            .ok_or_else(|| PeerMapError::Os("size overflows".into()))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| PeerMapError::Os(e.to_string()))?
+            .len();
+        if (page_off + map_len) as u64 > file_len {
+            return Err(PeerMapError::Gone);
+        }
+        // SAFETY: maps map_len bytes of a shared memfd at a page-aligned
+        // offset inside the file (checked above); the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                page_off as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(PeerMapError::Os(format!(
+                "cannot map peer memory: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        Ok(PeerMapping {
+            map_base: ptr as usize,
+            map_len,
+            delta,
+        })
+    }
+
+    /// This process's address of the mapped range's first byte.
+    pub(crate) fn base(&self) -> usize {
+        self.map_base + self.delta
+    }
+}
+
+impl Drop for PeerMapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping mmap returned; whoever copies through
+        // it holds an Arc to its owner, so nothing uses it any more.
+        unsafe {
+            libc::munmap(self.map_base as *mut libc::c_void, self.map_len);
+        }
+    }
+}
+
+/// True while process `pid`'s descriptor `fd` is the memfd of its region
+/// `region_id` (false once the region is freed or the process is gone).
+pub(crate) fn peer_region_alive(pid: u32, fd: i32, region_id: u64) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).is_ok_and(|link| {
+        link.to_string_lossy()
+            .contains(&format!("/memfd:{} ", memfd_name(pid, region_id)))
+    })
+}
+
 /// Where an address range falls among the known allocations.
 pub(crate) enum Lookup {
     /// Entirely inside this allocation.
@@ -241,6 +345,29 @@ mod tests {
             link.to_string_lossy().contains(&expected),
             "{link:?} should name {expected}"
         );
+    }
+
+    #[test]
+    fn a_peer_mapping_sees_the_same_bytes_and_notices_a_freed_region() {
+        let r = Region::create(9, 3 * page_size(), Placement::Host).unwrap();
+        let at = page_size() + 100;
+        // SAFETY: [base + at, +4) lies inside the region's mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping([1u8, 2, 3, 4].as_ptr(), (r.base + at) as *mut u8, 4)
+        };
+        let pid = std::process::id();
+        let m = PeerMapping::open(pid, r.raw_fd(), 9, at, 4).unwrap();
+        // SAFETY: the mapping holds the 4 bytes at base().
+        let seen = unsafe { std::slice::from_raw_parts(m.base() as *const u8, 4) };
+        assert_eq!(seen, [1, 2, 3, 4]);
+        assert!(peer_region_alive(pid, r.raw_fd(), 9));
+        assert!(!peer_region_alive(pid, r.raw_fd(), 10), "another region id");
+        let fd = r.raw_fd();
+        drop(r);
+        assert!(matches!(
+            PeerMapping::open(pid, fd, 9, 0, 4),
+            Err(PeerMapError::Gone)
+        ));
     }
 
     #[test]

@@ -35,6 +35,11 @@ pub(crate) const HCCL_E_TCP_CONNECT: u32 = 11;
 pub(crate) const HCCL_E_TCP_TRANSFER: u32 = 13;
 pub(crate) const HCCL_E_RUNTIME: u32 = 15;
 
+pub(crate) const HIXL_SUCCESS: u32 = 0;
+pub(crate) const HIXL_PARAM_INVALID: u32 = 103_900;
+pub(crate) const HIXL_TIMEOUT: u32 = 103_901;
+pub(crate) const HIXL_FAILED: u32 = 503_900;
+
 /// A failed call: the status code to return and the text for the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Failure {
@@ -53,6 +58,16 @@ impl Failure {
 
     /// An HCCL failure.
     pub(crate) fn hccl(code: u32, message: impl Into<String>) -> Self {
+        Failure {
+            code: i64::from(code),
+            message: message.into(),
+        }
+    }
+}
+
+impl Failure {
+    /// A HIXL failure.
+    pub(crate) fn hixl(code: u32, message: impl Into<String>) -> Self {
         Failure {
             code: i64::from(code),
             message: message.into(),
@@ -98,6 +113,17 @@ pub(crate) fn hccl_status(call: &str, outcome: Result<(), Failure>) -> u32 {
         Err(f) => {
             remember(call, &f);
             u32::try_from(f.code).unwrap_or(HCCL_E_INTERNAL)
+        }
+    }
+}
+
+/// Converts a HIXL outcome into the status code, remembering the failure text.
+pub(crate) fn hixl_status(call: &str, outcome: Result<(), Failure>) -> u32 {
+    match outcome {
+        Ok(()) => HIXL_SUCCESS,
+        Err(f) => {
+            remember(call, &f);
+            u32::try_from(f.code).unwrap_or(HIXL_FAILED)
         }
     }
 }

@@ -60,6 +60,11 @@ pub(crate) struct Stream {
 impl Stream {
     /// Creates the stream and starts its worker.
     pub(crate) fn start(device: i32) -> std::io::Result<Arc<Stream>> {
+        Self::start_named(device, format!("ascend-emu-stream-dev{device}"))
+    }
+
+    /// As [`Stream::start`], naming the worker thread `name`.
+    pub(crate) fn start_named(device: i32, name: String) -> std::io::Result<Arc<Stream>> {
         let (tx, rx) = mpsc::channel();
         let stream = Arc::new(Stream {
             device,
@@ -69,7 +74,7 @@ impl Stream {
         });
         let worker = stream.clone();
         std::thread::Builder::new()
-            .name(format!("ascend-emu-stream-dev{device}"))
+            .name(name)
             .spawn(move || worker.run(rx))?;
         Ok(stream)
     }
@@ -198,6 +203,25 @@ impl Event {
     pub(crate) fn is_complete(&self) -> bool {
         let s = lock(&self.state);
         s.completed >= s.recorded
+    }
+
+    /// Blocks until record number `seq` has been reached or `timeout` has
+    /// passed; true when it was reached.
+    pub(crate) fn wait_for_timeout(&self, seq: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut s = lock(&self.state);
+        while s.completed < seq {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
     }
 
     /// Blocks until record number `seq` has been reached.

@@ -1,6 +1,7 @@
 //! An `ASCEND_PD_EMU_LINK` that names no modeled link is refused, with the
-//! known values named, by both the stats call and `HcclBatchPut` (its own
-//! test binary: the emulator reads the variable once per process).
+//! known values named, by the stats call, `HcclBatchPut` and HIXL's batch
+//! calls (its own test binary: the emulator reads the variable once per
+//! process).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
@@ -12,6 +13,9 @@ const HCCL_E_PARA: u32 = 1;
 type StatsFn = unsafe extern "C" fn(*mut [u8; 88], c_int) -> c_int;
 type RecentFn = unsafe extern "C" fn() -> *const c_char;
 type PutFn = unsafe extern "C" fn(*mut c_void, u32, *mut c_void, u32, *mut c_void) -> u32;
+type HixlAsyncFn = unsafe extern "C" fn(*mut c_void, u32, *const [u64; 3], *mut *mut c_void) -> u32;
+type HixlSyncFn = unsafe extern "C" fn(*mut c_void, u32, *const [u64; 3], u32) -> u32;
+const HIXL_PARAM_INVALID: u32 = 103_900;
 
 fn recent(lib: &libloading::Library) -> String {
     // SAFETY: the emulator exports aclGetRecentErrMsg with this signature.
@@ -58,4 +62,30 @@ fn an_unknown_link_is_refused_naming_the_known_ones() {
     // SAFETY: as above.
     assert_eq!(unsafe { put(null, 1, null, 0, null) }, HCCL_E_PARA);
     names_every_link(&recent(&lib));
+
+    // HIXL: one op (remote, local, len), no client; the link is checked
+    // before the client, so the refusal names the links.
+    let op = [0x1000u64, 0x2000, 16];
+    let mut handle = std::ptr::null_mut();
+    for name in [
+        &b"HixlCSClientBatchPutAsync\0"[..],
+        &b"HixlCSClientBatchGetAsync\0"[..],
+    ] {
+        // SAFETY: exported with HixlAsyncFn's signature (HixlOneSideOpDesc
+        // is three 64-bit words).
+        let f: libloading::Symbol<HixlAsyncFn> = unsafe { lib.get(name) }.unwrap();
+        // SAFETY: op is one valid descriptor; handle a valid out-parameter.
+        assert_eq!(unsafe { f(null, 1, &op, &mut handle) }, HIXL_PARAM_INVALID);
+        names_every_link(&recent(&lib));
+    }
+    for name in [
+        &b"HixlCSClientBatchPutSync\0"[..],
+        &b"HixlCSClientBatchGetSync\0"[..],
+    ] {
+        // SAFETY: exported with HixlSyncFn's signature.
+        let f: libloading::Symbol<HixlSyncFn> = unsafe { lib.get(name) }.unwrap();
+        // SAFETY: op is one valid descriptor.
+        assert_eq!(unsafe { f(null, 1, &op, 1000) }, HIXL_PARAM_INVALID);
+        names_every_link(&recent(&lib));
+    }
 }

@@ -12,9 +12,14 @@
 //! drift check exercises the real-header path. Older installs that declare
 //! the one-sided API under `include/hccl` are found too.
 //!
-//! The output has three parts: the types and constants, then one
-//! dynamic-loading struct per library (`AclLib` over libascendcl.so and
-//! `HcclLib` over libhccl.so). Nothing links against CANN at build time.
+//! HIXL's client/server API always comes from our own plain-C declaration,
+//! `cann-headers/include/hixl/ascend_pd_hixl_cs.h` (the vendor's
+//! `hixl_cs.h` is C++, which bindgen is not asked to parse here).
+//!
+//! The output has four parts: the types and constants, then one
+//! dynamic-loading struct per library (`AclLib` over libascendcl.so,
+//! `HcclLib` over libhccl.so, `HixlLib` over libcann_hixl.so). Nothing
+//! links against CANN at build time.
 //!
 //! bindgen is built with its `runtime` feature, so building this binary needs
 //! no libclang; running it does (Debian: `apt-get install libclang-dev`).
@@ -72,6 +77,30 @@ const HCCL_FUNCTIONS: &[&str] = &[
     "HcclBatchGet",
 ];
 
+/// HIXL client/server functions (libcann_hixl.so; optional at run time).
+const HIXL_FUNCTIONS: &[&str] = &[
+    "HixlCSServerCreate",
+    "HixlCSServerRegMem",
+    "HixlCSServerListen",
+    "HixlCSServerUnregMem",
+    "HixlCSServerDestroy",
+    "HixlCSClientCreate",
+    "HixlCSClientConnect",
+    "HixlCSClientGetRemoteMem",
+    "HixlCSClientRegMem",
+    "HixlCSClientUnregMem",
+    "HixlCSClientBatchPutAsync",
+    "HixlCSClientBatchGetAsync",
+    "HixlCSClientBatchPutSync",
+    "HixlCSClientBatchGetSync",
+    "HixlCSClientQueryCompleteStatus",
+    "HixlCSClientDestroy",
+];
+
+/// Our own plain-C declaration of the HIXL CS API, relative to the crate.
+/// Always this file: the vendor's hixl_cs.h is C++ and is never parsed.
+const HIXL_HEADER: &str = "cann-headers/include/hixl/ascend_pd_hixl_cs.h";
+
 const TYPES: &[&str] = &[
     "aclError",
     "aclrtStream",
@@ -90,6 +119,25 @@ const TYPES: &[&str] = &[
     "HcclMemDescs",
     "HcclMem",
     "HcclOneSideOpDesc",
+    "CommProtocol",
+    "CommAddrType",
+    "CommAddr",
+    "EndpointLocType",
+    "EndpointLoc",
+    "EndpointDesc",
+    "CommMemType",
+    "CommMem",
+    "HixlServerHandle",
+    "HixlClientHandle",
+    "CompleteHandle",
+    "MemHandle",
+    "HixlStatus",
+    "HixlServerConfig",
+    "HixlClientConfig",
+    "HixlClientDesc",
+    "HixlServerDesc",
+    "HixlOneSideOpDesc",
+    "HixlCompleteStatus",
 ];
 
 const VARS: &[&str] = &[
@@ -113,6 +161,10 @@ const VARS: &[&str] = &[
     "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT",
     "HCCL_ROOT_INFO_BYTES",
     "HCCL_MEM_DESC_LENGTH",
+    "HIXL_SUCCESS",
+    "HIXL_PARAM_INVALID",
+    "HIXL_TIMEOUT",
+    "HIXL_FAILED",
 ];
 
 const PREAMBLE: &str = "\
@@ -182,6 +234,7 @@ fn find_one_sided_header(root: &Path) -> Option<PathBuf> {
 fn wrapper(
     source: &Source,
     shim: &Path,
+    hixl_header: &Path,
     scratch: &Path,
 ) -> std::io::Result<(PathBuf, Vec<String>)> {
     let mut text = String::from("#include <acl/acl.h>\n#include <hccl/hccl.h>\n");
@@ -194,6 +247,7 @@ fn wrapper(
             source.root.display()
         ),
     }
+    text.push_str(&format!("#include \"{}\"\n", hixl_header.display()));
     let path = scratch.join("ascend_pd_bindgen_wrapper.h");
     fs::write(&path, text)?;
     let dirs = [
@@ -241,9 +295,10 @@ fn base_builder(header: &Path, clang_args: &[String]) -> Builder {
 fn generate(
     source: &Source,
     shim: &Path,
+    hixl_header: &Path,
     scratch: &Path,
 ) -> Result<String, Box<dyn std::error::Error>> {
-    let (header, args) = wrapper(source, shim, scratch)?;
+    let (header, args) = wrapper(source, shim, hixl_header, scratch)?;
 
     let types = base_builder(&header, &args)
         .allowlist_type(exact(TYPES))
@@ -267,8 +322,16 @@ fn generate(
         .generate()?
         .to_string();
 
+    let hixl = base_builder(&header, &args)
+        .allowlist_function(exact(HIXL_FUNCTIONS))
+        .allowlist_recursively(false)
+        .dynamic_library_name("HixlLib")
+        .dynamic_link_require_all(false)
+        .generate()?
+        .to_string();
+
     Ok(format!(
-        "{PREAMBLE}\n// ---- types and constants ----\n\n{types}\n// ---- libascendcl.so ----\n\n{acl}\n// ---- libhccl.so ----\n\n{hccl}"
+        "{PREAMBLE}\n// ---- types and constants ----\n\n{types}\n// ---- libascendcl.so ----\n\n{acl}\n// ---- libhccl.so ----\n\n{hccl}\n// ---- libcann_hixl.so ----\n\n{hixl}"
     ))
 }
 
@@ -310,7 +373,8 @@ fn main() -> ExitCode {
         eprintln!("cannot create {}: {e}", scratch.display());
         return ExitCode::FAILURE;
     }
-    let result = generate(&source, &shim, &scratch);
+    let hixl_header = crate_dir.join(HIXL_HEADER);
+    let result = generate(&source, &shim, &hixl_header, &scratch);
     let _ = fs::remove_dir_all(&scratch);
     match result.and_then(|text| fs::write(&out, text).map_err(Into::into)) {
         Ok(()) => {

@@ -1,0 +1,333 @@
+//! The emulated HIXL C API called directly (the raw `HixlLib` table over
+//! the library the loader mapped), for the rules the safe wrappers keep
+//! out of reach: NULL arguments, empty batches, querying a completed
+//! handle again, the 4096-ops-in-flight limit, the list lifetime of
+//! `HixlCSClientGetRemoteMem`, endpoint matching, the synchronous calls.
+//! Server and client run in this one process.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::null_mut;
+
+use ascend_sys::sys::{self, CommMem, EndpointDesc, HixlLib, HixlOneSideOpDesc};
+use ascend_sys::{Acl, DeviceBuffer, HixlEndpoint, HixlProtocol};
+
+const OK: u32 = sys::HIXL_SUCCESS;
+const PARAM_INVALID: u32 = sys::HIXL_PARAM_INVALID;
+const FAILED: u32 = sys::HIXL_FAILED;
+const WAIT_MS: u32 = 30_000;
+
+struct Api {
+    hixl: HixlLib,
+    lib: libloading::Library,
+}
+
+impl Api {
+    /// The text of the latest failure on this thread.
+    fn recent(&self) -> String {
+        type RecentFn = unsafe extern "C" fn() -> *const c_char;
+        // SAFETY: the emulator exports aclGetRecentErrMsg with this signature.
+        let f: libloading::Symbol<RecentFn> =
+            unsafe { self.lib.get(b"aclGetRecentErrMsg\0") }.unwrap();
+        // SAFETY: no arguments; NULL or a string valid until the next call.
+        let p = unsafe { f() };
+        assert!(!p.is_null(), "a failure leaves a message");
+        // SAFETY: non-null and NUL-terminated.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    fn expect_refusal(&self, code: u32, want: u32, text: &str) {
+        assert_eq!(code, want);
+        let msg = self.recent();
+        assert!(msg.contains(text), "{msg:?} should mention {text:?}");
+    }
+}
+
+fn endpoint(dev: u32) -> EndpointDesc {
+    HixlEndpoint {
+        protocol: HixlProtocol::Roce,
+        device_phy_id: dev,
+        ipv4: Some(std::net::Ipv4Addr::LOCALHOST),
+    }
+    .to_raw()
+}
+
+fn mem(buf: &DeviceBuffer) -> CommMem {
+    CommMem {
+        type_: sys::COMM_MEM_TYPE_DEVICE,
+        addr: buf.as_ptr(),
+        size: buf.len() as u64,
+    }
+}
+
+fn op(remote: u64, local: &DeviceBuffer, at: usize, len: u64) -> HixlOneSideOpDesc {
+    HixlOneSideOpDesc {
+        remote_buf: remote as usize as *mut c_void,
+        local_buf: local.as_ptr().cast::<u8>().wrapping_add(at).cast(),
+        len,
+    }
+}
+
+#[test]
+fn the_c_api_keeps_hixls_rules() {
+    let acl = Acl::init_from_dir(ascend_emu::install_dir().unwrap()).unwrap();
+    let dev = acl.device(0).unwrap();
+    let path = acl.hixl().unwrap().library_path().to_path_buf();
+    // SAFETY: the library the loader already mapped (initialisers ran);
+    // both handles keep it loaded for the whole test.
+    let api = Api {
+        hixl: unsafe { HixlLib::new(&path) }.unwrap(),
+        lib: unsafe { libloading::Library::new(&path) }.unwrap(),
+    };
+    let h = &api.hixl;
+    let f = |r: &Result<_, libloading::Error>| r.is_ok();
+    assert!(f(&h.HixlCSClientBatchPutSync) && f(&h.HixlCSClientBatchGetSync));
+    // SAFETY (for every call below): arguments are valid pointers to live
+    // locals, live handles, or deliberately NULL where the emulator is
+    // expected to refuse them.
+    unsafe {
+        let server_create = h.HixlCSServerCreate.as_ref().unwrap();
+        let ip = c"127.0.0.1";
+        let offered = [endpoint(0)];
+        let mut sdesc = sys::HixlServerDesc {
+            endpoint_list: offered.as_ptr(),
+            server_ip: ip.as_ptr(),
+            server_port: 0,
+            endpoint_list_num: 1,
+            ..Default::default()
+        };
+        let sconf = sys::HixlServerConfig::default();
+        let mut server = null_mut();
+        api.expect_refusal(
+            server_create(&sdesc, std::ptr::null(), &mut server),
+            PARAM_INVALID,
+            "config is NULL",
+        );
+        sdesc.endpoint_list_num = 0;
+        api.expect_refusal(
+            server_create(&sdesc, &sconf, &mut server),
+            PARAM_INVALID,
+            "offers no endpoint",
+        );
+        sdesc.endpoint_list_num = 1;
+        assert_eq!(server_create(&sdesc, &sconf, &mut server), OK);
+
+        let far = dev.alloc(1 << 20).unwrap();
+        let far2 = dev.alloc(4096).unwrap();
+        let mut id = null_mut();
+        let reg = h.HixlCSServerRegMem.as_ref().unwrap();
+        assert_eq!(reg(server, c"far".as_ptr(), &mem(&far), &mut id), OK);
+        // A NULL tag is allowed (no tag).
+        let mut id2 = null_mut();
+        assert_eq!(reg(server, std::ptr::null(), &mem(&far2), &mut id2), OK);
+        // Overlapping an earlier registration is refused.
+        let mut id3 = null_mut();
+        api.expect_refusal(
+            reg(server, c"again".as_ptr(), &mem(&far), &mut id3),
+            PARAM_INVALID,
+            "overlaps",
+        );
+        let port_fn: libloading::Symbol<unsafe extern "C" fn(*mut c_void, *mut u32) -> u32> =
+            api.lib.get(b"ascend_emu_hixl_server_port\0").unwrap();
+        let mut port = 0u32;
+        api.expect_refusal(port_fn(server, &mut port), PARAM_INVALID, "not listening");
+        assert_eq!((h.HixlCSServerListen.as_ref().unwrap())(server, 8), OK);
+        assert_eq!(port_fn(server, &mut port), OK);
+        assert!(port > 0);
+
+        // Clients.
+        let client_create = h.HixlCSClientCreate.as_ref().unwrap();
+        let (local, wanted, not_offered) = (endpoint(1), endpoint(0), endpoint(5));
+        let mut cdesc = sys::HixlClientDesc {
+            local_endpoint: &local,
+            remote_endpoint: &not_offered,
+            server_ip: ip.as_ptr(),
+            server_port: port,
+            ..Default::default()
+        };
+        let cconf = sys::HixlClientConfig::default();
+        let mut client = null_mut();
+        api.expect_refusal(
+            client_create(&cdesc, std::ptr::null(), &mut client),
+            PARAM_INVALID,
+            "config is NULL",
+        );
+        let connect = h.HixlCSClientConnect.as_ref().unwrap();
+        let destroy = h.HixlCSClientDestroy.as_ref().unwrap();
+        // A remote endpoint the server does not offer: connect fails.
+        assert_eq!(client_create(&cdesc, &cconf, &mut client), OK);
+        api.expect_refusal(
+            connect(client, WAIT_MS),
+            FAILED,
+            "offers no endpoint matching",
+        );
+        assert_eq!(destroy(client), OK);
+        cdesc.server_port = 0;
+        api.expect_refusal(
+            client_create(&cdesc, &cconf, &mut client),
+            PARAM_INVALID,
+            "port 0",
+        );
+        cdesc.server_port = port;
+        cdesc.remote_endpoint = &wanted;
+        assert_eq!(client_create(&cdesc, &cconf, &mut client), OK);
+
+        let near = dev.alloc(1 << 20).unwrap();
+        near.fill(0, near.len(), 0x5a).unwrap();
+        let mut nid = null_mut();
+        let creg = h.HixlCSClientRegMem.as_ref().unwrap();
+        assert_eq!(creg(client, c"near".as_ptr(), &mem(&near), &mut nid), OK);
+
+        let get_remote = h.HixlCSClientGetRemoteMem.as_ref().unwrap();
+        let (mut mems, mut tags, mut n) = (null_mut(), null_mut(), 0u32);
+        api.expect_refusal(
+            get_remote(client, &mut mems, &mut tags, &mut n, WAIT_MS),
+            PARAM_INVALID,
+            "not connected",
+        );
+        assert_eq!(connect(client, WAIT_MS), OK);
+        api.expect_refusal(connect(client, WAIT_MS), PARAM_INVALID, "already connected");
+        assert_eq!(
+            get_remote(client, &mut mems, &mut tags, &mut n, WAIT_MS),
+            OK
+        );
+        assert_eq!(n, 2);
+        let list = std::slice::from_raw_parts(mems, 2);
+        let tag_list = std::slice::from_raw_parts(tags, 2);
+        let by_tag: Vec<(String, u64, u64)> = (0..2)
+            .map(|i| {
+                (
+                    CStr::from_ptr(tag_list[i]).to_string_lossy().into_owned(),
+                    list[i].addr as u64,
+                    list[i].size,
+                )
+            })
+            .collect();
+        assert!(
+            by_tag.contains(&("far".into(), far.addr(), 1 << 20)),
+            "{by_tag:?}"
+        );
+        assert!(
+            by_tag.contains(&(String::new(), far2.addr(), 4096)),
+            "{by_tag:?}"
+        );
+        // A second call frees the first lists (never read them again) and
+        // hands out fresh ones with the same contents.
+        let (mut mems2, mut tags2, mut n2) = (null_mut(), null_mut(), 0u32);
+        assert_eq!(
+            get_remote(client, &mut mems2, &mut tags2, &mut n2, WAIT_MS),
+            OK
+        );
+        assert_eq!(n2, 2);
+        let list2 = std::slice::from_raw_parts(mems2, 2);
+        let tags2 = std::slice::from_raw_parts(tags2, 2);
+        let again: Vec<(String, u64, u64)> = (0..2)
+            .map(|i| {
+                (
+                    CStr::from_ptr(tags2[i]).to_string_lossy().into_owned(),
+                    list2[i].addr as u64,
+                    list2[i].size,
+                )
+            })
+            .collect();
+        assert_eq!(again, by_tag);
+
+        let put = h.HixlCSClientBatchPutAsync.as_ref().unwrap();
+        let query = h.HixlCSClientQueryCompleteStatus.as_ref().unwrap();
+        let mut t = null_mut();
+        let one = [op(far.addr(), &near, 0, 64)];
+        api.expect_refusal(
+            put(client, 0, one.as_ptr(), &mut t),
+            PARAM_INVALID,
+            "list_num is 0",
+        );
+        api.expect_refusal(
+            put(client, 1, std::ptr::null(), &mut t),
+            PARAM_INVALID,
+            "desc_list is NULL",
+        );
+
+        // Completed frees the handle: querying it again is refused.
+        assert_eq!(put(client, 1, one.as_ptr(), &mut t), OK);
+        let mut status = sys::HIXL_COMPLETE_STATUS_WAITING;
+        while status != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+            assert_eq!(query(client, t, &mut status), OK);
+            assert!(
+                status == sys::HIXL_COMPLETE_STATUS_WAITING
+                    || status == sys::HIXL_COMPLETE_STATUS_COMPLETED
+            );
+        }
+        api.expect_refusal(
+            query(client, t, &mut status),
+            PARAM_INVALID,
+            "never query it again",
+        );
+
+        // At most 4096 ops in flight; they leave flight when queried completed.
+        let many: Vec<HixlOneSideOpDesc> = (0..2048)
+            .map(|i| op(far.addr() + i * 8, &near, (i * 8) as usize, 8))
+            .collect();
+        let (mut a, mut b, mut c) = (null_mut(), null_mut(), null_mut());
+        assert_eq!(put(client, 2048, many.as_ptr(), &mut a), OK);
+        assert_eq!(put(client, 2048, many.as_ptr(), &mut b), OK);
+        api.expect_refusal(put(client, 1, one.as_ptr(), &mut c), PARAM_INVALID, "4096");
+        for handle in [a, b] {
+            let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+            while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+                assert_eq!(query(client, handle, &mut s), OK);
+            }
+        }
+        let mut over = many.clone();
+        over.extend_from_slice(&many);
+        over.push(one[0]);
+        api.expect_refusal(
+            put(client, over.len() as u32, over.as_ptr(), &mut c),
+            PARAM_INVALID,
+            "4096",
+        );
+        // PARAM_INVALID does not fail the client.
+        assert_eq!(put(client, 1, one.as_ptr(), &mut c), OK);
+        let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+        while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+            assert_eq!(query(client, c, &mut s), OK);
+        }
+        let mut landed = vec![0u8; 2048 * 8];
+        far.copy_to_host(0, &mut landed).unwrap();
+        assert!(landed.iter().all(|&x| x == 0x5a), "every put byte landed");
+
+        // The synchronous calls: put a pattern, get it back elsewhere.
+        let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 256) as u8).collect();
+        near.copy_from_host(0, &pattern).unwrap();
+        let put_sync = h.HixlCSClientBatchPutSync.as_ref().unwrap();
+        let get_sync = h.HixlCSClientBatchGetSync.as_ref().unwrap();
+        let up = [op(far2.addr(), &near, 0, 4096)];
+        assert_eq!(put_sync(client, 1, up.as_ptr(), WAIT_MS), OK);
+        let down = [op(far2.addr(), &near, 8192, 4096)];
+        assert_eq!(get_sync(client, 1, down.as_ptr(), WAIT_MS), OK);
+        let mut back = vec![0u8; 4096];
+        near.copy_to_host(8192, &mut back).unwrap();
+        assert_eq!(back, pattern);
+        api.expect_refusal(
+            get_sync(client, 0, down.as_ptr(), WAIT_MS),
+            PARAM_INVALID,
+            "list_num is 0",
+        );
+
+        assert_eq!((h.HixlCSClientUnregMem.as_ref().unwrap())(client, nid), OK);
+        api.expect_refusal(
+            (h.HixlCSClientUnregMem.as_ref().unwrap())(client, nid),
+            PARAM_INVALID,
+            "not a live registration",
+        );
+        assert_eq!(destroy(client), OK);
+        api.expect_refusal(destroy(client), PARAM_INVALID, "not a live HIXL client");
+        let unreg = h.HixlCSServerUnregMem.as_ref().unwrap();
+        assert_eq!(unreg(server, id), OK);
+        assert_eq!(unreg(server, id2), OK);
+        assert_eq!((h.HixlCSServerDestroy.as_ref().unwrap())(server), OK);
+        api.expect_refusal(
+            (h.HixlCSServerDestroy.as_ref().unwrap())(server),
+            PARAM_INVALID,
+            "not a live HIXL server",
+        );
+    }
+}

@@ -1,0 +1,805 @@
+//! HIXL's client/server one-sided transfer API (`libcann_hixl.so`), safe.
+//!
+//! A [`HixlServer`] registers memory, then listens on a TCP address; a
+//! [`HixlClient`] registers its own memory, connects, fetches the server's
+//! registered regions ([`HixlClient::remote_mems`]) and then reads
+//! ([`HixlClient::get_async`]) or writes ([`HixlClient::put_async`]) them
+//! in batches of [`HixlOp`]s, polling each [`HixlTransfer`] with
+//! [`HixlClient::query`].
+//!
+//! HIXL is optional: [`Acl::hixl`] loads the library on first use and
+//! fails with [`Error::Unsupported`] (saying what to install) when it is
+//! absent; nothing else in this crate needs it.
+//!
+//! Rules HIXL documents, which the wrappers keep or pass on:
+//! - memory is registered before `listen` (server) or `connect` (client);
+//! - after `connect` the client fetches the remote regions once;
+//! - a put moves local → remote, a get remote → local;
+//! - an empty batch is `HIXL_PARAM_INVALID`; at most
+//!   [`HIXL_OPS_IN_FLIGHT_LIMIT`] ops may be in flight on one client;
+//! - a batch call failing with `HIXL_FAILED` or `HIXL_TIMEOUT` leaves the
+//!   client failed: later batches fail too, so drop it and create another
+//!   ([`Error::hixl_status`] tells the code);
+//! - a query that answers "completed" frees the transfer inside HIXL, so
+//!   [`HixlClient::query`] takes the transfer by value and hands it back
+//!   only while it is still waiting.
+//!
+//! Every call on one server or client is serialised by a lock: HIXL does
+//! not document which of its calls may run concurrently on one handle.
+//!
+//! Nothing here has run against a real libcann_hixl.so; the tests run
+//! against the CANN emulator (ascend-sys/emu), which implements these
+//! functions over loopback TCP and shared memory.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::acl::Acl;
+use crate::error::{Error, Result};
+use crate::hccl::MemKind;
+use crate::result::{func, hixl_result};
+use crate::sys;
+
+/// File name of the HIXL library.
+pub const HIXL_LIBRARY: &str = "libcann_hixl.so";
+/// Upper bound HIXL documents for ops in flight on one client.
+pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Name of the emulator-only function that reports the port an emulated
+/// server bound when it was created with port 0.
+pub const EMU_SERVER_PORT_SYMBOL: &str = "ascend_emu_hixl_server_port";
+
+type EmuPortFn = unsafe extern "C" fn(sys::HixlServerHandle, *mut u32) -> sys::HixlStatus;
+
+/// The opened libcann_hixl.so, shared by every [`Hixl`] of the process.
+pub(crate) struct HixlShared {
+    lib: sys::HixlLib,
+    path: PathBuf,
+    /// Under the emulator: a second handle on the same file (so the symbol
+    /// below stays valid) and its port query.
+    emu_port: Option<(libloading::Library, EmuPortFn)>,
+}
+
+impl HixlShared {
+    pub(crate) fn new(lib: sys::HixlLib, path: PathBuf, emulator: bool) -> HixlShared {
+        let emu_port = emulator.then(|| emu_port_fn(&path)).flatten();
+        HixlShared {
+            lib,
+            path,
+            emu_port,
+        }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn emu_port_fn(path: &Path) -> Option<(libloading::Library, EmuPortFn)> {
+    // SAFETY: the file is the emulator library the loader has already
+    // mapped (its initialisers ran); this only takes another reference.
+    let lib = unsafe { libloading::Library::new(path) }.ok()?;
+    // SAFETY: the emulator exports this symbol with exactly EmuPortFn's
+    // signature; the Library kept next to it keeps it mapped.
+    let f = unsafe { lib.get::<EmuPortFn>(EMU_SERVER_PORT_SYMBOL.as_bytes()) }
+        .ok()
+        .map(|s| *s)?;
+    Some((lib, f))
+}
+
+impl Acl {
+    /// HIXL (`libcann_hixl.so`), loaded on the first call and kept: next
+    /// to libascendcl.so first, then in the same search order as the other
+    /// CANN libraries; under the emulator, the emulator. Absent: an
+    /// [`Error::Unsupported`] naming what to install (HIXL ships with CANN
+    /// 9.1 or as the hixl package); lacking a required function:
+    /// [`Error::MissingSymbol`]. Nothing else fails when HIXL is absent.
+    pub fn hixl(&self) -> Result<Hixl> {
+        Ok(Hixl {
+            shared: self.libs().hixl()?,
+            acl: self.clone(),
+        })
+    }
+
+    /// The libcann_hixl.so in use, once [`Acl::hixl`] has loaded it.
+    pub fn hixl_library_path(&self) -> Option<&Path> {
+        self.libs().hixl_path()
+    }
+}
+
+/// The loaded HIXL library. Cheap to clone; keeps the runtime alive.
+#[derive(Clone)]
+pub struct Hixl {
+    shared: Arc<HixlShared>,
+    acl: Acl,
+}
+
+impl std::fmt::Debug for Hixl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hixl")
+            .field("path", &self.shared.path)
+            .finish()
+    }
+}
+
+impl Hixl {
+    /// The libcann_hixl.so in use.
+    pub fn library_path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// True when this is the CANN emulator's implementation.
+    pub fn is_emulator(&self) -> bool {
+        self.acl.is_emulator()
+    }
+
+    fn lib(&self) -> &sys::HixlLib {
+        &self.shared.lib
+    }
+
+    fn check(&self, call: &'static str, code: sys::HixlStatus) -> Result<()> {
+        hixl_result(call, code, || self.acl.libs().recent_error())
+    }
+}
+
+/// Calls a HIXL function from the table and checks its status; an absent
+/// symbol is [`Error::Unsupported`]. Must be used inside `unsafe`.
+macro_rules! hixl_call {
+    ($hixl:expr, $name:ident ( $($arg:expr),* $(,)? )) => {{
+        let hixl: &Hixl = $hixl;
+        match func(&hixl.lib().$name, stringify!($name)) {
+            Ok(f) => hixl.check(stringify!($name), f($($arg),*)),
+            Err(e) => Err(e),
+        }
+    }};
+}
+
+/// The transport of an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HixlProtocol {
+    /// RDMA over Converged Ethernet (`COMM_PROTOCOL_ROCE`).
+    Roce,
+    /// Huawei Cache Coherence System, inside a server or super node
+    /// (`COMM_PROTOCOL_HCCS`).
+    Hccs,
+}
+
+/// One device endpoint (an `EndpointDesc` located on a device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HixlEndpoint {
+    /// Its transport.
+    pub protocol: HixlProtocol,
+    /// The device's physical id.
+    pub device_phy_id: u32,
+    /// The endpoint's IPv4 address (a RoCE NIC's); `None` leaves the
+    /// address type reserved (what real HIXL wants for HCCS endpoints is
+    /// not confirmed from public sources).
+    pub ipv4: Option<Ipv4Addr>,
+}
+
+impl HixlEndpoint {
+    /// The C description: protocol, IPv4 address (network byte order),
+    /// device location with the physical id; everything else zero.
+    pub fn to_raw(&self) -> sys::EndpointDesc {
+        let mut d = sys::EndpointDesc {
+            protocol: match self.protocol {
+                HixlProtocol::Roce => sys::COMM_PROTOCOL_ROCE,
+                HixlProtocol::Hccs => sys::COMM_PROTOCOL_HCCS,
+            },
+            ..Default::default()
+        };
+        match self.ipv4 {
+            Some(ip) => {
+                d.commAddr.type_ = sys::COMM_ADDR_TYPE_IP_V4;
+                d.commAddr.__bindgen_anon_1 = sys::CommAddr__bindgen_ty_1 {
+                    addr: u32::from_ne_bytes(ip.octets()),
+                };
+            }
+            None => d.commAddr.type_ = sys::COMM_ADDR_TYPE_RESERVED,
+        }
+        d.loc.locType = sys::ENDPOINT_LOC_TYPE_DEVICE;
+        d.loc.__bindgen_anon_1 = sys::EndpointLoc__bindgen_ty_1 {
+            device: sys::EndpointLoc__bindgen_ty_1__bindgen_ty_1 {
+                devPhyId: self.device_phy_id,
+                superDevId: 0,
+                serverIdx: 0,
+                superPodIdx: 0,
+            },
+        };
+        d
+    }
+}
+
+fn mem_type(kind: MemKind) -> sys::CommMemType {
+    match kind {
+        MemKind::Device => sys::COMM_MEM_TYPE_DEVICE,
+        MemKind::Host => sys::COMM_MEM_TYPE_HOST,
+    }
+}
+
+fn c_string(what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{what} {s:?} contains a NUL byte; HIXL takes C strings"
+        ))
+    })
+}
+
+fn millis(timeout: Duration) -> u32 {
+    u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
+}
+
+fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A raw HIXL handle; only the owning wrapper uses it, under its lock.
+#[derive(Debug)]
+struct Handle(*mut c_void);
+
+// SAFETY: HIXL handles are plain identifiers the library accepts from any
+// thread; the wrappers serialise every call on one handle with a lock.
+unsafe impl Send for Handle {}
+// SAFETY: as above; shared access only passes the value to HIXL under the lock.
+unsafe impl Sync for Handle {}
+
+/// A registration (`MemHandle`) of a server or client; give it back to
+/// the same object's `unregister`. Dropping it does not unregister (the
+/// registration then lasts until the server or client is destroyed).
+#[derive(Debug)]
+pub struct HixlMemId(Handle);
+
+/// A region the server registered, as [`HixlClient::remote_mems`] copied
+/// it out of HIXL's list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HixlRemoteMem {
+    /// The tag the server registered it with ("" when none).
+    pub tag: String,
+    /// Device or host memory.
+    pub kind: MemKind,
+    /// Its address in the server's address space (what ops name).
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// One transfer of `len` bytes: a put writes `[local, local+len)` to
+/// `[remote, remote+len)`, a get the other way.
+#[derive(Clone, Copy, Debug)]
+pub struct HixlOp {
+    /// Address in the server's registered memory.
+    pub remote: u64,
+    /// Address in memory registered on this client.
+    pub local: *mut u8,
+    /// Bytes.
+    pub len: u64,
+}
+
+// SAFETY: an op is a pair of addresses and a length; it dereferences
+// nothing. Whoever submits it promises the memory is valid (put_async /
+// get_async are unsafe).
+unsafe impl Send for HixlOp {}
+// SAFETY: as above.
+unsafe impl Sync for HixlOp {}
+
+/// A submitted batch (`CompleteHandle`), to be polled with
+/// [`HixlClient::query`] until completed. Dropping it without that leaves
+/// the batch running and HIXL's record of it in place (its ops still count
+/// towards [`HIXL_OPS_IN_FLIGHT_LIMIT`]) until the client is destroyed;
+/// the memory it names must stay untouched until then.
+#[derive(Debug)]
+pub struct HixlTransfer(Handle);
+
+/// What a query found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HixlTransferState {
+    /// Still running.
+    Waiting,
+    /// Done; every byte has moved. The transfer is gone.
+    Completed,
+    /// Timed out (documented by HIXL as reserved, not yet reported).
+    TimedOut,
+    /// Failed (documented by HIXL as reserved, not yet reported).
+    Failed,
+}
+
+/// A HIXL server: registers memory, then listens for clients.
+/// Dropping it destroys it (`HixlCSServerDestroy`); that never panics.
+pub struct HixlServer {
+    hixl: Hixl,
+    handle: Handle,
+    port: u16,
+    calls: Mutex<()>,
+}
+
+impl std::fmt::Debug for HixlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HixlServer")
+            .field("handle", &self.handle)
+            .field("port", &self.port)
+            .finish()
+    }
+}
+
+impl HixlServer {
+    /// Creates a server that will listen on `ip:port` offering `endpoints`
+    /// (`HixlCSServerCreate`, no global resource configuration).
+    ///
+    /// Port 0 asks for an ephemeral port; only the emulator supports it
+    /// (read the port with [`HixlServer::port`] after `listen`). With real
+    /// HIXL pick a port yourself. With device endpoints HIXL wants the
+    /// device bound on the calling thread first ([`crate::Device::bind`]).
+    pub fn create(
+        hixl: &Hixl,
+        ip: &str,
+        port: u16,
+        endpoints: &[HixlEndpoint],
+    ) -> Result<HixlServer> {
+        if port == 0 && !hixl.is_emulator() {
+            return Err(Error::InvalidArgument(
+                "HIXL server port 0: an ephemeral port is an emulator feature; \
+                 give the server a fixed free port"
+                    .into(),
+            ));
+        }
+        if endpoints.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a HIXL server needs at least one endpoint to offer".into(),
+            ));
+        }
+        let ip_c = c_string("server ip", ip)?;
+        let raw: Vec<sys::EndpointDesc> = endpoints.iter().map(HixlEndpoint::to_raw).collect();
+        let desc = sys::HixlServerDesc {
+            endpoint_list: raw.as_ptr(),
+            server_ip: ip_c.as_ptr(),
+            server_port: u32::from(port),
+            endpoint_list_num: u32::try_from(raw.len()).map_err(|_| {
+                Error::InvalidArgument(format!("{} endpoints are too many", raw.len()))
+            })?,
+            ..Default::default()
+        };
+        let config = sys::HixlServerConfig::default();
+        let mut handle: sys::HixlServerHandle = std::ptr::null_mut();
+        // SAFETY: desc, the endpoint array and the ip string outlive the
+        // call; config is zeroed (no configuration string); handle is a
+        // valid out-parameter.
+        unsafe { hixl_call!(hixl, HixlCSServerCreate(&desc, &config, &mut handle))? };
+        Ok(HixlServer {
+            hixl: hixl.clone(),
+            handle: Handle(handle),
+            port,
+            calls: Mutex::new(()),
+        })
+    }
+
+    /// Registers `[addr, addr+len)` for clients to access
+    /// (`HixlCSServerRegMem`); call before [`HixlServer::listen`].
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
+    /// until it is unregistered or the server is destroyed.
+    pub unsafe fn register(
+        &self,
+        tag: &str,
+        kind: MemKind,
+        addr: *mut u8,
+        len: usize,
+    ) -> Result<HixlMemId> {
+        let tag = c_string("memory tag", tag)?;
+        let mem = sys::CommMem {
+            type_: mem_type(kind),
+            addr: addr.cast(),
+            size: len as u64,
+        };
+        let mut id: sys::MemHandle = std::ptr::null_mut();
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live (destroyed only in Drop); tag and mem
+        // outlive the call; the caller vouches for the memory.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSServerRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
+            )?
+        };
+        Ok(HixlMemId(Handle(id)))
+    }
+
+    /// Starts listening (`HixlCSServerListen`).
+    pub fn listen(&self, backlog: u32) -> Result<()> {
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live.
+        unsafe { hixl_call!(&self.hixl, HixlCSServerListen(self.handle.0, backlog)) }
+    }
+
+    /// Unregisters memory (`HixlCSServerUnregMem`); HIXL wants the
+    /// clients gone first.
+    pub fn unregister(&self, id: HixlMemId) -> Result<()> {
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; id came from HixlCSServerRegMem.
+        unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.0 .0)) }
+    }
+
+    /// The port clients connect to: the one given to
+    /// [`HixlServer::create`], or, when that was 0 (emulator only), the
+    /// port the emulator bound, known once [`HixlServer::listen`] returned.
+    pub fn port(&self) -> Result<u16> {
+        if self.port != 0 {
+            return Ok(self.port);
+        }
+        let Some((_, f)) = self.hixl.shared.emu_port.as_ref() else {
+            return Err(Error::Unsupported(EMU_SERVER_PORT_SYMBOL));
+        };
+        let mut port = 0u32;
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; port is a valid out-parameter.
+        let code = unsafe { f(self.handle.0, &mut port) };
+        self.hixl.check(EMU_SERVER_PORT_SYMBOL, code)?;
+        u16::try_from(port)
+            .map_err(|_| Error::InvalidArgument(format!("emulator reported port {port}")))
+    }
+}
+
+impl Drop for HixlServer {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and used by nobody else (&mut self).
+        if let Err(e) = unsafe { hixl_call!(&self.hixl, HixlCSServerDestroy(self.handle.0)) } {
+            log::warn!("destroying a HIXL server: {e}");
+        }
+    }
+}
+
+/// A HIXL client of one server. Dropping it destroys it
+/// (`HixlCSClientDestroy`); that never panics.
+pub struct HixlClient {
+    hixl: Hixl,
+    handle: Handle,
+    calls: Mutex<()>,
+}
+
+impl std::fmt::Debug for HixlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HixlClient")
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl HixlClient {
+    /// Creates a client of the server at `server_ip:server_port`, moving
+    /// data between `local` (this side's endpoint) and `remote` (one the
+    /// server offers) (`HixlCSClientCreate`, no global resource
+    /// configuration, traffic class and service level 0). As with the
+    /// server, bind the device on the calling thread first.
+    pub fn create(
+        hixl: &Hixl,
+        server_ip: &str,
+        server_port: u16,
+        local: &HixlEndpoint,
+        remote: &HixlEndpoint,
+    ) -> Result<HixlClient> {
+        let ip_c = c_string("server ip", server_ip)?;
+        let (local_raw, remote_raw) = (local.to_raw(), remote.to_raw());
+        let desc = sys::HixlClientDesc {
+            local_endpoint: &local_raw,
+            remote_endpoint: &remote_raw,
+            server_ip: ip_c.as_ptr(),
+            server_port: u32::from(server_port),
+            ..Default::default()
+        };
+        let config = sys::HixlClientConfig::default();
+        let mut handle: sys::HixlClientHandle = std::ptr::null_mut();
+        // SAFETY: desc and everything it points to outlive the call; config
+        // is zeroed; handle is a valid out-parameter.
+        unsafe { hixl_call!(hixl, HixlCSClientCreate(&desc, &config, &mut handle))? };
+        Ok(HixlClient {
+            hixl: hixl.clone(),
+            handle: Handle(handle),
+            calls: Mutex::new(()),
+        })
+    }
+
+    /// Registers local memory for transfers (`HixlCSClientRegMem`); call
+    /// before [`HixlClient::connect`].
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
+    /// until it is unregistered or the client is destroyed.
+    pub unsafe fn register(
+        &self,
+        tag: &str,
+        kind: MemKind,
+        addr: *mut u8,
+        len: usize,
+    ) -> Result<HixlMemId> {
+        let tag = c_string("memory tag", tag)?;
+        let mem = sys::CommMem {
+            type_: mem_type(kind),
+            addr: addr.cast(),
+            size: len as u64,
+        };
+        let mut id: sys::MemHandle = std::ptr::null_mut();
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; tag and mem outlive the call; the
+        // caller vouches for the memory.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
+            )?
+        };
+        Ok(HixlMemId(Handle(id)))
+    }
+
+    /// Connects to the server, waiting at most `timeout`
+    /// (`HixlCSClientConnect`; `HIXL_TIMEOUT` when it does not answer).
+    pub fn connect(&self, timeout: Duration) -> Result<()> {
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientConnect(self.handle.0, millis(timeout))
+            )
+        }
+    }
+
+    /// The server's registered regions (`HixlCSClientGetRemoteMem`),
+    /// copied out of the lists HIXL owns (which the next call frees). Call
+    /// once after [`HixlClient::connect`], before any transfer.
+    pub fn remote_mems(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
+        let mut mems: *mut sys::CommMem = std::ptr::null_mut();
+        let mut tags: *mut *mut c_char = std::ptr::null_mut();
+        let mut n = 0u32;
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; the three out-parameters are valid.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientGetRemoteMem(
+                    self.handle.0,
+                    &mut mems,
+                    &mut tags,
+                    &mut n,
+                    millis(timeout)
+                )
+            )?
+        };
+        let n = n as usize;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if mems.is_null() {
+            return Err(Error::InvalidArgument(format!(
+                "HixlCSClientGetRemoteMem reported {n} regions but no list"
+            )));
+        }
+        // SAFETY: on success HIXL hands out n CommMem entries (and, when
+        // tags is not NULL, n tag pointers) that stay valid until the next
+        // GetRemoteMem on this client, which our lock keeps out until the
+        // copies below are done.
+        let mems = unsafe { std::slice::from_raw_parts(mems, n) };
+        let tags: Option<&[*mut c_char]> =
+            // SAFETY: as above.
+            (!tags.is_null()).then(|| unsafe { std::slice::from_raw_parts(tags, n) });
+        let mut out = Vec::with_capacity(n);
+        for (i, m) in mems.iter().enumerate() {
+            let kind = match m.type_ {
+                sys::COMM_MEM_TYPE_DEVICE => MemKind::Device,
+                sys::COMM_MEM_TYPE_HOST => MemKind::Host,
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "HixlCSClientGetRemoteMem: region {i} has unknown memory type {other}"
+                    )))
+                }
+            };
+            let tag = match tags.map(|t| t[i]) {
+                // SAFETY: a non-NULL tag is a NUL-terminated string valid
+                // until the next GetRemoteMem (see above).
+                Some(p) if !p.is_null() => {
+                    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                }
+                _ => String::new(),
+            };
+            out.push(HixlRemoteMem {
+                tag,
+                kind,
+                addr: m.addr as u64,
+                len: m.size,
+            });
+        }
+        Ok(out)
+    }
+
+    fn raw_ops(ops: &[HixlOp]) -> Result<(u32, Vec<sys::HixlOneSideOpDesc>)> {
+        let n = u32::try_from(ops.len()).map_err(|_| {
+            Error::InvalidArgument(format!("{} ops do not fit one HIXL batch", ops.len()))
+        })?;
+        let raw = ops
+            .iter()
+            .map(|op| sys::HixlOneSideOpDesc {
+                remote_buf: op.remote as usize as *mut c_void,
+                local_buf: op.local.cast(),
+                len: op.len,
+            })
+            .collect();
+        Ok((n, raw))
+    }
+
+    /// Starts reading every op's remote range into its local range
+    /// (`HixlCSClientBatchGetAsync`). An empty batch is HIXL's
+    /// `HIXL_PARAM_INVALID`.
+    ///
+    /// # Safety
+    /// Every op's remote range lies in a remote region, its local range in
+    /// memory registered on this client, and nothing else touches the
+    /// local range until the transfer is Completed or the client is
+    /// destroyed.
+    pub unsafe fn get_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
+        let (n, raw) = Self::raw_ops(ops)?;
+        let mut t: sys::CompleteHandle = std::ptr::null_mut();
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; raw holds n descriptors; t is a valid
+        // out-parameter; the caller vouches for the ranges.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientBatchGetAsync(self.handle.0, n, raw.as_ptr(), &mut t)
+            )?
+        };
+        Ok(HixlTransfer(Handle(t)))
+    }
+
+    /// Starts writing every op's local range to its remote range
+    /// (`HixlCSClientBatchPutAsync`). An empty batch is HIXL's
+    /// `HIXL_PARAM_INVALID`.
+    ///
+    /// # Safety
+    /// As [`HixlClient::get_async`]; the local range must not be written
+    /// until the transfer is Completed or the client is destroyed.
+    pub unsafe fn put_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
+        let (n, raw) = Self::raw_ops(ops)?;
+        let mut t: sys::CompleteHandle = std::ptr::null_mut();
+        let _calls = lock(&self.calls);
+        // SAFETY: as in get_async.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientBatchPutAsync(self.handle.0, n, raw.as_ptr(), &mut t)
+            )?
+        };
+        Ok(HixlTransfer(Handle(t)))
+    }
+
+    /// Reads every op and waits for the whole batch, at most `timeout`
+    /// (`HixlCSClientBatchGetSync`; `HIXL_TIMEOUT` past it, which leaves
+    /// the client failed). Blocks every other call on this client.
+    ///
+    /// # Safety
+    /// As [`HixlClient::get_async`]; after a failure or timeout the local
+    /// ranges may still be written until the client is destroyed.
+    pub unsafe fn get_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
+        let (n, raw) = Self::raw_ops(ops)?;
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; raw holds n descriptors.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientBatchGetSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
+            )
+        }
+    }
+
+    /// Writes every op and waits for the whole batch, at most `timeout`
+    /// (`HixlCSClientBatchPutSync`). Blocks every other call on this client.
+    ///
+    /// # Safety
+    /// As [`HixlClient::get_sync`].
+    pub unsafe fn put_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
+        let (n, raw) = Self::raw_ops(ops)?;
+        let _calls = lock(&self.calls);
+        // SAFETY: as in get_sync.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientBatchPutSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
+            )
+        }
+    }
+
+    /// Polls a transfer (`HixlCSClientQueryCompleteStatus`). Completed
+    /// frees it inside HIXL, so it comes back only while Waiting (and on
+    /// the reserved TimedOut / Failed, where HIXL documents nothing).
+    /// On an error the transfer is dropped.
+    pub fn query(&self, t: HixlTransfer) -> Result<(HixlTransferState, Option<HixlTransfer>)> {
+        let mut status: sys::HixlCompleteStatus = sys::HIXL_COMPLETE_STATUS_WAITING;
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; t came from this client and has not
+        // completed (a completed one is never handed back); status is a
+        // valid out-parameter.
+        unsafe {
+            hixl_call!(
+                &self.hixl,
+                HixlCSClientQueryCompleteStatus(self.handle.0, t.0 .0, &mut status)
+            )?
+        };
+        Ok(match status {
+            sys::HIXL_COMPLETE_STATUS_COMPLETED => (HixlTransferState::Completed, None),
+            sys::HIXL_COMPLETE_STATUS_WAITING => (HixlTransferState::Waiting, Some(t)),
+            sys::HIXL_COMPLETE_STATUS_TIMEOUT => (HixlTransferState::TimedOut, Some(t)),
+            sys::HIXL_COMPLETE_STATUS_FAILED => (HixlTransferState::Failed, Some(t)),
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "HixlCSClientQueryCompleteStatus answered unknown status {other}"
+                )))
+            }
+        })
+    }
+
+    /// Unregisters local memory (`HixlCSClientUnregMem`).
+    pub fn unregister(&self, id: HixlMemId) -> Result<()> {
+        let _calls = lock(&self.calls);
+        // SAFETY: the handle is live; id came from HixlCSClientRegMem.
+        unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.0 .0)) }
+    }
+}
+
+impl Drop for HixlClient {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and used by nobody else (&mut self).
+        if let Err(e) = unsafe { hixl_call!(&self.hixl, HixlCSClientDestroy(self.handle.0)) } {
+            log::warn!("destroying a HIXL client: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_description_carries_protocol_address_and_device() {
+        let e = HixlEndpoint {
+            protocol: HixlProtocol::Roce,
+            device_phy_id: 3,
+            ipv4: Some(Ipv4Addr::new(10, 0, 0, 7)),
+        };
+        let d = e.to_raw();
+        assert_eq!(d.protocol, sys::COMM_PROTOCOL_ROCE);
+        assert_eq!(d.commAddr.type_, sys::COMM_ADDR_TYPE_IP_V4);
+        // SAFETY: the IPv4 member was the one written.
+        let addr = unsafe { d.commAddr.__bindgen_anon_1.addr };
+        assert_eq!(addr.to_ne_bytes(), [10, 0, 0, 7]);
+        assert_eq!(d.loc.locType, sys::ENDPOINT_LOC_TYPE_DEVICE);
+        // SAFETY: the device member was the one written.
+        let dev = unsafe { d.loc.__bindgen_anon_1.device };
+        assert_eq!(dev.devPhyId, 3);
+        let h = HixlEndpoint {
+            protocol: HixlProtocol::Hccs,
+            device_phy_id: 0,
+            ipv4: None,
+        }
+        .to_raw();
+        assert_eq!(h.protocol, sys::COMM_PROTOCOL_HCCS);
+        assert_eq!(h.commAddr.type_, sys::COMM_ADDR_TYPE_RESERVED);
+    }
+
+    #[test]
+    fn the_agreed_thread_properties_hold() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Hixl>();
+        send_sync::<HixlServer>();
+        send_sync::<HixlClient>();
+        send_sync::<HixlOp>();
+        send::<HixlMemId>();
+        send::<HixlTransfer>();
+    }
+
+    #[test]
+    fn timeouts_saturate_to_u32_millis() {
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), u32::MAX);
+    }
+}
