@@ -1296,7 +1296,7 @@ fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
         ] {
             let (doc, stdout) = run(args);
             assert!(
-                stdout.contains(&format!("KV cache layout {layout}.")),
+                stdout.contains(&format!("KV cache layout {layout} in 128-token blocks.")),
                 "{stdout}"
             );
             let ms = doc["modes"].as_array().unwrap();
