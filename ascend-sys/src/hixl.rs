@@ -227,6 +227,46 @@ fn c_string(what: &str, s: &str) -> Result<CString> {
     })
 }
 
+/// A registration tag: non-empty (HIXL lists the tags of only the tagged
+/// regions, so one untagged region would leave a client unable to pair
+/// tags with regions) and free of NUL bytes.
+fn tag_c_string(tag: &str) -> Result<CString> {
+    if tag.is_empty() {
+        return Err(Error::InvalidArgument(
+            "an empty HIXL memory tag: HIXL leaves untagged regions out of the tag list it \
+             hands clients, which then cannot tell which tag is whose; give every region a \
+             non-empty tag"
+                .into(),
+        ));
+    }
+    c_string("memory tag", tag)
+}
+
+/// Which of the tag pointers `HixlCSClientGetRemoteMem` hands out may be
+/// read, for `n` regions. HIXL appends a tag only for a tagged region and
+/// does not say how many it appended, so the list is `n` long only when
+/// every region is tagged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TagPlan {
+    /// No tag list: no region is tagged.
+    NoneTagged,
+    /// Exactly `n` tags, the i-th naming region i.
+    Paired,
+    /// Between 1 and `n` tags, of unknown count and pairing: read none.
+    Unknown,
+}
+
+pub(crate) fn tag_plan(n: usize, list_is_null: bool, every_region_tagged: bool) -> TagPlan {
+    if list_is_null {
+        TagPlan::NoneTagged
+    } else if n == 1 || every_region_tagged {
+        // A non-NULL list holds at least one tag and at most n.
+        TagPlan::Paired
+    } else {
+        TagPlan::Unknown
+    }
+}
+
 fn millis(timeout: Duration) -> u32 {
     u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
 }
@@ -255,7 +295,8 @@ pub struct HixlMemId(Handle);
 /// it out of HIXL's list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HixlRemoteMem {
-    /// The tag the server registered it with ("" when none).
+    /// The tag the server registered it with; "" when it has none or when
+    /// [`HixlClient::remote_mems`] could not pair tags with regions.
     pub tag: String,
     /// Device or host memory.
     pub kind: MemKind,
@@ -375,7 +416,10 @@ impl HixlServer {
     }
 
     /// Registers `[addr, addr+len)` for clients to access
-    /// (`HixlCSServerRegMem`); call before [`HixlServer::listen`].
+    /// (`HixlCSServerRegMem`); call before [`HixlServer::listen`]. `tag`
+    /// must be non-empty ([`Error::InvalidArgument`] otherwise): HIXL lists
+    /// only the tagged regions' tags, and a client can pair tags with
+    /// regions only when every region has one.
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
@@ -387,7 +431,7 @@ impl HixlServer {
         addr: *mut u8,
         len: usize,
     ) -> Result<HixlMemId> {
-        let tag = c_string("memory tag", tag)?;
+        let tag = tag_c_string(tag)?;
         let mem = sys::CommMem {
             type_: mem_type(kind),
             addr: addr.cast(),
@@ -501,7 +545,8 @@ impl HixlClient {
     }
 
     /// Registers local memory for transfers (`HixlCSClientRegMem`); call
-    /// before [`HixlClient::connect`].
+    /// before [`HixlClient::connect`]. `tag` must be non-empty, as for
+    /// [`HixlServer::register`].
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
@@ -513,7 +558,7 @@ impl HixlClient {
         addr: *mut u8,
         len: usize,
     ) -> Result<HixlMemId> {
-        let tag = c_string("memory tag", tag)?;
+        let tag = tag_c_string(tag)?;
         let mem = sys::CommMem {
             type_: mem_type(kind),
             addr: addr.cast(),
@@ -548,7 +593,33 @@ impl HixlClient {
     /// The server's registered regions (`HixlCSClientGetRemoteMem`),
     /// copied out of the lists HIXL owns (which the next call frees). Call
     /// once after [`HixlClient::connect`], before any transfer.
+    ///
+    /// Identify regions by address and length. HIXL hands out the tags of
+    /// the tagged regions only, without their count, so this safe form
+    /// fills [`HixlRemoteMem::tag`] only when the pairing is certain (no
+    /// tag list at all, or a single region) and leaves every tag `""`
+    /// otherwise. When the server tags every region, as any
+    /// [`HixlServer`] does, [`HixlClient::remote_mems_tagged`] reads them.
     pub fn remote_mems(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
+        self.fetch_remote_mems(timeout, false)
+    }
+
+    /// [`HixlClient::remote_mems`] with every region's tag.
+    ///
+    /// # Safety
+    /// Every region the server registered carries a non-empty tag (true of
+    /// a server made with [`HixlServer`], whose `register` refuses empty
+    /// tags). Otherwise HIXL's tag list is shorter than its region list
+    /// and this reads past its end.
+    pub unsafe fn remote_mems_tagged(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
+        self.fetch_remote_mems(timeout, true)
+    }
+
+    fn fetch_remote_mems(
+        &self,
+        timeout: Duration,
+        every_region_tagged: bool,
+    ) -> Result<Vec<HixlRemoteMem>> {
         let mut mems: *mut sys::CommMem = std::ptr::null_mut();
         let mut tags: *mut *mut c_char = std::ptr::null_mut();
         let mut n = 0u32;
@@ -575,14 +646,26 @@ impl HixlClient {
                 "HixlCSClientGetRemoteMem reported {n} regions but no list"
             )));
         }
-        // SAFETY: on success HIXL hands out n CommMem entries (and, when
-        // tags is not NULL, n tag pointers) that stay valid until the next
-        // GetRemoteMem on this client, which our lock keeps out until the
-        // copies below are done.
+        // SAFETY: on success HIXL hands out n CommMem entries that stay
+        // valid until the next GetRemoteMem on this client, which our lock
+        // keeps out until the copies below are done.
         let mems = unsafe { std::slice::from_raw_parts(mems, n) };
-        let tags: Option<&[*mut c_char]> =
-            // SAFETY: as above.
-            (!tags.is_null()).then(|| unsafe { std::slice::from_raw_parts(tags, n) });
+        let tags: Option<&[*mut c_char]> = match tag_plan(n, tags.is_null(), every_region_tagged) {
+            // SAFETY: the tag list holds one pointer per tagged region;
+            // Paired means every region is tagged (the caller of
+            // remote_mems_tagged vouches for it, or n is 1 and a non-NULL
+            // list holds at least one), so it holds n; valid as long as
+            // the regions (see above).
+            TagPlan::Paired => Some(unsafe { std::slice::from_raw_parts(tags, n) }),
+            TagPlan::NoneTagged => None,
+            TagPlan::Unknown => {
+                log::debug!(
+                    "HixlCSClientGetRemoteMem: {n} regions and a tag list of unknown length; \
+                     tags left empty (remote_mems_tagged reads them when every region is tagged)"
+                );
+                None
+            }
+        };
         let mut out = Vec::with_capacity(n);
         for (i, m) in mems.iter().enumerate() {
             let kind = match m.type_ {
@@ -795,6 +878,27 @@ mod tests {
         send_sync::<HixlOp>();
         send::<HixlMemId>();
         send::<HixlTransfer>();
+    }
+
+    #[test]
+    fn tags_are_read_only_when_the_list_is_provably_as_long_as_the_regions() {
+        // No list: nothing is tagged.
+        assert_eq!(tag_plan(5, true, false), TagPlan::NoneTagged);
+        assert_eq!(tag_plan(5, true, true), TagPlan::NoneTagged);
+        // A list with several regions: only the caller's word pairs them.
+        assert_eq!(tag_plan(5, false, false), TagPlan::Unknown);
+        assert_eq!(tag_plan(2, false, false), TagPlan::Unknown);
+        assert_eq!(tag_plan(5, false, true), TagPlan::Paired);
+        // One region and a non-NULL list: exactly one tag.
+        assert_eq!(tag_plan(1, false, false), TagPlan::Paired);
+    }
+
+    #[test]
+    fn empty_tags_are_refused_naming_the_fix() {
+        let err = tag_c_string("").unwrap_err();
+        assert!(err.to_string().contains("non-empty tag"), "{err}");
+        assert!(tag_c_string("a\0b").is_err());
+        assert_eq!(tag_c_string("pool0").unwrap().as_bytes(), b"pool0");
     }
 
     #[test]

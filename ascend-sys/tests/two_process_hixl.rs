@@ -118,6 +118,11 @@ fn hixl_server_child() {
                 .unwrap(),
         ]
     };
+    // An empty tag is refused before HIXL sees it.
+    // SAFETY: refused; nothing keeps the address.
+    let err =
+        unsafe { server.register("", MemKind::Host, host.as_ptr().cast(), SRV_HOST) }.unwrap_err();
+    assert!(err.to_string().contains("non-empty tag"), "{err}");
     // The port is the emulator's to pick (port 0) and known after listen.
     assert!(server.port().is_err(), "no port before listen");
     server.listen(16).unwrap();
@@ -280,6 +285,12 @@ fn hixl_between_two_processes() {
         err.to_string().contains("not memory from aclrtMalloc"),
         "{err}"
     );
+    // An empty tag is refused before HIXL sees it.
+    // SAFETY: refused; nothing keeps the address.
+    let err =
+        unsafe { client.register("", MemKind::Device, src.as_ptr().cast(), CLI_SRC) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("non-empty tag"), "{err}");
     // SAFETY: the buffers outlive the client (dropped at the end of the test).
     let ids = unsafe {
         [
@@ -319,8 +330,26 @@ fn hixl_between_two_processes() {
         "{err}"
     );
 
-    let mut remote = client.remote_mems(WAIT).unwrap();
+    // SAFETY: the server is a HixlServer, which tags every region.
+    let mut remote = unsafe { client.remote_mems_tagged(WAIT) }.unwrap();
     remote.sort_by(|a, b| a.tag.cmp(&b.tag));
+    // The safe form lists the same regions; with two of them and a tag
+    // list HIXL does not give the length of, it reads no tag.
+    let mut plain = client.remote_mems(WAIT).unwrap();
+    plain.sort_by_key(|m| m.addr);
+    let mut by_addr = remote.clone();
+    by_addr.sort_by_key(|m| m.addr);
+    assert_eq!(
+        plain
+            .iter()
+            .map(|m| (m.addr, m.len, m.kind))
+            .collect::<Vec<_>>(),
+        by_addr
+            .iter()
+            .map(|m| (m.addr, m.len, m.kind))
+            .collect::<Vec<_>>()
+    );
+    assert!(plain.iter().all(|m| m.tag.is_empty()), "{plain:?}");
     assert_eq!(remote.len(), 2, "{remote:?}");
     let (r_dev, r_host) = (&remote[0], &remote[1]);
     assert_eq!(

@@ -643,7 +643,8 @@ struct Transfer {
 }
 
 /// The lists `HixlCSClientGetRemoteMem` hands out; they stay valid until
-/// the next call on the client (or its destruction).
+/// the next call on the client (or its destruction). Like HIXL's, the tag
+/// list holds the tags of the tagged regions only, in region order.
 #[derive(Default)]
 struct OutLists {
     mems: Vec<sys::CommMem>,
@@ -893,13 +894,28 @@ pub(crate) fn client_get_remote_mem(
             addr: r.addr as *mut std::ffi::c_void,
             size: r.size as u64,
         });
-        out.tags
-            .push(CString::new(r.tag.replace('\0', " ")).unwrap_or_default());
+        // As HIXL: only a tagged region adds a tag, so with an untagged
+        // region the tag list is shorter than the region list.
+        if !r.tag.is_empty() {
+            out.tags
+                .push(CString::new(r.tag.replace('\0', " ")).unwrap_or_default());
+        }
     }
     out.tag_ptrs = out.tags.iter().map(|t| t.as_ptr().cast_mut()).collect();
     st.out = out;
     let n = st.out.mems.len() as u32;
-    Ok((st.out.mems.as_mut_ptr(), st.out.tag_ptrs.as_mut_ptr(), n))
+    // As HIXL: empty lists are handed out as NULL.
+    let mems = if st.out.mems.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        st.out.mems.as_mut_ptr()
+    };
+    let tags = if st.out.tag_ptrs.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        st.out.tag_ptrs.as_mut_ptr()
+    };
+    Ok((mems, tags, n))
 }
 
 /// One op as the C caller described it.
