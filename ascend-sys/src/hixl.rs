@@ -34,6 +34,7 @@
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -330,8 +331,15 @@ unsafe impl Sync for HixlOp {}
 /// the batch running and HIXL's record of it in place (its ops still count
 /// towards [`HIXL_OPS_IN_FLIGHT_LIMIT`]) until the client is destroyed;
 /// the memory it names must stay untouched until then.
+///
+/// It belongs to the client that started it: [`HixlClient::query`] on any
+/// other client refuses it (HIXL would take it for one of its own).
 #[derive(Debug)]
-pub struct HixlTransfer(Handle);
+pub struct HixlTransfer {
+    handle: Handle,
+    /// [`HixlClient`]'s process-unique id.
+    client: u64,
+}
 
 /// What a query found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -499,13 +507,20 @@ impl Drop for HixlServer {
 pub struct HixlClient {
     hixl: Hixl,
     handle: Handle,
+    /// Process-unique (a counter, never reused, unlike handle addresses);
+    /// every transfer records it.
+    id: u64,
     calls: Mutex<()>,
 }
+
+/// The next [`HixlClient`] id.
+static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl std::fmt::Debug for HixlClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HixlClient")
             .field("handle", &self.handle)
+            .field("id", &self.id)
             .finish()
     }
 }
@@ -540,6 +555,7 @@ impl HixlClient {
         Ok(HixlClient {
             hixl: hixl.clone(),
             handle: Handle(handle),
+            id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
             calls: Mutex::new(()),
         })
     }
@@ -731,7 +747,10 @@ impl HixlClient {
                 HixlCSClientBatchGetAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
-        Ok(HixlTransfer(Handle(t)))
+        Ok(HixlTransfer {
+            handle: Handle(t),
+            client: self.id,
+        })
     }
 
     /// Starts writing every op's local range to its remote range
@@ -752,7 +771,10 @@ impl HixlClient {
                 HixlCSClientBatchPutAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
-        Ok(HixlTransfer(Handle(t)))
+        Ok(HixlTransfer {
+            handle: Handle(t),
+            client: self.id,
+        })
     }
 
     /// Reads every op and waits for the whole batch, at most `timeout`
@@ -794,17 +816,26 @@ impl HixlClient {
     /// Polls a transfer (`HixlCSClientQueryCompleteStatus`). Completed
     /// frees it inside HIXL, so it comes back only while Waiting (and on
     /// the reserved TimedOut / Failed, where HIXL documents nothing).
-    /// On an error the transfer is dropped.
+    /// On an error the transfer is dropped. A transfer of another client
+    /// is refused ([`Error::InvalidArgument`]) before HIXL sees it: HIXL
+    /// would treat it as one of this client's and free it.
     pub fn query(&self, t: HixlTransfer) -> Result<(HixlTransferState, Option<HixlTransfer>)> {
+        if t.client != self.id {
+            return Err(Error::InvalidArgument(format!(
+                "a HIXL transfer of client #{} queried on client #{}: query a transfer on the \
+                 client that started it",
+                t.client, self.id
+            )));
+        }
         let mut status: sys::HixlCompleteStatus = sys::HIXL_COMPLETE_STATUS_WAITING;
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; t came from this client and has not
-        // completed (a completed one is never handed back); status is a
-        // valid out-parameter.
+        // SAFETY: the handle is live; t came from this client (checked
+        // above by id) and has not completed (a completed one is never
+        // handed back); status is a valid out-parameter.
         unsafe {
             hixl_call!(
                 &self.hixl,
-                HixlCSClientQueryCompleteStatus(self.handle.0, t.0 .0, &mut status)
+                HixlCSClientQueryCompleteStatus(self.handle.0, t.handle.0, &mut status)
             )?
         };
         Ok(match status {

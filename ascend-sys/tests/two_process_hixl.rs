@@ -449,6 +449,17 @@ fn hixl_between_two_processes() {
 
     refusals_leave_memory_untouched(&client, &land, r_dev.addr, &mut server);
 
+    // A transfer belongs to its client: another client refuses to query
+    // it before HIXL sees it (HIXL would free it as one of its own).
+    let other = HixlClient::create(&hixl, "127.0.0.1", port, &endpoint(1), &endpoint(0)).unwrap();
+    // SAFETY: the first put again (same bytes to the same place); the
+    // source is never written and outlives the client.
+    let t = unsafe { client.put_async(&puts[..1]) }.unwrap();
+    let err = other.query(t).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("client that started it"), "{err}");
+    drop(other);
+
     // The server process dies: a client connected before fails cleanly
     // when it asks for the remote memory, and batches fail (HIXL_FAILED)
     // and leave the client failed.
