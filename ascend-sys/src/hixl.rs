@@ -168,21 +168,36 @@ pub enum HixlProtocol {
 }
 
 /// One device endpoint (an `EndpointDesc` located on a device).
+///
+/// Encoded as HIXL v9.1.0's own endpoint generator does, since a server
+/// matches a client's wanted endpoint field by field: a RoCE endpoint by
+/// its IPv4 address (so it needs one: without it the address type is
+/// reserved, which real HIXL never matches, and [`HixlServer::create`] /
+/// [`HixlClient::create`] refuse it outside the emulator); an HCCS
+/// endpoint by its device id (address type ID, id = the physical device
+/// id; an `ipv4` given is ignored).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HixlEndpoint {
     /// Its transport.
     pub protocol: HixlProtocol,
-    /// The device's physical id.
+    /// The device's physical id (not the logical id ACL numbers devices
+    /// by; the two differ when a container or `ASCEND_RT_VISIBLE_DEVICES`
+    /// remaps devices).
     pub device_phy_id: u32,
-    /// The endpoint's IPv4 address (a RoCE NIC's); `None` leaves the
-    /// address type reserved (what real HIXL wants for HCCS endpoints is
-    /// not confirmed from public sources).
+    /// The RoCE NIC's IPv4 address: required for RoCE outside the
+    /// emulator, ignored for HCCS.
     pub ipv4: Option<Ipv4Addr>,
 }
 
+/// `superDevId` meaning "none" for an HCCS endpoint.
+const NO_SUPER_DEVICE: u32 = u32::MAX;
+
 impl HixlEndpoint {
-    /// The C description: protocol, IPv4 address (network byte order),
-    /// device location with the physical id; everything else zero.
+    /// The C description: protocol; for RoCE the IPv4 address (network
+    /// byte order; reserved address type without one), for HCCS address
+    /// type ID holding the physical device id; device location with the
+    /// physical id and, for HCCS, no super device (`0xFFFFFFFF`);
+    /// everything else zero.
     pub fn to_raw(&self) -> sys::EndpointDesc {
         let mut d = sys::EndpointDesc {
             protocol: match self.protocol {
@@ -191,25 +206,47 @@ impl HixlEndpoint {
             },
             ..Default::default()
         };
-        match self.ipv4 {
-            Some(ip) => {
+        match (self.protocol, self.ipv4) {
+            (HixlProtocol::Hccs, _) => {
+                d.commAddr.type_ = sys::COMM_ADDR_TYPE_ID;
+                d.commAddr.__bindgen_anon_1 = sys::CommAddr__bindgen_ty_1 {
+                    id: self.device_phy_id,
+                };
+            }
+            (HixlProtocol::Roce, Some(ip)) => {
                 d.commAddr.type_ = sys::COMM_ADDR_TYPE_IP_V4;
                 d.commAddr.__bindgen_anon_1 = sys::CommAddr__bindgen_ty_1 {
                     addr: u32::from_ne_bytes(ip.octets()),
                 };
             }
-            None => d.commAddr.type_ = sys::COMM_ADDR_TYPE_RESERVED,
+            (HixlProtocol::Roce, None) => d.commAddr.type_ = sys::COMM_ADDR_TYPE_RESERVED,
         }
         d.loc.locType = sys::ENDPOINT_LOC_TYPE_DEVICE;
         d.loc.__bindgen_anon_1 = sys::EndpointLoc__bindgen_ty_1 {
             device: sys::EndpointLoc__bindgen_ty_1__bindgen_ty_1 {
                 devPhyId: self.device_phy_id,
-                superDevId: 0,
+                superDevId: match self.protocol {
+                    HixlProtocol::Hccs => NO_SUPER_DEVICE,
+                    HixlProtocol::Roce => 0,
+                },
                 serverIdx: 0,
                 superPodIdx: 0,
             },
         };
         d
+    }
+
+    /// Refuses what real HIXL can never match: a RoCE endpoint without an
+    /// IPv4 address (the emulator stands in for it by device).
+    fn check_matchable(&self, emulator: bool, role: &str) -> Result<()> {
+        if self.protocol == HixlProtocol::Roce && self.ipv4.is_none() && !emulator {
+            return Err(Error::InvalidArgument(format!(
+                "the {role} RoCE endpoint on device {} has no IPv4 address; HIXL matches RoCE \
+                 endpoints by address, so give it the device NIC's IPv4 address (ipv4: Some(..))",
+                self.device_phy_id
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -398,6 +435,9 @@ impl HixlServer {
                 "a HIXL server needs at least one endpoint to offer".into(),
             ));
         }
+        for e in endpoints {
+            e.check_matchable(hixl.is_emulator(), "server's")?;
+        }
         let ip_c = c_string("server ip", ip)?;
         let raw: Vec<sys::EndpointDesc> = endpoints.iter().map(HixlEndpoint::to_raw).collect();
         let desc = sys::HixlServerDesc {
@@ -538,6 +578,8 @@ impl HixlClient {
         local: &HixlEndpoint,
         remote: &HixlEndpoint,
     ) -> Result<HixlClient> {
+        local.check_matchable(hixl.is_emulator(), "local")?;
+        remote.check_matchable(hixl.is_emulator(), "remote")?;
         let ip_c = c_string("server ip", server_ip)?;
         let (local_raw, remote_raw) = (local.to_raw(), remote.to_raw());
         let desc = sys::HixlClientDesc {
@@ -889,14 +931,49 @@ mod tests {
         // SAFETY: the device member was the one written.
         let dev = unsafe { d.loc.__bindgen_anon_1.device };
         assert_eq!(dev.devPhyId, 3);
-        let h = HixlEndpoint {
-            protocol: HixlProtocol::Hccs,
-            device_phy_id: 0,
-            ipv4: None,
+        assert_eq!(dev.superDevId, 0);
+        let roce_bare = HixlEndpoint { ipv4: None, ..e }.to_raw();
+        assert_eq!(roce_bare.commAddr.type_, sys::COMM_ADDR_TYPE_RESERVED);
+        // HCCS: identified by the physical device id, no super device; an
+        // IPv4 address is ignored.
+        for ipv4 in [None, Some(Ipv4Addr::new(10, 0, 0, 7))] {
+            let h = HixlEndpoint {
+                protocol: HixlProtocol::Hccs,
+                device_phy_id: 5,
+                ipv4,
+            }
+            .to_raw();
+            assert_eq!(h.protocol, sys::COMM_PROTOCOL_HCCS);
+            assert_eq!(h.commAddr.type_, sys::COMM_ADDR_TYPE_ID);
+            // SAFETY: the id member was the one written.
+            assert_eq!(unsafe { h.commAddr.__bindgen_anon_1.id }, 5);
+            // SAFETY: the device member was the one written.
+            let dev = unsafe { h.loc.__bindgen_anon_1.device };
+            assert_eq!((dev.devPhyId, dev.superDevId), (5, u32::MAX));
         }
-        .to_raw();
-        assert_eq!(h.protocol, sys::COMM_PROTOCOL_HCCS);
-        assert_eq!(h.commAddr.type_, sys::COMM_ADDR_TYPE_RESERVED);
+    }
+
+    #[test]
+    fn a_roce_endpoint_without_an_address_is_refused_outside_the_emulator() {
+        let bare = HixlEndpoint {
+            protocol: HixlProtocol::Roce,
+            device_phy_id: 2,
+            ipv4: None,
+        };
+        let err = bare.check_matchable(false, "local").unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)));
+        assert!(err.to_string().contains("ipv4: Some"), "{err}");
+        assert!(bare.check_matchable(true, "local").is_ok());
+        let hccs = HixlEndpoint {
+            protocol: HixlProtocol::Hccs,
+            ..bare
+        };
+        assert!(hccs.check_matchable(false, "local").is_ok());
+        let addressed = HixlEndpoint {
+            ipv4: Some(Ipv4Addr::LOCALHOST),
+            ..bare
+        };
+        assert!(addressed.check_matchable(false, "local").is_ok());
     }
 
     #[test]

@@ -157,19 +157,33 @@ impl EndpointKey {
     }
 }
 
-/// Whether an endpoint a server offers is the one a client asks for:
-/// same protocol, same location, and the same address where the client
-/// names one (a client naming no address matches any).
+/// Whether an endpoint a server offers is the one a client asks for, by
+/// HIXL v9.1.0's rules: the protocols agree, then HCCS compares the ID
+/// address (the physical device id) only; RoCE compares the address type
+/// and the IPv4 address only (the location is not compared; the emulator
+/// carries no IPv6 address, so IPv6 never matches); any other protocol
+/// matches on the protocol alone (the emulator carries no UB EIDs). Real
+/// HIXL never matches a RoCE endpoint whose address type is neither IPv4
+/// nor IPv6; the emulator alone matches two such endpoints by device
+/// location, standing in for an address ascend-sys asks for outside the
+/// emulator.
 pub(crate) fn endpoint_matches(offered: &EndpointKey, wanted: &EndpointKey) -> bool {
-    offered.protocol == wanted.protocol
-        && offered.loc_type == wanted.loc_type
-        && offered.loc_id == wanted.loc_id
-        && match wanted.addr_type {
-            sys::COMM_ADDR_TYPE_IP_V4 | sys::COMM_ADDR_TYPE_ID => {
-                offered.addr_type == wanted.addr_type && offered.addr == wanted.addr
-            }
-            _ => true,
+    if offered.protocol != wanted.protocol {
+        return false;
+    }
+    match offered.protocol {
+        sys::COMM_PROTOCOL_HCCS => offered.addr == wanted.addr,
+        sys::COMM_PROTOCOL_ROCE => {
+            offered.addr_type == wanted.addr_type
+                && match offered.addr_type {
+                    sys::COMM_ADDR_TYPE_IP_V4 => offered.addr == wanted.addr,
+                    sys::COMM_ADDR_TYPE_IP_V6 => false,
+                    // Emulator only (see above).
+                    _ => offered.loc_type == wanted.loc_type && offered.loc_id == wanted.loc_id,
+                }
         }
+        _ => true,
+    }
 }
 
 // ------------------------------------------------------------ wire format
@@ -1197,25 +1211,43 @@ mod tests {
         }
     }
 
+    fn hccs(id: u32, dev: u32) -> EndpointKey {
+        EndpointKey {
+            protocol: sys::COMM_PROTOCOL_HCCS,
+            addr_type: sys::COMM_ADDR_TYPE_ID,
+            addr: id,
+            loc_type: sys::ENDPOINT_LOC_TYPE_DEVICE,
+            loc_id: dev,
+        }
+    }
+
     #[test]
-    fn endpoints_match_on_protocol_location_and_a_named_address() {
+    fn endpoints_match_by_hixls_rules() {
         let roce = sys::COMM_PROTOCOL_ROCE;
-        let hccs = sys::COMM_PROTOCOL_HCCS;
         let offered = key(roce, Some([10, 0, 0, 1]), 2);
         assert!(endpoint_matches(&offered, &offered));
-        assert!(endpoint_matches(&offered, &key(roce, None, 2)));
+        // RoCE: the IPv4 address decides, not the location.
+        assert!(endpoint_matches(
+            &offered,
+            &key(roce, Some([10, 0, 0, 1]), 3)
+        ));
         assert!(!endpoint_matches(
             &offered,
             &key(roce, Some([10, 0, 0, 9]), 2)
         ));
-        assert!(!endpoint_matches(
-            &offered,
-            &key(roce, Some([10, 0, 0, 1]), 3)
-        ));
-        assert!(!endpoint_matches(&offered, &key(hccs, None, 2)));
-        let k = key(hccs, Some([1, 2, 3, 4]), 7);
+        // A RoCE endpoint without an address never matches one with.
+        assert!(!endpoint_matches(&offered, &key(roce, None, 2)));
+        // Emulator only: two address-less RoCE endpoints match by device.
+        assert!(endpoint_matches(&key(roce, None, 2), &key(roce, None, 2)));
+        assert!(!endpoint_matches(&key(roce, None, 2), &key(roce, None, 3)));
+        // HCCS: the id decides, not the location; never across protocols.
+        assert!(endpoint_matches(&hccs(4, 4), &hccs(4, 0)));
+        assert!(!endpoint_matches(&hccs(4, 4), &hccs(5, 4)));
+        assert!(!endpoint_matches(&offered, &hccs(2, 2)));
+        let k = key(sys::COMM_PROTOCOL_HCCS, Some([1, 2, 3, 4]), 7);
         assert_eq!(EndpointKey::decode(&k.encode()), k);
         assert_eq!(k.describe(), "HCCS 1.2.3.4 on device 7");
+        assert_eq!(hccs(3, 3).describe(), "HCCS id 3 on device 3");
     }
 
     #[test]

@@ -51,6 +51,16 @@ fn endpoint(dev: u32) -> EndpointDesc {
     .to_raw()
 }
 
+/// A RoCE endpoint at another address (RoCE endpoints match by address).
+fn elsewhere(dev: u32) -> EndpointDesc {
+    HixlEndpoint {
+        protocol: HixlProtocol::Roce,
+        device_phy_id: dev,
+        ipv4: Some(std::net::Ipv4Addr::new(127, 0, 0, 5)),
+    }
+    .to_raw()
+}
+
 fn mem(buf: &DeviceBuffer) -> CommMem {
     CommMem {
         type_: sys::COMM_MEM_TYPE_DEVICE,
@@ -150,7 +160,7 @@ fn the_c_api_keeps_hixls_rules() {
 
         // Clients.
         let client_create = h.HixlCSClientCreate.as_ref().unwrap();
-        let (local, wanted, not_offered) = (endpoint(1), endpoint(0), endpoint(5));
+        let (local, wanted, not_offered) = (endpoint(1), endpoint(0), elsewhere(0));
         let mut cdesc = sys::HixlClientDesc {
             local_endpoint: &local,
             remote_endpoint: &not_offered,
