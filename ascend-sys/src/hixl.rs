@@ -48,6 +48,12 @@ use crate::sys;
 pub const HIXL_LIBRARY: &str = "libcann_hixl.so";
 /// Upper bound HIXL documents for ops in flight on one client.
 pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Traffic class [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
+/// own default for RoCE NICs.
+pub const HIXL_DEFAULT_TRAFFIC_CLASS: u8 = 132;
+/// Service level [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
+/// own default for RoCE NICs.
+pub const HIXL_DEFAULT_SERVICE_LEVEL: u8 = 4;
 /// Name of the emulator-only function that reports the port an emulated
 /// server bound when it was created with port 0.
 pub const EMU_SERVER_PORT_SYMBOL: &str = "ascend_emu_hixl_server_port";
@@ -307,6 +313,26 @@ pub(crate) fn tag_plan(n: usize, list_is_null: bool, every_region_tagged: bool) 
 
 fn millis(timeout: Duration) -> u32 {
     u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
+}
+
+/// The C description of a client; it points into its arguments.
+fn client_desc(
+    local: &sys::EndpointDesc,
+    remote: &sys::EndpointDesc,
+    server_ip: &CStr,
+    server_port: u16,
+    tc: u8,
+    sl: u8,
+) -> sys::HixlClientDesc {
+    sys::HixlClientDesc {
+        local_endpoint: local,
+        remote_endpoint: remote,
+        server_ip: server_ip.as_ptr(),
+        server_port: u32::from(server_port),
+        tc,
+        sl,
+        ..Default::default()
+    }
 }
 
 fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
@@ -569,8 +595,9 @@ impl HixlClient {
     /// Creates a client of the server at `server_ip:server_port`, moving
     /// data between `local` (this side's endpoint) and `remote` (one the
     /// server offers) (`HixlCSClientCreate`, no global resource
-    /// configuration, traffic class and service level 0). As with the
-    /// server, bind the device on the calling thread first.
+    /// configuration, traffic class [`HIXL_DEFAULT_TRAFFIC_CLASS`] and
+    /// service level [`HIXL_DEFAULT_SERVICE_LEVEL`], HIXL's defaults). As
+    /// with the server, bind the device on the calling thread first.
     pub fn create(
         hixl: &Hixl,
         server_ip: &str,
@@ -578,17 +605,35 @@ impl HixlClient {
         local: &HixlEndpoint,
         remote: &HixlEndpoint,
     ) -> Result<HixlClient> {
+        Self::create_with_traffic_class(
+            hixl,
+            server_ip,
+            server_port,
+            local,
+            remote,
+            HIXL_DEFAULT_TRAFFIC_CLASS,
+            HIXL_DEFAULT_SERVICE_LEVEL,
+        )
+    }
+
+    /// [`HixlClient::create`] with the RDMA traffic class `tc` and service
+    /// level `sl` the client's traffic carries (HIXL passes them to the
+    /// NIC; they must match the network's QoS setup). The emulator
+    /// ignores both.
+    pub fn create_with_traffic_class(
+        hixl: &Hixl,
+        server_ip: &str,
+        server_port: u16,
+        local: &HixlEndpoint,
+        remote: &HixlEndpoint,
+        tc: u8,
+        sl: u8,
+    ) -> Result<HixlClient> {
         local.check_matchable(hixl.is_emulator(), "local")?;
         remote.check_matchable(hixl.is_emulator(), "remote")?;
         let ip_c = c_string("server ip", server_ip)?;
         let (local_raw, remote_raw) = (local.to_raw(), remote.to_raw());
-        let desc = sys::HixlClientDesc {
-            local_endpoint: &local_raw,
-            remote_endpoint: &remote_raw,
-            server_ip: ip_c.as_ptr(),
-            server_port: u32::from(server_port),
-            ..Default::default()
-        };
+        let desc = client_desc(&local_raw, &remote_raw, &ip_c, server_port, tc, sl);
         let config = sys::HixlClientConfig::default();
         let mut handle: sys::HixlClientHandle = std::ptr::null_mut();
         // SAFETY: desc and everything it points to outlive the call; config
@@ -1007,6 +1052,24 @@ mod tests {
         assert!(err.to_string().contains("non-empty tag"), "{err}");
         assert!(tag_c_string("a\0b").is_err());
         assert_eq!(tag_c_string("pool0").unwrap().as_bytes(), b"pool0");
+    }
+
+    #[test]
+    fn a_client_description_carries_traffic_class_and_service_level() {
+        let ep = HixlEndpoint {
+            protocol: HixlProtocol::Roce,
+            device_phy_id: 1,
+            ipv4: Some(Ipv4Addr::LOCALHOST),
+        }
+        .to_raw();
+        let d = client_desc(&ep, &ep, c"10.0.0.1", 7000, 132, 4);
+        assert_eq!((d.tc, d.sl, d.server_port), (132, 4, 7000));
+        assert_eq!(
+            (HIXL_DEFAULT_TRAFFIC_CLASS, HIXL_DEFAULT_SERVICE_LEVEL),
+            (132, 4)
+        );
+        let d = client_desc(&ep, &ep, c"10.0.0.1", 7000, 96, 3);
+        assert_eq!((d.tc, d.sl), (96, 3));
     }
 
     #[test]

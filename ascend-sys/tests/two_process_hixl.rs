@@ -451,7 +451,16 @@ fn hixl_between_two_processes() {
 
     // A transfer belongs to its client: another client refuses to query
     // it before HIXL sees it (HIXL would free it as one of its own).
-    let other = HixlClient::create(&hixl, "127.0.0.1", port, &endpoint(1), &endpoint(0)).unwrap();
+    let other = HixlClient::create_with_traffic_class(
+        &hixl,
+        "127.0.0.1",
+        port,
+        &endpoint(1),
+        &endpoint(0),
+        96,
+        3,
+    )
+    .unwrap();
     // SAFETY: the first put again (same bytes to the same place); the
     // source is never written and outlives the client.
     let t = unsafe { client.put_async(&puts[..1]) }.unwrap();
