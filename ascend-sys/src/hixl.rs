@@ -15,8 +15,10 @@
 //! - memory is registered before `listen` (server) or `connect` (client);
 //! - after `connect` the client fetches the remote regions once;
 //! - a put moves local → remote, a get remote → local;
-//! - an empty batch is `HIXL_PARAM_INVALID`; at most
-//!   [`HIXL_OPS_IN_FLIGHT_LIMIT`] ops may be in flight on one client;
+//! - an empty batch is `HIXL_PARAM_INVALID`; on a client whose local
+//!   endpoint is on the host at most [`HIXL_UNQUERIED_TRANSFER_LIMIT`]
+//!   transfers may wait to be queried completed (`HIXL_RESOURCE_EXHAUSTED`
+//!   beyond); nothing limits the ops of a batch;
 //! - a batch call failing with `HIXL_FAILED` or `HIXL_TIMEOUT` leaves the
 //!   client failed: later batches fail too, so drop it and create another
 //!   ([`Error::hixl_status`] tells the code);
@@ -46,8 +48,18 @@ use crate::sys;
 
 /// File name of the HIXL library.
 pub const HIXL_LIBRARY: &str = "libcann_hixl.so";
-/// Upper bound HIXL documents for ops in flight on one client.
-pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Transfers ([`HixlTransfer`]s, i.e. batches) not yet queried completed
+/// that HIXL v9.1.0 keeps completion flags for on a client whose *local
+/// endpoint is on the host*; one more batch call is then refused with
+/// `HIXL_RESOURCE_EXHAUSTED` ([`crate::result::HIXL_RESOURCE_EXHAUSTED`],
+/// 203900) until a query reports one completed. A client on a device
+/// endpoint (every [`HixlEndpoint`]) has no such limit, and no HIXL limit
+/// counts ops.
+pub const HIXL_UNQUERIED_TRANSFER_LIMIT: usize = 4096;
+/// The same number as [`HIXL_UNQUERIED_TRANSFER_LIMIT`], under its earlier
+/// name. It is not a HIXL limit on ops: HIXL accepts batches of any size;
+/// a caller may still use it as its own bound on ops in flight.
+pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = HIXL_UNQUERIED_TRANSFER_LIMIT;
 /// Traffic class [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
 /// own default for RoCE NICs.
 pub const HIXL_DEFAULT_TRAFFIC_CLASS: u8 = 132;
@@ -391,9 +403,10 @@ unsafe impl Sync for HixlOp {}
 
 /// A submitted batch (`CompleteHandle`), to be polled with
 /// [`HixlClient::query`] until completed. Dropping it without that leaves
-/// the batch running and HIXL's record of it in place (its ops still count
-/// towards [`HIXL_OPS_IN_FLIGHT_LIMIT`]) until the client is destroyed;
-/// the memory it names must stay untouched until then.
+/// the batch running and HIXL's record of it in place (on a host-endpoint
+/// client it keeps counting towards [`HIXL_UNQUERIED_TRANSFER_LIMIT`])
+/// until the client is destroyed; the memory it names must stay untouched
+/// until then.
 ///
 /// It belongs to the client that started it: [`HixlClient::query`] on any
 /// other client refuses it (HIXL would take it for one of its own).

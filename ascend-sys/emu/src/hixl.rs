@@ -42,8 +42,10 @@ use crate::runtime::runtime;
 use crate::status::*;
 use crate::stream::{Copy, Event, Stream, Task};
 
-/// Ops HIXL allows in flight on one client.
-pub(crate) const OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Transfers not yet queried completed that HIXL allows on a client whose
+/// local endpoint is on the host (one completion flag each); a client on a
+/// device has no such limit, and no limit counts ops.
+pub(crate) const HOST_CLIENT_TRANSFER_LIMIT: usize = 4096;
 
 const HELLO_MAGIC: &[u8; 8] = b"ASEMUHX1";
 const MEMS_REQUEST: &[u8; 4] = b"MEMS";
@@ -653,7 +655,6 @@ struct RemoteRegion {
 struct Transfer {
     event: Arc<Event>,
     seq: u64,
-    ops: usize,
 }
 
 /// The lists `HixlCSClientGetRemoteMem` hands out; they stay valid until
@@ -681,14 +682,17 @@ struct ClientState {
     out: OutLists,
     /// Why the client is failed, once a batch failed or timed out.
     failed: Option<String>,
+    /// Transfers not yet queried completed (a sync call's only while it runs).
     transfers: HashMap<usize, Transfer>,
-    in_flight: usize,
 }
 
 /// An emulated HIXL client.
 pub(crate) struct Client {
     server: SocketAddrV4,
     remote_endpoint: EndpointKey,
+    /// The local endpoint is on the host: HIXL's host path, which limits
+    /// unqueried transfers.
+    host_located: bool,
     worker: Arc<Stream>,
     state: Mutex<ClientState>,
 }
@@ -736,6 +740,7 @@ pub(crate) fn client_create(
     let c = Arc::new(Client {
         server: SocketAddrV4::new(ip, port),
         remote_endpoint: remote,
+        host_located: local.loc_type == sys::ENDPOINT_LOC_TYPE_HOST,
         worker,
         state: Mutex::new(ClientState::default()),
     });
@@ -964,13 +969,16 @@ fn submit(
              memory (HixlCSClientGetRemoteMem) first",
         ));
     }
-    if st.in_flight + ops.len() > OPS_IN_FLIGHT_LIMIT {
-        return Err(para(format!(
-            "{} ops are in flight and this batch adds {}: more than the {OPS_IN_FLIGHT_LIMIT} \
-             HIXL allows on one client; query transfers to completion first",
-            st.in_flight,
-            ops.len()
-        )));
+    if c.host_located && st.transfers.len() >= HOST_CLIENT_TRANSFER_LIMIT {
+        return Err(Failure::hixl(
+            HIXL_RESOURCE_EXHAUSTED,
+            format!(
+                "{} transfers of this host-endpoint client have not been queried completed, \
+                 the most HIXL keeps completion flags for; query them \
+                 (HixlCSClientQueryCompleteStatus) before starting more",
+                st.transfers.len()
+            ),
+        ));
     }
     let mut copies = Vec::with_capacity(ops.len());
     let mut keep: Vec<Arc<dyn Any + Send + Sync>> = Vec::new();
@@ -1088,15 +1096,7 @@ fn submit(
         lock(link::process_clock()).submit(l, LinkPath::Hixl, dir, 0.0, sizes);
     }
     let handle = runtime().new_handle();
-    st.transfers.insert(
-        handle,
-        Transfer {
-            event,
-            seq,
-            ops: ops.len(),
-        },
-    );
-    st.in_flight += ops.len();
+    st.transfers.insert(handle, Transfer { event, seq });
     Ok(handle)
 }
 
@@ -1145,9 +1145,7 @@ pub(crate) fn client_batch_sync(
     };
     let done = event.wait_for_timeout(seq, Duration::from_millis(u64::from(timeout_ms)));
     let mut st = lock(&c.state);
-    if let Some(tr) = st.transfers.remove(&t) {
-        st.in_flight -= tr.ops;
-    }
+    st.transfers.remove(&t);
     if done {
         Ok(())
     } else {
@@ -1175,9 +1173,7 @@ pub(crate) fn client_query(handle: usize, transfer: usize) -> Result<bool, Failu
     if !tr.event.is_complete() {
         return Ok(false);
     }
-    let ops = tr.ops;
     st.transfers.remove(&transfer);
-    st.in_flight -= ops;
     Ok(true)
 }
 

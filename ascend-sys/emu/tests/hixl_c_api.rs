@@ -1,7 +1,8 @@
 //! The emulated HIXL C API called directly (the raw `HixlLib` table over
 //! the library the loader mapped), for the rules the safe wrappers keep
 //! out of reach: NULL arguments, empty batches, querying a completed
-//! handle again, the 4096-ops-in-flight limit, the list lifetime of
+//! handle again, the 4096 unqueried transfers of a host-endpoint client
+//! (and no limit on a device-endpoint one), the list lifetime of
 //! `HixlCSClientGetRemoteMem`, endpoint matching, the synchronous calls.
 //! Server and client run in this one process.
 
@@ -14,6 +15,7 @@ use ascend_sys::{Acl, DeviceBuffer, HixlEndpoint, HixlProtocol};
 const OK: u32 = sys::HIXL_SUCCESS;
 const PARAM_INVALID: u32 = sys::HIXL_PARAM_INVALID;
 const FAILED: u32 = sys::HIXL_FAILED;
+const RESOURCE_EXHAUSTED: u32 = ascend_sys::result::HIXL_RESOURCE_EXHAUSTED;
 const WAIT_MS: u32 = 30_000;
 
 struct Api {
@@ -267,37 +269,79 @@ fn the_c_api_keeps_hixls_rules() {
             "never query it again",
         );
 
-        // At most 4096 ops in flight; they leave flight when queried completed.
+        // A client on a device endpoint: no limit on ops or on transfers
+        // waiting to be queried (HIXL's 4096 counts a host client's
+        // unqueried transfers, see below).
         let many: Vec<HixlOneSideOpDesc> = (0..2048)
             .map(|i| op(far.addr() + i * 8, &near, (i * 8) as usize, 8))
             .collect();
-        let (mut a, mut b, mut c) = (null_mut(), null_mut(), null_mut());
+        let mut over = many.clone();
+        over.extend_from_slice(&many);
+        over.push(one[0]);
+        let (mut a, mut b, mut c, mut d) = (null_mut(), null_mut(), null_mut(), null_mut());
         assert_eq!(put(client, 2048, many.as_ptr(), &mut a), OK);
         assert_eq!(put(client, 2048, many.as_ptr(), &mut b), OK);
-        api.expect_refusal(put(client, 1, one.as_ptr(), &mut c), PARAM_INVALID, "4096");
-        for handle in [a, b] {
+        assert_eq!(put(client, 1, one.as_ptr(), &mut c), OK);
+        assert_eq!(put(client, over.len() as u32, over.as_ptr(), &mut d), OK);
+        for handle in [a, b, c, d] {
             let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
             while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
                 assert_eq!(query(client, handle, &mut s), OK);
             }
         }
-        let mut over = many.clone();
-        over.extend_from_slice(&many);
-        over.push(one[0]);
-        api.expect_refusal(
-            put(client, over.len() as u32, over.as_ptr(), &mut c),
-            PARAM_INVALID,
-            "4096",
-        );
-        // PARAM_INVALID does not fail the client.
-        assert_eq!(put(client, 1, one.as_ptr(), &mut c), OK);
-        let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
-        while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
-            assert_eq!(query(client, c, &mut s), OK);
-        }
         let mut landed = vec![0u8; 2048 * 8];
         far.copy_to_host(0, &mut landed).unwrap();
         assert!(landed.iter().all(|&x| x == 0x5a), "every put byte landed");
+
+        // A client on a host endpoint: at most 4096 transfers wait to be
+        // queried completed; one more is RESOURCE_EXHAUSTED (not a
+        // failure: after a query it goes on).
+        let mut host_local = endpoint(1);
+        host_local.loc.locType = sys::ENDPOINT_LOC_TYPE_HOST;
+        host_local.loc.__bindgen_anon_1 = sys::EndpointLoc__bindgen_ty_1 {
+            host: sys::EndpointLoc__bindgen_ty_1__bindgen_ty_2 { id: 0 },
+        };
+        let hdesc = sys::HixlClientDesc {
+            local_endpoint: &host_local,
+            ..cdesc
+        };
+        let mut hclient = null_mut();
+        assert_eq!(client_create(&hdesc, &cconf, &mut hclient), OK);
+        let hnear = dev.alloc(4096).unwrap();
+        hnear.fill(0, hnear.len(), 0x5a).unwrap();
+        let mut hid = null_mut();
+        assert_eq!(creg(hclient, c"hnear".as_ptr(), &mem(&hnear), &mut hid), OK);
+        assert_eq!(connect(hclient, WAIT_MS), OK);
+        let (mut hm, mut ht, mut hn) = (null_mut(), null_mut(), 0u32);
+        assert_eq!(get_remote(hclient, &mut hm, &mut ht, &mut hn, WAIT_MS), OK);
+        let hone = [op(far.addr(), &hnear, 0, 64)];
+        let mut pending: Vec<*mut c_void> = (0..4096)
+            .map(|_| {
+                let mut t = null_mut();
+                assert_eq!(put(hclient, 1, hone.as_ptr(), &mut t), OK);
+                t
+            })
+            .collect();
+        let mut extra = null_mut();
+        api.expect_refusal(
+            put(hclient, 1, hone.as_ptr(), &mut extra),
+            RESOURCE_EXHAUSTED,
+            "query them",
+        );
+        let first = pending.remove(0);
+        let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+        while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+            assert_eq!(query(hclient, first, &mut s), OK);
+        }
+        assert_eq!(put(hclient, 1, hone.as_ptr(), &mut extra), OK);
+        pending.push(extra);
+        for handle in pending {
+            let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+            while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+                assert_eq!(query(hclient, handle, &mut s), OK);
+            }
+        }
+        assert_eq!(destroy(hclient), OK);
 
         // The synchronous calls: put a pattern, get it back elsewhere.
         let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 256) as u8).collect();
