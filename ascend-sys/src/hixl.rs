@@ -347,7 +347,7 @@ fn client_desc(
     }
 }
 
-fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -510,7 +510,8 @@ impl HixlServer {
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
-    /// until it is unregistered or the server is destroyed.
+    /// until the server is destroyed, or until it is unregistered after
+    /// every client that fetched it has disconnected (been destroyed).
     pub unsafe fn register(
         &self,
         tag: &str,
@@ -581,6 +582,16 @@ impl Drop for HixlServer {
     }
 }
 
+/// A sync batch that failed or timed out may still be moving bytes inside
+/// HIXL: count it as unfinished for good.
+fn note_unfinished_sync(calls: &mut Outstanding, r: &Result<()>) {
+    if let Err(e) = r {
+        if matches!(e.hixl_status(), Some(sys::HIXL_TIMEOUT | sys::HIXL_FAILED)) {
+            calls.0 += 1;
+        }
+    }
+}
+
 /// A HIXL client of one server. Dropping it destroys it
 /// (`HixlCSClientDestroy`); that never panics.
 pub struct HixlClient {
@@ -589,8 +600,14 @@ pub struct HixlClient {
     /// Process-unique (a counter, never reused, unlike handle addresses);
     /// every transfer records it.
     id: u64,
-    calls: Mutex<()>,
+    /// Serialises calls; counts the transfers not yet queried completed.
+    calls: Mutex<Outstanding>,
 }
+
+/// Async transfers of a client not yet queried completed (dropped ones
+/// included: HIXL may still be moving their bytes).
+#[derive(Debug, Default)]
+struct Outstanding(usize);
 
 /// The next [`HixlClient`] id.
 static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
@@ -656,7 +673,7 @@ impl HixlClient {
             hixl: hixl.clone(),
             handle: Handle(handle),
             id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
-            calls: Mutex::new(()),
+            calls: Mutex::new(Outstanding::default()),
         })
     }
 
@@ -666,7 +683,8 @@ impl HixlClient {
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
-    /// until it is unregistered or the client is destroyed.
+    /// until the client is destroyed, or until it is unregistered after
+    /// every transfer naming it has been queried completed.
     pub unsafe fn register(
         &self,
         tag: &str,
@@ -708,7 +726,11 @@ impl HixlClient {
 
     /// The server's registered regions (`HixlCSClientGetRemoteMem`),
     /// copied out of the lists HIXL owns (which the next call frees). Call
-    /// once after [`HixlClient::connect`], before any transfer.
+    /// once after [`HixlClient::connect`], before any transfer. Refused
+    /// ([`Error::InvalidArgument`]) while a transfer of this client has not
+    /// been queried completed (a dropped one counts until the client is
+    /// destroyed): HIXL drops and re-imports the server's memory on every
+    /// call.
     ///
     /// Identify regions by address and length. HIXL hands out the tags of
     /// the tagged regions only, without their count, so this safe form
@@ -739,7 +761,16 @@ impl HixlClient {
         let mut mems: *mut sys::CommMem = std::ptr::null_mut();
         let mut tags: *mut *mut c_char = std::ptr::null_mut();
         let mut n = 0u32;
-        let _calls = lock(&self.calls);
+        let calls = lock(&self.calls);
+        if calls.0 > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} transfer(s) of this HIXL client have not been queried completed, and \
+                 fetching the remote regions makes HIXL import the server's memory anew under \
+                 them; query every transfer to completion first (one dropped unqueried counts \
+                 until the client is destroyed: create a new client instead)",
+                calls.0
+            )));
+        }
         // SAFETY: the handle is live; the three out-parameters are valid.
         unsafe {
             hixl_call!(
@@ -838,7 +869,7 @@ impl HixlClient {
     pub unsafe fn get_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
         let (n, raw) = Self::raw_ops(ops)?;
         let mut t: sys::CompleteHandle = std::ptr::null_mut();
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: the handle is live; raw holds n descriptors; t is a valid
         // out-parameter; the caller vouches for the ranges.
         unsafe {
@@ -847,6 +878,7 @@ impl HixlClient {
                 HixlCSClientBatchGetAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
+        calls.0 += 1;
         Ok(HixlTransfer {
             handle: Handle(t),
             client: self.id,
@@ -863,7 +895,7 @@ impl HixlClient {
     pub unsafe fn put_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
         let (n, raw) = Self::raw_ops(ops)?;
         let mut t: sys::CompleteHandle = std::ptr::null_mut();
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: as in get_async.
         unsafe {
             hixl_call!(
@@ -871,6 +903,7 @@ impl HixlClient {
                 HixlCSClientBatchPutAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
+        calls.0 += 1;
         Ok(HixlTransfer {
             handle: Handle(t),
             client: self.id,
@@ -886,14 +919,16 @@ impl HixlClient {
     /// ranges may still be written until the client is destroyed.
     pub unsafe fn get_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
         let (n, raw) = Self::raw_ops(ops)?;
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: the handle is live; raw holds n descriptors.
-        unsafe {
+        let r = unsafe {
             hixl_call!(
                 &self.hixl,
                 HixlCSClientBatchGetSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
             )
-        }
+        };
+        note_unfinished_sync(&mut calls, &r);
+        r
     }
 
     /// Writes every op and waits for the whole batch, at most `timeout`
@@ -903,14 +938,16 @@ impl HixlClient {
     /// As [`HixlClient::get_sync`].
     pub unsafe fn put_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
         let (n, raw) = Self::raw_ops(ops)?;
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: as in get_sync.
-        unsafe {
+        let r = unsafe {
             hixl_call!(
                 &self.hixl,
                 HixlCSClientBatchPutSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
             )
-        }
+        };
+        note_unfinished_sync(&mut calls, &r);
+        r
     }
 
     /// Polls a transfer (`HixlCSClientQueryCompleteStatus`). Completed
@@ -928,7 +965,7 @@ impl HixlClient {
             )));
         }
         let mut status: sys::HixlCompleteStatus = sys::HIXL_COMPLETE_STATUS_WAITING;
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: the handle is live; t came from this client (checked
         // above by id) and has not completed (a completed one is never
         // handed back); status is a valid out-parameter.
@@ -939,7 +976,10 @@ impl HixlClient {
             )?
         };
         Ok(match status {
-            sys::HIXL_COMPLETE_STATUS_COMPLETED => (HixlTransferState::Completed, None),
+            sys::HIXL_COMPLETE_STATUS_COMPLETED => {
+                calls.0 = calls.0.saturating_sub(1);
+                (HixlTransferState::Completed, None)
+            }
             sys::HIXL_COMPLETE_STATUS_WAITING => (HixlTransferState::Waiting, Some(t)),
             sys::HIXL_COMPLETE_STATUS_TIMEOUT => (HixlTransferState::TimedOut, Some(t)),
             sys::HIXL_COMPLETE_STATUS_FAILED => (HixlTransferState::Failed, Some(t)),
@@ -951,7 +991,8 @@ impl HixlClient {
         })
     }
 
-    /// Unregisters local memory (`HixlCSClientUnregMem`).
+    /// Unregisters local memory (`HixlCSClientUnregMem`); only after every
+    /// transfer naming it has been queried completed.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
         // SAFETY: the handle is live; id came from HixlCSClientRegMem.

@@ -405,9 +405,16 @@ fn hixl_between_two_processes() {
             client.get_async(&host_gets).unwrap(),
         ]
     };
+    // Fetching the remote regions again is refused while a transfer has
+    // not been queried completed (HIXL re-imports the memory under it)...
+    let err = client.remote_mems(WAIT).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("queried completed"), "{err}");
     for t in transfers {
         wait_done(&client, t);
     }
+    // ... and allowed again once every one has.
+    assert_eq!(client.remote_mems(WAIT).unwrap().len(), 2);
     let srv_dev = pattern(SEED_SRV_DEV, SRV_DEV / 2);
     let mut got = vec![0u8; CLI_LAND];
     land.copy_to_host(0, &mut got).unwrap();
@@ -468,6 +475,9 @@ fn hixl_between_two_processes() {
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
     assert!(err.to_string().contains("client that started it"), "{err}");
     drop(other);
+    // The dropped transfer was never queried: it counts for good.
+    let err = client.remote_mems(WAIT).unwrap_err();
+    assert!(err.to_string().contains("1 transfer(s)"), "{err}");
 
     // The server process dies: a client connected before fails cleanly
     // when it asks for the remote memory, and batches fail (HIXL_FAILED)
