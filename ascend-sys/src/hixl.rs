@@ -323,8 +323,11 @@ pub(crate) fn tag_plan(n: usize, list_is_null: bool, every_region_tagged: bool) 
     }
 }
 
+/// A timeout in the milliseconds HIXL takes: a `u32` that HIXL converts
+/// to `int32_t`, so clamped to `i32::MAX` (about 24.8 days).
 fn millis(timeout: Duration) -> u32 {
-    u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
+    const MAX: u32 = i32::MAX as u32;
+    u32::try_from(timeout.as_millis()).map_or(MAX, |ms| ms.min(MAX))
 }
 
 /// The C description of a client; it points into its arguments.
@@ -711,8 +714,12 @@ impl HixlClient {
         Ok(HixlMemId(Handle(id)))
     }
 
-    /// Connects to the server, waiting at most `timeout`
-    /// (`HixlCSClientConnect`; `HIXL_TIMEOUT` when it does not answer).
+    /// Connects to the server (`HixlCSClientConnect`). HIXL tries once: a
+    /// server not listening yet fails at once (`HIXL_FAILED`), so connect
+    /// only after the server's [`HixlServer::listen`]. Each phase of the
+    /// connection (TCP connect, then HIXL's handshake) may take the whole
+    /// `timeout` (`HIXL_TIMEOUT` past it), so the call can take a multiple
+    /// of it. Timeouts are clamped to `i32::MAX` ms, as HIXL takes them.
     pub fn connect(&self, timeout: Duration) -> Result<()> {
         let _calls = lock(&self.calls);
         // SAFETY: the handle is live.
@@ -1127,8 +1134,16 @@ mod tests {
     }
 
     #[test]
-    fn timeouts_saturate_to_u32_millis() {
+    fn timeouts_saturate_to_i32_max_millis() {
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
-        assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), u32::MAX);
+        assert_eq!(
+            millis(Duration::from_millis(i32::MAX as u64)),
+            i32::MAX as u32
+        );
+        assert_eq!(
+            millis(Duration::from_millis(u32::MAX as u64)),
+            i32::MAX as u32
+        );
+        assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), i32::MAX as u32);
     }
 }

@@ -32,7 +32,7 @@ use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddrV4, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ascend_sys::sys;
 
@@ -794,32 +794,27 @@ pub(crate) fn client_connect(handle: usize, timeout_ms: u32) -> Result<(), Failu
     if st.conn.is_some() {
         return Err(para("the client is already connected"));
     }
-    let timeout = Duration::from_millis(u64::from(timeout_ms));
-    let deadline = Instant::now() + timeout;
+    // As HIXL: one attempt (a refusal fails at once, so connect only once
+    // the server listens), then the handshake; each phase may take the
+    // whole timeout.
+    let timeout = Duration::from_millis(u64::from(timeout_ms)).max(Duration::from_millis(1));
     let addr = std::net::SocketAddr::V4(c.server);
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10))) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => {
-                return Err(Failure::hixl(
-                    HIXL_TIMEOUT,
-                    format!(
-                        "no HIXL server accepted at {addr} within {timeout_ms} ms ({e}); is it \
-                         listening (HixlCSServerListen)?"
-                    ),
-                ))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    };
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(10));
+    let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Failure::hixl(
+            HIXL_TIMEOUT,
+            format!(
+                "connecting to the HIXL server at {addr}: no answer within {timeout_ms} ms ({e})"
+            ),
+        ),
+        _ => failed(format!(
+            "connecting to the HIXL server at {addr}: {e}; is it listening \
+             (HixlCSServerListen)? HIXL tries once: connect only after the server listens"
+        )),
+    })?;
     let what = format!("handshake with the HIXL server at {addr}");
     s.set_nodelay(true)
-        .and_then(|()| s.set_read_timeout(Some(left)))
-        .and_then(|()| s.set_write_timeout(Some(left)))
+        .and_then(|()| s.set_read_timeout(Some(timeout)))
+        .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|e| io_failure(&what, &e))?;
     s.write_all(&encode_hello(std::process::id(), &c.remote_endpoint))
         .map_err(|e| io_failure(&what, &e))?;
