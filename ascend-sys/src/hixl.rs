@@ -66,6 +66,10 @@ pub const HIXL_DEFAULT_TRAFFIC_CLASS: u8 = 132;
 /// Service level [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
 /// own default for RoCE NICs.
 pub const HIXL_DEFAULT_SERVICE_LEVEL: u8 = 4;
+/// How the tags of the regions a HIXL server registers for itself begin
+/// (its completion flags, in v9.1.0); [`HixlClient::remote_mems`] leaves
+/// them out where it knows the tags, and `register` refuses such tags.
+pub const HIXL_BUILTIN_TAG_PREFIX: &str = "_hixl_builtin_";
 /// Name of the emulator-only function that reports the port an emulated
 /// server bound when it was created with port 0.
 pub const EMU_SERVER_PORT_SYMBOL: &str = "ascend_emu_hixl_server_port";
@@ -294,6 +298,12 @@ fn tag_c_string(tag: &str) -> Result<CString> {
              non-empty tag"
                 .into(),
         ));
+    }
+    if tag.starts_with(HIXL_BUILTIN_TAG_PREFIX) {
+        return Err(Error::InvalidArgument(format!(
+            "HIXL memory tag {tag:?} starts with {HIXL_BUILTIN_TAG_PREFIX:?}, which marks HIXL's \
+             own regions (clients leave them out); choose another tag"
+        )));
     }
     c_string("memory tag", tag)
 }
@@ -745,11 +755,18 @@ impl HixlClient {
     /// tag list at all, or a single region) and leaves every tag `""`
     /// otherwise. When the server tags every region, as any
     /// [`HixlServer`] does, [`HixlClient::remote_mems_tagged`] reads them.
+    ///
+    /// A real HIXL server also lists regions of its own (tags starting
+    /// [`HIXL_BUILTIN_TAG_PREFIX`]; writing them would corrupt its
+    /// completion flags). They are left out when the tags are known; when
+    /// they are not (tags `""` here), they are among the regions returned:
+    /// only ever name regions you know by address.
     pub fn remote_mems(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
         self.fetch_remote_mems(timeout, false)
     }
 
-    /// [`HixlClient::remote_mems`] with every region's tag.
+    /// [`HixlClient::remote_mems`] with every region's tag, and without
+    /// the server's own regions (tags starting [`HIXL_BUILTIN_TAG_PREFIX`]).
     ///
     /// # Safety
     /// Every region the server registered carries a non-empty tag (true of
@@ -839,6 +856,9 @@ impl HixlClient {
                 }
                 _ => String::new(),
             };
+            if tag.starts_with(HIXL_BUILTIN_TAG_PREFIX) {
+                continue;
+            }
             out.push(HixlRemoteMem {
                 tag,
                 kind,
@@ -1112,6 +1132,8 @@ mod tests {
         let err = tag_c_string("").unwrap_err();
         assert!(err.to_string().contains("non-empty tag"), "{err}");
         assert!(tag_c_string("a\0b").is_err());
+        let err = tag_c_string("_hixl_builtin_mine").unwrap_err();
+        assert!(err.to_string().contains("choose another tag"), "{err}");
         assert_eq!(tag_c_string("pool0").unwrap().as_bytes(), b"pool0");
     }
 

@@ -47,6 +47,13 @@ use crate::stream::{Copy, Event, Stream, Task};
 /// device has no such limit, and no limit counts ops.
 pub(crate) const HOST_CLIENT_TRANSFER_LIMIT: usize = 4096;
 
+/// Tag of the host region every emulated server registers for itself, as
+/// a real HIXL server registers its completion flags under tags starting
+/// `_hixl_builtin_` (which clients then see among the server's regions).
+pub(crate) const BUILTIN_TAG: &str = "_hixl_builtin_emu_flag";
+/// Bytes of that region.
+const BUILTIN_LEN: usize = 64;
+
 const HELLO_MAGIC: &[u8; 8] = b"ASEMUHX1";
 const MEMS_REQUEST: &[u8; 4] = b"MEMS";
 const MEMS_REPLY: &[u8; 4] = b"MEML";
@@ -400,6 +407,8 @@ struct ServerState {
 
 /// An emulated HIXL server.
 pub(crate) struct Server {
+    /// The host allocation behind the server's own region (BUILTIN_TAG).
+    builtin: usize,
     ip: Ipv4Addr,
     port: u16,
     endpoints: Vec<EndpointKey>,
@@ -457,11 +466,31 @@ pub(crate) fn server_create(
             "the server offers no endpoint (endpoint_list_num is 0)",
         ));
     }
+    // Like HIXL, the server registers memory of its own, listed to
+    // clients with the rest.
+    let builtin = crate::runtime::malloc_host(BUILTIN_LEN)
+        .map_err(|f| failed(format!("allocating the server's own region: {}", f.message)))?;
+    let mut state = ServerState::default();
+    let registered = registrable(MEM_TYPE_HOST, builtin, BUILTIN_LEN as u64).and_then(|region| {
+        insert_registration(
+            &mut state.regs,
+            BUILTIN_TAG.to_string(),
+            MEM_TYPE_HOST,
+            builtin,
+            BUILTIN_LEN as u64,
+            region,
+        )
+    });
+    if let Err(f) = registered {
+        let _ = crate::runtime::free_host(builtin);
+        return Err(f);
+    }
     let server = Arc::new(Server {
+        builtin,
         ip,
         port,
         endpoints: endpoints.iter().map(EndpointKey::from_raw).collect(),
-        state: Mutex::new(ServerState::default()),
+        state: Mutex::new(state),
         listener: Mutex::new(None),
         threads: Mutex::new(Vec::new()),
     });
@@ -530,6 +559,13 @@ pub(crate) fn server_destroy(handle: usize) -> Result<(), Failure> {
     let s = server(handle)?;
     lock(servers()).remove(&handle);
     s.stop();
+    lock(&s.state).regs.clear();
+    if let Err(f) = crate::runtime::free_host(s.builtin) {
+        log::debug!(
+            "emulated HIXL server: freeing its own region: {}",
+            f.message
+        );
+    }
     Ok(())
 }
 

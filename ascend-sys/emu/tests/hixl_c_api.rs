@@ -216,15 +216,37 @@ fn the_c_api_keeps_hixls_rules() {
             get_remote(client, &mut mems, &mut tags, &mut n, WAIT_MS),
             OK
         );
-        assert_eq!(n, 2);
-        let list = std::slice::from_raw_parts(mems, 2);
+        // Our two regions and the server's own (tagged `_hixl_builtin_...`,
+        // as a real HIXL server's are).
+        assert_eq!(n, 3);
+        let list = std::slice::from_raw_parts(mems, 3);
         let regions: Vec<(u64, u64)> = list.iter().map(|m| (m.addr as u64, m.size)).collect();
         assert!(regions.contains(&(far.addr(), 1 << 20)), "{regions:?}");
         assert!(regions.contains(&(far2.addr(), 4096)), "{regions:?}");
-        // As HIXL: the untagged region adds no tag, so the tag list holds
-        // one pointer for two regions (reading two would over-read).
-        assert!(!tags.is_null());
-        assert_eq!(CStr::from_ptr(*tags).to_str().unwrap(), "far");
+        // As HIXL: only tagged regions add a tag, in region order, so the
+        // tag list holds two pointers for three regions (reading three
+        // would over-read). The untagged region lies below the tagged one
+        // of ours, so a list that gave it a tag would be out of step.
+        let expected: Vec<&str> = list
+            .iter()
+            .filter_map(|m| {
+                let addr = m.addr as u64;
+                if addr == far.addr() || addr == far2.addr() {
+                    (addr == far.addr().max(far2.addr())).then_some("far")
+                } else {
+                    Some("_hixl_builtin_emu_flag")
+                }
+            })
+            .collect();
+        assert_eq!(expected.len(), 2);
+        let read_tags = |tags: *mut *mut c_char| -> Vec<String> {
+            assert!(!tags.is_null());
+            std::slice::from_raw_parts(tags, 2)
+                .iter()
+                .map(|&p| CStr::from_ptr(p).to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(read_tags(tags), expected);
         // A second call frees the first lists (never read them again) and
         // hands out fresh ones with the same contents.
         let (mut mems2, mut tags2, mut n2) = (null_mut(), null_mut(), 0u32);
@@ -232,11 +254,11 @@ fn the_c_api_keeps_hixls_rules() {
             get_remote(client, &mut mems2, &mut tags2, &mut n2, WAIT_MS),
             OK
         );
-        assert_eq!(n2, 2);
-        let list2 = std::slice::from_raw_parts(mems2, 2);
+        assert_eq!(n2, 3);
+        let list2 = std::slice::from_raw_parts(mems2, 3);
         let again: Vec<(u64, u64)> = list2.iter().map(|m| (m.addr as u64, m.size)).collect();
         assert_eq!(again, regions);
-        assert_eq!(CStr::from_ptr(*tags2).to_str().unwrap(), "far");
+        assert_eq!(read_tags(tags2), expected);
 
         let put = h.HixlCSClientBatchPutAsync.as_ref().unwrap();
         let query = h.HixlCSClientQueryCompleteStatus.as_ref().unwrap();
