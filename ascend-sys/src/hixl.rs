@@ -24,7 +24,9 @@
 //!   ([`Error::hixl_status`] tells the code);
 //! - a query that answers "completed" frees the transfer inside HIXL, so
 //!   [`HixlClient::query`] takes the transfer by value and hands it back
-//!   only while it is still waiting.
+//!   only while it is still waiting; HIXL never reports a stuck transfer
+//!   (no TIMEOUT / FAILED state), so callers keep their own deadline and
+//!   recreate the client past it.
 //!
 //! Every call on one server or client is serialised by a lock: HIXL does
 //! not document which of its calls may run concurrently on one handle.
@@ -204,7 +206,9 @@ pub struct HixlEndpoint {
     pub protocol: HixlProtocol,
     /// The device's physical id (not the logical id ACL numbers devices
     /// by; the two differ when a container or `ASCEND_RT_VISIBLE_DEVICES`
-    /// remaps devices).
+    /// remaps devices). ascend-sys does not bind CANN's logical → physical
+    /// lookup (`aclrtGetPhyDevIdByLogicDevId`): take the physical id from
+    /// the deployment (e.g. `npu-smi info`).
     pub device_phy_id: u32,
     /// The RoCE NIC's IPv4 address: required for RoCE outside the
     /// emulator, ignored for HCCS.
@@ -431,15 +435,21 @@ pub struct HixlTransfer {
 }
 
 /// What a query found.
+///
+/// HIXL v9.1.0 answers only Waiting or Completed, on the host and the
+/// device path alike: a transfer that never completes (a dead peer, a
+/// broken link) stays Waiting for ever. Give every transfer a deadline of
+/// your own; past it, stop polling and destroy the client (drop it, after
+/// which the memory may be reused) and create a new one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HixlTransferState {
-    /// Still running.
+    /// Still running, or stuck (see above).
     Waiting,
     /// Done; every byte has moved. The transfer is gone.
     Completed,
-    /// Timed out (documented by HIXL as reserved, not yet reported).
+    /// Timed out (reserved by HIXL, never reported by v9.1.0).
     TimedOut,
-    /// Failed (documented by HIXL as reserved, not yet reported).
+    /// Failed (reserved by HIXL, never reported by v9.1.0).
     Failed,
 }
 
@@ -562,7 +572,9 @@ impl HixlServer {
     /// clients gone first.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; id came from HixlCSServerRegMem.
+        // SAFETY: the handle is live. `id` is a handle HixlCSServerRegMem
+        // gave out (HixlMemId is made nowhere else) and, taken by value,
+        // is unregistered at most once.
         unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.0 .0)) }
     }
 
@@ -980,6 +992,8 @@ impl HixlClient {
     /// Polls a transfer (`HixlCSClientQueryCompleteStatus`). Completed
     /// frees it inside HIXL, so it comes back only while Waiting (and on
     /// the reserved TimedOut / Failed, where HIXL documents nothing).
+    /// HIXL never reports a stuck transfer: the caller needs a deadline of
+    /// its own (see [`HixlTransferState`]).
     /// On an error the transfer is dropped. A transfer of another client
     /// is refused ([`Error::InvalidArgument`]) before HIXL sees it: HIXL
     /// would treat it as one of this client's and free it.
@@ -1022,7 +1036,9 @@ impl HixlClient {
     /// transfer naming it has been queried completed.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; id came from HixlCSClientRegMem.
+        // SAFETY: the handle is live. `id` is a handle HixlCSClientRegMem
+        // gave out (HixlMemId is made nowhere else) and, taken by value, is
+        // unregistered at most once.
         unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.0 .0)) }
     }
 }

@@ -509,6 +509,8 @@ pub(crate) fn server_reg_mem(
     let s = server(handle)?;
     let region = registrable(mem_type, addr, size)?;
     let mut st = lock(&s.state);
+    // Stricter than HIXL v9.1.0, which does not check this; its
+    // documentation asks for the order enforced here.
     if st.listening.is_some() {
         return Err(para(
             "the server is already listening; register all memory before HixlCSServerListen",
