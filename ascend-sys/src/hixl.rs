@@ -379,10 +379,14 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 /// A registration (`MemHandle`) of a server or client; give it back to
-/// the same object's `unregister`. Dropping it does not unregister (the
+/// the same object's `unregister` (another one refuses it). Dropping it does not unregister (the
 /// registration then lasts until the server or client is destroyed).
 #[derive(Debug)]
-pub struct HixlMemId(Handle);
+pub struct HixlMemId {
+    handle: Handle,
+    /// Process-unique id of the server or client that registered it.
+    owner: u64,
+}
 
 /// A region the server registered, as [`HixlClient::remote_mems`] copied
 /// it out of HIXL's list.
@@ -458,6 +462,8 @@ pub enum HixlTransferState {
 pub struct HixlServer {
     hixl: Hixl,
     handle: Handle,
+    /// Process-unique; every registration records it.
+    id: u64,
     port: u16,
     calls: Mutex<()>,
 }
@@ -466,6 +472,7 @@ impl std::fmt::Debug for HixlServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HixlServer")
             .field("handle", &self.handle)
+            .field("id", &self.id)
             .field("port", &self.port)
             .finish()
     }
@@ -520,6 +527,7 @@ impl HixlServer {
         Ok(HixlServer {
             hixl: hixl.clone(),
             handle: Handle(handle),
+            id: NEXT_OBJECT_ID.fetch_add(1, Ordering::Relaxed),
             port,
             calls: Mutex::new(()),
         })
@@ -558,7 +566,10 @@ impl HixlServer {
                 HixlCSServerRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
             )?
         };
-        Ok(HixlMemId(Handle(id)))
+        Ok(HixlMemId {
+            handle: Handle(id),
+            owner: self.id,
+        })
     }
 
     /// Starts listening (`HixlCSServerListen`).
@@ -572,10 +583,11 @@ impl HixlServer {
     /// clients gone first.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live. `id` is a handle HixlCSServerRegMem
-        // gave out (HixlMemId is made nowhere else) and, taken by value,
-        // is unregistered at most once.
-        unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.0 .0)) }
+        check_owner(&id, self.id, "server")?;
+        // SAFETY: the handle is live. `id` is a handle this server's
+        // HixlCSServerRegMem gave out (HixlMemId is made nowhere else; its
+        // owner was checked) and, taken by value, is unregistered once.
+        unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.handle.0)) }
     }
 
     /// The port clients connect to: the one given to
@@ -607,6 +619,19 @@ impl Drop for HixlServer {
     }
 }
 
+/// Refuses a registration made by another server or client: HIXL would
+/// look the handle up among its own.
+fn check_owner(id: &HixlMemId, me: u64, what: &str) -> Result<()> {
+    if id.owner != me {
+        return Err(Error::InvalidArgument(format!(
+            "a HIXL registration of object #{} given to the unregister of {what} #{me}: \
+             unregister it on the server or client that registered it",
+            id.owner
+        )));
+    }
+    Ok(())
+}
+
 /// A sync batch that failed or timed out may still be moving bytes inside
 /// HIXL: count it as unfinished for good.
 fn note_unfinished_sync(calls: &mut Outstanding, r: &Result<()>) {
@@ -634,8 +659,8 @@ pub struct HixlClient {
 #[derive(Debug, Default)]
 struct Outstanding(usize);
 
-/// The next [`HixlClient`] id.
-static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
+/// The next [`HixlServer`] / [`HixlClient`] id.
+static NEXT_OBJECT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl std::fmt::Debug for HixlClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -697,7 +722,7 @@ impl HixlClient {
         Ok(HixlClient {
             hixl: hixl.clone(),
             handle: Handle(handle),
-            id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
+            id: NEXT_OBJECT_ID.fetch_add(1, Ordering::Relaxed),
             calls: Mutex::new(Outstanding::default()),
         })
     }
@@ -733,7 +758,10 @@ impl HixlClient {
                 HixlCSClientRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
             )?
         };
-        Ok(HixlMemId(Handle(id)))
+        Ok(HixlMemId {
+            handle: Handle(id),
+            owner: self.id,
+        })
     }
 
     /// Connects to the server (`HixlCSClientConnect`). HIXL tries once: a
@@ -1036,10 +1064,11 @@ impl HixlClient {
     /// transfer naming it has been queried completed.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live. `id` is a handle HixlCSClientRegMem
-        // gave out (HixlMemId is made nowhere else) and, taken by value, is
-        // unregistered at most once.
-        unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.0 .0)) }
+        check_owner(&id, self.id, "client")?;
+        // SAFETY: the handle is live. `id` is a handle this client's
+        // HixlCSClientRegMem gave out (HixlMemId is made nowhere else; its
+        // owner was checked) and, taken by value, is unregistered once.
+        unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.handle.0)) }
     }
 }
 

@@ -508,7 +508,13 @@ fn hixl_between_two_processes() {
     assert_eq!(hixl_code(&err), FAILED, "{err}");
     assert!(err.to_string().contains("is it listening"), "{err}");
 
-    for id in ids {
+    // A registration belongs to its client: another one refuses it before
+    // HIXL sees it, and the id is gone either way (taken by value).
+    let [first, rest @ ..] = ids;
+    let err = third.unregister(first).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("that registered it"), "{err}");
+    for id in rest {
         client.unregister(id).unwrap();
     }
     drop(client);
