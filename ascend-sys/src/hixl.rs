@@ -1201,6 +1201,18 @@ mod tests {
     }
 
     #[test]
+    fn a_sync_batch_that_failed_or_timed_out_stays_unfinished() {
+        let err = |code| hixl_result("HixlCSClientBatchGetSync", code, || None);
+        let mut n = Outstanding::default();
+        note_unfinished_sync(&mut n, &Ok(()));
+        note_unfinished_sync(&mut n, &err(sys::HIXL_PARAM_INVALID));
+        assert_eq!(n.0, 0, "nothing started");
+        note_unfinished_sync(&mut n, &err(sys::HIXL_TIMEOUT));
+        note_unfinished_sync(&mut n, &err(sys::HIXL_FAILED));
+        assert_eq!(n.0, 2);
+    }
+
+    #[test]
     fn timeouts_saturate_to_i32_max_millis() {
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
         assert_eq!(
