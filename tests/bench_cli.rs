@@ -1322,7 +1322,7 @@ fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
         ] {
             let (doc, stdout) = run(args);
             assert!(
-                stdout.contains(&format!("KV cache layout {layout}.")),
+                stdout.contains(&format!("KV cache layout {layout} in 128-token blocks.")),
                 "{stdout}"
             );
             let ms = doc["modes"].as_array().unwrap();
@@ -1402,6 +1402,200 @@ fn run_with_another_kv_layout_verifies_every_byte_in_that_layout() {
     );
     let _ = std::fs::remove_file(json);
     let _ = std::fs::remove_file(cfg);
+}
+
+/// `ASCEND_PD_EMU_LINK` on the emulator over hccl: every mode also reports
+/// MODELED link figures, from the ops its processes issued (the bytes the
+/// run moved, priced at the table's throughput), within the link's
+/// ceiling; without the variable they are absent; an unknown link is
+/// refused before any worker starts, naming the known ones. Nothing here
+/// depends on wall time.
+#[test]
+fn run_on_a_modeled_link_reports_modeled_figures_within_the_links_ceiling() {
+    let cfg = small_model_config("modeled.yaml");
+    // 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
+    let per_request = 2 * 2 * 150 * 128 * 2u64;
+    let run = |link: Option<&str>, extra: &[&str], name: &str| -> (Option<Value>, String, String) {
+        let json = tmp(name);
+        let mut cmd = bench();
+        cmd.env_remove("ASCEND_PD_EMU_LINK");
+        if let Some(l) = link {
+            cmd.env("ASCEND_PD_EMU_LINK", l);
+        }
+        let out = cmd
+            .args(["--emulator", "run", "--config"])
+            .arg(&cfg)
+            .args([
+                "--device",
+                "npu",
+                "--channel",
+                "hccl",
+                "--requests",
+                "2",
+                "--prompt-tokens",
+                "150",
+                "--modes",
+                "push,pull-delay,push-layerwise",
+            ])
+            .args(extra)
+            .arg("--json")
+            .arg(&json)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        let doc = out
+            .status
+            .success()
+            .then(|| serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap());
+        let _ = std::fs::remove_file(json);
+        (doc, stdout, stderr)
+    };
+
+    let (doc, table, err) = run(Some("a2-roce"), &["--block-size", "32"], "modeled.json");
+    let doc = doc.unwrap_or_else(|| panic!("{table}\n{err}"));
+    assert!(err.contains("link model: a2-roce"), "{err}");
+    assert!(doc["modeled_link_source"]
+        .as_str()
+        .unwrap()
+        .contains("MODELED, not measured"));
+    let modes = doc["modes"].as_array().unwrap();
+    assert_eq!(modes.len(), 3);
+    for m in modes {
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["bytes_verified"].as_u64(), Some(2 * per_request), "{m}");
+        assert_eq!(m["block_size"], 32, "{m}");
+        assert_eq!(m["link_model"], "a2-roce", "{m}");
+        assert_eq!(m["modeled_path"], "comm", "{m}");
+        let dir = match m["mode"] == "pull-delay" {
+            true => "read",
+            false => "write",
+        };
+        assert_eq!(m["modeled_direction"], dir, "{m}");
+        assert_eq!(m["link_ceiling_gbps"], 19.8, "{m}");
+        // One issuing process (the sender pushes, the receiver pulls),
+        // which moved exactly the bytes the receiver verified.
+        assert_eq!(m["modeled_links"], 1, "{m}");
+        assert_eq!(m["modeled_bytes"].as_u64(), Some(2 * per_request), "{m}");
+        let gbps = m["modeled_gbps"].as_f64().unwrap();
+        assert!(gbps > 0.0 && gbps <= 19.8, "{m}");
+        let secs = m["modeled_seconds"].as_f64().unwrap();
+        let bytes = (2 * per_request) as f64;
+        assert!((bytes / secs / 1e9 - gbps).abs() < 1e-3, "{m}");
+        assert!(
+            (m["modeled_ratio"].as_f64().unwrap() - gbps / 19.8).abs() < 1e-3,
+            "{m}"
+        );
+    }
+    // The table says modeled, per mode.
+    assert!(table.contains("MODELED link"), "{table}");
+    assert!(table.contains("MODELED, not measured"), "{table}");
+    for mode in ["push", "pull-delay", "push-layerwise"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(&format!("{mode} ")) && l.contains("a2-roce")),
+            "{table}"
+        );
+    }
+
+    // Without the variable: no modeled figures, vLLM-Ascend's block size.
+    let (doc, table, err) = run(None, &[], "unmodeled.json");
+    let doc = doc.unwrap_or_else(|| panic!("{table}\n{err}"));
+    assert!(doc.get("modeled_link_source").is_none());
+    for m in doc["modes"].as_array().unwrap() {
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["block_size"], 128, "{m}");
+        for k in [
+            "link_model",
+            "modeled_gbps",
+            "link_ceiling_gbps",
+            "modeled_path",
+            "modeled_seconds",
+        ] {
+            assert!(m.get(k).is_none(), "{k} in {m}");
+        }
+    }
+    assert!(!table.contains("MODELED"), "{table}");
+
+    // An unknown link: refused up front, naming the known ones.
+    let (doc, _, err) = run(Some("a2-nvlink"), &[], "unknown.json");
+    assert!(doc.is_none());
+    assert!(
+        err.contains("ASCEND_PD_EMU_LINK") && err.contains("a2-nvlink"),
+        "{err}"
+    );
+    assert!(err.contains("a2-roce, a2-hccs, a3-hccs, a3-roce"), "{err}");
+    assert!(
+        !err.contains("ascend-bench run:"),
+        "no worker started: {err}"
+    );
+    let _ = std::fs::remove_file(cfg);
+}
+
+/// `channel` over hccl on a modeled link: 128 KiB ops are priced at the
+/// table's 5.7 GB/s (a2-roce), each way, counting only the measured
+/// batches; without the variable the fields are absent.
+#[test]
+fn channel_on_a_modeled_link_reports_the_tables_rate_for_its_op_size() {
+    for (link, op) in [
+        (Some("a2-roce"), "write"),
+        (Some("a2-roce"), "read"),
+        (None, "write"),
+    ] {
+        let json = tmp(&format!("channel-modeled-{op}-{}.json", link.is_some()));
+        let mut cmd = bench();
+        cmd.env_remove("ASCEND_PD_EMU_LINK");
+        if let Some(l) = link {
+            cmd.env("ASCEND_PD_EMU_LINK", l);
+        }
+        let out = cmd
+            .args([
+                "--emulator",
+                "channel",
+                "--channel=hccl",
+                "--device=npu",
+                "--chunks=8",
+                "--chunk-bytes=131072",
+                "--reps=2",
+                &format!("--op={op}"),
+                "--json",
+            ])
+            .arg(&json)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(v["verified"], true);
+        match link {
+            Some(l) => {
+                assert_eq!(v["link_model"], l, "{v}");
+                assert_eq!(v["modeled_path"], "comm", "{v}");
+                assert_eq!(v["modeled_direction"], op, "{v}");
+                // Two measured batches of 8 ops (the warm-up not counted).
+                assert_eq!(v["modeled_ops"], 16, "{v}");
+                assert_eq!(v["modeled_bytes"], 16 * 131072, "{v}");
+                assert_eq!(v["modeled_gbps"], 5.7, "{v}");
+                assert_eq!(v["link_ceiling_gbps"], 19.8, "{v}");
+                assert!(text.contains("MODELED link"), "{text}");
+                assert!(text.contains("MODELED, not measured"), "{text}");
+            }
+            None => {
+                for k in ["link_model", "modeled_gbps", "link_ceiling_gbps"] {
+                    assert!(v.get(k).is_none(), "{k} in {v}");
+                }
+                assert!(!text.contains("MODELED"), "{text}");
+            }
+        }
+        let _ = std::fs::remove_file(json);
+    }
 }
 
 /// `channel --channel hixl --emulator`: a batch of 9000 ops, more than the

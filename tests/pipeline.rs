@@ -8,7 +8,7 @@ mod common;
 
 use ascend_pd::backend::{MessageKind, Receiver, Sender};
 use ascend_pd::channel::{self as chan, handshake, handshake::Hello, Access, GrantTag};
-use ascend_pd::config::{BufferDevice, ChannelKind, PdConfig, Role, TransferMode};
+use ascend_pd::config::{BufferDevice, ChannelKind, NpuLink, PdConfig, Role, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{pattern, ChunkLayout, ChunkMeta, MemObj, PagePool, RegisteredBuffer};
@@ -873,6 +873,76 @@ fn an_npu_cache_over_hccl_is_read_directly() {
     assert_no_pages(npu_pool(), "receiver NPU pool");
     assert_eq!(r.stats().store.proxies, 0);
     assert_eq!(r.stats().store.contexts_open, 0);
+}
+
+/// Issue 28: with a modeled link (`pd_npu_link: a2-roce`), a pull-delay
+/// load over hccl prices both paths on it and reports which it took. Each
+/// token holds 128 KiB per layer and plane, so a chunk of 16 tokens is
+/// 2 MiB per layer and plane. Scattered slots make every token its own
+/// 128 KiB run: HCCL's comm path on A2 RoCE moves those at 5.7 GB/s
+/// against 19.8 for the whole 8 MiB page, so the load stages. Slots in
+/// order make each layer and plane of a chunk one 2 MiB run (its slots
+/// span two blocks, contiguous): as fast as the page, so the load reads
+/// directly.
+/// Chosen by the path the load reports, not by timing; every byte is
+/// checked and every page comes back.
+#[test]
+fn a_modeled_a2_roce_link_stages_small_runs_and_reads_large_runs_directly() {
+    let dev = emulated_npu();
+    let wide = |c: &mut PdConfig| {
+        c.kv.num_kv_heads = 8;
+        c.kv.head_size = 8192;
+        c.kv.hidden_size = 65536;
+    };
+    let mut rc = receiver_config(ChannelKind::Hccl, TransferMode::PullDelay, 1);
+    wide(&mut rc);
+    rc.buffer_size = 4 * rc.page_bytes();
+    rc.buffer_device = BufferDevice::Npu(Some(0));
+    rc.npu_link = NpuLink::parse("a2-roce").unwrap();
+    let r = Receiver::start(&rc, 0).unwrap();
+    let mut sc = sender_config(ChannelKind::Hccl, TransferMode::PullDelay, 1);
+    wide(&mut sc);
+    sc.buffer_size = 4 * sc.page_bytes();
+    let s = Sender::start(&sc, 0, Default::default()).unwrap();
+    assert_eq!(rc.page_bytes(), 8 << 20);
+    let blocks = 6;
+    let spec = KvCacheSpec::for_layout(&rc.chunk_layout(), blocks, BLOCK);
+    let npu_pool = || r.stats().pools.npu.unwrap();
+    let tokens = CHUNK + 5;
+    for (round, how) in [(0u64, Some(Mapping::Scattered)), (1, None)] {
+        let req = format!("modeled-{round}");
+        let ks = put_delay(&s, &rc, &req, 2, 5);
+        let slots = match how {
+            Some(m) => slot_mapping(tokens, blocks, m, 70 + round),
+            None => (0..tokens as i64).collect(),
+        };
+        let mut cache = KvCache::npu(&dev, spec).unwrap();
+        let before = npu_pool().high_water;
+        let report = r.load(&ks, &slots, &mut cache).unwrap();
+        let reason = report.path_reason.clone().unwrap_or_default();
+        if how.is_some() {
+            assert_eq!(report.load_path(), "staged", "{reason}");
+            assert!(reason.starts_with("staged: modeled on a2-roce"), "{reason}");
+            assert!(npu_pool().high_water > before, "the staged load took pages");
+        } else {
+            assert_eq!(report.load_path(), "direct", "{reason}");
+            assert!(reason.starts_with("direct: modeled on a2-roce"), "{reason}");
+            assert_eq!(npu_pool().high_water, before, "a page was taken");
+            // One op per chunk, layer and plane: 2 chunks x 2 layers x 2
+            // planes.
+            assert_eq!(report.copies, 8, "{reason}");
+        }
+        assert_cache_holds(
+            &mut cache,
+            &rc.chunk_layout(),
+            &ks,
+            &token_counts(2, 5),
+            &slots,
+        );
+        assert_no_pages(npu_pool(), "receiver NPU pool");
+        assert_eq!(r.stats().store.proxies, 0);
+    }
+    assert_released(&s, 2);
 }
 
 /// A cache HCCL cannot take (an engine's per-layer tensors, more of them

@@ -15,14 +15,18 @@
 //! - memory is registered before `listen` (server) or `connect` (client);
 //! - after `connect` the client fetches the remote regions once;
 //! - a put moves local → remote, a get remote → local;
-//! - an empty batch is `HIXL_PARAM_INVALID`; at most
-//!   [`HIXL_OPS_IN_FLIGHT_LIMIT`] ops may be in flight on one client;
+//! - an empty batch is `HIXL_PARAM_INVALID`; on a client whose local
+//!   endpoint is on the host at most [`HIXL_UNQUERIED_TRANSFER_LIMIT`]
+//!   transfers may wait to be queried completed (`HIXL_RESOURCE_EXHAUSTED`
+//!   beyond); nothing limits the ops of a batch;
 //! - a batch call failing with `HIXL_FAILED` or `HIXL_TIMEOUT` leaves the
 //!   client failed: later batches fail too, so drop it and create another
 //!   ([`Error::hixl_status`] tells the code);
 //! - a query that answers "completed" frees the transfer inside HIXL, so
 //!   [`HixlClient::query`] takes the transfer by value and hands it back
-//!   only while it is still waiting.
+//!   only while it is still waiting; HIXL never reports a stuck transfer
+//!   (no TIMEOUT / FAILED state), so callers keep their own deadline and
+//!   recreate the client past it.
 //!
 //! Every call on one server or client is serialised by a lock: HIXL does
 //! not document which of its calls may run concurrently on one handle.
@@ -34,6 +38,7 @@
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -45,8 +50,28 @@ use crate::sys;
 
 /// File name of the HIXL library.
 pub const HIXL_LIBRARY: &str = "libcann_hixl.so";
-/// Upper bound HIXL documents for ops in flight on one client.
-pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Transfers ([`HixlTransfer`]s, i.e. batches) not yet queried completed
+/// that HIXL v9.1.0 keeps completion flags for on a client whose *local
+/// endpoint is on the host*; one more batch call is then refused with
+/// `HIXL_RESOURCE_EXHAUSTED` ([`crate::result::HIXL_RESOURCE_EXHAUSTED`],
+/// 203900) until a query reports one completed. A client on a device
+/// endpoint (every [`HixlEndpoint`]) has no such limit, and no HIXL limit
+/// counts ops.
+pub const HIXL_UNQUERIED_TRANSFER_LIMIT: usize = 4096;
+/// The same number as [`HIXL_UNQUERIED_TRANSFER_LIMIT`], under its earlier
+/// name. It is not a HIXL limit on ops: HIXL accepts batches of any size;
+/// a caller may still use it as its own bound on ops in flight.
+pub const HIXL_OPS_IN_FLIGHT_LIMIT: usize = HIXL_UNQUERIED_TRANSFER_LIMIT;
+/// Traffic class [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
+/// own default for RoCE NICs.
+pub const HIXL_DEFAULT_TRAFFIC_CLASS: u8 = 132;
+/// Service level [`HixlClient::create`] gives RDMA traffic: HIXL v9.1.0's
+/// own default for RoCE NICs.
+pub const HIXL_DEFAULT_SERVICE_LEVEL: u8 = 4;
+/// How the tags of the regions a HIXL server registers for itself begin
+/// (its completion flags, in v9.1.0); [`HixlClient::remote_mems`] leaves
+/// them out where it knows the tags, and `register` refuses such tags.
+pub const HIXL_BUILTIN_TAG_PREFIX: &str = "_hixl_builtin_";
 /// Name of the emulator-only function that reports the port an emulated
 /// server bound when it was created with port 0.
 pub const EMU_SERVER_PORT_SYMBOL: &str = "ascend_emu_hixl_server_port";
@@ -167,21 +192,38 @@ pub enum HixlProtocol {
 }
 
 /// One device endpoint (an `EndpointDesc` located on a device).
+///
+/// Encoded as HIXL v9.1.0's own endpoint generator does, since a server
+/// matches a client's wanted endpoint field by field: a RoCE endpoint by
+/// its IPv4 address (so it needs one: without it the address type is
+/// reserved, which real HIXL never matches, and [`HixlServer::create`] /
+/// [`HixlClient::create`] refuse it outside the emulator); an HCCS
+/// endpoint by its device id (address type ID, id = the physical device
+/// id; an `ipv4` given is ignored).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HixlEndpoint {
     /// Its transport.
     pub protocol: HixlProtocol,
-    /// The device's physical id.
+    /// The device's physical id (not the logical id ACL numbers devices
+    /// by; the two differ when a container or `ASCEND_RT_VISIBLE_DEVICES`
+    /// remaps devices). ascend-sys does not bind CANN's logical → physical
+    /// lookup (`aclrtGetPhyDevIdByLogicDevId`): take the physical id from
+    /// the deployment (e.g. `npu-smi info`).
     pub device_phy_id: u32,
-    /// The endpoint's IPv4 address (a RoCE NIC's); `None` leaves the
-    /// address type reserved (what real HIXL wants for HCCS endpoints is
-    /// not confirmed from public sources).
+    /// The RoCE NIC's IPv4 address: required for RoCE outside the
+    /// emulator, ignored for HCCS.
     pub ipv4: Option<Ipv4Addr>,
 }
 
+/// `superDevId` meaning "none" for an HCCS endpoint.
+const NO_SUPER_DEVICE: u32 = u32::MAX;
+
 impl HixlEndpoint {
-    /// The C description: protocol, IPv4 address (network byte order),
-    /// device location with the physical id; everything else zero.
+    /// The C description: protocol; for RoCE the IPv4 address (network
+    /// byte order; reserved address type without one), for HCCS address
+    /// type ID holding the physical device id; device location with the
+    /// physical id and, for HCCS, no super device (`0xFFFFFFFF`);
+    /// everything else zero.
     pub fn to_raw(&self) -> sys::EndpointDesc {
         let mut d = sys::EndpointDesc {
             protocol: match self.protocol {
@@ -190,25 +232,47 @@ impl HixlEndpoint {
             },
             ..Default::default()
         };
-        match self.ipv4 {
-            Some(ip) => {
+        match (self.protocol, self.ipv4) {
+            (HixlProtocol::Hccs, _) => {
+                d.commAddr.type_ = sys::COMM_ADDR_TYPE_ID;
+                d.commAddr.__bindgen_anon_1 = sys::CommAddr__bindgen_ty_1 {
+                    id: self.device_phy_id,
+                };
+            }
+            (HixlProtocol::Roce, Some(ip)) => {
                 d.commAddr.type_ = sys::COMM_ADDR_TYPE_IP_V4;
                 d.commAddr.__bindgen_anon_1 = sys::CommAddr__bindgen_ty_1 {
                     addr: u32::from_ne_bytes(ip.octets()),
                 };
             }
-            None => d.commAddr.type_ = sys::COMM_ADDR_TYPE_RESERVED,
+            (HixlProtocol::Roce, None) => d.commAddr.type_ = sys::COMM_ADDR_TYPE_RESERVED,
         }
         d.loc.locType = sys::ENDPOINT_LOC_TYPE_DEVICE;
         d.loc.__bindgen_anon_1 = sys::EndpointLoc__bindgen_ty_1 {
             device: sys::EndpointLoc__bindgen_ty_1__bindgen_ty_1 {
                 devPhyId: self.device_phy_id,
-                superDevId: 0,
+                superDevId: match self.protocol {
+                    HixlProtocol::Hccs => NO_SUPER_DEVICE,
+                    HixlProtocol::Roce => 0,
+                },
                 serverIdx: 0,
                 superPodIdx: 0,
             },
         };
         d
+    }
+
+    /// Refuses what real HIXL can never match: a RoCE endpoint without an
+    /// IPv4 address (the emulator stands in for it by device).
+    fn check_matchable(&self, emulator: bool, role: &str) -> Result<()> {
+        if self.protocol == HixlProtocol::Roce && self.ipv4.is_none() && !emulator {
+            return Err(Error::InvalidArgument(format!(
+                "the {role} RoCE endpoint on device {} has no IPv4 address; HIXL matches RoCE \
+                 endpoints by address, so give it the device NIC's IPv4 address (ipv4: Some(..))",
+                self.device_phy_id
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -227,11 +291,80 @@ fn c_string(what: &str, s: &str) -> Result<CString> {
     })
 }
 
-fn millis(timeout: Duration) -> u32 {
-    u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)
+/// A registration tag: non-empty (HIXL lists the tags of only the tagged
+/// regions, so one untagged region would leave a client unable to pair
+/// tags with regions) and free of NUL bytes.
+fn tag_c_string(tag: &str) -> Result<CString> {
+    if tag.is_empty() {
+        return Err(Error::InvalidArgument(
+            "an empty HIXL memory tag: HIXL leaves untagged regions out of the tag list it \
+             hands clients, which then cannot tell which tag is whose; give every region a \
+             non-empty tag"
+                .into(),
+        ));
+    }
+    if tag.starts_with(HIXL_BUILTIN_TAG_PREFIX) {
+        return Err(Error::InvalidArgument(format!(
+            "HIXL memory tag {tag:?} starts with {HIXL_BUILTIN_TAG_PREFIX:?}, which marks HIXL's \
+             own regions (clients leave them out); choose another tag"
+        )));
+    }
+    c_string("memory tag", tag)
 }
 
-fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+/// Which of the tag pointers `HixlCSClientGetRemoteMem` hands out may be
+/// read, for `n` regions. HIXL appends a tag only for a tagged region and
+/// does not say how many it appended, so the list is `n` long only when
+/// every region is tagged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TagPlan {
+    /// No tag list: no region is tagged.
+    NoneTagged,
+    /// Exactly `n` tags, the i-th naming region i.
+    Paired,
+    /// Between 1 and `n` tags, of unknown count and pairing: read none.
+    Unknown,
+}
+
+pub(crate) fn tag_plan(n: usize, list_is_null: bool, every_region_tagged: bool) -> TagPlan {
+    if list_is_null {
+        TagPlan::NoneTagged
+    } else if n == 1 || every_region_tagged {
+        // A non-NULL list holds at least one tag and at most n.
+        TagPlan::Paired
+    } else {
+        TagPlan::Unknown
+    }
+}
+
+/// A timeout in the milliseconds HIXL takes: a `u32` that HIXL converts
+/// to `int32_t`, so clamped to `i32::MAX` (about 24.8 days).
+fn millis(timeout: Duration) -> u32 {
+    const MAX: u32 = i32::MAX as u32;
+    u32::try_from(timeout.as_millis()).map_or(MAX, |ms| ms.min(MAX))
+}
+
+/// The C description of a client; it points into its arguments.
+fn client_desc(
+    local: &sys::EndpointDesc,
+    remote: &sys::EndpointDesc,
+    server_ip: &CStr,
+    server_port: u16,
+    tc: u8,
+    sl: u8,
+) -> sys::HixlClientDesc {
+    sys::HixlClientDesc {
+        local_endpoint: local,
+        remote_endpoint: remote,
+        server_ip: server_ip.as_ptr(),
+        server_port: u32::from(server_port),
+        tc,
+        sl,
+        ..Default::default()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -246,16 +379,21 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 /// A registration (`MemHandle`) of a server or client; give it back to
-/// the same object's `unregister`. Dropping it does not unregister (the
+/// the same object's `unregister` (another one refuses it). Dropping it does not unregister (the
 /// registration then lasts until the server or client is destroyed).
 #[derive(Debug)]
-pub struct HixlMemId(Handle);
+pub struct HixlMemId {
+    handle: Handle,
+    /// Process-unique id of the server or client that registered it.
+    owner: u64,
+}
 
 /// A region the server registered, as [`HixlClient::remote_mems`] copied
 /// it out of HIXL's list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HixlRemoteMem {
-    /// The tag the server registered it with ("" when none).
+    /// The tag the server registered it with; "" when it has none or when
+    /// [`HixlClient::remote_mems`] could not pair tags with regions.
     pub tag: String,
     /// Device or host memory.
     pub kind: MemKind,
@@ -286,21 +424,36 @@ unsafe impl Sync for HixlOp {}
 
 /// A submitted batch (`CompleteHandle`), to be polled with
 /// [`HixlClient::query`] until completed. Dropping it without that leaves
-/// the batch running and HIXL's record of it in place until the client is
-/// destroyed; the memory it names must stay untouched until then.
+/// the batch running and HIXL's record of it in place (on a host-endpoint
+/// client it keeps counting towards [`HIXL_UNQUERIED_TRANSFER_LIMIT`])
+/// until the client is destroyed; the memory it names must stay untouched
+/// until then.
+///
+/// It belongs to the client that started it: [`HixlClient::query`] on any
+/// other client refuses it (HIXL would take it for one of its own).
 #[derive(Debug)]
-pub struct HixlTransfer(Handle);
+pub struct HixlTransfer {
+    handle: Handle,
+    /// [`HixlClient`]'s process-unique id.
+    client: u64,
+}
 
 /// What a query found.
+///
+/// HIXL v9.1.0 answers only Waiting or Completed, on the host and the
+/// device path alike: a transfer that never completes (a dead peer, a
+/// broken link) stays Waiting for ever. Give every transfer a deadline of
+/// your own; past it, stop polling and destroy the client (drop it, after
+/// which the memory may be reused) and create a new one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HixlTransferState {
-    /// Still running.
+    /// Still running, or stuck (see above).
     Waiting,
     /// Done; every byte has moved. The transfer is gone.
     Completed,
-    /// Timed out (documented by HIXL as reserved, not yet reported).
+    /// Timed out (reserved by HIXL, never reported by v9.1.0).
     TimedOut,
-    /// Failed (documented by HIXL as reserved, not yet reported).
+    /// Failed (reserved by HIXL, never reported by v9.1.0).
     Failed,
 }
 
@@ -309,6 +462,8 @@ pub enum HixlTransferState {
 pub struct HixlServer {
     hixl: Hixl,
     handle: Handle,
+    /// Process-unique; every registration records it.
+    id: u64,
     port: u16,
     calls: Mutex<()>,
 }
@@ -317,6 +472,7 @@ impl std::fmt::Debug for HixlServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HixlServer")
             .field("handle", &self.handle)
+            .field("id", &self.id)
             .field("port", &self.port)
             .finish()
     }
@@ -328,7 +484,8 @@ impl HixlServer {
     ///
     /// Port 0 asks for an ephemeral port; only the emulator supports it
     /// (read the port with [`HixlServer::port`] after `listen`). With real
-    /// HIXL pick a port yourself.
+    /// HIXL pick a port yourself. With device endpoints HIXL wants the
+    /// device bound on the calling thread first ([`crate::Device::bind`]).
     pub fn create(
         hixl: &Hixl,
         ip: &str,
@@ -346,6 +503,9 @@ impl HixlServer {
             return Err(Error::InvalidArgument(
                 "a HIXL server needs at least one endpoint to offer".into(),
             ));
+        }
+        for e in endpoints {
+            e.check_matchable(hixl.is_emulator(), "server's")?;
         }
         let ip_c = c_string("server ip", ip)?;
         let raw: Vec<sys::EndpointDesc> = endpoints.iter().map(HixlEndpoint::to_raw).collect();
@@ -367,17 +527,22 @@ impl HixlServer {
         Ok(HixlServer {
             hixl: hixl.clone(),
             handle: Handle(handle),
+            id: NEXT_OBJECT_ID.fetch_add(1, Ordering::Relaxed),
             port,
             calls: Mutex::new(()),
         })
     }
 
     /// Registers `[addr, addr+len)` for clients to access
-    /// (`HixlCSServerRegMem`); call before [`HixlServer::listen`].
+    /// (`HixlCSServerRegMem`); call before [`HixlServer::listen`]. `tag`
+    /// must be non-empty ([`Error::InvalidArgument`] otherwise): HIXL lists
+    /// only the tagged regions' tags, and a client can pair tags with
+    /// regions only when every region has one.
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
-    /// until it is unregistered or the server is destroyed.
+    /// until the server is destroyed, or until it is unregistered after
+    /// every client that fetched it has disconnected (been destroyed).
     pub unsafe fn register(
         &self,
         tag: &str,
@@ -385,7 +550,7 @@ impl HixlServer {
         addr: *mut u8,
         len: usize,
     ) -> Result<HixlMemId> {
-        let tag = c_string("memory tag", tag)?;
+        let tag = tag_c_string(tag)?;
         let mem = sys::CommMem {
             type_: mem_type(kind),
             addr: addr.cast(),
@@ -401,7 +566,10 @@ impl HixlServer {
                 HixlCSServerRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
             )?
         };
-        Ok(HixlMemId(Handle(id)))
+        Ok(HixlMemId {
+            handle: Handle(id),
+            owner: self.id,
+        })
     }
 
     /// Starts listening (`HixlCSServerListen`).
@@ -415,8 +583,11 @@ impl HixlServer {
     /// clients gone first.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; id came from HixlCSServerRegMem.
-        unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.0 .0)) }
+        check_owner(&id, self.id, "server")?;
+        // SAFETY: the handle is live. `id` is a handle this server's
+        // HixlCSServerRegMem gave out (HixlMemId is made nowhere else; its
+        // owner was checked) and, taken by value, is unregistered once.
+        unsafe { hixl_call!(&self.hixl, HixlCSServerUnregMem(self.handle.0, id.handle.0)) }
     }
 
     /// The port clients connect to: the one given to
@@ -448,18 +619,54 @@ impl Drop for HixlServer {
     }
 }
 
+/// Refuses a registration made by another server or client: HIXL would
+/// look the handle up among its own.
+fn check_owner(id: &HixlMemId, me: u64, what: &str) -> Result<()> {
+    if id.owner != me {
+        return Err(Error::InvalidArgument(format!(
+            "a HIXL registration of object #{} given to the unregister of {what} #{me}: \
+             unregister it on the server or client that registered it",
+            id.owner
+        )));
+    }
+    Ok(())
+}
+
+/// A sync batch that failed or timed out may still be moving bytes inside
+/// HIXL: count it as unfinished for good.
+fn note_unfinished_sync(calls: &mut Outstanding, r: &Result<()>) {
+    if let Err(e) = r {
+        if matches!(e.hixl_status(), Some(sys::HIXL_TIMEOUT | sys::HIXL_FAILED)) {
+            calls.0 += 1;
+        }
+    }
+}
+
 /// A HIXL client of one server. Dropping it destroys it
 /// (`HixlCSClientDestroy`); that never panics.
 pub struct HixlClient {
     hixl: Hixl,
     handle: Handle,
-    calls: Mutex<()>,
+    /// Process-unique (a counter, never reused, unlike handle addresses);
+    /// every transfer records it.
+    id: u64,
+    /// Serialises calls; counts the transfers not yet queried completed.
+    calls: Mutex<Outstanding>,
 }
+
+/// Async transfers of a client not yet queried completed (dropped ones
+/// included: HIXL may still be moving their bytes).
+#[derive(Debug, Default)]
+struct Outstanding(usize);
+
+/// The next [`HixlServer`] / [`HixlClient`] id.
+static NEXT_OBJECT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl std::fmt::Debug for HixlClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HixlClient")
             .field("handle", &self.handle)
+            .field("id", &self.id)
             .finish()
     }
 }
@@ -468,7 +675,9 @@ impl HixlClient {
     /// Creates a client of the server at `server_ip:server_port`, moving
     /// data between `local` (this side's endpoint) and `remote` (one the
     /// server offers) (`HixlCSClientCreate`, no global resource
-    /// configuration, traffic class and service level 0).
+    /// configuration, traffic class [`HIXL_DEFAULT_TRAFFIC_CLASS`] and
+    /// service level [`HIXL_DEFAULT_SERVICE_LEVEL`], HIXL's defaults). As
+    /// with the server, bind the device on the calling thread first.
     pub fn create(
         hixl: &Hixl,
         server_ip: &str,
@@ -476,15 +685,35 @@ impl HixlClient {
         local: &HixlEndpoint,
         remote: &HixlEndpoint,
     ) -> Result<HixlClient> {
+        Self::create_with_traffic_class(
+            hixl,
+            server_ip,
+            server_port,
+            local,
+            remote,
+            HIXL_DEFAULT_TRAFFIC_CLASS,
+            HIXL_DEFAULT_SERVICE_LEVEL,
+        )
+    }
+
+    /// [`HixlClient::create`] with the RDMA traffic class `tc` and service
+    /// level `sl` the client's traffic carries (HIXL passes them to the
+    /// NIC; they must match the network's QoS setup). The emulator
+    /// ignores both.
+    pub fn create_with_traffic_class(
+        hixl: &Hixl,
+        server_ip: &str,
+        server_port: u16,
+        local: &HixlEndpoint,
+        remote: &HixlEndpoint,
+        tc: u8,
+        sl: u8,
+    ) -> Result<HixlClient> {
+        local.check_matchable(hixl.is_emulator(), "local")?;
+        remote.check_matchable(hixl.is_emulator(), "remote")?;
         let ip_c = c_string("server ip", server_ip)?;
         let (local_raw, remote_raw) = (local.to_raw(), remote.to_raw());
-        let desc = sys::HixlClientDesc {
-            local_endpoint: &local_raw,
-            remote_endpoint: &remote_raw,
-            server_ip: ip_c.as_ptr(),
-            server_port: u32::from(server_port),
-            ..Default::default()
-        };
+        let desc = client_desc(&local_raw, &remote_raw, &ip_c, server_port, tc, sl);
         let config = sys::HixlClientConfig::default();
         let mut handle: sys::HixlClientHandle = std::ptr::null_mut();
         // SAFETY: desc and everything it points to outlive the call; config
@@ -493,16 +722,19 @@ impl HixlClient {
         Ok(HixlClient {
             hixl: hixl.clone(),
             handle: Handle(handle),
-            calls: Mutex::new(()),
+            id: NEXT_OBJECT_ID.fetch_add(1, Ordering::Relaxed),
+            calls: Mutex::new(Outstanding::default()),
         })
     }
 
     /// Registers local memory for transfers (`HixlCSClientRegMem`); call
-    /// before [`HixlClient::connect`].
+    /// before [`HixlClient::connect`]. `tag` must be non-empty, as for
+    /// [`HixlServer::register`].
     ///
     /// # Safety
     /// `[addr, addr+len)` is memory of kind `kind` that stays allocated
-    /// until it is unregistered or the client is destroyed.
+    /// until the client is destroyed, or until it is unregistered after
+    /// every transfer naming it has been queried completed.
     pub unsafe fn register(
         &self,
         tag: &str,
@@ -510,7 +742,7 @@ impl HixlClient {
         addr: *mut u8,
         len: usize,
     ) -> Result<HixlMemId> {
-        let tag = c_string("memory tag", tag)?;
+        let tag = tag_c_string(tag)?;
         let mem = sys::CommMem {
             type_: mem_type(kind),
             addr: addr.cast(),
@@ -526,11 +758,18 @@ impl HixlClient {
                 HixlCSClientRegMem(self.handle.0, tag.as_ptr(), &mem, &mut id)
             )?
         };
-        Ok(HixlMemId(Handle(id)))
+        Ok(HixlMemId {
+            handle: Handle(id),
+            owner: self.id,
+        })
     }
 
-    /// Connects to the server, waiting at most `timeout`
-    /// (`HixlCSClientConnect`; `HIXL_TIMEOUT` when it does not answer).
+    /// Connects to the server (`HixlCSClientConnect`). HIXL tries once: a
+    /// server not listening yet fails at once (`HIXL_FAILED`), so connect
+    /// only after the server's [`HixlServer::listen`]. Each phase of the
+    /// connection (TCP connect, then HIXL's handshake) may take the whole
+    /// `timeout` (`HIXL_TIMEOUT` past it), so the call can take a multiple
+    /// of it. Timeouts are clamped to `i32::MAX` ms, as HIXL takes them.
     pub fn connect(&self, timeout: Duration) -> Result<()> {
         let _calls = lock(&self.calls);
         // SAFETY: the handle is live.
@@ -544,12 +783,58 @@ impl HixlClient {
 
     /// The server's registered regions (`HixlCSClientGetRemoteMem`),
     /// copied out of the lists HIXL owns (which the next call frees). Call
-    /// once after [`HixlClient::connect`], before any transfer.
+    /// once after [`HixlClient::connect`], before any transfer. Refused
+    /// ([`Error::InvalidArgument`]) while a transfer of this client has not
+    /// been queried completed (a dropped one counts until the client is
+    /// destroyed): HIXL drops and re-imports the server's memory on every
+    /// call.
+    ///
+    /// Identify regions by address and length. HIXL hands out the tags of
+    /// the tagged regions only, without their count, so this safe form
+    /// fills [`HixlRemoteMem::tag`] only when the pairing is certain (no
+    /// tag list at all, or a single region) and leaves every tag `""`
+    /// otherwise. When the server tags every region, as any
+    /// [`HixlServer`] does, [`HixlClient::remote_mems_tagged`] reads them.
+    ///
+    /// A real HIXL server also lists regions of its own (tags starting
+    /// [`HIXL_BUILTIN_TAG_PREFIX`]; writing them would corrupt its
+    /// completion flags). They are left out when the tags are known; when
+    /// they are not (tags `""` here), they are among the regions returned:
+    /// only ever name regions you know by address.
     pub fn remote_mems(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
+        self.fetch_remote_mems(timeout, false)
+    }
+
+    /// [`HixlClient::remote_mems`] with every region's tag, and without
+    /// the server's own regions (tags starting [`HIXL_BUILTIN_TAG_PREFIX`]).
+    ///
+    /// # Safety
+    /// Every region the server registered carries a non-empty tag (true of
+    /// a server made with [`HixlServer`], whose `register` refuses empty
+    /// tags). Otherwise HIXL's tag list is shorter than its region list
+    /// and this reads past its end.
+    pub unsafe fn remote_mems_tagged(&self, timeout: Duration) -> Result<Vec<HixlRemoteMem>> {
+        self.fetch_remote_mems(timeout, true)
+    }
+
+    fn fetch_remote_mems(
+        &self,
+        timeout: Duration,
+        every_region_tagged: bool,
+    ) -> Result<Vec<HixlRemoteMem>> {
         let mut mems: *mut sys::CommMem = std::ptr::null_mut();
         let mut tags: *mut *mut c_char = std::ptr::null_mut();
         let mut n = 0u32;
-        let _calls = lock(&self.calls);
+        let calls = lock(&self.calls);
+        if calls.0 > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} transfer(s) of this HIXL client have not been queried completed, and \
+                 fetching the remote regions makes HIXL import the server's memory anew under \
+                 them; query every transfer to completion first (one dropped unqueried counts \
+                 until the client is destroyed: create a new client instead)",
+                calls.0
+            )));
+        }
         // SAFETY: the handle is live; the three out-parameters are valid.
         unsafe {
             hixl_call!(
@@ -572,14 +857,26 @@ impl HixlClient {
                 "HixlCSClientGetRemoteMem reported {n} regions but no list"
             )));
         }
-        // SAFETY: on success HIXL hands out n CommMem entries (and, when
-        // tags is not NULL, n tag pointers) that stay valid until the next
-        // GetRemoteMem on this client, which our lock keeps out until the
-        // copies below are done.
+        // SAFETY: on success HIXL hands out n CommMem entries that stay
+        // valid until the next GetRemoteMem on this client, which our lock
+        // keeps out until the copies below are done.
         let mems = unsafe { std::slice::from_raw_parts(mems, n) };
-        let tags: Option<&[*mut c_char]> =
-            // SAFETY: as above.
-            (!tags.is_null()).then(|| unsafe { std::slice::from_raw_parts(tags, n) });
+        let tags: Option<&[*mut c_char]> = match tag_plan(n, tags.is_null(), every_region_tagged) {
+            // SAFETY: the tag list holds one pointer per tagged region;
+            // Paired means every region is tagged (the caller of
+            // remote_mems_tagged vouches for it, or n is 1 and a non-NULL
+            // list holds at least one), so it holds n; valid as long as
+            // the regions (see above).
+            TagPlan::Paired => Some(unsafe { std::slice::from_raw_parts(tags, n) }),
+            TagPlan::NoneTagged => None,
+            TagPlan::Unknown => {
+                log::debug!(
+                    "HixlCSClientGetRemoteMem: {n} regions and a tag list of unknown length; \
+                     tags left empty (remote_mems_tagged reads them when every region is tagged)"
+                );
+                None
+            }
+        };
         let mut out = Vec::with_capacity(n);
         for (i, m) in mems.iter().enumerate() {
             let kind = match m.type_ {
@@ -599,6 +896,9 @@ impl HixlClient {
                 }
                 _ => String::new(),
             };
+            if tag.starts_with(HIXL_BUILTIN_TAG_PREFIX) {
+                continue;
+            }
             out.push(HixlRemoteMem {
                 tag,
                 kind,
@@ -636,7 +936,7 @@ impl HixlClient {
     pub unsafe fn get_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
         let (n, raw) = Self::raw_ops(ops)?;
         let mut t: sys::CompleteHandle = std::ptr::null_mut();
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: the handle is live; raw holds n descriptors; t is a valid
         // out-parameter; the caller vouches for the ranges.
         unsafe {
@@ -645,7 +945,11 @@ impl HixlClient {
                 HixlCSClientBatchGetAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
-        Ok(HixlTransfer(Handle(t)))
+        calls.0 += 1;
+        Ok(HixlTransfer {
+            handle: Handle(t),
+            client: self.id,
+        })
     }
 
     /// Starts writing every op's local range to its remote range
@@ -658,7 +962,7 @@ impl HixlClient {
     pub unsafe fn put_async(&self, ops: &[HixlOp]) -> Result<HixlTransfer> {
         let (n, raw) = Self::raw_ops(ops)?;
         let mut t: sys::CompleteHandle = std::ptr::null_mut();
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: as in get_async.
         unsafe {
             hixl_call!(
@@ -666,7 +970,11 @@ impl HixlClient {
                 HixlCSClientBatchPutAsync(self.handle.0, n, raw.as_ptr(), &mut t)
             )?
         };
-        Ok(HixlTransfer(Handle(t)))
+        calls.0 += 1;
+        Ok(HixlTransfer {
+            handle: Handle(t),
+            client: self.id,
+        })
     }
 
     /// Reads every op and waits for the whole batch, at most `timeout`
@@ -678,14 +986,16 @@ impl HixlClient {
     /// ranges may still be written until the client is destroyed.
     pub unsafe fn get_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
         let (n, raw) = Self::raw_ops(ops)?;
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: the handle is live; raw holds n descriptors.
-        unsafe {
+        let r = unsafe {
             hixl_call!(
                 &self.hixl,
                 HixlCSClientBatchGetSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
             )
-        }
+        };
+        note_unfinished_sync(&mut calls, &r);
+        r
     }
 
     /// Writes every op and waits for the whole batch, at most `timeout`
@@ -695,34 +1005,50 @@ impl HixlClient {
     /// As [`HixlClient::get_sync`].
     pub unsafe fn put_sync(&self, ops: &[HixlOp], timeout: Duration) -> Result<()> {
         let (n, raw) = Self::raw_ops(ops)?;
-        let _calls = lock(&self.calls);
+        let mut calls = lock(&self.calls);
         // SAFETY: as in get_sync.
-        unsafe {
+        let r = unsafe {
             hixl_call!(
                 &self.hixl,
                 HixlCSClientBatchPutSync(self.handle.0, n, raw.as_ptr(), millis(timeout))
             )
-        }
+        };
+        note_unfinished_sync(&mut calls, &r);
+        r
     }
 
     /// Polls a transfer (`HixlCSClientQueryCompleteStatus`). Completed
     /// frees it inside HIXL, so it comes back only while Waiting (and on
     /// the reserved TimedOut / Failed, where HIXL documents nothing).
-    /// On an error the transfer is dropped.
+    /// HIXL never reports a stuck transfer: the caller needs a deadline of
+    /// its own (see [`HixlTransferState`]).
+    /// On an error the transfer is dropped. A transfer of another client
+    /// is refused ([`Error::InvalidArgument`]) before HIXL sees it: HIXL
+    /// would treat it as one of this client's and free it.
     pub fn query(&self, t: HixlTransfer) -> Result<(HixlTransferState, Option<HixlTransfer>)> {
+        if t.client != self.id {
+            return Err(Error::InvalidArgument(format!(
+                "a HIXL transfer of client #{} queried on client #{}: query a transfer on the \
+                 client that started it",
+                t.client, self.id
+            )));
+        }
         let mut status: sys::HixlCompleteStatus = sys::HIXL_COMPLETE_STATUS_WAITING;
-        let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; t came from this client and has not
-        // completed (a completed one is never handed back); status is a
-        // valid out-parameter.
+        let mut calls = lock(&self.calls);
+        // SAFETY: the handle is live; t came from this client (checked
+        // above by id) and has not completed (a completed one is never
+        // handed back); status is a valid out-parameter.
         unsafe {
             hixl_call!(
                 &self.hixl,
-                HixlCSClientQueryCompleteStatus(self.handle.0, t.0 .0, &mut status)
+                HixlCSClientQueryCompleteStatus(self.handle.0, t.handle.0, &mut status)
             )?
         };
         Ok(match status {
-            sys::HIXL_COMPLETE_STATUS_COMPLETED => (HixlTransferState::Completed, None),
+            sys::HIXL_COMPLETE_STATUS_COMPLETED => {
+                calls.0 = calls.0.saturating_sub(1);
+                (HixlTransferState::Completed, None)
+            }
             sys::HIXL_COMPLETE_STATUS_WAITING => (HixlTransferState::Waiting, Some(t)),
             sys::HIXL_COMPLETE_STATUS_TIMEOUT => (HixlTransferState::TimedOut, Some(t)),
             sys::HIXL_COMPLETE_STATUS_FAILED => (HixlTransferState::Failed, Some(t)),
@@ -734,11 +1060,15 @@ impl HixlClient {
         })
     }
 
-    /// Unregisters local memory (`HixlCSClientUnregMem`).
+    /// Unregisters local memory (`HixlCSClientUnregMem`); only after every
+    /// transfer naming it has been queried completed.
     pub fn unregister(&self, id: HixlMemId) -> Result<()> {
         let _calls = lock(&self.calls);
-        // SAFETY: the handle is live; id came from HixlCSClientRegMem.
-        unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.0 .0)) }
+        check_owner(&id, self.id, "client")?;
+        // SAFETY: the handle is live. `id` is a handle this client's
+        // HixlCSClientRegMem gave out (HixlMemId is made nowhere else; its
+        // owner was checked) and, taken by value, is unregistered once.
+        unsafe { hixl_call!(&self.hixl, HixlCSClientUnregMem(self.handle.0, id.handle.0)) }
     }
 }
 
@@ -772,19 +1102,127 @@ mod tests {
         // SAFETY: the device member was the one written.
         let dev = unsafe { d.loc.__bindgen_anon_1.device };
         assert_eq!(dev.devPhyId, 3);
-        let h = HixlEndpoint {
-            protocol: HixlProtocol::Hccs,
-            device_phy_id: 0,
-            ipv4: None,
+        assert_eq!(dev.superDevId, 0);
+        let roce_bare = HixlEndpoint { ipv4: None, ..e }.to_raw();
+        assert_eq!(roce_bare.commAddr.type_, sys::COMM_ADDR_TYPE_RESERVED);
+        // HCCS: identified by the physical device id, no super device; an
+        // IPv4 address is ignored.
+        for ipv4 in [None, Some(Ipv4Addr::new(10, 0, 0, 7))] {
+            let h = HixlEndpoint {
+                protocol: HixlProtocol::Hccs,
+                device_phy_id: 5,
+                ipv4,
+            }
+            .to_raw();
+            assert_eq!(h.protocol, sys::COMM_PROTOCOL_HCCS);
+            assert_eq!(h.commAddr.type_, sys::COMM_ADDR_TYPE_ID);
+            // SAFETY: the id member was the one written.
+            assert_eq!(unsafe { h.commAddr.__bindgen_anon_1.id }, 5);
+            // SAFETY: the device member was the one written.
+            let dev = unsafe { h.loc.__bindgen_anon_1.device };
+            assert_eq!((dev.devPhyId, dev.superDevId), (5, u32::MAX));
         }
-        .to_raw();
-        assert_eq!(h.protocol, sys::COMM_PROTOCOL_HCCS);
-        assert_eq!(h.commAddr.type_, sys::COMM_ADDR_TYPE_RESERVED);
     }
 
     #[test]
-    fn timeouts_saturate_to_u32_millis() {
+    fn a_roce_endpoint_without_an_address_is_refused_outside_the_emulator() {
+        let bare = HixlEndpoint {
+            protocol: HixlProtocol::Roce,
+            device_phy_id: 2,
+            ipv4: None,
+        };
+        let err = bare.check_matchable(false, "local").unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)));
+        assert!(err.to_string().contains("ipv4: Some"), "{err}");
+        assert!(bare.check_matchable(true, "local").is_ok());
+        let hccs = HixlEndpoint {
+            protocol: HixlProtocol::Hccs,
+            ..bare
+        };
+        assert!(hccs.check_matchable(false, "local").is_ok());
+        let addressed = HixlEndpoint {
+            ipv4: Some(Ipv4Addr::LOCALHOST),
+            ..bare
+        };
+        assert!(addressed.check_matchable(false, "local").is_ok());
+    }
+
+    #[test]
+    fn the_agreed_thread_properties_hold() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Hixl>();
+        send_sync::<HixlServer>();
+        send_sync::<HixlClient>();
+        send_sync::<HixlOp>();
+        send::<HixlMemId>();
+        send::<HixlTransfer>();
+    }
+
+    #[test]
+    fn tags_are_read_only_when_the_list_is_provably_as_long_as_the_regions() {
+        // No list: nothing is tagged.
+        assert_eq!(tag_plan(5, true, false), TagPlan::NoneTagged);
+        assert_eq!(tag_plan(5, true, true), TagPlan::NoneTagged);
+        // A list with several regions: only the caller's word pairs them.
+        assert_eq!(tag_plan(5, false, false), TagPlan::Unknown);
+        assert_eq!(tag_plan(2, false, false), TagPlan::Unknown);
+        assert_eq!(tag_plan(5, false, true), TagPlan::Paired);
+        // One region and a non-NULL list: exactly one tag.
+        assert_eq!(tag_plan(1, false, false), TagPlan::Paired);
+    }
+
+    #[test]
+    fn empty_tags_are_refused_naming_the_fix() {
+        let err = tag_c_string("").unwrap_err();
+        assert!(err.to_string().contains("non-empty tag"), "{err}");
+        assert!(tag_c_string("a\0b").is_err());
+        let err = tag_c_string("_hixl_builtin_mine").unwrap_err();
+        assert!(err.to_string().contains("choose another tag"), "{err}");
+        assert_eq!(tag_c_string("pool0").unwrap().as_bytes(), b"pool0");
+    }
+
+    #[test]
+    fn a_client_description_carries_traffic_class_and_service_level() {
+        let ep = HixlEndpoint {
+            protocol: HixlProtocol::Roce,
+            device_phy_id: 1,
+            ipv4: Some(Ipv4Addr::LOCALHOST),
+        }
+        .to_raw();
+        let d = client_desc(&ep, &ep, c"10.0.0.1", 7000, 132, 4);
+        assert_eq!((d.tc, d.sl, d.server_port), (132, 4, 7000));
+        assert_eq!(
+            (HIXL_DEFAULT_TRAFFIC_CLASS, HIXL_DEFAULT_SERVICE_LEVEL),
+            (132, 4)
+        );
+        let d = client_desc(&ep, &ep, c"10.0.0.1", 7000, 96, 3);
+        assert_eq!((d.tc, d.sl), (96, 3));
+    }
+
+    #[test]
+    fn a_sync_batch_that_failed_or_timed_out_stays_unfinished() {
+        let err = |code| hixl_result("HixlCSClientBatchGetSync", code, || None);
+        let mut n = Outstanding::default();
+        note_unfinished_sync(&mut n, &Ok(()));
+        note_unfinished_sync(&mut n, &err(sys::HIXL_PARAM_INVALID));
+        assert_eq!(n.0, 0, "nothing started");
+        note_unfinished_sync(&mut n, &err(sys::HIXL_TIMEOUT));
+        note_unfinished_sync(&mut n, &err(sys::HIXL_FAILED));
+        assert_eq!(n.0, 2);
+    }
+
+    #[test]
+    fn timeouts_saturate_to_i32_max_millis() {
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
-        assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), u32::MAX);
+        assert_eq!(
+            millis(Duration::from_millis(i32::MAX as u64)),
+            i32::MAX as u32
+        );
+        assert_eq!(
+            millis(Duration::from_millis(u32::MAX as u64)),
+            i32::MAX as u32
+        );
+        assert_eq!(millis(Duration::from_secs(u64::MAX / 4)), i32::MAX as u32);
     }
 }

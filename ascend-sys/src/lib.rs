@@ -57,8 +57,9 @@ pub use hccl::{
 };
 pub use hixl::{
     Hixl, HixlClient, HixlEndpoint, HixlMemId, HixlOp, HixlProtocol, HixlRemoteMem, HixlServer,
-    HixlTransfer, HixlTransferState, EMU_SERVER_PORT_SYMBOL, HIXL_LIBRARY,
-    HIXL_OPS_IN_FLIGHT_LIMIT,
+    HixlTransfer, HixlTransferState, EMU_SERVER_PORT_SYMBOL, HIXL_BUILTIN_TAG_PREFIX,
+    HIXL_DEFAULT_SERVICE_LEVEL, HIXL_DEFAULT_TRAFFIC_CLASS, HIXL_LIBRARY, HIXL_OPS_IN_FLIGHT_LIMIT,
+    HIXL_UNQUERIED_TRANSFER_LIMIT,
 };
 pub use loader::{
     available, search_locations, CannLibraries, SearchLocation, ACL_LIBRARY,

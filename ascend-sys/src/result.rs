@@ -68,13 +68,35 @@ pub fn hccl_error_name(code: u32) -> Option<&'static str> {
     })
 }
 
-/// Name of a `HixlStatus` (the four codes HIXL defines).
+/// HIXL's status codes beyond the four of its C header: the internal
+/// `hixl::Status` values of hicann/hixl v9.1.0 (`include/hixl/hixl_types.h`)
+/// that its C functions can return as they are.
+pub const HIXL_NOT_CONNECTED: u32 = 103_902;
+/// See [`HIXL_NOT_CONNECTED`].
+pub const HIXL_ALREADY_CONNECTED: u32 = 103_903;
+/// See [`HIXL_NOT_CONNECTED`].
+pub const HIXL_NOTIFY_FAILED: u32 = 103_904;
+/// See [`HIXL_NOT_CONNECTED`].
+pub const HIXL_UNSUPPORTED: u32 = 103_905;
+/// See [`HIXL_NOT_CONNECTED`]; what a host-endpoint client answers when too
+/// many transfers have not been queried completed.
+pub const HIXL_RESOURCE_EXHAUSTED: u32 = 203_900;
+
+/// Name of a HIXL status: the four codes of HIXL's C header and the
+/// further `hixl::Status` codes it can pass through. HIXL may also pass a
+/// raw ACL or HCCL code through from the layer below, which has no HIXL
+/// name (`None`).
 pub fn hixl_status_name(code: u32) -> Option<&'static str> {
     Some(match code {
         sys::HIXL_SUCCESS => "HIXL_SUCCESS",
         sys::HIXL_PARAM_INVALID => "HIXL_PARAM_INVALID",
         sys::HIXL_TIMEOUT => "HIXL_TIMEOUT",
         sys::HIXL_FAILED => "HIXL_FAILED",
+        HIXL_NOT_CONNECTED => "HIXL_NOT_CONNECTED",
+        HIXL_ALREADY_CONNECTED => "HIXL_ALREADY_CONNECTED",
+        HIXL_NOTIFY_FAILED => "HIXL_NOTIFY_FAILED",
+        HIXL_UNSUPPORTED => "HIXL_UNSUPPORTED",
+        HIXL_RESOURCE_EXHAUSTED => "HIXL_RESOURCE_EXHAUSTED",
         _ => return None,
     })
 }
@@ -333,6 +355,12 @@ mod tests {
         assert!(hixl_result("HixlCSServerListen", 0, || None).is_ok());
         assert_eq!(hixl_status_name(103_901), Some("HIXL_TIMEOUT"));
         assert_eq!(hixl_status_name(503_900), Some("HIXL_FAILED"));
+        assert_eq!(hixl_status_name(203_900), Some("HIXL_RESOURCE_EXHAUSTED"));
+        assert_eq!(hixl_status_name(103_902), Some("HIXL_NOT_CONNECTED"));
+        assert_eq!(hixl_status_name(103_903), Some("HIXL_ALREADY_CONNECTED"));
+        assert_eq!(hixl_status_name(103_904), Some("HIXL_NOTIFY_FAILED"));
+        assert_eq!(hixl_status_name(103_905), Some("HIXL_UNSUPPORTED"));
+        assert_eq!(hixl_status_name(103_906), None);
     }
 
     #[test]

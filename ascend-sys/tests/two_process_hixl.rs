@@ -118,6 +118,11 @@ fn hixl_server_child() {
                 .unwrap(),
         ]
     };
+    // An empty tag is refused before HIXL sees it.
+    // SAFETY: refused; nothing keeps the address.
+    let err =
+        unsafe { server.register("", MemKind::Host, host.as_ptr().cast(), SRV_HOST) }.unwrap_err();
+    assert!(err.to_string().contains("non-empty tag"), "{err}");
     // The port is the emulator's to pick (port 0) and known after listen.
     assert!(server.port().is_err(), "no port before listen");
     server.listen(16).unwrap();
@@ -280,6 +285,12 @@ fn hixl_between_two_processes() {
         err.to_string().contains("not memory from aclrtMalloc"),
         "{err}"
     );
+    // An empty tag is refused before HIXL sees it.
+    // SAFETY: refused; nothing keeps the address.
+    let err =
+        unsafe { client.register("", MemKind::Device, src.as_ptr().cast(), CLI_SRC) }.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("non-empty tag"), "{err}");
     // SAFETY: the buffers outlive the client (dropped at the end of the test).
     let ids = unsafe {
         [
@@ -319,8 +330,24 @@ fn hixl_between_two_processes() {
         "{err}"
     );
 
-    let mut remote = client.remote_mems(WAIT).unwrap();
+    // SAFETY: the server is a HixlServer, which tags every region.
+    let mut remote = unsafe { client.remote_mems_tagged(WAIT) }.unwrap();
     remote.sort_by(|a, b| a.tag.cmp(&b.tag));
+    // The safe form lists the same regions, and the server's own one (the
+    // emulator registers one, as HIXL does): with several regions and a
+    // tag list HIXL does not give the length of, it reads no tag, so it
+    // cannot tell the server's own region apart.
+    let plain = client.remote_mems(WAIT).unwrap();
+    assert_eq!(plain.len(), remote.len() + 1, "{plain:?}");
+    assert!(plain.iter().all(|m| m.tag.is_empty()), "{plain:?}");
+    for r in &remote {
+        assert!(
+            plain
+                .iter()
+                .any(|m| (m.addr, m.len, m.kind) == (r.addr, r.len, r.kind)),
+            "{r:?} missing from {plain:?}"
+        );
+    }
     assert_eq!(remote.len(), 2, "{remote:?}");
     let (r_dev, r_host) = (&remote[0], &remote[1]);
     assert_eq!(
@@ -376,9 +403,19 @@ fn hixl_between_two_processes() {
             client.get_async(&host_gets).unwrap(),
         ]
     };
+    // Fetching the remote regions again is refused while a transfer has
+    // not been queried completed (HIXL re-imports the memory under it)...
+    let err = client.remote_mems(WAIT).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("queried completed"), "{err}");
     for t in transfers {
         wait_done(&client, t);
     }
+    // ... and allowed again once every one has.
+    // SAFETY: the server is a HixlServer, which tags every region.
+    let mut again = unsafe { client.remote_mems_tagged(WAIT) }.unwrap();
+    again.sort_by(|a, b| a.tag.cmp(&b.tag));
+    assert_eq!(again, remote);
     let srv_dev = pattern(SEED_SRV_DEV, SRV_DEV / 2);
     let mut got = vec![0u8; CLI_LAND];
     land.copy_to_host(0, &mut got).unwrap();
@@ -420,6 +457,29 @@ fn hixl_between_two_processes() {
 
     refusals_leave_memory_untouched(&client, &land, r_dev.addr, &mut server);
 
+    // A transfer belongs to its client: another client refuses to query
+    // it before HIXL sees it (HIXL would free it as one of its own).
+    let other = HixlClient::create_with_traffic_class(
+        &hixl,
+        "127.0.0.1",
+        port,
+        &endpoint(1),
+        &endpoint(0),
+        96,
+        3,
+    )
+    .unwrap();
+    // SAFETY: the first put again (same bytes to the same place); the
+    // source is never written and outlives the client.
+    let t = unsafe { client.put_async(&puts[..1]) }.unwrap();
+    let err = other.query(t).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("client that started it"), "{err}");
+    drop(other);
+    // The dropped transfer was never queried: it counts for good.
+    let err = client.remote_mems(WAIT).unwrap_err();
+    assert!(err.to_string().contains("1 transfer(s)"), "{err}");
+
     // The server process dies: a client connected before fails cleanly
     // when it asks for the remote memory, and batches fail (HIXL_FAILED)
     // and leave the client failed.
@@ -442,11 +502,19 @@ fn hixl_between_two_processes() {
 
     // And a new client finds nobody listening.
     let third = HixlClient::create(&hixl, "127.0.0.1", port, &endpoint(1), &endpoint(0)).unwrap();
-    let err = third.connect(Duration::from_millis(200)).unwrap_err();
-    assert_eq!(hixl_code(&err), 103_901, "{err}");
+    // As HIXL: one attempt, a refusal fails at once (FAILED, not a
+    // TIMEOUT after retrying for the whole timeout).
+    let err = third.connect(WAIT).unwrap_err();
+    assert_eq!(hixl_code(&err), FAILED, "{err}");
     assert!(err.to_string().contains("is it listening"), "{err}");
 
-    for id in ids {
+    // A registration belongs to its client: another one refuses it before
+    // HIXL sees it, and the id is gone either way (taken by value).
+    let [first, rest @ ..] = ids;
+    let err = third.unregister(first).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(err.to_string().contains("that registered it"), "{err}");
+    for id in rest {
         client.unregister(id).unwrap();
     }
     drop(client);

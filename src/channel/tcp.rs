@@ -1416,6 +1416,33 @@ fn direct_slices(ops: &[DirectRead], cap: usize) -> (Vec<DirectSlice>, Vec<(usiz
     (slices, segs)
 }
 
+/// Sets both of `stream`'s I/O timeouts.
+fn set_timeouts(stream: &TcpStream, t: Duration) {
+    stream.set_read_timeout(Some(t)).ok();
+    stream.set_write_timeout(Some(t)).ok();
+}
+
+/// Arms `stream` so its next blocking call waits at most until `deadline`
+/// (and no longer than the I/O timeout); once the deadline has passed, a
+/// timeout error saying `what` instead. Direct reads and writes re-arm
+/// before every call, so a whole transfer ends by its deadline.
+fn arm_until(
+    stream: &TcpStream,
+    deadline: Instant,
+    opts: &TcpOptions,
+    what: impl FnOnce() -> String,
+) -> Result<(), ChannelError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(ChannelError::Timeout {
+            what: what(),
+            after: opts.io_timeout.min(left),
+        });
+    }
+    set_timeouts(stream, left.min(opts.io_timeout));
+    Ok(())
+}
+
 /// A direct read's share of one connection: requests pipelined `window`
 /// deep, each reply's bytes received into its destination.
 fn run_direct_on_connection(
@@ -1428,24 +1455,15 @@ fn run_direct_on_connection(
     deadline: Instant,
 ) -> Result<(), ChannelError> {
     let Conn { stream, .. } = connected(p, node, conn, opts)?;
-    // Every blocking call waits at most until the deadline: past it the
-    // peer may reuse its pages, and this read is given up (the caller drops
-    // the connection, so nothing sent later lands).
-    let arm = |stream: &TcpStream, op: usize| -> Result<(), ChannelError> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ChannelError::Timeout {
-                what: format!(
-                    "direct read from {} ({}), op {op}: the pull's lease ended",
-                    p.node, p.addr
-                ),
-                after: opts.io_timeout.min(left),
-            });
-        }
-        let t = Some(left.min(opts.io_timeout));
-        stream.set_read_timeout(t).ok();
-        stream.set_write_timeout(t).ok();
-        Ok(())
+    // Past the deadline the peer may reuse its pages: the read is given up
+    // (the caller drops the connection, so nothing sent later lands).
+    let arm = |stream: &TcpStream, op: usize| {
+        arm_until(stream, deadline, opts, || {
+            format!(
+                "direct read from {} ({}), op {op}: the pull's lease ended",
+                p.node, p.addr
+            )
+        })
     };
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
@@ -1507,8 +1525,7 @@ fn run_direct_on_connection(
         done += 1;
     }
     // The connection is reused: back to the usual timeouts.
-    stream.set_read_timeout(Some(opts.io_timeout)).ok();
-    stream.set_write_timeout(Some(opts.io_timeout)).ok();
+    set_timeouts(stream, opts.io_timeout);
     Ok(())
 }
 
@@ -1526,20 +1543,12 @@ fn run_direct_write_on_connection(
     deadline: Instant,
 ) -> Result<(), ChannelError> {
     let Conn { stream, .. } = connected(p, node, conn, opts)?;
-    // Every blocking call waits at most until the deadline, then the write
-    // is given up (the caller drops the connection).
-    let arm = |stream: &TcpStream, op: usize| -> Result<(), ChannelError> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ChannelError::Timeout {
-                what: format!("direct write to {} ({}), op {op}", p.node, p.addr),
-                after: opts.io_timeout.min(left),
-            });
-        }
-        let t = Some(left.min(opts.io_timeout));
-        stream.set_read_timeout(t).ok();
-        stream.set_write_timeout(t).ok();
-        Ok(())
+    // Past the deadline the write is given up (the caller drops the
+    // connection).
+    let arm = |stream: &TcpStream, op: usize| {
+        arm_until(stream, deadline, opts, || {
+            format!("direct write to {} ({}), op {op}", p.node, p.addr)
+        })
     };
     let window = opts.window.max(1);
     let (mut sent, mut done) = (0usize, 0usize);
@@ -1587,8 +1596,7 @@ fn run_direct_write_on_connection(
         done += 1;
     }
     // The connection is reused: back to the usual timeouts.
-    stream.set_read_timeout(Some(opts.io_timeout)).ok();
-    stream.set_write_timeout(Some(opts.io_timeout)).ok();
+    set_timeouts(stream, opts.io_timeout);
     Ok(())
 }
 

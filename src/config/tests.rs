@@ -551,3 +551,29 @@ fn hccl_path_and_hixl_keys_are_ignored_with_a_warning_on_other_channels() {
     assert_eq!(w.len(), 1, "{w:?}");
     assert!(w[0].starts_with("pd_hccl_path: ignored"), "{w:?}");
 }
+
+#[test]
+fn npu_link_takes_auto_none_or_a_table_link() {
+    assert_eq!(ok(RECEIVER).config.npu_link, NpuLink::Auto);
+    for (v, want) in [
+        ("auto", NpuLink::Auto),
+        ("none", NpuLink::Off),
+        ("a2-roce", NpuLink::Named("a2-roce".into())),
+        ("a3-hccs", NpuLink::Named("a3-hccs".into())),
+    ] {
+        let c = ok(&format!("{RECEIVER}pd_npu_link: {v}\n")).config;
+        assert_eq!(c.npu_link, want);
+        assert_eq!(c.npu_link.name(), v);
+    }
+    expect_problem(
+        &format!("{RECEIVER}pd_npu_link: a2-nvlink\n"),
+        "pd_npu_link",
+        &[
+            "\"a2-nvlink\"",
+            "auto, none, a2-roce, a2-hccs, a3-hccs, a3-roce",
+        ],
+    );
+    let named = NpuLink::Named("a2-hccs".into()).resolve().unwrap();
+    assert_eq!(named.map(|l| l.name()), Some("a2-hccs"));
+    assert_eq!(NpuLink::Off.resolve().unwrap(), None);
+}

@@ -76,9 +76,13 @@ unsafe fn ops(desc: *const HixlOneSideOpDesc, n: u32) -> Result<Vec<Op>, Failure
         .collect())
 }
 
-fn write_out<T>(out: *mut T, value: T) {
-    // SAFETY: every caller checked `out` is non-null; it is the C caller's
-    // out-parameter, valid for a write per HIXL's contract.
+/// Writes an out-parameter.
+///
+/// # Safety
+/// `out` is non-null and valid for a write of `T` (the C caller's
+/// out-parameter, per HIXL's contract).
+unsafe fn write_out<T>(out: *mut T, value: T) {
+    // SAFETY: per this function's contract.
     unsafe { out.write(value) };
 }
 
@@ -107,7 +111,8 @@ pub unsafe extern "C" fn HixlCSServerCreate(
             unsafe { std::slice::from_raw_parts(list, n) }
         };
         let h = hixl::server_create(&ip, desc.server_port, endpoints)?;
-        write_out(out.cast_mut(), h as *mut c_void);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), h as *mut c_void) };
         Ok(())
     })();
     hixl_status("HixlCSServerCreate", r)
@@ -132,7 +137,8 @@ pub unsafe extern "C" fn HixlCSServerRegMem(
         // SAFETY: forwarded HIXL contract on mem.
         let (t, addr, size) = unsafe { comm_mem(mem) }?;
         let h = hixl::server_reg_mem(server_handle as usize, tag, t, addr, size)?;
-        write_out(out.cast_mut(), h as *mut c_void);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), h as *mut c_void) };
         Ok(())
     })();
     hixl_status("HixlCSServerRegMem", r)
@@ -189,7 +195,8 @@ pub unsafe extern "C" fn HixlCSClientCreate(
         // SAFETY: both non-null and valid per HIXL's contract.
         let (local, remote) = unsafe { (&*local, &*remote) };
         let h = hixl::client_create(&ip, desc.server_port, local, remote)?;
-        write_out(out.cast_mut(), h as *mut c_void);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), h as *mut c_void) };
         Ok(())
     })();
     hixl_status("HixlCSClientCreate", r)
@@ -219,9 +226,12 @@ pub unsafe extern "C" fn HixlCSClientGetRemoteMem(
         let tags_out = nonnull(mem_tag_list, "mem_tag_list")?;
         let n_out = nonnull(list_num, "list_num")?;
         let (mems, tags, n) = hixl::client_get_remote_mem(client_handle as usize, timeout_ms)?;
-        write_out(mems_out.cast_mut(), mems);
-        write_out(tags_out.cast_mut(), tags);
-        write_out(n_out.cast_mut(), n);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(mems_out.cast_mut(), mems) };
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(tags_out.cast_mut(), tags) };
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(n_out.cast_mut(), n) };
         Ok(())
     })();
     hixl_status("HixlCSClientGetRemoteMem", r)
@@ -245,7 +255,8 @@ pub unsafe extern "C" fn HixlCSClientRegMem(
         // SAFETY: forwarded HIXL contract on mem.
         let (t, addr, size) = unsafe { comm_mem(mem) }?;
         let h = hixl::client_reg_mem(client_handle as usize, tag, t, addr, size)?;
-        write_out(out.cast_mut(), h as *mut c_void);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), h as *mut c_void) };
         Ok(())
     })();
     hixl_status("HixlCSClientRegMem", r)
@@ -277,7 +288,8 @@ unsafe fn batch_async(
         // SAFETY: forwarded HIXL contract on desc_list / list_num.
         let ops = unsafe { ops(desc_list, list_num) }?;
         let h = hixl::client_batch_async(client_handle as usize, &ops, put)?;
-        write_out(out.cast_mut(), h as *mut c_void);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), h as *mut c_void) };
         Ok(())
     })();
     hixl_status(call, r)
@@ -363,7 +375,8 @@ pub unsafe extern "C" fn HixlCSClientQueryCompleteStatus(
         } else {
             HIXL_COMPLETE_STATUS_WAITING
         };
-        write_out(out.cast_mut(), status);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), status) };
         Ok(())
     })();
     hixl_status("HixlCSClientQueryCompleteStatus", r)
@@ -391,7 +404,8 @@ pub unsafe extern "C" fn ascend_emu_hixl_server_port(
     let r = (|| {
         let out = nonnull(port, "port")?;
         let p = hixl::server_port(server_handle as usize)?;
-        write_out(out.cast_mut(), p);
+        // SAFETY: checked non-null above; the C caller's out-parameter.
+        unsafe { write_out(out.cast_mut(), p) };
         Ok(())
     })();
     hixl_status("ascend_emu_hixl_server_port", r)

@@ -7,12 +7,11 @@ use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::link::{self, Direction, Path as LinkPath};
-use crate::memory::{memfd_name, page_size, round_up, Lookup, Placement, Region};
+use crate::memory::{Lookup, PeerMapError, PeerMapping, Placement, Region};
 use crate::runtime::{current_device, runtime};
 use crate::status::*;
 use crate::stream::{Copy, Task};
@@ -145,29 +144,18 @@ struct Registration {
     region: Arc<Region>,
 }
 
-/// A peer region mapped into this process.
+/// A peer region mapped into this process (unmapped when the last Arc,
+/// the communicator's or a queued copy's, goes).
 struct RemoteMapping {
     reg_id: u64,
     remote_addr: usize,
     size: usize,
-    map_base: usize,
-    map_len: usize,
-    delta: usize,
+    mapping: PeerMapping,
 }
 
 impl RemoteMapping {
     fn local_addr(&self, remote: usize) -> usize {
-        self.map_base + self.delta + (remote - self.remote_addr)
-    }
-}
-
-impl Drop for RemoteMapping {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping mmap returned; tasks that copy through
-        // it hold an Arc, so nothing uses it any more.
-        unsafe {
-            libc::munmap(self.map_base as *mut libc::c_void, self.map_len);
-        }
+        self.mapping.base() + (remote - self.remote_addr)
     }
 }
 
@@ -695,60 +683,18 @@ pub(crate) fn enable_mem_access(
             ),
         )
     };
-    let path = format!("/proc/{}/fd/{}", d.pid, d.fd);
-    let link = std::fs::read_link(&path).map_err(|_| gone())?;
-    if !link
-        .to_string_lossy()
-        .contains(&format!("/memfd:{} ", memfd_name(d.pid, d.region_id)))
-    {
-        return Err(gone());
-    }
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Failure::hccl(HCCL_E_SYSCALL, format!("cannot open {path}: {e}")))?;
-    let page = page_size();
-    let offset = d.offset as usize;
-    let size = d.size as usize;
-    let page_off = offset / page * page;
-    let delta = offset - page_off;
-    let map_len = round_up(delta + size, page)
-        .ok_or_else(|| Failure::hccl(HCCL_E_PARA, "descriptor size overflows"))?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| Failure::hccl(HCCL_E_SYSCALL, e.to_string()))?
-        .len();
-    if (page_off + map_len) as u64 > file_len {
-        return Err(gone());
-    }
-    // SAFETY: maps map_len bytes of a shared memfd at a page-aligned offset
-    // that lies within the file (checked above); the kernel picks the address.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            page_off as libc::off_t,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(Failure::hccl(
-            HCCL_E_SYSCALL,
-            format!("cannot map peer memory: {}", io::Error::last_os_error()),
-        ));
-    }
+    let mapping = PeerMapping::open(d.pid, d.fd, d.region_id, d.offset as usize, d.size as usize)
+        .map_err(|e| match e {
+        PeerMapError::Gone => gone(),
+        PeerMapError::Os(m) => Failure::hccl(HCCL_E_SYSCALL, m),
+    })?;
     st.enabled.insert(
         d.addr as usize,
         Arc::new(RemoteMapping {
             reg_id: d.reg_id,
             remote_addr: d.addr as usize,
-            size,
-            map_base: ptr as usize,
-            map_len,
-            delta,
+            size: d.size as usize,
+            mapping,
         }),
     );
     Ok(report)

@@ -32,7 +32,7 @@ use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddrV4, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ascend_sys::sys;
 
@@ -42,8 +42,17 @@ use crate::runtime::runtime;
 use crate::status::*;
 use crate::stream::{Copy, Event, Stream, Task};
 
-/// Ops HIXL allows in flight on one client.
-pub(crate) const OPS_IN_FLIGHT_LIMIT: usize = 4096;
+/// Transfers not yet queried completed that HIXL allows on a client whose
+/// local endpoint is on the host (one completion flag each); a client on a
+/// device has no such limit, and no limit counts ops.
+pub(crate) const HOST_CLIENT_TRANSFER_LIMIT: usize = 4096;
+
+/// Tag of the host region every emulated server registers for itself, as
+/// a real HIXL server registers its completion flags under tags starting
+/// `_hixl_builtin_` (which clients then see among the server's regions).
+pub(crate) const BUILTIN_TAG: &str = "_hixl_builtin_emu_flag";
+/// Bytes of that region.
+const BUILTIN_LEN: usize = 64;
 
 const HELLO_MAGIC: &[u8; 8] = b"ASEMUHX1";
 const MEMS_REQUEST: &[u8; 4] = b"MEMS";
@@ -157,19 +166,127 @@ impl EndpointKey {
     }
 }
 
-/// Whether an endpoint a server offers is the one a client asks for:
-/// same protocol, same location, and the same address where the client
-/// names one (a client naming no address matches any).
+/// Whether an endpoint a server offers is the one a client asks for, by
+/// HIXL v9.1.0's rules: the protocols agree, then HCCS compares the ID
+/// address (the physical device id) only; RoCE compares the address type
+/// and the IPv4 address only (the location is not compared; the emulator
+/// carries no IPv6 address, so IPv6 never matches); any other protocol
+/// matches on the protocol alone (the emulator carries no UB EIDs). Real
+/// HIXL never matches a RoCE endpoint whose address type is neither IPv4
+/// nor IPv6; the emulator alone matches two such endpoints by device
+/// location, standing in for an address ascend-sys asks for outside the
+/// emulator.
 pub(crate) fn endpoint_matches(offered: &EndpointKey, wanted: &EndpointKey) -> bool {
-    offered.protocol == wanted.protocol
-        && offered.loc_type == wanted.loc_type
-        && offered.loc_id == wanted.loc_id
-        && match wanted.addr_type {
-            sys::COMM_ADDR_TYPE_IP_V4 | sys::COMM_ADDR_TYPE_ID => {
-                offered.addr_type == wanted.addr_type && offered.addr == wanted.addr
-            }
-            _ => true,
+    if offered.protocol != wanted.protocol {
+        return false;
+    }
+    match offered.protocol {
+        sys::COMM_PROTOCOL_HCCS => offered.addr == wanted.addr,
+        sys::COMM_PROTOCOL_ROCE => {
+            offered.addr_type == wanted.addr_type
+                && match offered.addr_type {
+                    sys::COMM_ADDR_TYPE_IP_V4 => offered.addr == wanted.addr,
+                    sys::COMM_ADDR_TYPE_IP_V6 => false,
+                    // Emulator only (see above).
+                    _ => offered.loc_type == wanted.loc_type && offered.loc_id == wanted.loc_id,
+                }
         }
+        _ => true,
+    }
+}
+
+// ------------------------------------------------------------ wire format
+
+/// The client's first message: its pid and the endpoint it wants.
+fn encode_hello(pid: u32, wanted: &EndpointKey) -> [u8; 32] {
+    let mut b = [0u8; 32];
+    b[..8].copy_from_slice(HELLO_MAGIC);
+    b[8..12].copy_from_slice(&pid.to_le_bytes());
+    b[12..32].copy_from_slice(&wanted.encode());
+    b
+}
+
+fn decode_hello(b: &[u8; 32]) -> Option<(u32, EndpointKey)> {
+    (&b[..8] == HELLO_MAGIC).then(|| {
+        let key = EndpointKey::decode(b[12..32].try_into().expect("20 bytes"));
+        (u32_at(b, 8), key)
+    })
+}
+
+/// The server's answer: its pid and whether it offers that endpoint.
+fn encode_welcome(pid: u32, offered: bool) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(HELLO_MAGIC);
+    b[8..12].copy_from_slice(&pid.to_le_bytes());
+    b[12..16].copy_from_slice(&u32::from(offered).to_le_bytes());
+    b
+}
+
+fn decode_welcome(b: &[u8; 16]) -> Option<(u32, bool)> {
+    (&b[..8] == HELLO_MAGIC).then(|| (u32_at(b, 8), u32_at(b, 12) == 1))
+}
+
+/// One region as the server describes it to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RegionDesc {
+    addr: u64,
+    size: u64,
+    mem_type: i32,
+    fd: i32,
+    region_id: u64,
+    offset: u64,
+    tag: String,
+}
+
+/// The server's answer to `MEMS_REQUEST` (tags cut at `MAX_TAG` bytes).
+fn encode_regions(regions: &[RegionDesc]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(8 + regions.len() * 64);
+    m.extend_from_slice(MEMS_REPLY);
+    m.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for r in regions {
+        m.extend_from_slice(&r.addr.to_le_bytes());
+        m.extend_from_slice(&r.size.to_le_bytes());
+        m.extend_from_slice(&r.mem_type.to_le_bytes());
+        m.extend_from_slice(&r.fd.to_le_bytes());
+        m.extend_from_slice(&r.region_id.to_le_bytes());
+        m.extend_from_slice(&r.offset.to_le_bytes());
+        let tag = &r.tag.as_bytes()[..r.tag.len().min(MAX_TAG)];
+        m.extend_from_slice(&(tag.len() as u32).to_le_bytes());
+        m.extend_from_slice(tag);
+    }
+    m
+}
+
+/// Reads one `encode_regions` message; refuses anything malformed.
+fn read_regions(s: &mut impl Read) -> io::Result<Vec<RegionDesc>> {
+    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
+    let mut head = [0u8; 8];
+    s.read_exact(&mut head)?;
+    let n = u32_at(&head, 4);
+    if &head[..4] != MEMS_REPLY || n > MAX_REGIONS {
+        return Err(bad("malformed region list"));
+    }
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let mut b = [0u8; 44];
+        s.read_exact(&mut b)?;
+        let tag_len = u32_at(&b, 40) as usize;
+        if tag_len > MAX_TAG {
+            return Err(bad("tag too long"));
+        }
+        let mut tag = vec![0u8; tag_len];
+        s.read_exact(&mut tag)?;
+        out.push(RegionDesc {
+            addr: u64_at(&b, 0),
+            size: u64_at(&b, 8),
+            mem_type: u32_at(&b, 16) as i32,
+            fd: u32_at(&b, 20) as i32,
+            region_id: u64_at(&b, 24),
+            offset: u64_at(&b, 32),
+            tag: String::from_utf8_lossy(&tag).into_owned(),
+        });
+    }
+    Ok(out)
 }
 
 // ------------------------------------------------------------ memory
@@ -290,6 +407,8 @@ struct ServerState {
 
 /// An emulated HIXL server.
 pub(crate) struct Server {
+    /// The host allocation behind the server's own region (BUILTIN_TAG).
+    builtin: usize,
     ip: Ipv4Addr,
     port: u16,
     endpoints: Vec<EndpointKey>,
@@ -347,11 +466,31 @@ pub(crate) fn server_create(
             "the server offers no endpoint (endpoint_list_num is 0)",
         ));
     }
+    // Like HIXL, the server registers memory of its own, listed to
+    // clients with the rest.
+    let builtin = crate::runtime::malloc_host(BUILTIN_LEN)
+        .map_err(|f| failed(format!("allocating the server's own region: {}", f.message)))?;
+    let mut state = ServerState::default();
+    let registered = registrable(MEM_TYPE_HOST, builtin, BUILTIN_LEN as u64).and_then(|region| {
+        insert_registration(
+            &mut state.regs,
+            BUILTIN_TAG.to_string(),
+            MEM_TYPE_HOST,
+            builtin,
+            BUILTIN_LEN as u64,
+            region,
+        )
+    });
+    if let Err(f) = registered {
+        let _ = crate::runtime::free_host(builtin);
+        return Err(f);
+    }
     let server = Arc::new(Server {
+        builtin,
         ip,
         port,
         endpoints: endpoints.iter().map(EndpointKey::from_raw).collect(),
-        state: Mutex::new(ServerState::default()),
+        state: Mutex::new(state),
         listener: Mutex::new(None),
         threads: Mutex::new(Vec::new()),
     });
@@ -370,6 +509,8 @@ pub(crate) fn server_reg_mem(
     let s = server(handle)?;
     let region = registrable(mem_type, addr, size)?;
     let mut st = lock(&s.state);
+    // Stricter than HIXL v9.1.0, which does not check this; its
+    // documentation asks for the order enforced here.
     if st.listening.is_some() {
         return Err(para(
             "the server is already listening; register all memory before HixlCSServerListen",
@@ -420,6 +561,13 @@ pub(crate) fn server_destroy(handle: usize) -> Result<(), Failure> {
     let s = server(handle)?;
     lock(servers()).remove(&handle);
     s.stop();
+    lock(&s.state).regs.clear();
+    if let Err(f) = crate::runtime::free_host(s.builtin) {
+        log::debug!(
+            "emulated HIXL server: freeing its own region: {}",
+            f.message
+        );
+    }
     Ok(())
 }
 
@@ -458,19 +606,14 @@ impl Server {
         s.set_nodelay(true)?;
         let mut hello = [0u8; 32];
         s.read_exact(&mut hello)?;
-        if &hello[..8] != HELLO_MAGIC {
+        let Some((_client_pid, wanted)) = decode_hello(&hello) else {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "not an emulated HIXL client",
             ));
-        }
-        let wanted = EndpointKey::decode(hello[12..32].try_into().expect("20 bytes"));
+        };
         let offered = self.endpoints.iter().any(|e| endpoint_matches(e, &wanted));
-        let mut reply = [0u8; 16];
-        reply[..8].copy_from_slice(HELLO_MAGIC);
-        reply[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        reply[12..16].copy_from_slice(&u32::from(offered).to_le_bytes());
-        s.write_all(&reply)?;
+        s.write_all(&encode_welcome(std::process::id(), offered))?;
         if !offered {
             return Ok(());
         }
@@ -494,21 +637,20 @@ impl Server {
 
     fn regions_message(&self) -> Vec<u8> {
         let st = lock(&self.state);
-        let mut m = Vec::with_capacity(8 + st.regs.len() * 64);
-        m.extend_from_slice(MEMS_REPLY);
-        m.extend_from_slice(&(st.regs.len() as u32).to_le_bytes());
-        for r in st.regs.values() {
-            m.extend_from_slice(&(r.addr as u64).to_le_bytes());
-            m.extend_from_slice(&(r.size as u64).to_le_bytes());
-            m.extend_from_slice(&r.mem_type.to_le_bytes());
-            m.extend_from_slice(&r.region.raw_fd().to_le_bytes());
-            m.extend_from_slice(&r.region.id.to_le_bytes());
-            m.extend_from_slice(&((r.addr - r.region.base) as u64).to_le_bytes());
-            let tag = &r.tag.as_bytes()[..r.tag.len().min(MAX_TAG)];
-            m.extend_from_slice(&(tag.len() as u32).to_le_bytes());
-            m.extend_from_slice(tag);
-        }
-        m
+        let regions: Vec<RegionDesc> = st
+            .regs
+            .values()
+            .map(|r| RegionDesc {
+                addr: r.addr as u64,
+                size: r.size as u64,
+                mem_type: r.mem_type,
+                fd: r.region.raw_fd(),
+                region_id: r.region.id,
+                offset: (r.addr - r.region.base) as u64,
+                tag: r.tag.clone(),
+            })
+            .collect();
+        encode_regions(&regions)
     }
 
     /// Stops listening, closes every connection and waits for the threads.
@@ -551,11 +693,11 @@ struct RemoteRegion {
 struct Transfer {
     event: Arc<Event>,
     seq: u64,
-    ops: usize,
 }
 
 /// The lists `HixlCSClientGetRemoteMem` hands out; they stay valid until
-/// the next call on the client (or its destruction).
+/// the next call on the client (or its destruction). Like HIXL's, the tag
+/// list holds the tags of the tagged regions only, in region order.
 #[derive(Default)]
 struct OutLists {
     mems: Vec<sys::CommMem>,
@@ -578,14 +720,17 @@ struct ClientState {
     out: OutLists,
     /// Why the client is failed, once a batch failed or timed out.
     failed: Option<String>,
+    /// Transfers not yet queried completed (a sync call's only while it runs).
     transfers: HashMap<usize, Transfer>,
-    in_flight: usize,
 }
 
 /// An emulated HIXL client.
 pub(crate) struct Client {
     server: SocketAddrV4,
     remote_endpoint: EndpointKey,
+    /// The local endpoint is on the host: HIXL's host path, which limits
+    /// unqueried transfers.
+    host_located: bool,
     worker: Arc<Stream>,
     state: Mutex<ClientState>,
 }
@@ -633,6 +778,7 @@ pub(crate) fn client_create(
     let c = Arc::new(Client {
         server: SocketAddrV4::new(ip, port),
         remote_endpoint: remote,
+        host_located: local.loc_type == sys::ENDPOINT_LOC_TYPE_HOST,
         worker,
         state: Mutex::new(ClientState::default()),
     });
@@ -686,97 +832,47 @@ pub(crate) fn client_connect(handle: usize, timeout_ms: u32) -> Result<(), Failu
     if st.conn.is_some() {
         return Err(para("the client is already connected"));
     }
-    let timeout = Duration::from_millis(u64::from(timeout_ms));
-    let deadline = Instant::now() + timeout;
+    // As HIXL: one attempt (a refusal fails at once, so connect only once
+    // the server listens), then the handshake; each phase may take the
+    // whole timeout.
+    let timeout = Duration::from_millis(u64::from(timeout_ms)).max(Duration::from_millis(1));
     let addr = std::net::SocketAddr::V4(c.server);
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10))) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => {
-                return Err(Failure::hixl(
-                    HIXL_TIMEOUT,
-                    format!(
-                        "no HIXL server accepted at {addr} within {timeout_ms} ms ({e}); is it \
-                         listening (HixlCSServerListen)?"
-                    ),
-                ))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    };
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(10));
+    let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Failure::hixl(
+            HIXL_TIMEOUT,
+            format!(
+                "connecting to the HIXL server at {addr}: no answer within {timeout_ms} ms ({e})"
+            ),
+        ),
+        _ => failed(format!(
+            "connecting to the HIXL server at {addr}: {e}; is it listening \
+             (HixlCSServerListen)? HIXL tries once: connect only after the server listens"
+        )),
+    })?;
     let what = format!("handshake with the HIXL server at {addr}");
     s.set_nodelay(true)
-        .and_then(|()| s.set_read_timeout(Some(left)))
-        .and_then(|()| s.set_write_timeout(Some(left)))
+        .and_then(|()| s.set_read_timeout(Some(timeout)))
+        .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|e| io_failure(&what, &e))?;
-    let mut hello = [0u8; 32];
-    hello[..8].copy_from_slice(HELLO_MAGIC);
-    hello[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    hello[12..32].copy_from_slice(&c.remote_endpoint.encode());
-    s.write_all(&hello).map_err(|e| io_failure(&what, &e))?;
+    s.write_all(&encode_hello(std::process::id(), &c.remote_endpoint))
+        .map_err(|e| io_failure(&what, &e))?;
     let mut reply = [0u8; 16];
     s.read_exact(&mut reply)
         .map_err(|e| io_failure(&what, &e))?;
-    if &reply[..8] != HELLO_MAGIC {
+    let Some((server_pid, offered)) = decode_welcome(&reply) else {
         return Err(failed(format!(
             "{addr} answered, but not as an emulated HIXL server"
         )));
-    }
-    if u32_at(&reply, 12) != 1 {
+    };
+    if !offered {
         return Err(failed(format!(
             "the server at {addr} offers no endpoint matching the client's remote endpoint ({})",
             c.remote_endpoint.describe()
         )));
     }
-    st.server_pid = u32_at(&reply, 8);
+    st.server_pid = server_pid;
     st.conn = Some(s);
     Ok(())
-}
-
-/// One region as the server described it.
-struct RegionDesc {
-    addr: u64,
-    size: u64,
-    mem_type: i32,
-    fd: i32,
-    region_id: u64,
-    offset: u64,
-    tag: String,
-}
-
-fn read_regions(s: &mut TcpStream) -> io::Result<Vec<RegionDesc>> {
-    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_string());
-    let mut head = [0u8; 8];
-    s.read_exact(&mut head)?;
-    let n = u32_at(&head, 4);
-    if &head[..4] != MEMS_REPLY || n > MAX_REGIONS {
-        return Err(bad("malformed region list"));
-    }
-    let mut out = Vec::with_capacity(n as usize);
-    for _ in 0..n {
-        let mut b = [0u8; 44];
-        s.read_exact(&mut b)?;
-        let tag_len = u32_at(&b, 40) as usize;
-        if tag_len > MAX_TAG {
-            return Err(bad("tag too long"));
-        }
-        let mut tag = vec![0u8; tag_len];
-        s.read_exact(&mut tag)?;
-        out.push(RegionDesc {
-            addr: u64_at(&b, 0),
-            size: u64_at(&b, 8),
-            mem_type: u32_at(&b, 16) as i32,
-            fd: u32_at(&b, 20) as i32,
-            region_id: u64_at(&b, 24),
-            offset: u64_at(&b, 32),
-            tag: String::from_utf8_lossy(&tag).into_owned(),
-        });
-    }
-    Ok(out)
 }
 
 /// Asks the server for its regions, maps them, and fills the lists handed
@@ -850,13 +946,28 @@ pub(crate) fn client_get_remote_mem(
             addr: r.addr as *mut std::ffi::c_void,
             size: r.size as u64,
         });
-        out.tags
-            .push(CString::new(r.tag.replace('\0', " ")).unwrap_or_default());
+        // As HIXL: only a tagged region adds a tag, so with an untagged
+        // region the tag list is shorter than the region list.
+        if !r.tag.is_empty() {
+            out.tags
+                .push(CString::new(r.tag.replace('\0', " ")).unwrap_or_default());
+        }
     }
     out.tag_ptrs = out.tags.iter().map(|t| t.as_ptr().cast_mut()).collect();
     st.out = out;
     let n = st.out.mems.len() as u32;
-    Ok((st.out.mems.as_mut_ptr(), st.out.tag_ptrs.as_mut_ptr(), n))
+    // As HIXL: empty lists are handed out as NULL.
+    let mems = if st.out.mems.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        st.out.mems.as_mut_ptr()
+    };
+    let tags = if st.out.tag_ptrs.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        st.out.tag_ptrs.as_mut_ptr()
+    };
+    Ok((mems, tags, n))
 }
 
 /// One op as the C caller described it.
@@ -891,13 +1002,16 @@ fn submit(
              memory (HixlCSClientGetRemoteMem) first",
         ));
     }
-    if st.in_flight + ops.len() > OPS_IN_FLIGHT_LIMIT {
-        return Err(para(format!(
-            "{} ops are in flight and this batch adds {}: more than the {OPS_IN_FLIGHT_LIMIT} \
-             HIXL allows on one client; query transfers to completion first",
-            st.in_flight,
-            ops.len()
-        )));
+    if c.host_located && st.transfers.len() >= HOST_CLIENT_TRANSFER_LIMIT {
+        return Err(Failure::hixl(
+            HIXL_RESOURCE_EXHAUSTED,
+            format!(
+                "{} transfers of this host-endpoint client have not been queried completed, \
+                 the most HIXL keeps completion flags for; query them \
+                 (HixlCSClientQueryCompleteStatus) before starting more",
+                st.transfers.len()
+            ),
+        ));
     }
     let mut copies = Vec::with_capacity(ops.len());
     let mut keep: Vec<Arc<dyn Any + Send + Sync>> = Vec::new();
@@ -1015,15 +1129,7 @@ fn submit(
         lock(link::process_clock()).submit(l, LinkPath::Hixl, dir, 0.0, sizes);
     }
     let handle = runtime().new_handle();
-    st.transfers.insert(
-        handle,
-        Transfer {
-            event,
-            seq,
-            ops: ops.len(),
-        },
-    );
-    st.in_flight += ops.len();
+    st.transfers.insert(handle, Transfer { event, seq });
     Ok(handle)
 }
 
@@ -1072,9 +1178,7 @@ pub(crate) fn client_batch_sync(
     };
     let done = event.wait_for_timeout(seq, Duration::from_millis(u64::from(timeout_ms)));
     let mut st = lock(&c.state);
-    if let Some(tr) = st.transfers.remove(&t) {
-        st.in_flight -= tr.ops;
-    }
+    st.transfers.remove(&t);
     if done {
         Ok(())
     } else {
@@ -1102,9 +1206,7 @@ pub(crate) fn client_query(handle: usize, transfer: usize) -> Result<bool, Failu
     if !tr.event.is_complete() {
         return Ok(false);
     }
-    let ops = tr.ops;
     st.transfers.remove(&transfer);
-    st.in_flight -= ops;
     Ok(true)
 }
 
@@ -1138,24 +1240,89 @@ mod tests {
         }
     }
 
+    fn hccs(id: u32, dev: u32) -> EndpointKey {
+        EndpointKey {
+            protocol: sys::COMM_PROTOCOL_HCCS,
+            addr_type: sys::COMM_ADDR_TYPE_ID,
+            addr: id,
+            loc_type: sys::ENDPOINT_LOC_TYPE_DEVICE,
+            loc_id: dev,
+        }
+    }
+
     #[test]
-    fn endpoints_match_on_protocol_location_and_a_named_address() {
+    fn endpoints_match_by_hixls_rules() {
         let roce = sys::COMM_PROTOCOL_ROCE;
-        let hccs = sys::COMM_PROTOCOL_HCCS;
         let offered = key(roce, Some([10, 0, 0, 1]), 2);
         assert!(endpoint_matches(&offered, &offered));
-        assert!(endpoint_matches(&offered, &key(roce, None, 2)));
+        // RoCE: the IPv4 address decides, not the location.
+        assert!(endpoint_matches(
+            &offered,
+            &key(roce, Some([10, 0, 0, 1]), 3)
+        ));
         assert!(!endpoint_matches(
             &offered,
             &key(roce, Some([10, 0, 0, 9]), 2)
         ));
-        assert!(!endpoint_matches(
-            &offered,
-            &key(roce, Some([10, 0, 0, 1]), 3)
-        ));
-        assert!(!endpoint_matches(&offered, &key(hccs, None, 2)));
-        let k = key(hccs, Some([1, 2, 3, 4]), 7);
+        // A RoCE endpoint without an address never matches one with.
+        assert!(!endpoint_matches(&offered, &key(roce, None, 2)));
+        // Emulator only: two address-less RoCE endpoints match by device.
+        assert!(endpoint_matches(&key(roce, None, 2), &key(roce, None, 2)));
+        assert!(!endpoint_matches(&key(roce, None, 2), &key(roce, None, 3)));
+        // HCCS: the id decides, not the location; never across protocols.
+        assert!(endpoint_matches(&hccs(4, 4), &hccs(4, 0)));
+        assert!(!endpoint_matches(&hccs(4, 4), &hccs(5, 4)));
+        assert!(!endpoint_matches(&offered, &hccs(2, 2)));
+        let k = key(sys::COMM_PROTOCOL_HCCS, Some([1, 2, 3, 4]), 7);
         assert_eq!(EndpointKey::decode(&k.encode()), k);
         assert_eq!(k.describe(), "HCCS 1.2.3.4 on device 7");
+        assert_eq!(hccs(3, 3).describe(), "HCCS id 3 on device 3");
+    }
+
+    #[test]
+    fn handshake_messages_round_trip_and_reject_strangers() {
+        let k = key(sys::COMM_PROTOCOL_ROCE, Some([127, 0, 0, 1]), 1);
+        assert_eq!(decode_hello(&encode_hello(42, &k)), Some((42, k)));
+        assert_eq!(decode_hello(&[0u8; 32]), None);
+        assert_eq!(decode_welcome(&encode_welcome(7, true)), Some((7, true)));
+        assert_eq!(decode_welcome(&encode_welcome(7, false)), Some((7, false)));
+        assert_eq!(decode_welcome(&[1u8; 16]), None);
+    }
+
+    #[test]
+    fn region_lists_round_trip_and_malformed_ones_are_refused() {
+        let regions = vec![
+            RegionDesc {
+                addr: 0x7f00_0000_0000,
+                size: 1 << 20,
+                mem_type: MEM_TYPE_DEVICE,
+                fd: 9,
+                region_id: 3,
+                offset: 4096,
+                tag: "kv-cache".into(),
+            },
+            RegionDesc {
+                addr: 0x7f00_1000_0000,
+                size: 64,
+                mem_type: MEM_TYPE_HOST,
+                fd: 10,
+                region_id: 4,
+                offset: 0,
+                tag: String::new(),
+            },
+        ];
+        let bytes = encode_regions(&regions);
+        assert_eq!(read_regions(&mut &bytes[..]).unwrap(), regions);
+        assert!(read_regions(&mut &encode_regions(&[])[..])
+            .unwrap()
+            .is_empty());
+        // Truncated, wrong magic, absurd count.
+        assert!(read_regions(&mut &bytes[..bytes.len() - 1]).is_err());
+        let mut wrong = bytes.clone();
+        wrong[0] = b'X';
+        assert!(read_regions(&mut &wrong[..]).is_err());
+        let mut huge = bytes.clone();
+        huge[4..8].copy_from_slice(&(MAX_REGIONS + 1).to_le_bytes());
+        assert!(read_regions(&mut &huge[..]).is_err());
     }
 }

@@ -39,6 +39,7 @@ pub(crate) const HIXL_SUCCESS: u32 = 0;
 pub(crate) const HIXL_PARAM_INVALID: u32 = 103_900;
 pub(crate) const HIXL_TIMEOUT: u32 = 103_901;
 pub(crate) const HIXL_FAILED: u32 = 503_900;
+pub(crate) const HIXL_RESOURCE_EXHAUSTED: u32 = 203_900;
 
 /// A failed call: the status code to return and the text for the user.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,8 @@
 //! The emulated HIXL C API called directly (the raw `HixlLib` table over
 //! the library the loader mapped), for the rules the safe wrappers keep
 //! out of reach: NULL arguments, empty batches, querying a completed
-//! handle again, the 4096-ops-in-flight limit, the list lifetime of
+//! handle again, the 4096 unqueried transfers of a host-endpoint client
+//! (and no limit on a device-endpoint one), the list lifetime of
 //! `HixlCSClientGetRemoteMem`, endpoint matching, the synchronous calls.
 //! Server and client run in this one process.
 
@@ -14,6 +15,7 @@ use ascend_sys::{Acl, DeviceBuffer, HixlEndpoint, HixlProtocol};
 const OK: u32 = sys::HIXL_SUCCESS;
 const PARAM_INVALID: u32 = sys::HIXL_PARAM_INVALID;
 const FAILED: u32 = sys::HIXL_FAILED;
+const RESOURCE_EXHAUSTED: u32 = ascend_sys::result::HIXL_RESOURCE_EXHAUSTED;
 const WAIT_MS: u32 = 30_000;
 
 struct Api {
@@ -47,6 +49,16 @@ fn endpoint(dev: u32) -> EndpointDesc {
         protocol: HixlProtocol::Roce,
         device_phy_id: dev,
         ipv4: Some(std::net::Ipv4Addr::LOCALHOST),
+    }
+    .to_raw()
+}
+
+/// A RoCE endpoint at another address (RoCE endpoints match by address).
+fn elsewhere(dev: u32) -> EndpointDesc {
+    HixlEndpoint {
+        protocol: HixlProtocol::Roce,
+        device_phy_id: dev,
+        ipv4: Some(std::net::Ipv4Addr::new(127, 0, 0, 5)),
     }
     .to_raw()
 }
@@ -115,10 +127,24 @@ fn the_c_api_keeps_hixls_rules() {
         let far2 = dev.alloc(4096).unwrap();
         let mut id = null_mut();
         let reg = h.HixlCSServerRegMem.as_ref().unwrap();
-        assert_eq!(reg(server, c"far".as_ptr(), &mem(&far), &mut id), OK);
-        // A NULL tag is allowed (no tag).
+        // A NULL tag is allowed (no tag), and an empty one is no tag
+        // either. The untagged region is the lower-addressed one, so that
+        // a tag list listing it would start with its (empty) tag.
+        let (tag_far, tag_far2) = if far2.addr() < far.addr() {
+            (c"far", c"")
+        } else {
+            (c"", c"far")
+        };
+        let ptr = |t: &CStr| {
+            if t.is_empty() {
+                std::ptr::null()
+            } else {
+                t.as_ptr()
+            }
+        };
+        assert_eq!(reg(server, ptr(tag_far), &mem(&far), &mut id), OK);
         let mut id2 = null_mut();
-        assert_eq!(reg(server, std::ptr::null(), &mem(&far2), &mut id2), OK);
+        assert_eq!(reg(server, tag_far2.as_ptr(), &mem(&far2), &mut id2), OK);
         // Overlapping an earlier registration is refused.
         let mut id3 = null_mut();
         api.expect_refusal(
@@ -136,7 +162,7 @@ fn the_c_api_keeps_hixls_rules() {
 
         // Clients.
         let client_create = h.HixlCSClientCreate.as_ref().unwrap();
-        let (local, wanted, not_offered) = (endpoint(1), endpoint(0), endpoint(5));
+        let (local, wanted, not_offered) = (endpoint(1), endpoint(0), elsewhere(0));
         let mut cdesc = sys::HixlClientDesc {
             local_endpoint: &local,
             remote_endpoint: &not_offered,
@@ -190,26 +216,37 @@ fn the_c_api_keeps_hixls_rules() {
             get_remote(client, &mut mems, &mut tags, &mut n, WAIT_MS),
             OK
         );
-        assert_eq!(n, 2);
-        let list = std::slice::from_raw_parts(mems, 2);
-        let tag_list = std::slice::from_raw_parts(tags, 2);
-        let by_tag: Vec<(String, u64, u64)> = (0..2)
-            .map(|i| {
-                (
-                    CStr::from_ptr(tag_list[i]).to_string_lossy().into_owned(),
-                    list[i].addr as u64,
-                    list[i].size,
-                )
+        // Our two regions and the server's own (tagged `_hixl_builtin_...`,
+        // as a real HIXL server's are).
+        assert_eq!(n, 3);
+        let list = std::slice::from_raw_parts(mems, 3);
+        let regions: Vec<(u64, u64)> = list.iter().map(|m| (m.addr as u64, m.size)).collect();
+        assert!(regions.contains(&(far.addr(), 1 << 20)), "{regions:?}");
+        assert!(regions.contains(&(far2.addr(), 4096)), "{regions:?}");
+        // As HIXL: only tagged regions add a tag, in region order, so the
+        // tag list holds two pointers for three regions (reading three
+        // would over-read). The untagged region lies below the tagged one
+        // of ours, so a list that gave it a tag would be out of step.
+        let expected: Vec<&str> = list
+            .iter()
+            .filter_map(|m| {
+                let addr = m.addr as u64;
+                if addr == far.addr() || addr == far2.addr() {
+                    (addr == far.addr().max(far2.addr())).then_some("far")
+                } else {
+                    Some("_hixl_builtin_emu_flag")
+                }
             })
             .collect();
-        assert!(
-            by_tag.contains(&("far".into(), far.addr(), 1 << 20)),
-            "{by_tag:?}"
-        );
-        assert!(
-            by_tag.contains(&(String::new(), far2.addr(), 4096)),
-            "{by_tag:?}"
-        );
+        assert_eq!(expected.len(), 2);
+        let read_tags = |tags: *mut *mut c_char| -> Vec<String> {
+            assert!(!tags.is_null());
+            std::slice::from_raw_parts(tags, 2)
+                .iter()
+                .map(|&p| CStr::from_ptr(p).to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(read_tags(tags), expected);
         // A second call frees the first lists (never read them again) and
         // hands out fresh ones with the same contents.
         let (mut mems2, mut tags2, mut n2) = (null_mut(), null_mut(), 0u32);
@@ -217,19 +254,11 @@ fn the_c_api_keeps_hixls_rules() {
             get_remote(client, &mut mems2, &mut tags2, &mut n2, WAIT_MS),
             OK
         );
-        assert_eq!(n2, 2);
-        let list2 = std::slice::from_raw_parts(mems2, 2);
-        let tags2 = std::slice::from_raw_parts(tags2, 2);
-        let again: Vec<(String, u64, u64)> = (0..2)
-            .map(|i| {
-                (
-                    CStr::from_ptr(tags2[i]).to_string_lossy().into_owned(),
-                    list2[i].addr as u64,
-                    list2[i].size,
-                )
-            })
-            .collect();
-        assert_eq!(again, by_tag);
+        assert_eq!(n2, 3);
+        let list2 = std::slice::from_raw_parts(mems2, 3);
+        let again: Vec<(u64, u64)> = list2.iter().map(|m| (m.addr as u64, m.size)).collect();
+        assert_eq!(again, regions);
+        assert_eq!(read_tags(tags2), expected);
 
         let put = h.HixlCSClientBatchPutAsync.as_ref().unwrap();
         let query = h.HixlCSClientQueryCompleteStatus.as_ref().unwrap();
@@ -262,37 +291,79 @@ fn the_c_api_keeps_hixls_rules() {
             "never query it again",
         );
 
-        // At most 4096 ops in flight; they leave flight when queried completed.
+        // A client on a device endpoint: no limit on ops or on transfers
+        // waiting to be queried (HIXL's 4096 counts a host client's
+        // unqueried transfers, see below).
         let many: Vec<HixlOneSideOpDesc> = (0..2048)
             .map(|i| op(far.addr() + i * 8, &near, (i * 8) as usize, 8))
             .collect();
-        let (mut a, mut b, mut c) = (null_mut(), null_mut(), null_mut());
+        let mut over = many.clone();
+        over.extend_from_slice(&many);
+        over.push(one[0]);
+        let (mut a, mut b, mut c, mut d) = (null_mut(), null_mut(), null_mut(), null_mut());
         assert_eq!(put(client, 2048, many.as_ptr(), &mut a), OK);
         assert_eq!(put(client, 2048, many.as_ptr(), &mut b), OK);
-        api.expect_refusal(put(client, 1, one.as_ptr(), &mut c), PARAM_INVALID, "4096");
-        for handle in [a, b] {
+        assert_eq!(put(client, 1, one.as_ptr(), &mut c), OK);
+        assert_eq!(put(client, over.len() as u32, over.as_ptr(), &mut d), OK);
+        for handle in [a, b, c, d] {
             let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
             while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
                 assert_eq!(query(client, handle, &mut s), OK);
             }
         }
-        let mut over = many.clone();
-        over.extend_from_slice(&many);
-        over.push(one[0]);
-        api.expect_refusal(
-            put(client, over.len() as u32, over.as_ptr(), &mut c),
-            PARAM_INVALID,
-            "4096",
-        );
-        // PARAM_INVALID does not fail the client.
-        assert_eq!(put(client, 1, one.as_ptr(), &mut c), OK);
-        let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
-        while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
-            assert_eq!(query(client, c, &mut s), OK);
-        }
         let mut landed = vec![0u8; 2048 * 8];
         far.copy_to_host(0, &mut landed).unwrap();
         assert!(landed.iter().all(|&x| x == 0x5a), "every put byte landed");
+
+        // A client on a host endpoint: at most 4096 transfers wait to be
+        // queried completed; one more is RESOURCE_EXHAUSTED (not a
+        // failure: after a query it goes on).
+        let mut host_local = endpoint(1);
+        host_local.loc.locType = sys::ENDPOINT_LOC_TYPE_HOST;
+        host_local.loc.__bindgen_anon_1 = sys::EndpointLoc__bindgen_ty_1 {
+            host: sys::EndpointLoc__bindgen_ty_1__bindgen_ty_2 { id: 0 },
+        };
+        let hdesc = sys::HixlClientDesc {
+            local_endpoint: &host_local,
+            ..cdesc
+        };
+        let mut hclient = null_mut();
+        assert_eq!(client_create(&hdesc, &cconf, &mut hclient), OK);
+        let hnear = dev.alloc(4096).unwrap();
+        hnear.fill(0, hnear.len(), 0x5a).unwrap();
+        let mut hid = null_mut();
+        assert_eq!(creg(hclient, c"hnear".as_ptr(), &mem(&hnear), &mut hid), OK);
+        assert_eq!(connect(hclient, WAIT_MS), OK);
+        let (mut hm, mut ht, mut hn) = (null_mut(), null_mut(), 0u32);
+        assert_eq!(get_remote(hclient, &mut hm, &mut ht, &mut hn, WAIT_MS), OK);
+        let hone = [op(far.addr(), &hnear, 0, 64)];
+        let mut pending: Vec<*mut c_void> = (0..4096)
+            .map(|_| {
+                let mut t = null_mut();
+                assert_eq!(put(hclient, 1, hone.as_ptr(), &mut t), OK);
+                t
+            })
+            .collect();
+        let mut extra = null_mut();
+        api.expect_refusal(
+            put(hclient, 1, hone.as_ptr(), &mut extra),
+            RESOURCE_EXHAUSTED,
+            "query them",
+        );
+        let first = pending.remove(0);
+        let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+        while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+            assert_eq!(query(hclient, first, &mut s), OK);
+        }
+        assert_eq!(put(hclient, 1, hone.as_ptr(), &mut extra), OK);
+        pending.push(extra);
+        for handle in pending {
+            let mut s = sys::HIXL_COMPLETE_STATUS_WAITING;
+            while s != sys::HIXL_COMPLETE_STATUS_COMPLETED {
+                assert_eq!(query(hclient, handle, &mut s), OK);
+            }
+        }
+        assert_eq!(destroy(hclient), OK);
 
         // The synchronous calls: put a pattern, get it back elsewhere.
         let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 256) as u8).collect();

@@ -105,8 +105,9 @@ fn hixl_batches_are_counted_on_the_hixl_path_at_the_modeled_rate() {
     let near_id =
         unsafe { client.register("near", MemKind::Device, near.as_ptr().cast(), BUF) }.unwrap();
     client.connect(WAIT).unwrap();
-    let remote = client.remote_mems(WAIT).unwrap();
-    assert_eq!(remote.len(), 1);
+    // SAFETY: the server is a HixlServer, which tags every region.
+    let remote = unsafe { client.remote_mems_tagged(WAIT) }.unwrap();
+    assert_eq!(remote.len(), 1, "{remote:?}");
     let there = remote[0].addr;
 
     let (name, before) = read_stats(&lib, false);

@@ -2,6 +2,7 @@
 //! `ascend-bench channel-peer`: the passive peer process it (and the
 //! conformance tests) transfer to and from.
 
+use crate::link_model::{self, LinkProbe};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::channel::handshake::{self, HandshakeEvent, HandshakeServer, Hello};
 use ascend_pd::channel::{
@@ -468,6 +469,8 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     if chunks == 0 || reps == 0 {
         bail!("--chunks and --reps must be at least 1");
     }
+    // An unknown ASCEND_PD_EMU_LINK is said before the peer starts.
+    let link = link_model::selected()?;
     let peer_seed = 7u64;
     let peer = PeerProcess::spawn(&[
         format!("--channel={}", kind.name()),
@@ -477,6 +480,19 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         format!("--device={}", device_name(device)),
     ])?;
     let runtime = runtime_for(kind, device)?;
+    // Modeled link figures: the emulator's hccl and hixl batches only.
+    let mut probe = match (link, kind) {
+        (Some(_), k) if k.needs_acl_memory() => LinkProbe::start(runtime.as_ref())?,
+        _ => None,
+    };
+    if let (Some(l), None) = (link, &probe) {
+        eprintln!(
+            "link model: {}={} is set, but only the CANN emulator's hccl and hixl batches are \
+             modeled (--channel hccl or hixl with --emulator): no modeled figures",
+            ascend_sys::link::LINK_ENV,
+            l.name()
+        );
+    }
     let (pool, mut objs) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
     let channel = chan::open(
         kind,
@@ -494,11 +510,17 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     // Per batch, as nixlbench splits it: prep (building the batch's ops),
     // post (the submit call), tx (submit until the batch completed).
     let mut phases: Vec<Phases> = Vec::new();
+    // The modeled counters' change over the measured batches.
+    let modeled_delta: Option<link_model::ProcessCounters>;
     // Each batch owns its pages; its completion gives them back for the next.
     let verified = if write {
         fill_pages(&mut objs, local_seed)?;
         let sealed: Vec<_> = objs.into_iter().map(MemObj::seal).collect();
-        for _ in 0..=reps {
+        for rep in 0..=reps {
+            if rep == 1 {
+                // The warm-up is not counted, modeled or measured.
+                probe.as_mut().map(LinkProbe::restart).transpose()?;
+            }
             let t0 = Instant::now();
             let ops: Vec<WriteOp> = sealed
                 .iter()
@@ -518,6 +540,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             phases.push(Phases::of(t0, t, posted, done));
             rates.push(bytes as f64 / (done - t).as_secs_f64() / 1e9);
         }
+        modeled_delta = probe.as_ref().map(LinkProbe::delta).transpose()?;
         // Verify every byte at the far end by reading the peer's pages back
         // into fresh local pages over a second connection.
         let (back_pool, back) = make_pool(kind, device, runtime.as_ref(), chunks, chunk)?;
@@ -546,7 +569,10 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         pages_match(&back, local_seed)?
     } else {
         let mut pages = objs;
-        for _ in 0..=reps {
+        for rep in 0..=reps {
+            if rep == 1 {
+                probe.as_mut().map(LinkProbe::restart).transpose()?;
+            }
             let t0 = Instant::now();
             let ops: Vec<ReadOp> = pages
                 .into_iter()
@@ -571,6 +597,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
             phases.push(Phases::of(t0, t, posted, done));
             rates.push(bytes as f64 / (done - t).as_secs_f64() / 1e9);
         }
+        modeled_delta = probe.as_ref().map(LinkProbe::delta).transpose()?;
         pages_match(&pages, peer_seed)?
     };
     rates.remove(0);
@@ -583,6 +610,14 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
     };
     let ratio = gbps / baseline;
     let op_name = if write { "write" } else { "read" };
+    let direction = match write {
+        true => ascend_sys::link::Direction::Write,
+        false => ascend_sys::link::Direction::Read,
+    };
+    let modeled = match (link, modeled_delta) {
+        (Some(l), Some(d)) => Some(link_model::combine(l, direction, &[d])),
+        _ => None,
+    };
     // The shm/tcp report on host pools reads as it always did.
     let pools = match device {
         PoolDevice::Cpu => "",
@@ -642,6 +677,35 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         cols.tx.0,
         cols.tx.1
     );
+    if let Some(m) = &modeled {
+        let opt = |x: Option<f64>, p: usize| x.map_or("-".to_string(), |x| format!("{x:.p$}"));
+        println!(
+            "\n{:<20}{:<15}{:<15}{:<15}{:<15}{:<20}{:<15}",
+            "MODELED link",
+            "Path",
+            "Direction",
+            "Modeled ms",
+            "Modeled GB/s",
+            "Link ceiling GB/s",
+            "Modeled/ceil"
+        );
+        println!(
+            "{:<20}{:<15}{:<15}{:<15.3}{:<15}{:<20}{:<15}",
+            m.link,
+            m.path,
+            m.direction_name(),
+            m.seconds * 1e3,
+            opt(m.gbps, 3),
+            opt(m.ceiling_gbps, 1),
+            opt(m.ratio(), 3)
+        );
+        println!(
+            "MODELED, not measured: the measured batches' {} ops priced by the CANN emulator at \
+             the vendor-published throughput of the {} link for their size (ascend-sys/links.csv, \
+             from HIXL's published benchmark); nothing here ran on Ascend hardware.",
+            m.ops, m.link
+        );
+    }
     if let Some(path) = json {
         let mut v = serde_json::json!({
             "channel": kind.name(),
@@ -667,6 +731,10 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         });
         if device == PoolDevice::Npu || kind.needs_acl_memory() {
             v["device"] = device_name(device).into();
+        }
+        // Modeled link figures only when a link is modeled: absent otherwise.
+        if let (Some(o), Some(m)) = (v.as_object_mut(), &modeled) {
+            o.extend(m.json_fields());
         }
         std::fs::write(&path, serde_json::to_string_pretty(&v)? + "\n")
             .with_context(|| format!("writing {path}"))?;

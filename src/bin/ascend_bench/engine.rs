@@ -574,8 +574,28 @@ impl DecodeEngine {
     }
 }
 
-/// Tokens per block of `ascend-bench run`'s prefill cache.
-const RUN_BLOCK: usize = 16;
+/// Tokens per KV block of `ascend-bench run`'s engine caches (`--block-size`)
+/// by default: vLLM-Ascend's block size.
+pub const DEFAULT_BLOCK_SIZE: usize = 128;
+
+/// The largest `--block-size`: an engine cache has a few blocks to spare,
+/// so its memory grows with the block size.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+
+/// `--block-size N`: tokens per KV block, 1 to [`MAX_BLOCK_SIZE`].
+pub fn parse_block_size(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_BLOCK_SIZE).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected tokens per KV block, 1 to {MAX_BLOCK_SIZE} (vLLM-Ascend uses \
+             {DEFAULT_BLOCK_SIZE})"
+        )),
+    }
+}
+
+/// Spare blocks of an engine cache beyond what its requests need, so a
+/// shuffled block table still varies.
+const SPARE_BLOCKS: usize = 2;
 
 /// When one request's prefill and save happened (wall seconds, see
 /// [`crate::roles::wall`]).
@@ -600,6 +620,8 @@ pub struct RunPrefill {
     mem: EngineMemory,
     layout: ChunkLayout,
     blocks: usize,
+    /// Tokens per block (`--block-size`).
+    block: usize,
     rng: fastrand::Rng,
     /// The cache's layout (`--kv-layout`).
     kv: KvLayout,
@@ -615,18 +637,19 @@ impl RunPrefill {
     }
 
     /// An engine for requests of up to `max_tokens` tokens, its cache in
-    /// layout `kv` (`heads`: KV heads per plane).
+    /// layout `kv` (`heads`: KV heads per plane) in blocks of `block`
+    /// tokens.
     pub fn start(
         sender: Arc<Sender>,
         max_tokens: usize,
         seed: u64,
-        kv: KvLayout,
-        heads: usize,
+        (kv, heads): (KvLayout, usize),
+        block: usize,
     ) -> anyhow::Result<RunPrefill> {
         let layout = sender.chunk_layout();
-        // Two blocks to spare: the shuffled block table still varies.
-        let blocks = max_tokens.div_ceil(RUN_BLOCK) + 2;
-        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK, kv, heads)?;
+        let block = block.max(1);
+        let blocks = max_tokens.div_ceil(block) + SPARE_BLOCKS;
+        let (mem, cache) = engine_cache_of(&layout, blocks, block, kv, heads)?;
         // Touch every page now, as an engine's cache is before serving: the
         // first request's layers would otherwise pay the page faults.
         let base = mem.ptr.cast::<u8>();
@@ -641,6 +664,7 @@ impl RunPrefill {
             mem,
             layout,
             blocks,
+            block,
             rng: fastrand::Rng::with_seed(seed),
             kv,
             bench_cpu_s: 0.0,
@@ -675,8 +699,9 @@ impl RunPrefill {
         let total: usize = tokens.iter().sum();
         let mut blocks: Vec<usize> = (0..self.blocks).collect();
         self.rng.shuffle(&mut blocks);
+        let b = self.block;
         let slots: Vec<i64> = (0..total)
-            .map(|t| (blocks[t / RUN_BLOCK] * RUN_BLOCK + t % RUN_BLOCK) as i64)
+            .map(|t| (blocks[t / b] * b + t % b) as i64)
             .collect();
         let save = SaveRequest {
             keys: keys.to_vec(),
@@ -855,6 +880,8 @@ pub struct OpenPrefill {
     cache: Arc<SharedKvCache>,
     mem: EngineMemory,
     free: Vec<usize>,
+    /// Tokens per block (`--block-size`).
+    block: usize,
     open: std::collections::HashMap<String, OpenSave>,
     pending: Option<Pending>,
     rng: fastrand::Rng,
@@ -876,7 +903,7 @@ impl OpenPrefill {
     /// An engine for `in_flight` requests of up to `max_tokens` tokens;
     /// `sample`: the receivers check every byte of only some requests
     /// ([`crate::roles::checked_whole`]); its cache in layout `kv`
-    /// (`heads`: KV heads per plane).
+    /// (`heads`: KV heads per plane) in blocks of `block` tokens.
     pub fn start(
         sender: Arc<Sender>,
         max_tokens: usize,
@@ -884,10 +911,12 @@ impl OpenPrefill {
         seed: u64,
         sample: bool,
         (kv, heads): (KvLayout, usize),
+        block: usize,
     ) -> anyhow::Result<OpenPrefill> {
         let layout = sender.chunk_layout();
-        let blocks = max_tokens.div_ceil(RUN_BLOCK) * in_flight.max(1) + 2;
-        let (mem, cache) = engine_cache_of(&layout, blocks, RUN_BLOCK, kv, heads)?;
+        let block = block.max(1);
+        let blocks = max_tokens.div_ceil(block) * in_flight.max(1) + SPARE_BLOCKS;
+        let (mem, cache) = engine_cache_of(&layout, blocks, block, kv, heads)?;
         let base = mem.ptr.cast::<u8>();
         for at in (0..mem.words * 8).step_by(4096) {
             // SAFETY: `at` is inside the allocation of `words * 8` bytes,
@@ -899,6 +928,7 @@ impl OpenPrefill {
             cache,
             mem,
             free: (0..blocks).collect(),
+            block,
             open: Default::default(),
             pending: None,
             rng: fastrand::Rng::with_seed(seed),
@@ -926,7 +956,7 @@ impl OpenPrefill {
     /// Whether the cache has free blocks for a request of `tokens` tokens
     /// and no request is being written.
     pub fn has_room(&self, tokens: usize) -> bool {
-        self.pending.is_none() && self.free.len() >= tokens.div_ceil(RUN_BLOCK)
+        self.pending.is_none() && self.free.len() >= tokens.div_ceil(self.block)
     }
 
     /// Whether a request's KV is being written (see [`OpenPrefill::step`]).
@@ -946,14 +976,15 @@ impl OpenPrefill {
         spec: TransferSpec,
     ) -> Result<(), String> {
         let total: usize = tokens.iter().sum();
-        let need = total.div_ceil(RUN_BLOCK);
+        let b = self.block;
+        let need = total.div_ceil(b);
         if self.free.len() < need || self.pending.is_some() {
             return Err(format!("{req}: no free KV blocks"));
         }
         self.rng.shuffle(&mut self.free);
         let blocks: Vec<usize> = self.free.drain(..need).collect();
         let slots: Vec<i64> = (0..total)
-            .map(|t| (blocks[t / RUN_BLOCK] * RUN_BLOCK + t % RUN_BLOCK) as i64)
+            .map(|t| (blocks[t / b] * b + t % b) as i64)
             .collect();
         self.pending = Some(Pending {
             req: req.to_string(),

@@ -9,6 +9,7 @@ mod args;
 mod channel;
 mod check_config;
 mod engine;
+mod link_model;
 mod metrics;
 mod report;
 mod roles;
@@ -25,13 +26,15 @@ commands:
   run [--config FILE] [--channel shm|tcp|hccl|hixl] [--device cpu|npu] [--depth N]
       [--modes push,pull-eager,pull-delay,pull-delay-offload]
       [--requests N] [--prompt-tokens N] [--senders P] [--receivers D] [--tp N]
-      [--prefill-tp A --decode-tp B] [--json FILE] [--plot FILE.svg]
+      [--prefill-tp A --decode-tp B] [--block-size N] [--json FILE] [--plot FILE.svg]
                          nPmD comparison of the modes with real sender, receiver and
                          proxy processes on this machine; every byte is verified.
                          --prefill-tp/--decode-tp: different TP sizes (one a multiple
                          of the other); each decode rank's heads are checked.
                          hccl runs HCCL's comm path (pd_hccl_path: comm) in run,
                          channel and soak, so hccl and hixl compare the two paths.
+                         --block-size: tokens per KV block of the engine caches
+                         (default 128, vLLM-Ascend's).
                          The default (no command) is `run` with built-in settings.
   sender --config FILE (--receiver HOST --init-port P[,P] --alloc-port P[,P] |
          --to HOST/P[,P]/P[,P] ...) [--requests N] [--prompt-tokens N] [--rank R]
@@ -71,6 +74,9 @@ commands:
 --emulator (any command) uses the CANN emulator instead of CANN, as does
 ASCEND_PD_CANN_LIB_DIR=emulator; it needs the emulator built (`cargo build
 --release` builds it). Whatever it serves is reported as the emulator.
+ASCEND_PD_EMU_LINK=a2-roce|a2-hccs|a3-hccs|a3-roce (emulator, --channel hccl):
+`run` and `channel` also report MODELED link figures (link_model, modeled_gbps,
+link_ceiling_gbps), priced from vendor-published throughput, never measured.
 --metrics-port serves counters in OpenMetrics text (Prometheus scrapes it) at http://HOST:PORT/metrics.
 Long-running processes stop cleanly on SIGINT / SIGTERM.";
 

@@ -1,5 +1,6 @@
 //! Turning worker events into per-mode figures: the table, the JSON and the plot.
 
+use crate::link_model::{self, Modeled, ProcessCounters};
 use crate::run::RunSpec;
 use anyhow::Result;
 use serde_json::{json, Value};
@@ -173,6 +174,12 @@ pub struct ModeReport {
     pub bench_cpu_s_per_gb: (f64, f64),
     /// Most requests of one sender in flight at once (submit → loaded).
     pub max_in_flight: usize,
+    /// Tokens per block of the engine KV caches (`--block-size`).
+    pub block_size: usize,
+    /// MODELED figures of the link `ASCEND_PD_EMU_LINK` names (emulator
+    /// over hccl only), from the ops the mode's processes issued; never
+    /// measured (see `link_model`).
+    pub modeled: Option<Modeled>,
 }
 
 /// The steady window starts this fraction of the mode's span (first
@@ -234,6 +241,18 @@ pub fn summarize(
                 "  {mode}: a worker reported KV layout {} instead of {}",
                 v["kv_layout"],
                 spec.kv_layout.name()
+            );
+            all_verified = false;
+        }
+    }
+    // Every engine cache was built in the blocks asked for (a sender
+    // without an engine cache reports none).
+    let with_cache = sender_done.iter().filter(|v| !v["block_size"].is_null());
+    for v in with_cache.chain(receiver_done) {
+        if v["block_size"].as_u64() != Some(spec.block_size as u64) {
+            eprintln!(
+                "  {mode}: a worker reported KV blocks of {} tokens instead of {}",
+                v["block_size"], spec.block_size
             );
             all_verified = false;
         }
@@ -371,6 +390,10 @@ pub fn summarize(
             per_gb(receives, "bench_cpu_s"),
         ),
         max_in_flight: max_overlap(&spans),
+        block_size: spec.block_size,
+        modeled: spec
+            .link
+            .and_then(|link| modeled_of(mode, link, sender_done, receiver_done)),
         mode: mode.to_string(),
         channel: spec.channel.name().to_string(),
         device: spec.device.to_string(),
@@ -429,6 +452,37 @@ pub fn summarize(
         },
         ..Default::default()
     })
+}
+
+/// The mode's modeled figures from every worker's `link_stats` (their
+/// counters' change over the mode); `None`, said on stderr, when a worker
+/// did not report them or reported another link.
+fn modeled_of(
+    mode: &str,
+    link: &ascend_sys::link::Link,
+    sender_done: &[Value],
+    receiver_done: &[Value],
+) -> Option<Modeled> {
+    let mut processes = Vec::new();
+    for v in sender_done.iter().chain(receiver_done) {
+        match ProcessCounters::from_json(&v["link_stats"]) {
+            Some(p) if p.link == link.name() => processes.push(p),
+            other => {
+                eprintln!(
+                    "  {mode}: a worker reported link counters {:?} instead of {}'s: no \
+                     modeled figures for this mode",
+                    other.map(|p| p.link),
+                    link.name()
+                );
+                return None;
+            }
+        }
+    }
+    Some(link_model::combine(
+        link,
+        link_model::mode_direction(mode),
+        &processes,
+    ))
 }
 
 impl ModeReport {
@@ -553,21 +607,74 @@ pub fn table(modes: &[ModeReport]) -> String {
     if let Some(m) = modes.first() {
         let _ = writeln!(
             s,
-            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}, KV cache layout {}.",
-            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1, m.kv_layout
+            "baseline: {} {:.2} GB/s (same run); ratio = GB/s / baseline. GB/s: bytes over the summed per-request transfer times; agg GB/s: all bytes over the wall span they moved in (concurrency included). {} over {}, {} request loads (one per request and decode rank) x {} tokens per mode, prefill TP {} -> decode TP {}, KV cache layout {} in {}-token blocks.",
+            m.baseline, m.baseline_gbps, m.device, m.channel, m.requests, m.prompt_tokens, m.tp.0, m.tp.1, m.kv_layout, m.block_size
         );
         let _ = writeln!(
             s,
             "prefill ms: p50 of the prefill's layers (compute + KV writes; 0 when pages are written directly). exposed: the last layer written -> the decode side holds the request (every key landed; pull-delay: loaded into the decode cache). ttft: the prefill's start -> held."
         );
     }
+    if modes.iter().any(|m| m.modeled.is_some()) {
+        modeled_table(&mut s, modes);
+    }
     s
+}
+
+/// The table's block of MODELED link figures (one row per mode).
+fn modeled_table(s: &mut String, modes: &[ModeReport]) {
+    let _ = writeln!(
+        s,
+        "\n{:<20} {:>9} {:>10} {:>6} {:>8} {:>11} {:>13} {:>15} {:>13} {:>15}",
+        "MODELED link",
+        "link",
+        "path",
+        "dir",
+        "ops",
+        "MiB",
+        "modeled ms",
+        "modeled GB/s",
+        "ceiling GB/s",
+        "modeled/ceil"
+    );
+    let opt = |x: Option<f64>, p: usize| x.map_or("-".to_string(), |x| format!("{x:.p$}"));
+    for m in modes {
+        let Some(d) = &m.modeled else { continue };
+        let _ = writeln!(
+            s,
+            "{:<20} {:>9} {:>10} {:>6} {:>8} {:>11.1} {:>13.3} {:>15} {:>13} {:>15}",
+            m.mode,
+            d.link,
+            d.path,
+            d.direction_name(),
+            d.ops,
+            d.bytes as f64 / f64::from(1u32 << 20),
+            d.seconds * 1e3,
+            opt(d.gbps, 2),
+            opt(d.ceiling_gbps, 1),
+            opt(d.ratio(), 3)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "MODELED, not measured: the CANN emulator prices each op the mode's processes issued on \
+         the {} link (ASCEND_PD_EMU_LINK) at the vendor-published throughput for its size \
+         (ascend-sys/links.csv, from HIXL's published benchmark; nothing here ran on Ascend \
+         hardware). Each process is one link; modeled ms = the longest busy time of any \
+         process; modeled GB/s = all bytes / modeled ms; ceiling = the table's largest-op \
+         figure for the path and direction (push writes, pull reads) of one link; \
+         modeled/ceil = modeled GB/s / (issuing processes x ceiling). Wall time never enters.",
+        modes
+            .iter()
+            .find_map(|m| m.modeled.as_ref().map(|d| d.link.as_str()))
+            .unwrap_or("-")
+    );
 }
 
 /// The machine-readable document (field names documented in the README).
 pub fn json_doc(modes: &[ModeReport]) -> Value {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    json!({
+    let mut doc = json!({
         "tool": "ascend-bench",
         "version": env!("CARGO_PKG_VERSION"),
         "memcpy_1t_gbps": modes.first().map(|m| round3(m.memcpy_1t_gbps)),
@@ -630,13 +737,26 @@ pub fn json_doc(modes: &[ModeReport]) -> Value {
             "cpu_s_per_gb": {"sender": round3(m.cpu_s_per_gb.0), "receiver": round3(m.cpu_s_per_gb.1)},
             "bench_cpu_s_per_gb": {"sender": round3(m.bench_cpu_s_per_gb.0), "receiver": round3(m.bench_cpu_s_per_gb.1)},
             "max_in_flight": m.max_in_flight,
+            "block_size": m.block_size,
             });
             if let (Some(o), Value::Object(more)) = (o.as_object_mut(), more) {
                 o.extend(more);
             }
+            // Modeled link figures only when a link is modeled: absent otherwise.
+            if let (Some(o), Some(d)) = (o.as_object_mut(), &m.modeled) {
+                o.extend(d.json_fields());
+            }
             o
         }).collect::<Vec<_>>(),
-    })
+    });
+    if modes.iter().any(|m| m.modeled.is_some()) {
+        doc["modeled_link_source"] = json!(
+            "MODELED, not measured: ops priced at vendor-published throughput by op size \
+             (ascend-sys/links.csv, from HIXL's published benchmark document) by the CANN \
+             emulator's link model; nothing here ran on Ascend hardware"
+        );
+    }
+    doc
 }
 
 /// A two-panel SVG, drawn with plotters: p50 latencies per mode (put,

@@ -4,6 +4,7 @@
 //! SIGTERM, and can serve their counters in OpenMetrics text.
 
 use crate::engine::{KvLayout, OpenPrefill, OwnedKvCache, RunPrefill};
+use crate::link_model::{self, LinkProbe};
 use crate::metrics::{MetricsServer, Registry};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::backend::{MessageKind, PutOutcome, Receiver, Sender, TransferSpec};
@@ -198,6 +199,10 @@ struct SenderCli {
     /// --prefill-layer-ms; see `ascend-bench run --help`).
     #[arg(long, value_enum, default_value_t = KvLayout::Ascend)]
     kv_layout: KvLayout,
+    /// Tokens per block of the engine's KV cache (with --engine,
+    /// --open-loop or --prefill-layer-ms); vLLM-Ascend's is 128.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_BLOCK_SIZE, value_parser = crate::engine::parse_block_size)]
+    block_size: usize,
 }
 
 pub fn sender_main(args: &[String]) -> Result<bool> {
@@ -239,6 +244,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     if let Some(note) = npu_runtime_note(&config)? {
         eprintln!("sender: NPU via the {note}");
     }
+    // This process's modeled-link counters, from now on (emulator only).
+    let link_probe = LinkProbe::start(npu_runtime(&config)?.as_ref())?;
     let registry = Registry::default();
     let _metrics = metrics_port
         .map(|p| MetricsServer::spawn(p, registry.clone()))
@@ -269,7 +276,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         emit(
             json!({"event": "sender_done", "drained": true, "peak_pinned_pages": 0,
             "pool_allocated": 0, "bytes_written": 0, "pulls_expired": 0,
-            "kv_layout": a.kv_layout.name()}),
+            "kv_layout": a.kv_layout.name(),
+            "link_stats": link_model::report_json(link_probe.as_ref())}),
         );
         return Ok(true);
     }
@@ -284,8 +292,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             Arc::clone(&sender),
             prompt,
             0x5eed ^ rank as u64,
-            a.kv_layout,
-            config.kv.num_kv_heads,
+            (a.kv_layout, config.kv.num_kv_heads),
+            a.block_size,
         )?),
         false => None,
     };
@@ -302,6 +310,8 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
     let mut bench_cpu_s = 0.0;
     // The layout of the engine cache built (the flag's when there is none).
     let mut kv_layout = engine.as_ref().map_or(a.kv_layout, RunPrefill::kv_layout);
+    // The engine cache's block size, when there is one.
+    let engine_block = (engine.is_some() || a.open_loop).then_some(a.block_size);
     // CPU time from the first request on (start-up is not per byte).
     let mut cpu_start = process_cpu_s();
     let mut max_in_flight = 0;
@@ -323,6 +333,7 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
             0x5eed ^ rank as u64,
             a.verify == "sample",
             (a.kv_layout, config.kv.num_kv_heads),
+            a.block_size,
         )?;
         kv_layout = engine.kv_layout();
         cpu_start = process_cpu_s();
@@ -476,7 +487,11 @@ pub fn sender_main(args: &[String]) -> Result<bool> {
         "bench_cpu_s": bench_cpu_s,
         "max_in_flight": max_in_flight,
         "kv_layout": kv_layout.name(),
+        "block_size": engine_block,
         "push_write": push_write,
+        // The modeled link's counters over this sender's life (null
+        // without ASCEND_PD_EMU_LINK on the emulator).
+        "link_stats": link_model::report_json(link_probe.as_ref()),
     }));
     Ok(ok && drained)
 }
@@ -780,10 +795,16 @@ fn fill_piece(c: &mut MemObj, model: &ModelSplit, seed: u64, from: usize) -> Res
 
 /// "CANN runtime at ..." when the config needs an NPU, for the logs and the report.
 pub fn npu_runtime_note(config: &PdConfig) -> Result<Option<String>> {
+    Ok(npu_runtime(config)?.map(|rt| rt.describe()))
+}
+
+/// The CANN runtime (or emulator) this process uses, when the config
+/// needs one (NPU buffers or the hccl channel).
+fn npu_runtime(config: &PdConfig) -> Result<Option<AclRuntime>> {
     if !config.buffer_device.is_npu() && !config.transfer_channel.needs_acl_memory() {
         return Ok(None);
     }
-    Ok(Some(AclRuntime::load()?.describe()))
+    Ok(Some(AclRuntime::load()?))
 }
 
 fn publish_sender(reg: &Registry, s: &Sender, page: u64) {
@@ -869,9 +890,12 @@ struct ReceiverCli {
     /// Serve counters in OpenMetrics text on this port.
     #[arg(long, value_name = "PORT")]
     metrics_port: Option<u16>,
-    /// Tokens the KV cache holds (128-token blocks).
+    /// Tokens the KV cache holds (rounded up to whole blocks).
     #[arg(long, default_value_t = 4096)]
     kv_tokens: usize,
+    /// Tokens per block of the decode KV cache; vLLM-Ascend's is 128.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_BLOCK_SIZE, value_parser = crate::engine::parse_block_size)]
+    block_size: usize,
     /// Ping-pong pages per pool (staged pull-delay loads).
     #[arg(long, default_value_t = 4)]
     depth: usize,
@@ -923,7 +947,7 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     }
     install_signal_handlers();
     let receiver = Arc::new(Receiver::start(&config, rank)?);
-    let mut decode = DecodeSide::new(&config, rank, kv_tokens, depth, a.kv_layout)?;
+    let mut decode = DecodeSide::new(&config, rank, (kv_tokens, a.block_size), depth, a.kv_layout)?;
     decode.sample = a.verify == "sample";
     let watch_stop = Arc::new(AtomicBool::new(false));
     // Pull-delay holds proxies, never landed keys: its requests are held
@@ -971,6 +995,8 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
     if let Some(note) = &runtime {
         eprintln!("receiver: NPU via the {note}");
     }
+    // This process's modeled-link counters, from ready on (emulator only).
+    let link_probe = LinkProbe::start(npu_runtime(&config)?.as_ref())?;
     emit(json!({"event": "receiver_ready", "npu_runtime": runtime,
         "kv_layout": decode.kv.name()}));
     // CPU time from now on (start-up is not per byte).
@@ -1055,6 +1081,10 @@ pub fn receiver_main(args: &[String]) -> Result<bool> {
         "bench_cpu_s": decode.bench_cpu_s,
         // The layout the cache was built in.
         "kv_layout": decode.kv.name(),
+        "block_size": decode.block_size,
+        // The modeled link's counters since ready (null without
+        // ASCEND_PD_EMU_LINK on the emulator).
+        "link_stats": link_model::report_json(link_probe.as_ref()),
     }));
     watch_stop.store(true, Ordering::SeqCst);
     if let Some(w) = watcher {
@@ -1142,16 +1172,15 @@ struct DecodeSide {
 
 impl DecodeSide {
     /// A KV cache in layout `kv` for requests of up to `kv_tokens` tokens,
-    /// in 128-token blocks.
+    /// in blocks of `block_size` tokens.
     fn new(
         config: &PdConfig,
         rank: usize,
-        kv_tokens: usize,
+        (kv_tokens, block_size): (usize, usize),
         depth: usize,
         kv: KvLayout,
     ) -> Result<DecodeSide> {
         let layout = config.chunk_layout();
-        let block_size = 128;
         let spec =
             KvCacheSpec::for_layout(&layout, kv_tokens.div_ceil(block_size).max(1), block_size);
         // The KV cache lives where the decode worker's buffers do.

@@ -5,6 +5,7 @@ use crate::channel::{
     memcpy_gbps, memcpy_mt_gbps, raw_tcp_gbps, raw_tcp_streams_gbps, tcp_streams,
 };
 use crate::engine::KvLayout;
+use crate::link_model;
 use crate::report::{self, ModeReport};
 use anyhow::{anyhow, bail, Context, Result};
 use ascend_pd::config::{BufferDevice, ChannelKind, HcclPath, PdConfig, PortList, Role};
@@ -65,6 +66,11 @@ pub struct RunSpec {
     pub verify: String,
     /// The engine KV caches' layout (`--kv-layout`).
     pub kv_layout: KvLayout,
+    /// Tokens per block of the engine KV caches (`--block-size`).
+    pub block_size: usize,
+    /// The modeled link (`ASCEND_PD_EMU_LINK` on the emulator over hccl),
+    /// if any: each mode then reports modeled figures.
+    pub link: Option<&'static ascend_sys::link::Link>,
 }
 
 impl RunSpec {
@@ -207,6 +213,10 @@ struct RunCli {
     /// than `ascend`'s direct writes.
     #[arg(long, value_enum, default_value_t = KvLayout::Ascend)]
     kv_layout: KvLayout,
+    /// Tokens per block of the engine KV caches (the prefill engine's, when
+    /// there is one, and the decode worker's); vLLM-Ascend's is 128.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_BLOCK_SIZE, value_parser = crate::engine::parse_block_size)]
+    block_size: usize,
     /// Run each mode at a series of --rate values, doubling from --rate
     /// [default: 4/s], for --duration each [default: 3 s], until it
     /// saturates (sustained GB/s grew by less than 10% over the best so far,
@@ -290,7 +300,10 @@ pub fn run_main(args: &[String]) -> Result<bool> {
             );
         }
     }
-    let spec = RunSpec {
+    // An unknown ASCEND_PD_EMU_LINK is said now, not by the emulator in
+    // the middle of a worker's first batch.
+    let link = link_model::selected()?;
+    let mut spec = RunSpec {
         channel,
         device,
         modes,
@@ -309,6 +322,8 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         duration: a.load.duration,
         verify: a.verify.clone(),
         kv_layout: a.kv_layout,
+        block_size: a.block_size,
+        link: None,
     };
     let (json_path, plot_path) = (a.json, a.plot);
     if spec.requests == 0 || spec.prompt_tokens == 0 {
@@ -341,14 +356,34 @@ pub fn run_main(args: &[String]) -> Result<bool> {
     if spec.device.is_npu() || spec.channel.needs_acl_memory() {
         // Say which runtime the workers will load (they search the same way).
         match ascend_pd::memory::npu::AclRuntime::load() {
-            Ok(rt) => eprintln!(
-                "NPU: {} (nothing here has run on Ascend hardware)",
-                ascend_pd::memory::NpuRuntime::describe(&rt)
-            ),
+            Ok(rt) => {
+                eprintln!(
+                    "NPU: {} (nothing here has run on Ascend hardware)",
+                    ascend_pd::memory::NpuRuntime::describe(&rt)
+                );
+                spec.link = link.filter(|_| link_model::runtime_models(&rt));
+            }
             Err(e) => bail!(
                 "--device {} / --channel {}: {e}",
                 spec.device,
                 spec.channel.name()
+            ),
+        }
+    }
+    if let Some(l) = link {
+        spec.link = spec.link.filter(|_| spec.channel == ChannelKind::Hccl);
+        match spec.link {
+            Some(_) => eprintln!(
+                "link model: {} ({}): modeled figures from vendor-published throughput \
+                 (ascend-sys/links.csv), not measurements",
+                l.name(),
+                ascend_sys::link::LINK_ENV
+            ),
+            None => eprintln!(
+                "link model: {}={} is set, but only the CANN emulator's hccl batches are \
+                 modeled (--channel hccl with --emulator): no modeled figures",
+                ascend_sys::link::LINK_ENV,
+                l.name()
             ),
         }
     }
@@ -678,6 +713,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--depth={}", spec.depth),
                 format!("--verify={}", spec.verify),
                 format!("--kv-layout={}", spec.kv_layout.name()),
+                format!("--block-size={}", spec.block_size),
             ];
             args.push(format!("--prompt-tokens={}", spec.prompt_tokens));
             // Open loop: the receivers serve until told to stop (SIGTERM),
@@ -763,6 +799,7 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
                 format!("--prefix={prefix}"),
                 format!("--first-receiver={s}"),
                 format!("--kv-layout={}", spec.kv_layout.name()),
+                format!("--block-size={}", spec.block_size),
             ];
             if open {
                 args.push("--open-loop=true".into());
