@@ -21,10 +21,11 @@
 //! link and the client's connect run on a setup thread, which
 //! [`TransferChannel::wait_ready`] and every submit wait for (bounded).
 //!
-//! **In flight.** HIXL takes at most [`HIXL_OPS_IN_FLIGHT_LIMIT`] ops in
-//! flight per client: a batch is split into parts of at most that many
-//! ops, and each part waits (bounded by the batch timeout) for the
-//! client's budget. Each part is polled by the completion thread; the
+//! **In flight.** The channel keeps at most [`HIXL_OPS_IN_FLIGHT_LIMIT`]
+//! ops in flight per client (HIXL itself bounds only a host-endpoint
+//! client's unqueried transfers, by the same number, which this covers):
+//! a batch is split into parts of at most that many ops, and each part
+//! waits (bounded by the batch timeout) for the client's budget. Each part is polled by the completion thread; the
 //! batch completes, with its pages, when its last part has.
 //!
 //! **Failures and pages.** HIXL only says a transfer stopped touching its
@@ -106,6 +107,19 @@ pub fn local_endpoint(settings: &HixlSettings, device: u32) -> HixlEndpoint {
     }
 }
 
+/// Why `settings` cannot make a HIXL endpoint here, with the fix: RoCE
+/// needs the NPU's address outside the emulator (which ignores endpoints).
+pub fn endpoint_problem(settings: &HixlSettings, emulator: bool) -> Option<String> {
+    (settings.protocol == ProtocolSetting::Roce && settings.device_ip.is_none() && !emulator).then(
+        || {
+            "a RoCE HIXL endpoint needs the NPU's RoCE address: set pd_hixl_device_ip (see \
+             `hccn_tool -i <device> -ip -g`), or pd_hixl_protocol: hccs between NPUs of one \
+             server"
+                .to_string()
+        },
+    )
+}
+
 /// The hixl channel of one worker: its HIXL server over its pools, its
 /// liveness listener, its peers.
 pub struct HixlChannel {
@@ -147,7 +161,15 @@ impl HixlChannel {
             .acl()
             .hixl()
             .map_err(hixl_err("loading HIXL for the hixl channel".into()))?;
+        if let Some(problem) = endpoint_problem(settings, hixl.is_emulator()) {
+            return Err(ChannelError::Unsupported(problem));
+        }
         let endpoint = local_endpoint(settings, device.id());
+        // HIXL wants the device bound on the thread that makes a server or
+        // client with device endpoints.
+        device
+            .bind()
+            .map_err(hixl_err(format!("binding NPU {} for HIXL", device.id())))?;
         // The emulator binds port 0 itself; real HIXL wants a port.
         let port = match settings.port {
             0 if !hixl.is_emulator() => free_port(host)?,
@@ -314,6 +336,7 @@ impl TransferChannel for HixlChannel {
         };
         let dialer = Arc::new(Dialer {
             hixl: self.hixl.clone(),
+            device: self.device.clone(),
             node: node.to_string(),
             local: self.local.clone(),
             local_endpoint: self.endpoint,
@@ -571,6 +594,7 @@ fn split_server(node: &str, server: &str) -> Result<(String, u16), ChannelError>
 /// connect to and check.
 struct Dialer {
     hixl: Hixl,
+    device: Device,
     node: String,
     local: Vec<LocalMem>,
     local_endpoint: HixlEndpoint,
@@ -586,6 +610,10 @@ impl Dialer {
     /// those regions instead), whose server's regions cover the peer's table.
     fn open(&self, direct: Option<&[DirectRegion]>) -> Result<Client, String> {
         let e = |what: String| move |err: ascend_sys::Error| format!("{what}: {err}");
+        // Setup threads and submitters differ: bind on this one.
+        self.device
+            .bind()
+            .map_err(e(format!("binding NPU {} for HIXL", self.device.id())))?;
         let client = HixlClient::create(
             &self.hixl,
             &self.server_ip,
@@ -1191,6 +1219,31 @@ mod tests {
         let t = std::thread::spawn(move || b2.take(3, Instant::now() + Duration::from_secs(30)));
         b.give(3);
         assert!(t.join().unwrap());
+    }
+
+    #[test]
+    fn a_roce_endpoint_without_an_address_is_refused_outside_the_emulator_naming_the_fix() {
+        let roce = HixlSettings::default();
+        let e = endpoint_problem(&roce, false).expect("refused on CANN");
+        assert!(
+            e.contains("pd_hixl_device_ip") && e.contains("pd_hixl_protocol: hccs"),
+            "{e}"
+        );
+        assert_eq!(
+            endpoint_problem(&roce, true),
+            None,
+            "the emulator ignores it"
+        );
+        let with_ip = HixlSettings {
+            device_ip: Some("10.0.0.8".parse().unwrap()),
+            ..roce
+        };
+        assert_eq!(endpoint_problem(&with_ip, false), None);
+        let hccs = HixlSettings {
+            protocol: ProtocolSetting::Hccs,
+            ..roce
+        };
+        assert_eq!(endpoint_problem(&hccs, false), None);
     }
 
     #[test]

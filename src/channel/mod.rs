@@ -753,8 +753,9 @@ pub fn open(
 }
 
 /// Which channel `transfer_channel: hccl` opens for `pd_hccl_path:
-/// setting`, given whether HIXL loaded (`hixl`: the library's path, or why
-/// it did not load), and the reason, for the log. `hixl` without HIXL is
+/// setting`, given whether the HIXL path can run (`hixl`: the library's
+/// path, or why not: it did not load, or this worker's HIXL endpoint is
+/// incomplete), and the reason, for the log. `hixl` where it cannot run is
 /// an error that names the fix.
 pub fn choose_hccl_path(
     setting: HcclPath,
@@ -774,7 +775,7 @@ pub fn choose_hccl_path(
         )),
         (HcclPath::Auto, Err(why)) => Ok((
             ChannelKind::Hccl,
-            format!("HCCL's comm path: pd_hccl_path is auto and HIXL did not load ({why})"),
+            format!("HCCL's comm path: pd_hccl_path is auto and the HIXL path cannot run ({why})"),
         )),
         (HcclPath::Hixl, Ok(path)) => Ok((
             ChannelKind::Hixl,
@@ -784,9 +785,10 @@ pub fn choose_hccl_path(
             ),
         )),
         (HcclPath::Hixl, Err(why)) => Err(ChannelError::Unsupported(format!(
-            "pd_hccl_path: hixl, but HIXL did not load ({why}); install HIXL (libcann_hixl.so, \
-             CANN 9.1 or the hixl package) next to libascendcl.so or in ASCEND_PD_CANN_LIB_DIR, \
-             or set pd_hccl_path: comm (or auto) to run HCCL's comm path"
+            "pd_hccl_path: hixl, but the HIXL path cannot run ({why}); where HIXL is missing, \
+             install it (libcann_hixl.so, CANN 9.1 or the hixl package) next to libascendcl.so or \
+             in ASCEND_PD_CANN_LIB_DIR, or set pd_hccl_path: comm (or auto) to run HCCL's comm \
+             path"
         ))),
     }
 }
@@ -808,10 +810,16 @@ pub fn open_configured(
                 .iter()
                 .find_map(|p| crate::memory::npu::device_of(p.buffer()))
                 .map(|d| d.acl().clone());
-            let hixl = match &acl {
-                Some(acl) => acl.hixl().map_err(|e| e.to_string()),
-                None => Err("no pool was allocated by the ACL runtime".into()),
-            };
+            let hixl =
+                match &acl {
+                    Some(acl) => acl.hixl().map_err(|e| e.to_string()).and_then(|h| {
+                        match hixl::endpoint_problem(&config.hixl, acl.is_emulator()) {
+                            Some(problem) => Err(problem),
+                            None => Ok(h),
+                        }
+                    }),
+                    None => Err("no pool was allocated by the ACL runtime".into()),
+                };
             let (kind, why) = choose_hccl_path(
                 config.hccl_path,
                 hixl.as_ref()
@@ -1088,7 +1096,7 @@ mod tests {
         for words in [
             "pd_hccl_path: hixl",
             "not found",
-            "install HIXL",
+            "install it (libcann_hixl.so",
             "pd_hccl_path: comm",
         ] {
             assert!(e.contains(words), "{words}: {e}");
