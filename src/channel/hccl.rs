@@ -35,7 +35,7 @@
 //! ([`HcclOptions::batch_timeout`], and [`HcclOptions::gone_grace`] after
 //! the peer is seen gone). With a deployment secret the link's hello
 //! carries a proof over its session and root info, and the listener takes
-//! no link without it (see `route_watch`). A batch abandoned while the device may still be
+//! no link without it (see `liveness`). A batch abandoned while the device may still be
 //! copying is reported failed at once, but keeps its pages, quarantined,
 //! until the stream finishes them (never freed under DMA).
 //!

@@ -664,11 +664,11 @@ impl<L: Watched> SetupCell<L> {
 
 /// A batch's pages and its waiter, whatever the pages' type.
 pub(crate) trait Finish: Send {
-    /// The stream finished the batch: report with the pages.
+    /// The device finished the batch: report with the pages.
     fn complete(self: Box<Self>, result: Result<(), ChannelError>);
     /// The batch is given up while the device may still use its pages:
     /// report now without them; they stay quarantined in what is returned
-    /// until the stream is done with them.
+    /// until the device is done with them.
     fn abandon(self: Box<Self>, result: Result<(), ChannelError>) -> Box<dyn Send>;
 }
 
