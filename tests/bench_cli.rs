@@ -1415,7 +1415,11 @@ fn run_on_a_modeled_link_reports_modeled_figures_within_the_links_ceiling() {
     let cfg = small_model_config("modeled.yaml");
     // 150 tokens, 2 planes x 2 layers x 128 elements x bf16.
     let per_request = 2 * 2 * 150 * 128 * 2u64;
-    let run = |link: Option<&str>, extra: &[&str], name: &str| -> (Option<Value>, String, String) {
+    let run_on = |channel: &str,
+                  link: Option<&str>,
+                  extra: &[&str],
+                  name: &str|
+     -> (Option<Value>, String, String) {
         let json = tmp(name);
         let mut cmd = bench();
         cmd.env_remove("ASCEND_PD_EMU_LINK");
@@ -1429,7 +1433,7 @@ fn run_on_a_modeled_link_reports_modeled_figures_within_the_links_ceiling() {
                 "--device",
                 "npu",
                 "--channel",
-                "hccl",
+                channel,
                 "--requests",
                 "2",
                 "--prompt-tokens",
@@ -1453,6 +1457,7 @@ fn run_on_a_modeled_link_reports_modeled_figures_within_the_links_ceiling() {
         let _ = std::fs::remove_file(json);
         (doc, stdout, stderr)
     };
+    let run = |link: Option<&str>, extra: &[&str], name: &str| run_on("hccl", link, extra, name);
 
     let (doc, table, err) = run(Some("a2-roce"), &["--block-size", "32"], "modeled.json");
     let doc = doc.unwrap_or_else(|| panic!("{table}\n{err}"));
@@ -1500,6 +1505,26 @@ fn run_on_a_modeled_link_reports_modeled_figures_within_the_links_ceiling() {
             "{table}"
         );
     }
+
+    // The hixl channel: its batches are priced on the link's hixl_cs
+    // curves (a2-roce's top figure is 23.7 GB/s), every byte verified.
+    let (doc, table, err) = run_on(
+        "hixl",
+        Some("a2-roce"),
+        &["--block-size", "32"],
+        "modeled-hixl.json",
+    );
+    let doc = doc.unwrap_or_else(|| panic!("{table}\n{err}"));
+    for m in doc["modes"].as_array().unwrap() {
+        assert_eq!(m["verified"], true, "{m}");
+        assert_eq!(m["link_model"], "a2-roce", "{m}");
+        assert_eq!(m["modeled_path"], "hixl", "{m}");
+        assert_eq!(m["link_ceiling_gbps"], 23.7, "{m}");
+        assert_eq!(m["modeled_bytes"].as_u64(), Some(2 * per_request), "{m}");
+        let gbps = m["modeled_gbps"].as_f64().unwrap();
+        assert!(gbps > 0.0 && gbps <= 23.7, "{m}");
+    }
+    assert!(table.contains("MODELED link"), "{table}");
 
     // Without the variable: no modeled figures, vLLM-Ascend's block size.
     let (doc, table, err) = run(None, &[], "unmodeled.json");

@@ -697,19 +697,9 @@ fn modeled_direct(
         for (item, p) in groups.iter().flat_map(|g| g.items.iter()) {
             // A chunk the cache cannot take fails on either path; it is
             // left out of both prices.
-            let Ok(runs) = c.direct_targets(&p.meta, &slot_mapping[item.slots.clone()]) else {
+            let Ok(ops) = direct_reads(&c, p, &slot_mapping[item.slots.clone()]) else {
                 continue;
             };
-            let mut ops: Vec<DirectRead> = runs
-                .into_iter()
-                .map(|r| DirectRead {
-                    remote: p.remote,
-                    offset: r.chunk_offset,
-                    dst: r.addr,
-                    len: r.len,
-                })
-                .collect();
-            cost::coalesce(&mut ops);
             direct.extend(ops);
             staged.push(p.byte_len());
         }
@@ -728,6 +718,28 @@ fn modeled_direct(
     }
     tally.path_reason = Some(price.to_string());
     wins
+}
+
+/// The direct reads that bring `proxy`'s chunk into `cache` at `slots`:
+/// one per run of the cache's copy plan, ranges adjacent in the page and
+/// in the cache merged into one op.
+fn direct_reads(
+    cache: &KvCache,
+    proxy: &ProxyEntry,
+    slots: &[i64],
+) -> Result<Vec<DirectRead>, crate::kv::KvError> {
+    let mut ops: Vec<DirectRead> = cache
+        .direct_targets(&proxy.meta, slots)?
+        .into_iter()
+        .map(|r| DirectRead {
+            remote: proxy.remote,
+            offset: r.chunk_offset,
+            dst: r.addr,
+            len: r.len,
+        })
+        .collect();
+    cost::coalesce(&mut ops);
+    Ok(ops)
 }
 
 /// Whether no slot appears twice in `slots` (padding aside).
@@ -782,22 +794,9 @@ fn load_group_direct(
             // here except on a proxy whose chunk the cache cannot take.
             // The cache is locked only to plan: the read below runs
             // unlocked, so other requests' loads go on meanwhile.
-            let targets = cache
-                .lock()
-                .direct_targets(&p.meta, &slot_mapping[item.slots.clone()]);
+            let targets = direct_reads(&cache.lock(), &p, &slot_mapping[item.slots.clone()]);
             match targets {
-                Ok(runs) => {
-                    let mut mine: Vec<DirectRead> = runs
-                        .into_iter()
-                        .map(|r| DirectRead {
-                            remote: p.remote,
-                            offset: r.chunk_offset,
-                            dst: r.addr,
-                            len: r.len,
-                        })
-                        .collect();
-                    // Ranges adjacent in the page and in the cache: one op.
-                    cost::coalesce(&mut mine);
+                Ok(mine) => {
                     ops.extend(mine);
                     began.push((item, p));
                 }

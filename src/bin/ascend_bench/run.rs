@@ -68,7 +68,7 @@ pub struct RunSpec {
     pub kv_layout: KvLayout,
     /// Tokens per block of the engine KV caches (`--block-size`).
     pub block_size: usize,
-    /// The modeled link (`ASCEND_PD_EMU_LINK` on the emulator over hccl),
+    /// The modeled link (`ASCEND_PD_EMU_LINK` on the emulator over hccl or hixl),
     /// if any: each mode then reports modeled figures.
     pub link: Option<&'static ascend_sys::link::Link>,
 }
@@ -371,7 +371,9 @@ pub fn run_main(args: &[String]) -> Result<bool> {
         }
     }
     if let Some(l) = link {
-        spec.link = spec.link.filter(|_| spec.channel == ChannelKind::Hccl);
+        spec.link = spec
+            .link
+            .filter(|_| matches!(spec.channel, ChannelKind::Hccl | ChannelKind::Hixl));
         match spec.link {
             Some(_) => eprintln!(
                 "link model: {} ({}): modeled figures from vendor-published throughput \
@@ -380,8 +382,9 @@ pub fn run_main(args: &[String]) -> Result<bool> {
                 ascend_sys::link::LINK_ENV
             ),
             None => eprintln!(
-                "link model: {}={} is set, but only the CANN emulator's hccl batches are \
-                 modeled (--channel hccl with --emulator): no modeled figures",
+                "link model: {}={} is set, but only the CANN emulator's hccl and hixl \
+                 batches are modeled (--channel hccl or hixl with --emulator): no modeled \
+                 figures",
                 ascend_sys::link::LINK_ENV,
                 l.name()
             ),
@@ -676,7 +679,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         let mut c = rank_config(spec, Role::Receiver)?;
         c.transfer_channel = spec.channel;
         // hccl is HCCL's comm path here, so hccl and hixl compare.
-        c.hccl_path = HcclPath::Comm;
+        if spec.channel == ChannelKind::Hccl {
+            c.hccl_path = HcclPath::Comm;
+        }
         c.buffer_device = spec.device;
         c.pull_mode = pull;
         c.delay_pull = delay;
@@ -767,7 +772,9 @@ fn run_mode(spec: &RunSpec, mode: &str, dir: &Path) -> Result<ModeReport> {
         let mut c = rank_config(spec, Role::Sender)?;
         c.transfer_channel = spec.channel;
         // hccl is HCCL's comm path here, so hccl and hixl compare.
-        c.hccl_path = HcclPath::Comm;
+        if spec.channel == ChannelKind::Hccl {
+            c.hccl_path = HcclPath::Comm;
+        }
         c.buffer_device = spec.device;
         c.pull_mode = pull;
         c.delay_pull = delay;

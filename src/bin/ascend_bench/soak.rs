@@ -325,7 +325,9 @@ fn config(
     c.auth_secret_file = Some(dir.join("secret"));
     c.transfer_channel = channel;
     // hccl is HCCL's comm path here, as in `run`.
-    c.hccl_path = HcclPath::Comm;
+    if channel == ChannelKind::Hccl {
+        c.hccl_path = HcclPath::Comm;
+    }
     c.buffer_device = BufferDevice::Cpu;
     c.chunk_size = CHUNK;
     c.kv.num_layers = 2;
