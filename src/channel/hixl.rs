@@ -60,6 +60,7 @@
 //! (`ascend-sys/emu`), which ignores the endpoint's protocol and address.
 
 use super::liveness::{LinkRole, Watch, WatchServer};
+use super::one_sided::device_channel_methods;
 use super::one_sided::{
     acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, Abandoned, Batch,
     Bounds, DevicePeer, DevicePeers, DirectLink, DirectRegion, DirectState, Finish, InFlight,
@@ -352,46 +353,6 @@ impl TransferChannel for HixlChannel {
         self.peers.attach(node, table, bounds, "pd-hixl-setup", job)
     }
 
-    fn detach(&self, peer: PeerId) {
-        self.peers.detach(peer);
-    }
-
-    fn gone_peers(&self) -> Vec<PeerId> {
-        self.peers.gone()
-    }
-
-    fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
-        self.peers.wait_ready(peer)
-    }
-
-    fn submit_read(
-        &self,
-        peer: PeerId,
-        ops: Vec<ReadOp>,
-    ) -> Result<Completion<MemObj>, ChannelError> {
-        self.submit(peer, OpKind::Read, ops)
-    }
-
-    fn submit_write(
-        &self,
-        peer: PeerId,
-        tag: GrantTag,
-        ops: Vec<WriteOp>,
-    ) -> Result<Completion<SealedMemObj>, ChannelError> {
-        // One-sided: the peer cannot check a tag; its quarantine of
-        // revoked pages is what keeps a late write harmless.
-        let _ = tag;
-        self.submit(peer, OpKind::Write, ops)
-    }
-
-    fn reads_direct(&self, device: DeviceKind) -> bool {
-        device == DeviceKind::Npu(self.device.id())
-    }
-
-    fn direct_registry(&self) -> Option<u64> {
-        Some(self.id)
-    }
-
     unsafe fn register_direct(
         &self,
         device: DeviceKind,
@@ -460,43 +421,7 @@ impl TransferChannel for HixlChannel {
         result
     }
 
-    fn grant(
-        &self,
-        peer: PeerId,
-        access: Access,
-        tag: GrantTag,
-        pages: &[BufferRef],
-    ) -> Result<GrantId, ChannelError> {
-        self.peers.grant(&self.pools, peer, access, tag, pages)
-    }
-
-    fn release(&self, grant: GrantId) -> bool {
-        self.peers.release(grant)
-    }
-
-    fn revoke(&self, grant: GrantId) {
-        self.peers.revoke(grant);
-    }
-
-    fn is_quiescent(&self, grant: GrantId) -> bool {
-        self.peers.is_quiescent(grant)
-    }
-
-    fn auth(&self) -> Option<&Secret> {
-        self.auth.as_ref()
-    }
-
-    /// The pages of the peer's table once setup proved every buffer inside
-    /// a region the peer's HIXL server reported, no two overlapping;
-    /// pending until then.
-    fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
-        self.peers.verified_pages(peer)
-    }
-
-    fn grant_stats(&self) -> GrantStats {
-        self.peers
-            .grant_stats(self.watch.shared.unproven.load(Ordering::Relaxed))
-    }
+    device_channel_methods!();
 }
 
 impl HixlChannel {

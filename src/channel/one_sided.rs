@@ -27,6 +27,96 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
+/// The [`TransferChannel`](super::TransferChannel) methods the device
+/// channels implement identically, over the fields both have: `peers` (a
+/// [`DevicePeers`]), `pools`, `auth`, `device`, `id` (the direct-read
+/// registry), `watch` (the liveness listener) and a `submit(peer, kind,
+/// ops)` of their own. Expanded inside each channel's
+/// `impl TransferChannel`, so the two cannot drift apart.
+macro_rules! device_channel_methods {
+    () => {
+        fn detach(&self, peer: PeerId) {
+            self.peers.detach(peer);
+        }
+
+        fn gone_peers(&self) -> Vec<PeerId> {
+            self.peers.gone()
+        }
+
+        fn wait_ready(&self, peer: PeerId) -> Result<(), ChannelError> {
+            self.peers.wait_ready(peer)
+        }
+
+        fn submit_read(
+            &self,
+            peer: PeerId,
+            ops: Vec<ReadOp>,
+        ) -> Result<Completion<MemObj>, ChannelError> {
+            self.submit(peer, OpKind::Read, ops)
+        }
+
+        fn submit_write(
+            &self,
+            peer: PeerId,
+            tag: GrantTag,
+            ops: Vec<WriteOp>,
+        ) -> Result<Completion<SealedMemObj>, ChannelError> {
+            // One-sided: the peer cannot check a tag; its quarantine of
+            // revoked pages is what keeps a late write harmless.
+            let _ = tag;
+            self.submit(peer, OpKind::Write, ops)
+        }
+
+        fn reads_direct(&self, device: DeviceKind) -> bool {
+            device == DeviceKind::Npu(self.device.id())
+        }
+
+        fn direct_registry(&self) -> Option<u64> {
+            Some(self.id)
+        }
+
+        fn grant(
+            &self,
+            peer: PeerId,
+            access: Access,
+            tag: GrantTag,
+            pages: &[BufferRef],
+        ) -> Result<GrantId, ChannelError> {
+            self.peers.grant(&self.pools, peer, access, tag, pages)
+        }
+
+        fn release(&self, grant: GrantId) -> bool {
+            self.peers.release(grant)
+        }
+
+        fn revoke(&self, grant: GrantId) {
+            self.peers.revoke(grant);
+        }
+
+        fn is_quiescent(&self, grant: GrantId) -> bool {
+            self.peers.is_quiescent(grant)
+        }
+
+        fn auth(&self) -> Option<&Secret> {
+            self.auth.as_ref()
+        }
+
+        /// The pages of the peer's table once setup proved every buffer
+        /// inside memory the peer registered with the device runtime (HCCL,
+        /// or the regions its HIXL server reported), no two overlapping;
+        /// pending until then (a table alone is only what the peer says).
+        fn verified_peer_pages(&self, peer: PeerId) -> PeerPages {
+            self.peers.verified_pages(peer)
+        }
+
+        fn grant_stats(&self) -> GrantStats {
+            self.peers
+                .grant_stats(self.watch.shared.unproven.load(Ordering::Relaxed))
+        }
+    };
+}
+pub(crate) use device_channel_methods;
+
 /// A local pool as the device channels register it: NPU pools as device
 /// memory, CPU pools as ACL-pinned host memory (nothing else registers).
 #[derive(Clone)]
