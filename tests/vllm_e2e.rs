@@ -79,6 +79,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         Command::new(&vpy)
             .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"])
             .arg(root.join("tests/vllm/test_units.py"))
+            .arg(root.join("tests/vllm/test_contract.py"))
             .arg(root.join("tests/vllm/test_e2e.py"))
             .arg(root.join("tests/python/test_proxy.py"))
             .current_dir(root.join("tests/vllm"))

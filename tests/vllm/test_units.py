@@ -247,7 +247,7 @@ def test_connector_stats_add_up_and_reduce_for_vllms_logger() -> None:
     assert a.is_empty() and a.take() is None
     a.record("load", 2 << 20, 0.010, tokens=300)
     a.record("save", 1 << 20, 0.004)
-    a.record_failure("load")
+    a.record_failure("load", "timeout")
     b = TransferStats(a.take().data)  # type: ignore[union-attr]
     assert a.is_empty()  # take() resets the interval
     b.aggregate(TransferStats({"loads": 1, "load_bytes": 2 << 20, "load_s": 0.030, "load_tokens": 100}))
@@ -306,8 +306,12 @@ def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, m
             assert not rx.available(list(ks)), layer
         worker.wait_for_save(meta)
         assert not worker.state.layered and "r" in worker.state.running_saves
-        sending = _wait(lambda: worker.get_finished({"r"})[0])
-        assert sending == {"r"}
+        assert _wait(worker.take_released) == {"r": 1}
+        deadline = time.monotonic() + 30
+        while "r" in worker.state.running_saves:
+            assert time.monotonic() < deadline
+            worker.get_finished(set())
+            time.sleep(0.005)
         assert rx.available(list(ks))
         dst_cache = _wrap(dst, "ASCEND")
         rx.submit_load("r", list(ks), dst_cache, [dst_blocks[t // BS] * BS + t % BS for t in range(n)])
@@ -325,7 +329,12 @@ def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, m
         worker.save_kv_layer(names[2], meta2)
         assert not rx.available(["lw-c", "lw-d"])
         worker.wait_for_save(meta2)
-        assert _wait(lambda: worker.get_finished({"r2"})[0]) == {"r2"}
+        assert _wait(worker.take_released) == {"r2": 1}
+        deadline = time.monotonic() + 30
+        while "r2" in worker.state.running_saves:
+            assert time.monotonic() < deadline
+            worker.get_finished(set())
+            time.sleep(0.005)
         saves = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "save"]
         assert [(e["req_id"], e["status"], e["layerwise"]) for e in saves] == [
             ("r", "done", True), ("r2", "done", True)], saves

@@ -19,10 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from . import compat
 from . import settings as settings_mod
-from .keys import model_tag
-from .layout import describe
-from .metadata import AscendPDConnectorMetadata
+from .identity import ModelIdentity, model_identity
+from .layout import LayoutError, check_geometry, describe
+from .metadata import AscendPDConnectorMetadata, AscendPDWorkerMetadata
 from .scheduler import ConnectorScheduler
 from .settings import DTYPES, ModelShape
 from .stats import TransferStats
@@ -58,14 +59,30 @@ def _model_shape(vllm_config: Any, tp_rank: int) -> ModelShape:
     )
 
 
-def _tag(vllm_config: Any, shape: ModelShape, chunk_size: int) -> str:
-    """What both sides must share for their chunks to be interchangeable:
-    the served model name, its layers, total KV heads, head size, dtype,
-    MLA, and the chunk size (not the TP layout: under heterogeneous TP each
-    rank carries its heads under the same keys)."""
+def _identity(vllm_config: Any, shape: ModelShape, chunk_size: int) -> ModelIdentity:
+    """What both sides must share for their chunks to be interchangeable
+    (see :mod:`.identity`): not the TP layout, since under heterogeneous TP
+    each rank carries its heads under the same keys."""
     mc = vllm_config.model_config
     heads = 1 if shape.use_mla else int(mc.get_total_num_kv_heads())
-    return model_tag(shape.model, shape.layers, heads, shape.head_size, shape.dtype, shape.use_mla, chunk_size)
+    geometry = f"{shape.layers} layers x {heads} KV heads x {shape.head_size}{' MLA' if shape.use_mla else ''}"
+    return model_identity(vllm_config, geometry, chunk_size)
+
+
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuses, by name, what the connector does not move yet."""
+    pp = compat.pipeline_parallel_size(vllm_config)
+    if pp > 1:
+        raise settings_mod._err(
+            f"pipeline_parallel_size is {pp}: AscendPDConnector moves the KV of tensor-parallel ranks only; "
+            "run the prefill and the decode with --pipeline-parallel-size 1"
+        )
+    if kv_cache_config is not None and compat.kv_cache_group_count(kv_cache_config) > 1:
+        raise settings_mod._err(
+            f"this model has {compat.kv_cache_group_count(kv_cache_config)} KV cache groups (a hybrid model: "
+            "sliding-window, Mamba or mixed attention layers): AscendPDConnector moves one full-attention "
+            "group only"
+        )
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -93,11 +110,15 @@ class AscendPDConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[ConnectorScheduler] = None
         self._worker: Optional[ConnectorWorker] = None
+        _check_supported(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             shape = _model_shape(vllm_config, 0)
             settings_mod.check_model_keys(self._settings, shape)
             self._scheduler = ConnectorScheduler(
-                self._settings, _tag(vllm_config, shape, self._settings.chunk_size), self._block_size
+                self._settings,
+                _identity(vllm_config, shape, self._settings.chunk_size),
+                self._block_size,
+                num_workers=shape.tp_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -115,6 +136,7 @@ class AscendPDConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = self._kv_cache_manager
+            self._scheduler.block_pool = gpu_block_pool
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -126,7 +148,15 @@ class AscendPDConnector(KVConnectorBase_V1):
         return self._sched().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched().update_connector_output(connector_output.finished_recving)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        released = meta.released if isinstance(meta, AscendPDWorkerMetadata) else {}
+        self._sched().update_connector_output(connector_output.finished_recving, released)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps an idle engine stepping while a save holds pinned blocks or
+        # orders wait for the workers: the workers submit saves and report
+        # their releases only in steps.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched().request_finished(request, block_ids)
@@ -165,10 +195,11 @@ class AscendPDConnector(KVConnectorBase_V1):
             worker.shape.use_mla,
             isa=isa,
         )
-        if layout.layers != worker.shape.layers:
-            raise settings_mod._err(
-                f"vLLM registered {layout.layers} KV cache layers but the model has {worker.shape.layers}"
-            )
+        try:
+            check_geometry(layout, worker.shape.layers, worker.shape.num_heads, worker.shape.head_size,
+                           self._block_size, worker.shape.dtype)
+        except LayoutError as e:
+            raise settings_mod._err(str(e)) from None
         worker.layer_index = {n: i for i, n in enumerate(names)}
         worker.start(layout)
 
@@ -179,8 +210,7 @@ class AscendPDConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, AscendPDConnectorMetadata)
-        if self._work().receiver is not None:
-            self._work().start_load_kv(meta)
+        self._work().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish before their request is scheduled
@@ -213,6 +243,10 @@ class AscendPDConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._work().take_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[AscendPDWorkerMetadata]:
+        released = self._work().take_released()
+        return AscendPDWorkerMetadata(released) if released else None
 
     def get_kv_connector_stats(self) -> Optional[TransferStats]:
         if self._worker is None:

@@ -244,3 +244,20 @@ def describe(
         device=device,
         keep=tuple(caches),
     )
+
+
+def check_geometry(layout: CacheLayout, layers: int, num_heads: int, head_size: int, block_size: int,
+                   dtype: str) -> None:
+    """Raises :class:`LayoutError` naming every way the KV tensors vLLM
+    registered differ from what its model and cache config say (layers, KV
+    heads per rank, head size, block size, dtype): the connector moves what
+    the config describes, so a disagreement would move the wrong bytes."""
+    seen = (("layers", layout.layers, layers), ("KV heads per rank", layout.num_heads, num_heads),
+            ("head size", layout.head_size, head_size), ("block size", layout.block_size, block_size),
+            ("dtype", layout.dtype, dtype))
+    problems = [f"{what}: the tensors have {got}, the config {want}" for what, got, want in seen if got != want]
+    if problems:
+        raise LayoutError(
+            "vLLM's KV cache tensors do not match its model and cache config (" + "; ".join(problems)
+            + "): AscendPDConnector does not know this attention backend's layout for this model"
+        )

@@ -1,19 +1,39 @@
 """The scheduler half: decides what each worker saves or loads, and when
-vLLM may free a request's blocks. It never touches the network."""
+vLLM's blocks may be reused. It never touches the network.
+
+Prefill: when a request's prompt is computed, its save is ordered and the
+blocks it reads are pinned in vLLM's block pool (one reference of ours), so
+neither the request's end, its abort nor its preemption lets vLLM reuse
+them before every TP rank said its save stopped reading them
+(:class:`~ascend_pd.vllm.metadata.AscendPDWorkerMetadata`). An aborted
+request's save is cancelled.
+
+Decode: a request's hand-off is checked against what this decode computes
+for it (model identity, prompt length, chunk keys). One that does not
+match is not loaded: it is reported as a failed load at once, so vLLM
+recomputes or fails it as ``kv_load_failure_policy`` says, and the keys
+the prefill sent are freed. A request that ends before its load ran frees
+them too.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .keys import chunk_keys
+from . import compat
+from .identity import ModelIdentity, adapter_identity
+from .keys import chunk_keys, key_inputs, unhashable
 from .metadata import (
-    PARAMS_VERSION,
     AscendPDConnectorMetadata,
+    HandOff,
+    HandOffError,
     LoadSpec,
     ReceiverAddress,
     SaveSpec,
+    parse_handoff,
     prefill_params,
 )
 from .settings import ConnectorSettings
@@ -46,16 +66,21 @@ def receiver_address(params: Mapping[str, Any]) -> ReceiverAddress:
     return ReceiverAddress(host, ports[0], ports[1])
 
 
-def slots_for(block_ids: Sequence[int], block_size: int, num_tokens: int, skip: int = 0) -> Tuple[int, ...]:
-    """The slot of each of the first ``num_tokens`` tokens in ``block_ids``
-    (-1 for the first ``skip``)."""
-    if (num_tokens + block_size - 1) // block_size > len(block_ids):
+def slots_for(block_ids: Sequence[int], block_size: int, num_tokens: int, skip: int = 0,
+              end: Optional[int] = None) -> Tuple[int, ...]:
+    """The slot of each of the first ``num_tokens`` tokens in ``block_ids``;
+    -1 for tokens before ``skip`` and from ``end`` on (not written)."""
+    stop = num_tokens if end is None else end
+    if not 0 <= skip <= stop <= num_tokens:
+        raise ValueError(f"tokens [{skip}, {stop}) are not within the {num_tokens} the keys cover")
+    if (stop + block_size - 1) // block_size > len(block_ids):
         raise ValueError(
-            f"{num_tokens} tokens need {(num_tokens + block_size - 1) // block_size} blocks of "
+            f"{stop} tokens need {(stop + block_size - 1) // block_size} blocks of "
             f"{block_size}, but the request has {len(block_ids)}"
         )
     return tuple(
-        -1 if t < skip else block_ids[t // block_size] * block_size + t % block_size for t in range(num_tokens)
+        block_ids[t // block_size] * block_size + t % block_size if skip <= t < stop else -1
+        for t in range(num_tokens)
     )
 
 
@@ -64,59 +89,128 @@ class _SaveState:
     request: Any
     to: ReceiverAddress
     shipped: bool = False
+    keys: Tuple[str, ...] = ()
+    nonce: Optional[str] = None
+
+
+@dataclass
+class _Offer:
+    """What get_num_new_matched_tokens offered a decode request."""
+
+    num_tokens: int
+    #: Tokens the decode's own prefix cache held when it was offered.
+    local: int
+    keys: Tuple[str, ...]
+    #: The keys the prefill sent under (what is freed if nothing loads).
+    sent_keys: Tuple[str, ...]
+    error: Optional[str] = None
+    cause: str = ""
+
+
+@dataclass
+class _Pin:
+    """Blocks a save reads, pinned until every TP rank released them."""
+
+    block_ids: List[int]
+    remaining: int
+
+
+@dataclass
+class SchedulerCounters:
+    """What the scheduler half decided (exposed for tests and logs)."""
+
+    handoffs_refused: Dict[str, int] = field(default_factory=dict)
+    saves_cancelled: int = 0
+    keys_dropped: int = 0
 
 
 class ConnectorScheduler:
     """Scheduler-side logic of :class:`~ascend_pd.vllm.AscendPDConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, tag: str, block_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, identity: ModelIdentity, block_size: int,
+                 num_workers: int = 1) -> None:
         self.settings = settings
-        self.tag = tag
+        self.identity = identity
+        self.tag = identity.tag
         self.block_size = block_size
+        self.num_workers = num_workers
         self.is_producer = settings.pd_role in ("sender", "both")
         self.is_consumer = settings.pd_role in ("receiver", "both")
+        self.counters = SchedulerCounters()
         self._saves: Dict[str, _SaveState] = {}
+        self._offers: Dict[str, _Offer] = {}
         self._new_loads: List[LoadSpec] = []
         #: Loads handed to the workers and not reported finished: req -> keys.
         self._loading: Dict[str, Tuple[str, ...]] = {}
         self._cancels: List[Tuple[str, Tuple[str, ...]]] = []
         self._drops: List[Tuple[str, Tuple[str, ...]]] = []
+        self._cancel_saves: List[str] = []
+        self._pins: Dict[str, _Pin] = {}
         self.kv_cache_manager: Any = None
+        self.block_pool: Any = None
+
+    # ----------------------------------------------------------------- keys
+
+    def request_keys(self, request: Any, nonce: Optional[str]) -> Tuple[str, ...]:
+        """The chunk keys of ``request``'s prompt (see :mod:`.keys`)."""
+        inputs = compat.request_inputs(request)
+        lora = adapter_identity(inputs.lora_name, inputs.lora_path) if inputs.lora_name is not None else None
+        return tuple(chunk_keys(self.tag, key_inputs(inputs, lora, nonce), self.settings.chunk_size))
 
     # ---------------------------------------------------------------- decode
 
-    def _remote(self, request: Any) -> Optional[int]:
-        """How many prompt tokens the prefill saved for ``request`` (None: not ours)."""
+    def _offer(self, request: Any, num_computed: int) -> Optional[_Offer]:
+        """The hand-off of ``request`` checked against this decode (None:
+        not an ascend-pd hand-off, or already loaded once)."""
         if not self.is_consumer:
             return None
-        params = request.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            return None
-        ours = params.get("ascend_pd")
-        if not isinstance(ours, dict):
-            return None
-        prompt = request.prompt_token_ids or []
-        problem = None
-        if ours.get("v") != PARAMS_VERSION:
-            problem = f"kv_transfer_params version {ours.get('v')!r}, this connector speaks {PARAMS_VERSION}"
-        elif ours.get("model_tag") != self.tag:
-            problem = (
-                "the prefill's model, KV geometry or chunk size differ from this decode's "
-                f"(model_tag {ours.get('model_tag')!r} != {self.tag!r})"
-            )
-        elif ours.get("num_tokens") != len(prompt):
-            problem = f"the prefill saved {ours.get('num_tokens')!r} tokens but this prompt has {len(prompt)}"
-        if problem is not None:
-            log.warning("request %s: not loading its KV from the prefill (%s); computing it here",
-                        request.request_id, problem)
-            return None
-        return len(prompt)
+        old = self._offers.get(request.request_id)
+        if old is not None:
+            old.local = num_computed
+            return old
+        try:
+            handoff = parse_handoff(request.kv_transfer_params)
+        except HandOffError as e:
+            n = compat.request_inputs(request).num_tokens
+            offer = _Offer(n, num_computed, (), e.keys, str(e), e.cause)
+        else:
+            if handoff is None:
+                return None
+            offer = self._check(request, handoff, num_computed)
+        self._offers[request.request_id] = offer
+        return offer
+
+    def _check(self, request: Any, handoff: HandOff, num_computed: int) -> _Offer:
+        inputs = compat.request_inputs(request)
+        n = inputs.num_tokens
+
+        def refuse(cause: str, why: str) -> _Offer:
+            return _Offer(n, num_computed, (), handoff.keys, why, cause)
+
+        diffs = self.identity.differences(handoff.identity)
+        if diffs:
+            return refuse("model", "the prefill's KV is of another model or configuration ("
+                          + "; ".join(diffs) + "): run the prefill and the decode from the same model files "
+                          "with the same dtype, KV-cache dtype, quantization, hf_overrides and chunk_size")
+        if handoff.num_tokens != n:
+            return refuse("prompt", f"the prefill saved {handoff.num_tokens} prompt tokens but this request "
+                          f"has {n}: the decode request must carry the prefill request's prompt unchanged")
+        lost = unhashable(inputs)
+        if lost and handoff.nonce is None:
+            return refuse("inputs", "this request has inputs whose KV cannot be named by a hash ("
+                          + "; ".join(lost) + ") but the prefill named its KV by hash")
+        keys = self.request_keys(request, handoff.nonce)
+        if keys != handoff.keys:
+            return refuse("inputs", "the prefill computed this prompt's KV with other inputs than this request "
+                          "carries (its LoRA adapter, images or audio, prompt embeddings or cache_salt differ, "
+                          "or the prompt's tokens): send the decode the prefill request's body unchanged")
+        return _Offer(n, num_computed, keys, handoff.keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
-        n = self._remote(request)
-        if n is None or n <= num_computed_tokens:
+        offer = self._offer(request, num_computed_tokens)
+        if offer is None or offer.num_tokens <= num_computed_tokens:
             return 0, False
-        return n - num_computed_tokens, True
+        return offer.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -128,53 +222,70 @@ class ConnectorScheduler:
                     log.error("request %s: not saving its KV: %s", request.request_id, e)
                 else:
                     self._saves[request.request_id] = _SaveState(request, to)
-        n = self._remote(request)
-        if n is None:
-            if self.is_consumer and isinstance(params, dict) and params.get("do_remote_prefill"):
-                # A hand-off we will not load: free what the prefill sent.
-                self._drop(request)
+        offer = self._offers.pop(request.request_id, None)
+        if offer is None:
             return
-        prompt = list(request.prompt_token_ids or [])
-        if num_external_tokens <= 0:
-            # The decode's own prefix cache holds the whole prompt.
-            self._drop(request)
-            return
-        local = n - num_external_tokens
-        block_ids = list(blocks.get_block_ids()[0])
-        keys = tuple(chunk_keys(self.tag, prompt, self.settings.chunk_size))
-        slots = slots_for(block_ids, self.block_size, n, skip=local)
-        first, end = local // self.block_size, (n + self.block_size - 1) // self.block_size
-        spec = LoadSpec(request.request_id, keys, slots, tuple(block_ids[first:end]))
-        self._new_loads.append(spec)
-        self._loading[request.request_id] = keys
-        # Loaded once: a preempted and resumed request computes what it lost.
+        # Loaded (or refused) once: a preempted and resumed request computes
+        # what it lost.
         assert isinstance(params, dict)
         params["do_remote_prefill"] = False
-
-    def _drop(self, request: Any) -> None:
-        params = request.kv_transfer_params
-        ours = params.get("ascend_pd") if isinstance(params, dict) else None
-        if not isinstance(ours, dict) or not isinstance(ours.get("chunk_size"), int):
+        if num_external_tokens <= 0:
+            # vLLM loads nothing (its own prefix cache holds the prompt).
+            self._drop(request.request_id, offer.sent_keys)
             return
-        prompt = list(request.prompt_token_ids or [])
-        # The keys the prefill computed (its chunk size and model tag).
-        tag, chunk = ours.get("model_tag"), ours["chunk_size"]
-        if isinstance(tag, str) and chunk > 0:
-            self._drops.append((request.request_id, tuple(chunk_keys(tag, prompt, chunk))))
-        params["do_remote_prefill"] = False
+        # vLLM may grant fewer tokens than offered (its prefix-replay path
+        # trims the hit to a block boundary): write exactly those it counts
+        # as loaded, from where its own prefix cache ends.
+        start, end = offer.local, offer.local + num_external_tokens
+        block_ids = list(blocks.get_block_ids()[0])
+        first, last = start // self.block_size, (end + self.block_size - 1) // self.block_size
+        if offer.error is not None or end > offer.num_tokens:
+            why = offer.error or (f"vLLM counts tokens [{start}, {end}) as loaded but the prefill saved "
+                                  f"{offer.num_tokens}")
+            self._refuse(request.request_id, offer.cause or "prompt", why)
+            spec = LoadSpec(request.request_id, (), (), tuple(block_ids[first:last]), why,
+                            offer.cause or "prompt", offer.sent_keys)
+        else:
+            slots = slots_for(block_ids, self.block_size, offer.num_tokens, skip=start, end=end)
+            spec = LoadSpec(request.request_id, offer.keys, slots, tuple(block_ids[first:last]),
+                            sent_keys=offer.sent_keys)
+        self._new_loads.append(spec)
+        self._loading[request.request_id] = spec.keys or spec.sent_keys
+
+    def _refuse(self, req_id: str, cause: str, why: str) -> None:
+        c = self.counters.handoffs_refused
+        c[cause] = c.get(cause, 0) + 1
+        log.warning("request %s: not loading its KV from the prefill: %s. Reported as a failed load "
+                    "(kv_load_failure_policy decides: recompute or fail)", req_id, why)
+
+    def _drop(self, req_id: str, keys: Tuple[str, ...]) -> None:
+        if keys:
+            self._drops.append((req_id, keys))
+            self.counters.keys_dropped += len(keys)
 
     # --------------------------------------------------------------- prefill
 
     def _save_spec(self, req_id: str, state: _SaveState) -> SaveSpec:
-        prompt = list(state.request.prompt_token_ids or [])
-        block_ids = list(self.kv_cache_manager.get_block_ids(req_id)[0])
-        keys = tuple(chunk_keys(self.tag, prompt, self.settings.chunk_size))
-        return SaveSpec(req_id, keys, slots_for(block_ids, self.block_size, len(prompt)), state.to)
+        request = state.request
+        lost = unhashable(compat.request_inputs(request))
+        if lost:
+            state.nonce = uuid.uuid4().hex
+            log.info("request %s: its KV is keyed for itself alone (%s)", req_id, "; ".join(lost))
+        state.keys = self.request_keys(request, state.nonce)
+        n = compat.request_inputs(request).num_tokens
+        block_ids = compat.prompt_block_ids(self.kv_cache_manager, req_id)
+        slots = slots_for(block_ids, self.block_size, n)
+        used = block_ids[: (n + self.block_size - 1) // self.block_size]
+        if self.block_pool is not None and used:
+            compat.pin_blocks(self.block_pool, used)
+            self._pins[req_id] = _Pin(used, self.num_workers)
+        return SaveSpec(req_id, state.keys, slots, state.to)
 
     def build_connector_meta(self, scheduler_output: Any) -> AscendPDConnectorMetadata:
-        meta = AscendPDConnectorMetadata(loads=self._new_loads, cancels=self._cancels, drops=self._drops)
-        self._new_loads, self._cancels, self._drops = [], [], []
-        meta.preempted = [r for r in (scheduler_output.preempted_req_ids or ()) if r in self._saves]
+        meta = AscendPDConnectorMetadata(loads=self._new_loads, cancels=self._cancels, drops=self._drops,
+                                         cancel_saves=self._cancel_saves)
+        self._new_loads, self._cancels, self._drops, self._cancel_saves = [], [], [], []
+        meta.preempted = [r for r in (scheduler_output.preempted_req_ids or ()) if r in self._pins]
         if self._saves:
             progress: Dict[str, int] = {}
             for new in scheduler_output.scheduled_new_reqs:
@@ -187,7 +298,7 @@ class ConnectorScheduler:
                 if state is None or state.shipped:
                     continue
                 done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                if done >= len(state.request.prompt_token_ids or []):
+                if done >= compat.request_inputs(state.request).num_tokens:
                     # The prompt's KV is complete after this step: save it then.
                     meta.saves.append(self._save_spec(req_id, state))
                     state.shipped = True
@@ -197,17 +308,55 @@ class ConnectorScheduler:
         req_id = request.request_id
         state = self._saves.pop(req_id, None)
         if state is not None and state.shipped:
-            # Blocks stay until the worker's save has gathered them.
-            n = len(request.prompt_token_ids or [])
-            return True, prefill_params(n, self.tag, self.settings.chunk_size, self.settings.mode)
+            # The save's blocks are pinned: vLLM may free the request now.
+            if compat.finished_normally(request):
+                n = compat.request_inputs(request).num_tokens
+                return False, prefill_params(n, state.keys, self.identity.as_dict(), self.settings.mode,
+                                             req_id, state.nonce)
+            # Ended without a hand-off: nobody will load what it saves.
+            self._cancel_saves.append(req_id)
+            self.counters.saves_cancelled += 1
+            log.info("request %s ended (%s) after its save started: cancelling the save", req_id,
+                     getattr(request, "status", "?"))
+            return False, None
         keys = self._loading.pop(req_id, None)
         if keys is not None:
-            # Aborted while its load runs: cancel it, and keep the blocks
-            # until the worker says nothing writes them any more.
+            # Ended while its load runs or waits: cancel it, and keep the
+            # blocks until the worker says nothing writes them any more.
             self._cancels.append((req_id, keys))
             return True, None
+        offer = self._offers.pop(req_id, None)
+        if offer is not None:
+            # Ended before its load was planned: free what the prefill sent.
+            self._drop(req_id, offer.sent_keys)
+        elif self.is_consumer:
+            try:
+                handoff = parse_handoff(request.kv_transfer_params)
+            except HandOffError as e:
+                self._drop(req_id, e.keys)
+            else:
+                if handoff is not None:
+                    self._drop(req_id, handoff.keys)
         return False, None
 
-    def update_connector_output(self, finished_recving: Optional[Set[str]]) -> None:
+    def update_connector_output(self, finished_recving: Optional[Set[str]], released: Mapping[str, int]) -> None:
         for req_id in finished_recving or ():
             self._loading.pop(req_id, None)
+        for req_id, n in released.items():
+            pin = self._pins.get(req_id)
+            if pin is None:
+                continue
+            pin.remaining -= n
+            if pin.remaining <= 0:
+                del self._pins[req_id]
+                compat.unpin_blocks(self.block_pool, pin.block_ids)
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this connector: pinned
+        blocks wait for a save's release, or orders wait for the workers."""
+        return bool(self._pins or self._new_loads or self._cancels or self._drops or self._cancel_saves)
+
+    @property
+    def pinned_requests(self) -> Set[str]:
+        """Requests whose save still holds vLLM blocks (for tests)."""
+        return set(self._pins)

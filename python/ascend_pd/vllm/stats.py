@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 _FIELDS = (
     "saves", "save_bytes", "save_s", "save_failures",
     "loads", "load_bytes", "load_s", "load_failures", "load_tokens",
 )
+#: Failures are also counted per cause, under ``"<kind>_failed:<cause>"``:
+#: loads ``model``, ``version``, ``prompt``, ``inputs``, ``malformed`` (the
+#: hand-off was refused), ``timeout``, ``refused`` (by the library),
+#: ``transfer``; saves ``refused`` and the library's end status.
+_CAUSE = "_failed:"
 
 
 class TransferStats(KVConnectorStats):
     """Counts and sums since the last interval: saves/loads done, their
-    bytes and seconds (submit to completion), failures, tokens loaded."""
+    bytes and seconds (submit to completion), failures (in all and by
+    cause), tokens loaded."""
 
     def __init__(self, data: Optional[Dict[str, Any]] = None) -> None:
         super().__init__(data=dict(data) if data else {})
@@ -30,17 +35,24 @@ class TransferStats(KVConnectorStats):
         if kind == "load":
             self.data["load_tokens"] += int(tokens)
 
-    def record_failure(self, kind: str) -> None:
-        """One ``kind`` that failed."""
+    def record_failure(self, kind: str, cause: str) -> None:
+        """One ``kind`` that failed, and why (a short word: see the module)."""
         self.data[f"{kind}_failures"] += 1
+        key = f"{kind}{_CAUSE}{cause}"
+        self.data[key] = self.data.get(key, 0) + 1
+
+    def failures_by_cause(self, kind: str) -> Dict[str, int]:
+        """``{cause: count}`` of ``kind``'s failures this interval."""
+        prefix = f"{kind}{_CAUSE}"
+        return {k[len(prefix):]: int(v) for k, v in self.data.items() if k.startswith(prefix) and v}
 
     def reset(self) -> None:
-        for k in _FIELDS:
-            self.data[k] = 0
+        fresh: Dict[str, Any] = {k: 0 for k in _FIELDS}
+        self.data = fresh
 
     def aggregate(self, other: Any) -> "TransferStats":
-        for k in _FIELDS:
-            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> Dict[str, float]:
@@ -50,6 +62,9 @@ class TransferStats(KVConnectorStats):
         out["load_MiB"] = round(d["load_bytes"] / 2**20, 3)
         out["save_ms_avg"] = round(1000 * d["save_s"] / d["saves"], 3) if d["saves"] else 0.0
         out["load_ms_avg"] = round(1000 * d["load_s"] / d["loads"], 3) if d["loads"] else 0.0
+        for kind in ("save", "load"):
+            for cause, n in sorted(self.failures_by_cause(kind).items()):
+                out[f"{kind}_failed_{cause}"] = n
         return out
 
     def is_empty(self) -> bool:

@@ -108,11 +108,9 @@ class WorkerState:
     running_loads: Dict[str, _Load] = field(default_factory=dict)
     queued_saves: List[_Save] = field(default_factory=list)
     running_saves: Dict[str, _Save] = field(default_factory=dict)
-    #: Saves that no longer read vLLM's blocks (gathered, or ended),
-    #: waiting for vLLM to say their request finished.
-    cache_free: Set[str] = field(default_factory=set)
-    #: Requests vLLM said finished whose save has not ended yet.
-    finished_reqs: Set[str] = field(default_factory=set)
+    #: Saves that stopped reading vLLM's blocks since the scheduler was
+    #: last told (it unpins their blocks once every rank said so).
+    released: Set[str] = field(default_factory=set)
     #: Loads cancelled because vLLM aborted their request.
     aborted: Set[str] = field(default_factory=set)
     #: Layer-wise saves opened this step (``pd_layerwise``), closed by
@@ -204,10 +202,24 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ step
 
     def start_load_kv(self, meta: AscendPDConnectorMetadata) -> None:
-        """Takes the step's loads and cancels; submits what can start."""
+        """Takes the step's orders (loads, cancels, drops, cancelled saves);
+        submits what can start."""
         now = time.monotonic()
+        for req_id in meta.cancel_saves:
+            self._cancel_save(req_id)
+        if self.receiver is None:
+            return
         for spec in meta.loads:
-            self.state.waiting_loads[spec.req_id] = _Load(spec, now + self.settings.load_timeout_s, received_at=now)
+            load = _Load(spec, now + self.settings.load_timeout_s, received_at=now)
+            if spec.error is not None:
+                # The scheduler refused the hand-off: fail it now, free what
+                # the prefill sent.
+                self._event(event="load", req_id=spec.req_id, status="refused", tokens=0, message=spec.error)
+                self._fail(load, spec.error, spec.cause or "refused")
+                self._drop_keys(spec)
+                self._recv_ended.add(spec.req_id)
+                continue
+            self.state.waiting_loads[spec.req_id] = load
         for req_id, keys in meta.cancels:
             self._cancel_load(req_id, keys)
         for req_id, keys in meta.drops:
@@ -315,44 +327,24 @@ class ConnectorWorker:
                 self.state.queued_saves.append(_Save(spec))
         self._submit_saves()
 
-    def handle_preemptions(self, meta: AscendPDConnectorMetadata, timeout_s: float = 60.0) -> None:
-        """vLLM preempted these requests and may reuse their blocks: a save
-        not started is dropped, a running one is waited for until its
-        gather no longer reads them."""
-        if self.sender is None or not meta.preempted:
-            return
-        preempted = set(meta.preempted)
-        for save in [q for q in self.state.queued_saves if q.spec.req_id in preempted]:
-            self.state.queued_saves.remove(save)
-            self.state.cache_free.add(save.spec.req_id)
-            log.warning("ascend-pd: request %s preempted before its save started; not saved", save.spec.req_id)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._poll_saves()
-            waiting = {r for r in preempted if r in self.state.running_saves and not self.state.running_saves[r].released}
-            if not waiting or time.monotonic() >= deadline:
-                break
-            time.sleep(0.001)
-        if waiting:
-            raise RuntimeError(
-                f"ascend-pd: the saves of preempted requests {sorted(waiting)} still read their blocks after "
-                f"{timeout_s}s; their blocks cannot be handed back safely"
-            )
+    def handle_preemptions(self, meta: AscendPDConnectorMetadata) -> None:
+        """vLLM preempted these requests and may give their blocks to others.
+
+        Nothing to wait for: the scheduler half pinned the blocks each save
+        reads, and they stay pinned until this rank (and every other)
+        reported the save's release, so a preempted request's save goes on
+        reading valid KV. Never blocks, never raises."""
+        if meta.preempted:
+            log.debug("ascend-pd: preempted %s; their saves read pinned blocks", sorted(meta.preempted))
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """The requests whose save or load ended since the last call."""
-        sending: Set[str] = set()
+        """The requests whose load ended since the last call (saves are
+        never reported here: their blocks are pinned by the scheduler half,
+        which frees them on :meth:`take_released`)."""
         recving: Set[str] = set()
         if self.sender is not None:
             self._submit_saves()
             self._poll_saves()
-            # vLLM may free a request's blocks once it finished and its save
-            # no longer reads them (gathered into our pages), not only once
-            # the save's transfer ended.
-            self.state.finished_reqs |= finished_req_ids & self._known_saves()
-            sending = self.state.cache_free & self.state.finished_reqs
-            self.state.cache_free -= sending
-            self.state.finished_reqs -= sending
         if self.receiver is not None:
             now = time.monotonic()
             self._submit_loads(now)
@@ -377,22 +369,32 @@ class ConnectorWorker:
                 if c.status == "done":
                     self.stats.record("load", loaded * self._token_bytes, took, tokens=loaded)
                 else:
-                    self._fail(load, f"{c.status}: {c.message}")
+                    self._fail(load, f"{c.status}: {c.message}", "transfer")
             for req_id in list(self.state.waiting_loads):
                 load = self.state.waiting_loads[req_id]
                 if now >= load.deadline:
                     del self.state.waiting_loads[req_id]
                     recving.add(req_id)
-                    why = f"its KV did not arrive within load_timeout_s={self.settings.load_timeout_s}"
+                    why = (f"its KV did not arrive within load_timeout_s={self.settings.load_timeout_s} "
+                           "(is the prefill alive, and does it reach this decode's receiver ports?)")
                     self._event(event="load", req_id=req_id, status="timeout", tokens=0, message=why)
-                    self._fail(load, why)
+                    self._fail(load, why, "timeout")
                     self._drop_keys(load.spec)
         if os.environ.get(ENV_EVENTS):
             pools = self.pool_stats()
             if pools != self._last_pools:
                 self._last_pools = pools
                 self._event(event="pools")
-        return (sending or None), (recving or None)
+        return None, (recving or None)
+
+    def take_released(self) -> Dict[str, int]:
+        """The saves of this rank that stopped reading vLLM's blocks since
+        the last call, as ``{req_id: 1}`` (the scheduler sums the ranks)."""
+        if self.sender is not None:
+            self._poll_saves()
+        out = {r: 1 for r in self.state.released}
+        self.state.released = set()
+        return out
 
     def take_failed_recving(self) -> Set[str]:
         """Requests whose load failed since the last call."""
@@ -434,10 +436,18 @@ class ConnectorWorker:
         if c.status == "done":
             self.stats.record("save", n * self._token_bytes, took)
         else:
-            self.stats.record_failure("save")
+            self.stats.record_failure("save", c.status)
             log.warning("ascend-pd save of %s %s: %s", c.req_id, c.status, c.message)
         if save is not None and not save.released:
-            self.state.cache_free.add(c.req_id)
+            # An ended save reads nothing (its release may have been dropped
+            # from the library's bounded list).
+            self._released(save)
+
+    def _released(self, save: _Save) -> None:
+        save.released = True
+        self.state.released.add(save.spec.req_id)
+        self._event(event="released", req_id=save.spec.req_id,
+                    after_s=round(time.monotonic() - (save.submitted_at or time.monotonic()), 6))
 
     def _poll_saves(self) -> None:
         """Takes the saves that ended and those that stopped reading vLLM's
@@ -447,26 +457,12 @@ class ConnectorWorker:
         between the two calls)."""
         assert self.sender is not None
         ended = self.sender.poll()
-        self._take_released()
-        for c in ended:
-            self._save_ended(c)
-
-    def _take_released(self) -> None:
-        """Marks the saves the library says no longer read vLLM's blocks."""
-        assert self.sender is not None
         for req_id in self.sender.poll_released():
             save = self.state.running_saves.get(req_id)
             if save is not None and not save.released:
-                save.released = True
-                self.state.cache_free.add(req_id)
-                self._event(event="released", req_id=req_id,
-                            after_s=round(time.monotonic() - (save.submitted_at or time.monotonic()), 6))
-
-    def _known_saves(self) -> Set[str]:
-        known = {s.spec.req_id for s in self.state.queued_saves}
-        known |= set(self.state.running_saves)
-        known |= self.state.cache_free
-        return known
+                self._released(save)
+        for c in ended:
+            self._save_ended(c)
 
     def _submit_saves(self) -> None:
         assert self.sender is not None and self.cache is not None
@@ -482,13 +478,28 @@ class ConnectorWorker:
                 return  # the queue is full: retried next step
             except Exception as e:  # refused: the request's blocks may go
                 log.error("ascend-pd save of %s refused: %s", s.req_id, e)
-                self.stats.record_failure("save")
+                self.stats.record_failure("save", "refused")
                 self.state.queued_saves.pop(0)
-                self.state.cache_free.add(s.req_id)
+                self._event(event="save", req_id=s.req_id, status="refused", tokens=0, message=str(e),
+                            save_s=0.0, layerwise=False)
+                self._released(save)
                 continue
             save.submitted_at = time.monotonic()
             self.state.queued_saves.pop(0)
             self.state.running_saves[s.req_id] = save
+
+    def _cancel_save(self, req_id: str) -> None:
+        """Cancels the save of a request that ended without a hand-off."""
+        for save in self.state.queued_saves:
+            if save.spec.req_id == req_id:
+                self.state.queued_saves.remove(save)
+                self._event(event="save", req_id=req_id, status="cancelled", tokens=0,
+                            message="the request ended before its save started", save_s=0.0, layerwise=False)
+                self._released(save)
+                return
+        if req_id in self.state.running_saves and self.sender is not None:
+            state = self.sender.cancel(req_id)
+            log.info("ascend-pd: cancelled the save of %s (%s)", req_id, state)
 
     def _submit_loads(self, now: float) -> None:
         assert self.receiver is not None and self.cache is not None
@@ -503,7 +514,7 @@ class ConnectorWorker:
                 return
             except Exception as e:
                 del self.state.waiting_loads[req_id]
-                self._fail(load, f"refused: {e}")
+                self._fail(load, f"refused: {e}", "refused")
                 self._drop_keys(s)
                 self._recv_ended.add(req_id)
                 continue
@@ -511,18 +522,22 @@ class ConnectorWorker:
             del self.state.waiting_loads[req_id]
             self.state.running_loads[req_id] = load
 
-    def _fail(self, load: _Load, why: str) -> None:
-        log.warning("ascend-pd load of %s failed (%s); vLLM recomputes its %d block(s)",
+    def _fail(self, load: _Load, why: str, cause: str) -> None:
+        log.warning("ascend-pd load of %s failed (%s); reported as a load error of its %d block(s): "
+                    "vLLM recomputes or fails it as kv_load_failure_policy says",
                     load.spec.req_id, why, len(load.spec.block_ids))
-        self.stats.record_failure("load")
+        self.stats.record_failure("load", cause)
         self._failed_recving.add(load.spec.req_id)
         self._load_errors.update(load.spec.block_ids)
 
     def _drop_keys(self, spec: LoadSpec) -> None:
         """Frees whatever of ``spec``'s keys arrived (or arrive later)."""
         assert self.receiver is not None
+        keys = list(spec.sent_keys or spec.keys)
+        if not keys:
+            return
         try:
-            self.receiver.cancel(spec.req_id, list(spec.keys))
+            self.receiver.cancel(spec.req_id, keys)
         except Exception as e:
             log.warning("ascend-pd cancel of %s: %s", spec.req_id, e)
 
