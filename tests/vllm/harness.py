@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -23,6 +23,9 @@ CHUNK = 256
 MAX_TOKENS = 12
 
 _used_ports: set = set()
+
+#: A LoRA adapter as the engine driver takes it: (name, int id, path).
+Lora = Tuple[str, int, str]
 
 
 def free_port() -> int:
@@ -58,7 +61,8 @@ def prompts() -> List[List[int]]:
     return out
 
 
-def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_port: int) -> Path:
+def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_port: int,
+                  lease_s: float = 60.0) -> Path:
     lines = [
         "enable_pd: true",
         f"transfer_channel: {channel}",
@@ -69,14 +73,15 @@ def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_por
         "pd_peer_host: 127.0.0.1",
         f"pd_peer_init_port: {init_port}",
         f"pd_peer_alloc_port: {alloc_port}",
-        "pd_pull_pending_ttl: 60.0",
+        f"pd_pull_pending_ttl: {lease_s}",
     ]
     lines += _mode_lines(mode)
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: bool = False) -> Path:
+def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: bool = False,
+                lease_s: float = 60.0) -> Path:
     lines = [
         "enable_pd: true",
         f"transfer_channel: {channel}",
@@ -85,7 +90,7 @@ def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: 
         f"pd_buffer_size: {64 << 20}",
         f"chunk_size: {CHUNK}",
         "pd_peer_host: 127.0.0.1",
-        "pd_pull_pending_ttl: 60.0",
+        f"pd_pull_pending_ttl: {lease_s}",
     ]
     if mode != "push":
         lines.append(f"pd_pull_done_port: {done_port}")
@@ -121,7 +126,7 @@ class Engine:
     """An engine process (tests/vllm/engine.py) and its pipes."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, kv: Optional[Dict[str, Any]] = None,
-                 env: Optional[Dict[str, str]] = None, prefix_caching: bool = True) -> None:
+                 env: Optional[Dict[str, str]] = None, prefix_caching: bool = True, lora: bool = False) -> None:
         self.name = name
         self.events = log_dir / f"{name}-events.jsonl"
         self.log_path = log_dir / f"{name}.log"
@@ -130,6 +135,8 @@ class Engine:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
+        if lora:
+            cmd.append("--lora")
         e = dict(os.environ)
         e["VLLM_CPU_KVCACHE_SPACE"] = "1"
         e["ASCEND_PD_VLLM_EVENTS"] = str(self.events)
@@ -152,13 +159,42 @@ class Engine:
             raise AssertionError(f"engine {self.name} gave no answer in {timeout}s; its log:\n{self.tail()}")
         return json.loads(box[0])
 
-    def generate(self, prompts: Sequence[List[int]], params: Optional[Sequence[Optional[Dict[str, Any]]]] = None,
-                 max_tokens: int = MAX_TOKENS, timeout: float = 600.0) -> List[Dict[str, Any]]:
+    def _send(self, cmd: Dict[str, Any], timeout: float) -> Dict[str, Any]:
         assert self.proc.stdin is not None
-        cmd = {"prompts": list(prompts), "params": list(params) if params else None, "max_tokens": max_tokens}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        out: List[Dict[str, Any]] = self._read(timeout)["outputs"]
+        return self._read(timeout)
+
+    @staticmethod
+    def _requests(prompts: Sequence[List[int]], params: Optional[Sequence[Optional[Dict[str, Any]]]],
+                  max_tokens: int, loras: Optional[Sequence[Optional[Lora]]],
+                  ids: Optional[Sequence[str]]) -> Dict[str, Any]:
+        return {"prompts": list(prompts), "params": list(params) if params else None, "max_tokens": max_tokens,
+                "loras": [list(l) if l else None for l in loras] if loras else None,
+                "ids": list(ids) if ids else None}
+
+    def generate(self, prompts: Sequence[List[int]], params: Optional[Sequence[Optional[Dict[str, Any]]]] = None,
+                 max_tokens: int = MAX_TOKENS, timeout: float = 600.0,
+                 loras: Optional[Sequence[Optional[Lora]]] = None,
+                 ids: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+        """Runs the prompts concurrently; their outputs in prompt order."""
+        cmd = self._requests(prompts, params, max_tokens, loras, ids)
+        out: List[Dict[str, Any]] = self._send(cmd, timeout)["outputs"]
+        return out
+
+    def submit(self, prompts: Sequence[List[int]], params: Optional[Sequence[Optional[Dict[str, Any]]]] = None,
+               max_tokens: int = MAX_TOKENS, loras: Optional[Sequence[Optional[Lora]]] = None,
+               ids: Optional[Sequence[str]] = None) -> List[str]:
+        """Starts the prompts; their request ids."""
+        got: List[str] = self._send({"submit": self._requests(prompts, params, max_tokens, loras, ids)}, 60)[
+            "submitted"]
+        return got
+
+    def abort(self, ids: Sequence[str]) -> None:
+        self._send({"abort": list(ids)}, 60)
+
+    def wait(self, ids: Sequence[str], timeout: float = 600.0) -> List[Dict[str, Any]]:
+        out: List[Dict[str, Any]] = self._send({"wait": list(ids), "timeout": timeout}, timeout + 30)["outputs"]
         return out
 
     def events_of(self, kind: str) -> List[Dict[str, Any]]:
@@ -209,3 +245,33 @@ def pools_back(pools: Dict[str, Any]) -> bool:
     return bool(pools) and all(
         p["free"] == p["total"] and p["pinned"] == 0 and p["quarantined"] == 0 for p in pools.values()
     )
+
+
+def address(init: int, alloc: int) -> Dict[str, Any]:
+    return {
+        "do_remote_decode": True,
+        "receiver_host": "127.0.0.1",
+        "receiver_init_port": [init],
+        "receiver_alloc_port": [alloc],
+    }
+
+
+def settle(engines: List[Engine], roles: List[str], timeout: float = 60.0) -> Dict[str, Any]:
+    """Steps the engines (a 1-token request each) until their pools are all
+    free again; returns the last pool counters seen."""
+    deadline = time.monotonic() + timeout
+    last: Dict[str, Any] = {}
+    while True:
+        last = {e.name: e.last_pools() for e in engines}
+        if all(pools_back(last[e.name]) and set(last[e.name]) == {r} for e, r in zip(engines, roles)):
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not back at their start after {timeout}s: {last}")
+        time.sleep(0.5)
+        for e in engines:
+            e.generate([[5]], max_tokens=1)
+
+
+def external(req_id: str) -> str:
+    """The id a client gave a request (vLLM appends ``-`` and 8 characters inside)."""
+    return req_id.rsplit("-", 1)[0]

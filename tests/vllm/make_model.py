@@ -61,3 +61,35 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     print(make(args.out))
+
+
+def make_lora(out: Path, seed: int, rank: int = 8) -> Path:
+    """Writes a LoRA adapter (PEFT's file layout) for the model above to
+    ``out``: rank ``rank`` on every layer's q, k, v and o projections, with
+    both factors drawn from ``seed`` (PEFT starts B at zero, which would
+    change nothing), so the adapter changes the prompt's KV."""
+    if (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = CONFIG["hidden_size"]
+    kv = CONFIG["num_key_value_heads"] * CONFIG["head_dim"]
+    outs = {"q_proj": CONFIG["num_attention_heads"] * CONFIG["head_dim"], "k_proj": kv, "v_proj": kv,
+            "o_proj": hidden}
+    tensors = {}
+    for layer in range(int(CONFIG["num_hidden_layers"])):
+        for proj, out_features in outs.items():
+            in_features = hidden if proj != "o_proj" else CONFIG["num_attention_heads"] * CONFIG["head_dim"]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, int(in_features), generator=g) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(int(out_features), rank, generator=g) * 0.2
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": "tiny-gqa-llama",
+        "target_modules": sorted(outs),
+    }))
+    return out

@@ -22,9 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ascend_pd import Config, KVCache, Receiver, Sender
+from ascend_pd import Config, Receiver
 from ascend_pd.vllm import settings
-from ascend_pd.vllm.compat import request_inputs
 from ascend_pd.vllm.identity import ModelIdentity, adapter_identity, files_fingerprint
 from ascend_pd.vllm.layout import LayoutError, check_geometry, describe
 from ascend_pd.vllm.metadata import (
@@ -278,13 +277,15 @@ def test_a_decode_request_that_ends_before_its_load_frees_the_prefills_keys(tmp_
     assert dec.request_finished(waiting, []) == (False, None)
     assert dec.has_pending_work()
     meta = dec.build_connector_meta(_step())
-    assert meta.drops == [("w", tuple(params["ascend_pd"]["keys"]))]
+    # Named by the prefill's save id: the receiver also refuses that save's
+    # chunks if they arrive later.
+    assert meta.drops == [("p", tuple(params["ascend_pd"]["keys"]))]
     # Offered but not yet allocated, then aborted.
     offered = _request("o", toks, params=_handoff(pre, _request("p2", toks), 40))
     dec.get_num_new_matched_tokens(offered, 0)
     offered.status = RequestStatus.FINISHED_ABORTED
     dec.request_finished(offered, [])
-    assert [r for r, _ in dec.build_connector_meta(_step()).drops] == ["o"]
+    assert [r for r, _ in dec.build_connector_meta(_step()).drops] == ["p2"]
     # Planned (its load waits for the keys): cancelled, blocks kept until
     # the worker reports it.
     planned = _request("l", toks, params=_handoff(pre, _request("p3", toks), 40))

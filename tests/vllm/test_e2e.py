@@ -18,18 +18,19 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
-import make_model
+from conftest import RESULTS
 from harness import (
+    address,
+    external,
+    settle,
     MAX_TOKENS,
-    ROOT,
     Engine,
     free_port,
     kv_config,
-    pools_back,
     prompts,
     receiver_yaml,
     sender_yaml,
@@ -44,24 +45,6 @@ FOLLOW_UP = [SHARED[:512] + [7, 8, 9] * 17]
 #: The fault test's prompts (corrupted round, then killed-prefill round).
 FAULT_A = [PROMPTS[2], PROMPTS[8], PROMPTS[6]]
 FAULT_B = [PROMPTS[3], PROMPTS[7], PROMPTS[9]]
-
-RESULTS: Dict[str, Any] = {}
-
-
-@pytest.fixture(scope="session")
-def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = os.environ.get("APD_VLLM_LOG_DIR")
-    if d:
-        p = Path(d)
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-    return tmp_path_factory.mktemp("logs")
-
-
-@pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model.make(tmp_path_factory.mktemp("model") / "tiny-gqa-llama")
-
 
 @pytest.fixture(scope="session")
 def colocated(model: Path, logdir: Path) -> Dict[str, Any]:
@@ -79,47 +62,9 @@ def colocated(model: Path, logdir: Path) -> Dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
-def report(logdir: Path) -> Iterator[None]:
-    yield
-    path = Path(os.environ.get("APD_VLLM_RESULTS", logdir / "results.json"))
-    path.write_text(json.dumps(RESULTS, indent=2))
-    print(f"\nvLLM e2e results: {path}\n{json.dumps(RESULTS, indent=2)}")
-
-
-def _address(init: int, alloc: int) -> Dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "receiver_host": "127.0.0.1",
-        "receiver_init_port": [init],
-        "receiver_alloc_port": [alloc],
-    }
-
-
-def _settle(engines: List[Engine], roles: List[str], timeout: float = 60.0) -> Dict[str, Any]:
-    """Steps the engines (a 1-token request each) until their pools are all
-    free again; returns the last pool counters seen."""
-    deadline = time.monotonic() + timeout
-    last: Dict[str, Any] = {}
-    while True:
-        last = {e.name: e.last_pools() for e in engines}
-        if all(pools_back(last[e.name]) and set(last[e.name]) == {r} for e, r in zip(engines, roles)):
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pools not back at their start after {timeout}s: {last}")
-        time.sleep(0.5)
-        for e in engines:
-            e.generate([[5]], max_tokens=1)
-
-
 def _ttft(outputs: List[Dict[str, Any]]) -> Optional[float]:
     vals = [o["ttft_s"] for o in outputs if o.get("ttft_s") is not None]
     return round(1000 * sum(vals) / len(vals), 1) if vals else None
-
-
-def _external(req_id: str) -> str:
-    """The id a client gave a request (vLLM appends ``-`` and 8 characters inside)."""
-    return req_id.rsplit("-", 1)[0]
 
 
 def _done_loads(e: Engine) -> List[Dict[str, Any]]:
@@ -140,7 +85,7 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
     try:
         dec.wait_ready()
         pre.wait_ready()
-        handoff_out = pre.generate(PROMPTS, [_address(init, alloc)] * len(PROMPTS), max_tokens=1)
+        handoff_out = pre.generate(PROMPTS, [address(init, alloc)] * len(PROMPTS), max_tokens=1)
         handoff = [o["kv_transfer_params"] for o in handoff_out]
         for h in handoff:
             assert h and h.get("do_remote_prefill") and "ascend_pd" in h, h
@@ -152,7 +97,7 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         # the decode did not already hold (only the second of the pair that
         # shares 520 tokens can find its first four blocks held, if the
         # first had loaded before it was scheduled).
-        by_req = {_external(ev["req_id"]): ev for ev in dec.events_of("load")}
+        by_req = {external(ev["req_id"]): ev for ev in dec.events_of("load")}
         loaded = 0
         for i, o in enumerate(outs):
             ev = by_req.get(o["request_id"])
@@ -163,10 +108,10 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         assert len(by_req) == len(PROMPTS), sorted(by_req)
 
         # The decode's own prefix cache: only the tokens past it move.
-        h2 = pre.generate(FOLLOW_UP, [_address(init, alloc)], max_tokens=1)
+        h2 = pre.generate(FOLLOW_UP, [address(init, alloc)], max_tokens=1)
         o2 = dec.generate(FOLLOW_UP, [h2[0]["kv_transfer_params"]])
         assert o2[0]["tokens"] == colocated["follow_up"][0]["tokens"]
-        new = [ev for ev in dec.events_of("load") if _external(ev["req_id"]) == o2[0]["request_id"]]
+        new = [ev for ev in dec.events_of("load") if external(ev["req_id"]) == o2[0]["request_id"]]
         assert [(ev["status"], ev["tokens"]) for ev in new] == [("done", len(FOLLOW_UP[0]) - 512)], new
 
         # The prefill handed each request's blocks back once gathered, apart
@@ -176,13 +121,13 @@ def test_decode_tokens_equal_colocated_with_remote_kv(
         n_released = len(PROMPTS) + len(FOLLOW_UP)
         deadline = time.monotonic() + 30
         while True:
-            released = {_external(ev["req_id"]) for ev in pre.events_of("released")}
+            released = {external(ev["req_id"]) for ev in pre.events_of("released")}
             if len(released) >= n_released or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert len(released) == n_released, pre.events_of("released")
 
-        pools = _settle([dec, pre], ["receiver", "sender"])
+        pools = settle([dec, pre], ["receiver", "sender"])
         RESULTS[mode] = {
             "channel": channel,
             "prompts": len(PROMPTS) + len(FOLLOW_UP),
@@ -216,7 +161,7 @@ def test_layerwise_push_decode_tokens_equal_colocated(
     try:
         dec.wait_ready()
         pre.wait_ready()
-        handoff_out = pre.generate(PROMPTS, [_address(init, alloc)] * len(PROMPTS), max_tokens=1)
+        handoff_out = pre.generate(PROMPTS, [address(init, alloc)] * len(PROMPTS), max_tokens=1)
         handoff = [o["kv_transfer_params"] for o in handoff_out]
         for h in handoff:
             assert h and h.get("do_remote_prefill") and "ascend_pd" in h, h
@@ -224,7 +169,7 @@ def test_layerwise_push_decode_tokens_equal_colocated(
         want = colocated["main"]
         for i, (o, w) in enumerate(zip(outs, want)):
             assert o["tokens"] == w["tokens"], f"prompt {i} ({len(PROMPTS[i])} tokens): {o['tokens']} != {w['tokens']}"
-        by_req = {_external(ev["req_id"]): ev for ev in dec.events_of("load")}
+        by_req = {external(ev["req_id"]): ev for ev in dec.events_of("load")}
         loaded = 0
         for i, o in enumerate(outs):
             ev = by_req.get(o["request_id"])
@@ -242,7 +187,7 @@ def test_layerwise_push_decode_tokens_equal_colocated(
         saves = pre.events_of("save")
         assert len(saves) == len(PROMPTS), saves
         assert all(ev["status"] == "done" and ev["layerwise"] is True for ev in saves), saves
-        pools = _settle([dec, pre], ["receiver", "sender"])
+        pools = settle([dec, pre], ["receiver", "sender"])
         RESULTS["push-layerwise"] = {
             "channel": channel,
             "prompts": len(PROMPTS),
@@ -271,7 +216,7 @@ def test_killed_prefill_is_recomputed_and_corrupt_kv_changes_tokens(
     flag.write_text("1")
     dec = Engine(
         "fault-decode", model, logdir,
-        kv_config("kv_consumer", ry, connector="CorruptingConnector", module="corrupting_connector",
+        kv_config("kv_consumer", ry, connector="FaultConnector", module="fault_connector",
                   load_timeout_s=20),
         env={"APD_TEST_CORRUPT_FLAG": str(flag)},
     )
@@ -280,7 +225,7 @@ def test_killed_prefill_is_recomputed_and_corrupt_kv_changes_tokens(
         dec.wait_ready()
         pre.wait_ready()
         # 1. Loaded blocks overwritten with noise: the tokens must change.
-        h = pre.generate(FAULT_A, [_address(init, alloc)] * len(FAULT_A), max_tokens=1)
+        h = pre.generate(FAULT_A, [address(init, alloc)] * len(FAULT_A), max_tokens=1)
         outs = dec.generate(FAULT_A, [o["kv_transfer_params"] for o in h])
         assert len(_done_loads(dec)) == len(FAULT_A)
         for i, (o, w) in enumerate(zip(outs, colocated["fault_a"])):
@@ -289,7 +234,7 @@ def test_killed_prefill_is_recomputed_and_corrupt_kv_changes_tokens(
 
         # 2. The prefill answers, then dies before the decode reads.
         saves_before = len(pre.events_of("save"))
-        h = pre.generate(FAULT_B, [_address(init, alloc)] * len(FAULT_B), max_tokens=1)
+        h = pre.generate(FAULT_B, [address(init, alloc)] * len(FAULT_B), max_tokens=1)
         deadline = time.monotonic() + 60
         while len([e for e in pre.events_of("save") if e["status"] == "done"]) < saves_before + len(FAULT_B):
             assert time.monotonic() < deadline, "the prefill's saves did not finish"
@@ -301,7 +246,7 @@ def test_killed_prefill_is_recomputed_and_corrupt_kv_changes_tokens(
             assert o["tokens"] == w["tokens"], f"prompt {i}: {o['tokens']} != {w['tokens']}"
         failed = [e for e in dec.events_of("load") if e["status"] != "done"]
         assert len(failed) == len(FAULT_B), dec.events_of("load")
-        pools = _settle([dec], ["receiver"])
+        pools = settle([dec], ["receiver"])
         RESULTS["fault"] = {
             "mode": mode,
             "channel": channel,

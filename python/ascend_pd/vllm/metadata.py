@@ -65,6 +65,9 @@ class LoadSpec:
     #: The keys the prefill sent under (equal to ``keys`` unless ``error``):
     #: what is freed here if the load does not run.
     sent_keys: Tuple[str, ...] = ()
+    #: The prefill's id for its save (its chunks arrive under it): what a
+    #: drop names, so the receiver also refuses them if they arrive later.
+    save_id: str = ""
 
 
 @dataclass
@@ -138,10 +141,11 @@ class HandOffError(ValueError):
     """The params are ours but unusable; ``keys`` holds the prefill's keys
     when they could be read (to free what it sent)."""
 
-    def __init__(self, cause: str, message: str, keys: Tuple[str, ...] = ()) -> None:
+    def __init__(self, cause: str, message: str, keys: Tuple[str, ...] = (), save_id: str = "") -> None:
         super().__init__(message)
         self.cause = cause
         self.keys = keys
+        self.save_id = save_id
 
 
 def parse_handoff(params: Any) -> Optional[HandOff]:
@@ -158,6 +162,8 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
     keys: Tuple[str, ...] = ()
     if isinstance(raw_keys, list) and all(isinstance(k, str) and _KEY.match(k) for k in raw_keys):
         keys = tuple(raw_keys)
+    raw_id = ours.get("save_id")
+    save_id = raw_id if isinstance(raw_id, str) else ""
     v = ours.get("v")
     if v != PARAMS_VERSION:
         raise HandOffError(
@@ -165,10 +171,12 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
             f"the prefill's kv_transfer_params are version {v!r}, this decode's connector reads version "
             f"{PARAMS_VERSION}: run the same ascend-pd release on the prefill and the decode",
             keys,
+            save_id,
         )
     n = ours.get("num_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0 or raw_keys is None or not keys and n > 0:
-        raise HandOffError("malformed", f"the prefill's kv_transfer_params are malformed: {ours!r:.300}", keys)
+        raise HandOffError("malformed", f"the prefill's kv_transfer_params are malformed: {ours!r:.300}", keys,
+                           save_id)
     identity = ours.get("identity")
     nonce = ours.get("nonce")
     return HandOff(
@@ -176,6 +184,6 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
         keys=keys,
         identity=dict(identity) if isinstance(identity, dict) else {},
         mode=str(ours.get("mode", "")),
-        save_id=str(ours.get("save_id", "")),
+        save_id=save_id,
         nonce=nonce if isinstance(nonce, str) and nonce else None,
     )

@@ -105,6 +105,8 @@ class _Offer:
     sent_keys: Tuple[str, ...]
     error: Optional[str] = None
     cause: str = ""
+    #: The prefill's id for its save (what drops name).
+    save_id: str = ""
 
 
 @dataclass
@@ -140,8 +142,8 @@ class ConnectorScheduler:
         self._saves: Dict[str, _SaveState] = {}
         self._offers: Dict[str, _Offer] = {}
         self._new_loads: List[LoadSpec] = []
-        #: Loads handed to the workers and not reported finished: req -> keys.
-        self._loading: Dict[str, Tuple[str, ...]] = {}
+        #: Loads handed to the workers and not reported finished.
+        self._loading: Dict[str, LoadSpec] = {}
         self._cancels: List[Tuple[str, Tuple[str, ...]]] = []
         self._drops: List[Tuple[str, Tuple[str, ...]]] = []
         self._cancel_saves: List[str] = []
@@ -172,7 +174,7 @@ class ConnectorScheduler:
             handoff = parse_handoff(request.kv_transfer_params)
         except HandOffError as e:
             n = compat.request_inputs(request).num_tokens
-            offer = _Offer(n, num_computed, (), e.keys, str(e), e.cause)
+            offer = _Offer(n, num_computed, (), e.keys, str(e), e.cause, e.save_id)
         else:
             if handoff is None:
                 return None
@@ -185,7 +187,7 @@ class ConnectorScheduler:
         n = inputs.num_tokens
 
         def refuse(cause: str, why: str) -> _Offer:
-            return _Offer(n, num_computed, (), handoff.keys, why, cause)
+            return _Offer(n, num_computed, (), handoff.keys, why, cause, handoff.save_id)
 
         diffs = self.identity.differences(handoff.identity)
         if diffs:
@@ -204,7 +206,7 @@ class ConnectorScheduler:
             return refuse("inputs", "the prefill computed this prompt's KV with other inputs than this request "
                           "carries (its LoRA adapter, images or audio, prompt embeddings or cache_salt differ, "
                           "or the prompt's tokens): send the decode the prefill request's body unchanged")
-        return _Offer(n, num_computed, keys, handoff.keys)
+        return _Offer(n, num_computed, keys, handoff.keys, save_id=handoff.save_id)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
         offer = self._offer(request, num_computed_tokens)
@@ -231,7 +233,7 @@ class ConnectorScheduler:
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             # vLLM loads nothing (its own prefix cache holds the prompt).
-            self._drop(request.request_id, offer.sent_keys)
+            self._drop(offer.save_id or request.request_id, offer.sent_keys)
             return
         # vLLM may grant fewer tokens than offered (its prefix-replay path
         # trims the hit to a block boundary): write exactly those it counts
@@ -244,13 +246,13 @@ class ConnectorScheduler:
                                   f"{offer.num_tokens}")
             self._refuse(request.request_id, offer.cause or "prompt", why)
             spec = LoadSpec(request.request_id, (), (), tuple(block_ids[first:last]), why,
-                            offer.cause or "prompt", offer.sent_keys)
+                            offer.cause or "prompt", offer.sent_keys, offer.save_id)
         else:
             slots = slots_for(block_ids, self.block_size, offer.num_tokens, skip=start, end=end)
             spec = LoadSpec(request.request_id, offer.keys, slots, tuple(block_ids[first:last]),
-                            sent_keys=offer.sent_keys)
+                            sent_keys=offer.sent_keys, save_id=offer.save_id)
         self._new_loads.append(spec)
-        self._loading[request.request_id] = spec.keys or spec.sent_keys
+        self._loading[request.request_id] = spec
 
     def _refuse(self, req_id: str, cause: str, why: str) -> None:
         c = self.counters.handoffs_refused
@@ -319,24 +321,24 @@ class ConnectorScheduler:
             log.info("request %s ended (%s) after its save started: cancelling the save", req_id,
                      getattr(request, "status", "?"))
             return False, None
-        keys = self._loading.pop(req_id, None)
-        if keys is not None:
+        spec = self._loading.pop(req_id, None)
+        if spec is not None:
             # Ended while its load runs or waits: cancel it, and keep the
             # blocks until the worker says nothing writes them any more.
-            self._cancels.append((req_id, keys))
+            self._cancels.append((req_id, spec.keys or spec.sent_keys))
             return True, None
         offer = self._offers.pop(req_id, None)
         if offer is not None:
             # Ended before its load was planned: free what the prefill sent.
-            self._drop(req_id, offer.sent_keys)
+            self._drop(offer.save_id or req_id, offer.sent_keys)
         elif self.is_consumer:
             try:
                 handoff = parse_handoff(request.kv_transfer_params)
             except HandOffError as e:
-                self._drop(req_id, e.keys)
+                self._drop(e.save_id or req_id, e.keys)
             else:
                 if handoff is not None:
-                    self._drop(req_id, handoff.keys)
+                    self._drop(handoff.save_id or req_id, handoff.keys)
         return False, None
 
     def update_connector_output(self, finished_recving: Optional[Set[str]], released: Mapping[str, int]) -> None:

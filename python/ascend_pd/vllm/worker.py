@@ -215,7 +215,8 @@ class ConnectorWorker:
                 # The scheduler refused the hand-off: fail it now, free what
                 # the prefill sent.
                 self._event(event="load", req_id=spec.req_id, status="refused", tokens=0, message=spec.error)
-                self._fail(load, spec.error, spec.cause or "refused")
+                # The scheduler half logged why (once, not once per rank).
+                self._fail(load, spec.error, spec.cause or "refused", warn=False)
                 self._drop_keys(spec)
                 self._recv_ended.add(spec.req_id)
                 continue
@@ -521,11 +522,13 @@ class ConnectorWorker:
             load.submitted_at = now
             del self.state.waiting_loads[req_id]
             self.state.running_loads[req_id] = load
+            self._event(event="load_start", req_id=req_id, wait_s=round(now - load.received_at, 6))
 
-    def _fail(self, load: _Load, why: str, cause: str) -> None:
-        log.warning("ascend-pd load of %s failed (%s); reported as a load error of its %d block(s): "
-                    "vLLM recomputes or fails it as kv_load_failure_policy says",
-                    load.spec.req_id, why, len(load.spec.block_ids))
+    def _fail(self, load: _Load, why: str, cause: str, warn: bool = True) -> None:
+        log.log(logging.WARNING if warn else logging.DEBUG,
+                "ascend-pd load of %s failed (%s); reported as a load error of its %d block(s): "
+                "vLLM recomputes or fails it as kv_load_failure_policy says",
+                load.spec.req_id, why, len(load.spec.block_ids))
         self.stats.record_failure("load", cause)
         self._failed_recving.add(load.spec.req_id)
         self._load_errors.update(load.spec.block_ids)
@@ -537,13 +540,17 @@ class ConnectorWorker:
         if not keys:
             return
         try:
-            self.receiver.cancel(spec.req_id, keys)
+            # Under the prefill's id: its hold on the keys goes, and chunks
+            # of that save arriving later are refused by the receiver.
+            self.receiver.cancel(spec.save_id or spec.req_id, keys)
         except Exception as e:
             log.warning("ascend-pd cancel of %s: %s", spec.req_id, e)
 
     def _cancel_load(self, req_id: str, keys: Tuple[str, ...]) -> None:
         if req_id in self.state.waiting_loads:
             load = self.state.waiting_loads.pop(req_id)
+            self._event(event="load", req_id=req_id, status="cancelled", tokens=0,
+                        message="the request ended before its KV arrived")
             self._drop_keys(load.spec)
             self._recv_ended.add(req_id)
             return

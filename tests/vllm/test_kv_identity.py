@@ -1,0 +1,360 @@
+"""KV identity and the vLLM contract, with real engines.
+
+Two disaggregated pairs (push over tcp, pull-delay over tcp with a short
+pull lease), each started once and run through every case, and one
+colocated engine for the reference tokens; every engine serves LoRA. Each
+case compares every decode's greedy tokens with the colocated engine's
+for the same prompt and adapter, and checks both pools back at the end.
+
+- LoRA: the same prompt without an adapter and under two adapters (and a
+  shared system prompt under different adapters), every prefill answered
+  before any decode runs, so all their KV sits on the decode side at once
+  (the decodes then run one at a time, like the reference: vLLM's CPU LoRA
+  gives a request without an adapter batch-dependent tokens when it shares
+  a batch with adapter requests, connector or not).
+  Before chunk keys named the adapter, the receiver took the second
+  request's KV as "already sent" and the decode loaded the first's.
+  A decode request whose adapter differs from its prefill's is refused
+  (reported as a failed load, recomputed), not loaded.
+- The decode's own prefix cache holds part of the prompt, not on a chunk
+  boundary: only the rest moves.
+- A decode request aborted before its load started (the prefill's save
+  held back, then let go: its chunks are refused, nothing waits for
+  pd_resident_ttl), and one aborted after its load ran but before vLLM
+  was told.
+- A load that starts after its pull lease ended fails (lease expired) while
+  the other loads of the same decode complete; the failed one is
+  recomputed.
+- The prefill is killed while its saves are in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pytest
+
+import make_model
+from conftest import RESULTS
+from harness import (
+    Engine,
+    Lora,
+    address,
+    external,
+    free_port,
+    kv_config,
+    receiver_yaml,
+    sender_yaml,
+    settle,
+)
+
+_rng = random.Random(4321)
+
+
+def _toks(n: int) -> List[int]:
+    return [_rng.randrange(3, 512) for _ in range(n)]
+
+
+SYSTEM = _toks(300)
+X = SYSTEM + _toks(90)
+Y = SYSTEM + _toks(160)
+PARTIAL = _toks(700)
+ABORT_WAITING = [_toks(300)]
+ABORT_RUNNING = [_toks(600), _toks(450)]
+LATE = [_toks(350), _toks(420), _toks(500), _toks(280)]
+KILL = [_toks(640), _toks(520), _toks(380)]
+#: The LoRA batch: (prompt, adapter name or None).
+LORA_BATCH: List[Tuple[List[int], Optional[str]]] = [
+    (X, None), (X, "a1"), (X, "a2"), (Y, "a1"), (Y, None), (Y, "a2"),
+]
+
+#: Everything the colocated engine computes, by case: (prompt, adapter).
+CASES: Dict[str, List[Tuple[List[int], Optional[str]]]] = {
+    "lora": LORA_BATCH,
+    "partial": [(PARTIAL, None)],
+    "abort_waiting": [(p, None) for p in ABORT_WAITING],
+    "abort_running": [(p, None) for p in ABORT_RUNNING],
+    "late": [(p, None) for p in LATE],
+    "kill": [(p, None) for p in KILL],
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Lora]:
+    d = tmp_path_factory.mktemp("adapters")
+    return {
+        name: (name, i + 1, str(make_model.make_lora(d / name, seed=10 + i)))
+        for i, name in enumerate(("a1", "a2"))
+    }
+
+
+def _loras(names: Sequence[Optional[str]], adapters: Dict[str, Lora]) -> List[Optional[Lora]]:
+    return [adapters[n] if n else None for n in names]
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, logdir: Path, adapters: Dict[str, Lora]) -> Dict[str, List[List[int]]]:
+    """The colocated engine's tokens for every case."""
+    e = Engine("colocated-lora", model, logdir, lora=True)
+    try:
+        e.wait_ready()
+        out = {}
+        for case, items in CASES.items():
+            if case == "lora":
+                # One at a time: vLLM's CPU LoRA gives a request without an
+                # adapter other tokens when it shares a batch with adapter
+                # requests, depending on the batch (seen with no connector).
+                got = [e.generate([p], loras=_loras([a], adapters))[0] for p, a in items]
+            else:
+                got = e.generate([p for p, _ in items], loras=_loras([a for _, a in items], adapters))
+            out[case] = [o["tokens"] for o in got]
+    finally:
+        e.stop()
+    # The adapters change the model's output (else the LoRA case proves nothing).
+    x = out["lora"][:3]
+    assert x[0] != x[1] and x[0] != x[2] and x[1] != x[2], x
+    return out
+
+
+class Pair:
+    """A prefill and a decode engine (FaultConnector on both), started once."""
+
+    def __init__(self, name: str, mode: str, model: Path, logdir: Path, lease_s: float = 60.0,
+                 decode_env: Optional[Dict[str, str]] = None, load_timeout_s: float = 30.0) -> None:
+        self.name = name
+        self.init, self.alloc, done = free_port(), free_port(), free_port()
+        ry = receiver_yaml(logdir / f"{name}-receiver.yaml", "tcp", mode, self.init, self.alloc, lease_s=lease_s)
+        sy = sender_yaml(logdir / f"{name}-sender.yaml", "tcp", mode, done, lease_s=lease_s)
+        self.hold_saves = logdir / f"{name}-hold-saves.flag"
+        self.hold_done = logdir / f"{name}-hold-done.flag"
+        fault = dict(connector="FaultConnector", module="fault_connector")
+        self.decode = Engine(f"{name}-decode", model, logdir,
+                             kv_config("kv_consumer", ry, load_timeout_s=load_timeout_s, **fault),
+                             env={"APD_TEST_HOLD_DONE": str(self.hold_done), **(decode_env or {})}, lora=True)
+        self.prefill = Engine(f"{name}-prefill", model, logdir, kv_config("kv_producer", sy, **fault),
+                              env={"APD_TEST_HOLD_SAVES": str(self.hold_saves)}, lora=True)
+        self.decode.wait_ready()
+        self.prefill.wait_ready()
+
+    def handoff(self, prompts: Sequence[List[int]], loras: Optional[Sequence[Optional[Lora]]] = None,
+                ids: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+        """Runs the prompts on the prefill; their kv_transfer_params."""
+        outs = self.prefill.generate(prompts, [address(self.init, self.alloc)] * len(prompts), max_tokens=1,
+                                     loras=loras, ids=[f"{i}-p" for i in ids] if ids else None)
+        params = [o["kv_transfer_params"] for o in outs]
+        for p in params:
+            assert p and p.get("do_remote_prefill") and "ascend_pd" in p, p
+        return params
+
+    def loads(self, ids: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+        """The decode's last load event of each request (by client id)."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for ev in self.decode.events_of("load"):
+            if external(ev["req_id"]) in ids:
+                out[external(ev["req_id"])] = ev
+        return out
+
+    def settle(self) -> Dict[str, Any]:
+        return settle([self.decode, self.prefill], ["receiver", "sender"])
+
+    def stop(self) -> None:
+        for f in (self.hold_saves, self.hold_done):
+            f.unlink(missing_ok=True)
+        self.prefill.stop()
+        self.decode.stop()
+
+
+@pytest.fixture(scope="module")
+def push_pair(model: Path, logdir: Path, reference: Dict[str, Any]) -> Iterator[Pair]:
+    p = Pair("id-push", "push", model, logdir)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+#: Pull-delay pair: a 10 s pull lease; loads of requests named "late-..."
+#: start 14 s after their KV is here.
+LEASE_S, LATE_S = 10.0, 14.0
+
+
+@pytest.fixture(scope="module")
+def delay_pair(model: Path, logdir: Path, reference: Dict[str, Any]) -> Iterator[Pair]:
+    p = Pair("id-delay", "pull-delay", model, logdir, lease_s=LEASE_S, load_timeout_s=40.0,
+             decode_env={"APD_TEST_LATE_LOADS": f"late-={LATE_S}"})
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _lora_case(pair: Pair, reference: Dict[str, Any], adapters: Dict[str, Lora], tag: str) -> Dict[str, Any]:
+    prompts = [p for p, _ in LORA_BATCH]
+    loras = _loras([a for _, a in LORA_BATCH], adapters)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    # Every prefill answers before any decode runs: all their KV is on the
+    # decode side at once.
+    params = pair.handoff(prompts, loras, ids)
+    keys = [tuple(p["ascend_pd"]["keys"]) for p in params]
+    assert keys[0][0] != keys[1][0] != keys[2][0], "adapters did not change the keys"
+    assert keys[0][0] == keys[4][0] and keys[1][0] == keys[3][0], "the shared system prompt lost its sharing"
+    # Decoded one at a time, as the reference was (see `reference`).
+    outs = [pair.decode.generate([p], [kv], loras=[lr], ids=[i])[0]
+            for p, kv, lr, i in zip(prompts, params, loras, ids)]
+    for i, (o, want) in enumerate(zip(outs, reference["lora"])):
+        assert o["tokens"] == want, f"{tag} {i} (adapter {LORA_BATCH[i][1]}): {o['tokens']} != {want}"
+    loads = pair.loads(ids)
+    assert sorted(loads) == sorted(ids), loads
+    assert all(ev["status"] == "done" and ev["tokens"] > 0 for ev in loads.values()), loads
+    # The adapter mix-up a router could make: the prefill ran X under a1,
+    # the decode request has no adapter. Refused and recomputed, never
+    # loaded: its tokens are the no-adapter ones.
+    mix = pair.handoff([X], _loras(["a1"], adapters), [f"{tag}-mix"])
+    out = pair.decode.generate([X], mix, ids=[f"{tag}-mix"])
+    assert out[0]["tokens"] == reference["lora"][0], "a decode loaded KV computed under another adapter"
+    ev = pair.loads([f"{tag}-mix"])[f"{tag}-mix"]
+    assert ev["status"] == "refused" and "LoRA adapter" in ev["message"], ev
+    pools = pair.settle()
+    return {"requests": len(prompts), "tokens_identical": True,
+            "tokens_loaded_remotely": sum(ev["tokens"] for ev in loads.values()),
+            "mixup_refused": ev["message"][:160], "pools_after": pools}
+
+
+def test_lora_push(push_pair: Pair, reference: Dict[str, Any], adapters: Dict[str, Lora]) -> None:
+    RESULTS["lora-push"] = _lora_case(push_pair, reference, adapters, "lp")
+
+
+def test_lora_pull_delay(delay_pair: Pair, reference: Dict[str, Any], adapters: Dict[str, Lora]) -> None:
+    RESULTS["lora-pull-delay"] = _lora_case(delay_pair, reference, adapters, "ld")
+
+
+def test_partial_prefix_hit_not_on_a_chunk_boundary(push_pair: Pair, reference: Dict[str, Any]) -> None:
+    """The decode computed the prompt's first 400 tokens itself (vLLM's
+    cache holds 384 of them: three 128-token blocks, half a 256-token
+    chunk): only tokens 384.. are loaded."""
+    pair = push_pair
+    pair.decode.generate([PARTIAL[:400]], max_tokens=1)
+    params = pair.handoff([PARTIAL], ids=["partial"])
+    out = pair.decode.generate([PARTIAL], params, ids=["partial"])
+    assert out[0]["tokens"] == reference["partial"][0]
+    ev = pair.loads(["partial"])["partial"]
+    assert ev["status"] == "done" and ev["tokens"] == len(PARTIAL) - 384, ev
+    RESULTS["partial-prefix"] = {"prompt": len(PARTIAL), "held_by_decode": 384, "loaded": ev["tokens"],
+                                 "tokens_identical": True, "pools_after": pair.settle()}
+
+
+def test_decode_aborted_before_its_load_started(push_pair: Pair, reference: Dict[str, Any]) -> None:
+    """The prefill answered but holds its save; the decode request waits for
+    the KV and is aborted. When the prefill then sends, the decode's
+    receiver refuses those chunks (the abort named the prefill's save):
+    both pools are back without waiting for pd_resident_ttl, and the same
+    prompt then runs through the pair with the colocated tokens."""
+    pair = push_pair
+    pair.hold_saves.write_text("1")
+    try:
+        params = pair.handoff(ABORT_WAITING, ids=["abortw"])
+        pair.decode.submit(ABORT_WAITING, params, ids=["abortw"])
+        time.sleep(3)
+        pair.decode.abort(["abortw"])
+        out = pair.decode.wait(["abortw"], timeout=60)
+        assert out[0]["aborted"], out
+        # The decode's worker dropped the load (and told its receiver)
+        # before the prefill sends anything.
+        deadline = time.monotonic() + 30
+        while pair.loads(["abortw"]).get("abortw", {}).get("status") != "cancelled":
+            assert time.monotonic() < deadline, pair.decode.events_of("load")
+            time.sleep(0.1)
+        assert not [e for e in pair.decode.events_of("load_start") if external(e["req_id"]) == "abortw"]
+    finally:
+        pair.hold_saves.unlink()
+    t0 = time.monotonic()
+    pools = pair.settle()
+    freed_s = round(time.monotonic() - t0, 1)
+    saves = [e for e in pair.prefill.events_of("save") if external(e["req_id"]).startswith("abortw")]
+    assert saves and saves[-1]["status"] == "done", saves
+    params = pair.handoff(ABORT_WAITING, ids=["abortw2"])
+    out = pair.decode.generate(ABORT_WAITING, params, ids=["abortw2"])
+    assert out[0]["tokens"] == reference["abort_waiting"][0]
+    RESULTS["abort-before-load"] = {"pools_back_after_s": freed_s, "late_save_status": saves[-1]["status"],
+                                    "rerun_tokens_identical": True, "pools_after": pools}
+
+
+def test_decode_aborted_after_its_load_started(push_pair: Pair, reference: Dict[str, Any]) -> None:
+    """The loads ran (their events are written) but vLLM is not told yet when
+    the requests are aborted: their blocks stay the load's until it is
+    reported; afterwards the pools are back and the prompts run again with
+    the colocated tokens."""
+    pair = push_pair
+    ids = ["abortr-0", "abortr-1"]
+    params = pair.handoff(ABORT_RUNNING, ids=ids)
+    pair.hold_done.write_text("1")
+    try:
+        pair.decode.submit(ABORT_RUNNING, params, ids=ids)
+        deadline = time.monotonic() + 60
+        while len(pair.loads(ids)) < len(ids):
+            assert time.monotonic() < deadline, pair.decode.events_of("load")
+            time.sleep(0.1)
+        pair.decode.abort(ids)
+    finally:
+        pair.hold_done.unlink()
+    outs = pair.decode.wait(ids, timeout=60)
+    assert all(o["aborted"] for o in outs), outs
+    loads = pair.loads(ids)
+    pools = pair.settle()
+    params = pair.handoff(ABORT_RUNNING, ids=[f"{i}-again" for i in ids])
+    outs = pair.decode.generate(ABORT_RUNNING, params, ids=[f"{i}-again" for i in ids])
+    for o, want in zip(outs, reference["abort_running"]):
+        assert o["tokens"] == want
+    RESULTS["abort-after-load-started"] = {"load_status_at_abort": {k: v["status"] for k, v in loads.items()},
+                                           "rerun_tokens_identical": True, "pools_after": pools}
+
+
+def test_a_load_after_its_lease_fails_and_the_others_complete(delay_pair: Pair, reference: Dict[str, Any]) -> None:
+    """Four pull-delay loads into the same decode; one starts after its
+    10 s lease ended. It fails (the library never reads after the lease)
+    and is recomputed; the other three load; every request's tokens equal
+    the colocated run's; both pools come back."""
+    pair = delay_pair
+    ids = ["late-0", "ok-1", "ok-2", "ok-3"]
+    params = pair.handoff(LATE, ids=ids)
+    outs = pair.decode.generate(LATE, params, ids=ids, timeout=300)
+    for i, (o, want) in enumerate(zip(outs, reference["late"])):
+        assert o["tokens"] == want, f"{ids[i]}: {o['tokens']} != {want}"
+    loads = pair.loads(ids)
+    assert loads["late-0"]["status"] not in ("done",), loads["late-0"]
+    assert all(loads[i]["status"] == "done" for i in ids[1:]), loads
+    RESULTS["lease-outlived"] = {"late": {k: loads["late-0"][k] for k in ("status", "message")},
+                                 "others_done": 3, "tokens_identical": True, "pools_after": pair.settle()}
+
+
+def test_prefill_killed_while_its_saves_are_in_flight(delay_pair: Pair, reference: Dict[str, Any]) -> None:
+    """The prefill answers three requests with their saves held back, the
+    decode requests arrive, then the saves are let go and the prefill is
+    killed as soon as the first of them reached the decode (its load
+    started), the others in flight: whatever each load met (done, or
+    failed), every decode's tokens equal the colocated run's and the
+    decode's pool is back."""
+    pair = delay_pair
+    ids = [f"kill-{i}" for i in range(len(KILL))]
+    pair.hold_saves.write_text("1")
+    params = pair.handoff(KILL, ids=ids)
+    pair.decode.submit(KILL, params, ids=ids)
+    pair.hold_saves.unlink()
+    pair.prefill.submit([[5]], max_tokens=1)
+    deadline = time.monotonic() + 60
+    while not [e for e in pair.decode.events_of("load_start") if external(e["req_id"]).startswith("kill-")]:
+        assert time.monotonic() < deadline, "no save reached the decode"
+        time.sleep(0.005)
+    pair.prefill.kill()
+    outs = pair.decode.wait(ids, timeout=300)
+    for i, (o, want) in enumerate(zip(outs, reference["kill"])):
+        assert o["tokens"] == want, f"{ids[i]}: {o['tokens']} != {want}"
+    loads = pair.loads(ids)
+    pools = settle([pair.decode], ["receiver"])
+    RESULTS["prefill-killed-mid-transfer"] = {
+        "loads": {k: {"status": v["status"], "message": (v.get("message") or "")[:120]} for k, v in loads.items()},
+        "tokens_identical": True, "decode_pools_after": pools,
+    }
