@@ -905,6 +905,7 @@ impl VerdictText for Verdict {
             Verdict::AllocFailed(e) => e.to_string(),
             Verdict::Rejected(e) => e.to_string(),
             Verdict::Accepted { .. } => "accepted".into(),
+            Verdict::Withdrawn { req_id, .. } => format!("{req_id} withdrawn"),
         }
     }
 }
@@ -2328,7 +2329,7 @@ fn cancel_drops_resident_keys_now_and_pushed_keys_when_they_land() {
     let r2 = push(&mut ks, &alloc_request(&["c", "other"], 4), t0, &pool);
     assert_eq!(ks.state("c"), Some(KeyState::PendingPush));
 
-    let c = ks.cancel("r", &keys(&["a", "b", "c", "never-stored"]));
+    let c = ks.cancel(t0, "r", &keys(&["a", "b", "c", "never-stored"]));
     assert_eq!(
         c.removed
             .iter()
@@ -2385,7 +2386,7 @@ fn cancel_during_an_eager_read_drops_its_pages_and_still_sends_done() {
     let id = lease_id(t0 + LEASE);
     let reply = eager(&mut ks, &notif(&id, &["a", "b"], &sp), t0, &recv_pool);
     let read = reply.read.unwrap();
-    let c = ks.cancel("r", &keys(&["a", "b"]));
+    let c = ks.cancel(t0, "r", &keys(&["a", "b"]));
     assert!(c.removed.is_empty());
     assert_eq!(c.deferred.len(), 2);
     let done = ks.on_read_complete(&id, Some(read.pages)).unwrap();
@@ -2406,9 +2407,9 @@ fn cancel_discards_proxies_and_returns_the_pulls_done() {
     let sp = alloc(&sender_pool, 2);
     let id = lease_id(t0 + LEASE);
     delay(&mut ks, &notif(&id, &["a", "b"], &sp), t0);
-    let first = ks.cancel("r", &keys(&["a"]));
+    let first = ks.cancel(t0, "r", &keys(&["a"]));
     assert!(first.removed[0].1.done.is_none(), "b still needs the pull");
-    let second = ks.cancel("r", &keys(&["b"]));
+    let second = ks.cancel(t0, "r", &keys(&["b"]));
     let done = second.removed[0].1.done.as_ref().expect("the pull's Done");
     assert_eq!(done.signal.pull_id, id);
     assert_eq!(ks.counters().proxies, 0);
@@ -2438,6 +2439,227 @@ fn a_cache_query_names_held_keys_by_position() {
     assert_eq!(q.cached_keys, keys(&["landed", "landing", "proxy"]));
     assert_eq!(q.cached_indexes, vec![1, 2, 4]);
     assert!(ks.query(&[]).cached_keys.is_empty());
+}
+
+// ==================================================== withdrawn requests
+
+/// A receiver whose landed chunks wait `ttl` to be loaded (and whose
+/// cancelled requests stay withdrawn that long).
+fn receiver_with_ttl(ttl: Duration) -> ReceiverCore {
+    ReceiverCore::new(ReceiverConfig {
+        resident_ttl: Some(ttl),
+        ..*receiver().config()
+    })
+}
+
+/// The decode gave up on request "p1" before any of its chunks came: the
+/// prefill's AllocRequest for it, arriving later, is answered with every
+/// key already sent and takes no page, so the sender writes nothing and
+/// its put ends. The same keys under another request, or with no request
+/// id (LMCache-Ascend), are stored as before.
+#[test]
+fn a_push_of_a_request_cancelled_before_it_came_takes_no_page_and_writes_nothing() {
+    use crate::config::TransferMode;
+    let t0 = Instant::now();
+    let (spool, rpool) = (pool(8), pool(8));
+    let mut ks = receiver_with_ttl(Duration::from_secs(600));
+    let c = ks.cancel(t0, "p1", &keys(&["a", "b"]));
+    assert!(c.removed.is_empty() && c.deferred.is_empty(), "{c:?}");
+
+    // The prefill's put of "p1", through the sender core.
+    let mut sc = sender_core(TransferMode::Push, &spool);
+    let p1 = PutSpec {
+        req_id: "p1".into(),
+        ..spec("r:7400")
+    };
+    let (mut put, _) = sc.begin_put(t0 + S, p1, keys(&["a", "b"]), alloc(&spool, 2));
+    let PutAction::Request { route, frame, .. } =
+        sc.on_connected(&mut put, t0 + S, Some(attached(t0)))
+    else {
+        panic!("an AllocRequest")
+    };
+    let req = AllocRequest::decode(&frame).unwrap();
+    assert_eq!(req.req_id.as_deref(), Some("p1"));
+    let reply = push_with(
+        &mut ks,
+        &req,
+        &route,
+        t0 + S,
+        |m| rpool.allocate_batch(m),
+        Some(GRANT),
+    );
+    assert_eq!(
+        reply.response,
+        AscendAllocResponse {
+            already_sent_indexes: vec![0, 1],
+            remote_indexes: vec![],
+            remote_buffer_uuids: vec![],
+            alloc_failed: false,
+        }
+    );
+    assert!(
+        matches!(&reply.verdict, Verdict::Withdrawn { req_id, keys: 2 } if req_id == "p1"),
+        "{:?}",
+        reply.verdict
+    );
+    assert_idle(&rpool);
+    assert!(ks.is_empty());
+    assert_eq!(ks.counters().withdrawn_keys, 2);
+    assert_eq!(ks.counters().allocations_pending, 0);
+    let end = finish(sc.on_reply(
+        &mut put,
+        t0 + S,
+        Ok(Message::AscendAllocResponse(reply.response).encode()),
+    ));
+    assert_eq!(
+        end.result,
+        Ok(PutOutcome::Pushed {
+            written: 0,
+            already_present: 2
+        })
+    );
+    drop(put);
+    assert_idle(&spool);
+
+    // Another request with the same keys is stored and lands.
+    let r2 = push(&mut ks, &alloc_for("p2", &["a", "b"]), t0 + S, &rpool);
+    assert!(r2.response.already_sent_indexes.is_empty());
+    assert_eq!(r2.response.remote_indexes.len(), 2);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&r2.response),
+        t0 + S,
+    );
+    assert!(matches!(ks.get("a", t0 + S), Lookup::Resident(_)));
+    // A later batch of "p1" finds them present either way: no hold for it.
+    let again = push(&mut ks, &alloc_for("p1", &["a", "b", "c"]), t0 + S, &rpool);
+    assert_eq!(again.response.already_sent_indexes, vec![0, 1, 2]);
+    assert_eq!(ks.holders("a"), 1);
+    assert_eq!(ks.counters().withdrawn_keys, 5);
+    ks.release("p2", "a").unwrap();
+    ks.release("p2", "b").unwrap();
+    // Without a request id nothing is withdrawn.
+    let anon = push(&mut ks, &alloc_request(&["a"], 4), t0 + S, &rpool);
+    assert_eq!(anon.response.remote_indexes.len(), 1);
+    notice(
+        &mut ks,
+        ROUTE,
+        ROUTE,
+        PushOutcome::Landed,
+        &refs_of(&anon.response),
+        t0 + S,
+    );
+    ks.remove("a");
+    assert_idle(&rpool);
+}
+
+/// A withdrawn request is remembered for `pd_resident_ttl` (600 s when
+/// chunks never expire), no longer: after that its keys are stored again.
+#[test]
+fn a_withdrawn_request_is_forgotten_after_its_lifetime() {
+    let ttl = Duration::from_secs(60);
+    for (mut ks, life) in [
+        (receiver_with_ttl(ttl), ttl),
+        (receiver(), Duration::from_secs(600)),
+    ] {
+        let t0 = Instant::now();
+        let pool = pool(4);
+        ks.cancel(t0, "p1", &keys(&["a"]));
+        let before = push(&mut ks, &alloc_for("p1", &["a"]), t0 + life - S, &pool);
+        assert_eq!(before.response.already_sent_indexes, vec![0], "{life:?}");
+        assert_idle(&pool);
+        let after = push(&mut ks, &alloc_for("p1", &["a"]), t0 + life, &pool);
+        assert!(
+            matches!(after.verdict, Verdict::Accepted { new: 1, .. }),
+            "{life:?}: {:?}",
+            after.verdict
+        );
+        assert_eq!(ks.state("a"), Some(KeyState::PendingPush));
+        assert_eq!(ks.counters().withdrawn_keys, 1);
+        drop(after);
+        ks.shut_down(|_| true);
+        assert_idle(&pool);
+    }
+}
+
+/// A PullReadyNotif of a request the decode cancelled before it came, in
+/// pull-eager and pull-delay: the ack names every key already sent, so the
+/// sender core releases its pins (and its grant) at the ack, without
+/// waiting for a PullDoneSignal; nothing is read or stored here. The Done
+/// that follows (in case the ack is lost) finds the pull released.
+#[test]
+fn a_pull_of_a_request_cancelled_before_it_came_releases_the_senders_pins_at_the_ack() {
+    use crate::config::TransferMode;
+    for mode in [TransferMode::PullEager, TransferMode::PullDelay] {
+        let t0 = Instant::now();
+        let (spool, rpool) = (pool(8), pool(8));
+        let mut ks = receiver_with_ttl(Duration::from_secs(600));
+        let mut sc = sender_core(mode, &spool);
+        // `spec` saves request "req".
+        ks.cancel(t0, "req", &keys(&["a", "b"]));
+        let (mut put, _) = sc.begin_put(t0 + S, spec("r"), keys(&["a", "b"]), alloc(&spool, 2));
+        sc.on_connected(&mut put, t0 + S, Some(attached(t0 + S)));
+        let PutAction::Request { route, frame, .. } =
+            sc.on_granted(&mut put, t0 + S, Some(GrantId(5)))
+        else {
+            panic!("{mode:?}: a PullReadyNotif")
+        };
+        let n = PullReadyNotif::decode(&frame).unwrap();
+        assert_eq!(n.req_id.as_deref(), Some("req"));
+        assert_eq!(spool.stats().pinned, 2);
+        let reply = match ks.plan_pull(t0 + S, &route, &n, Some(LEASE)) {
+            Err(reply) => *reply,
+            Ok(plan) if mode == TransferMode::PullEager => {
+                let pages = rpool.allocate_batch(plan.metas());
+                ks.commit_pull_eager(plan, pages)
+            }
+            Ok(plan) => ks.commit_pull_delay(plan),
+        };
+        assert_eq!(reply.ack, ack(&[0, 1], false), "{mode:?}");
+        assert!(
+            matches!(reply.verdict, Verdict::Withdrawn { keys: 2, .. }),
+            "{mode:?}: {:?}",
+            reply.verdict
+        );
+        assert!(reply.read.is_none(), "{mode:?}: nothing to read");
+        assert!(ks.is_empty(), "{mode:?}: no proxy stored");
+        assert_eq!(ks.counters().contexts_open, 0);
+        assert_idle(&rpool);
+
+        let end = finish(sc.on_reply(&mut put, t0 + S, Ok(reply.ack.encode())));
+        assert!(
+            matches!(
+                end.result,
+                Ok(PutOutcome::Announced {
+                    announced: 0,
+                    already_present: 2,
+                    ..
+                })
+            ),
+            "{mode:?}: {end:?}"
+        );
+        drop(put);
+        // Released at the ack: no Done was delivered.
+        assert_eq!(sc.pulls_pending(), 0, "{mode:?}");
+        assert_eq!(sc.take_grant_releases(), vec![GrantId(5)], "{mode:?}");
+        assert!(sc.is_drained(), "{mode:?}");
+        assert_idle(&spool);
+        // The Done sent after the ack changes nothing.
+        let [done] = &reply.done[..] else {
+            panic!("{mode:?}: one Done after the ack: {:?}", reply.done)
+        };
+        assert!(
+            matches!(
+                sc.on_done_signal(t0 + 2 * S, &done.signal.pull_id),
+                DoneOutcome::AlreadyReleased(_)
+            ),
+            "{mode:?}"
+        );
+        assert_idle(&spool);
+    }
 }
 
 // ============================================================ peer restarts
@@ -2586,7 +2808,7 @@ fn a_pushed_key_shared_by_two_requests_stays_until_both_are_done() {
             ("b", "a", "r1")
         };
         if by_cancel {
-            let c = ks.cancel(first, &keys(&["k", own1]));
+            let c = ks.cancel(t0, first, &keys(&["k", own1]));
             assert_eq!(c.removed.len(), 1, "only its own key went: {c:?}");
         } else {
             assert!(ks.release(first, "k").unwrap().page.is_none());
@@ -2655,7 +2877,7 @@ fn a_shared_proxy_is_read_by_both_requests_and_its_done_waits_for_the_last() {
         assert_eq!(ks.state("k"), Some(KeyState::Proxy), "{first}: k stays");
         assert!(!dones.contains(&p1), "{first}: p1 carries k, still needed");
         if second_cancels {
-            let c = ks.cancel(second, &keys(&["k", own2]));
+            let c = ks.cancel(t0, second, &keys(&["k", own2]));
             dones.extend(
                 c.removed
                     .iter()
@@ -2730,7 +2952,7 @@ fn holds_count_under_other_names_and_a_new_claim_undoes_a_pending_cancel() {
 
     // "late" is still being pushed when its only request cancels it...
     let r = push(&mut ks, &alloc_for("a", &["late"]), t0, &pool);
-    let c = ks.cancel("a", &keys(&["late"]));
+    let c = ks.cancel(t0, "a", &keys(&["late"]));
     assert_eq!(c.deferred, keys(&["late"]));
     // ... then another request announces it (told: already sent).
     let b = push(&mut ks, &alloc_for("b", &["late"]), t0, &pool);

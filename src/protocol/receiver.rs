@@ -70,6 +70,17 @@ use super::allocations::{AllocState, Allocation, PushAllocations, ENDED_CAPACITY
 /// never stored) when it is looked up.
 const EXPIRED_KEY_LIFETIME: Duration = Duration::from_secs(60);
 
+/// How many withdrawn requests (see [`ReceiverCore::cancel`]) are
+/// remembered at once; beyond it the oldest is forgotten, and a late
+/// message of that request is served as before (its chunks wait for
+/// `pd_resident_ttl` or their lease).
+const WITHDRAWN_CAPACITY: usize = ENDED_CAPACITY;
+
+/// How long a withdrawn request is remembered when chunks never expire
+/// (`pd_resident_ttl: 0`): the default `pd_resident_ttl`, far beyond any
+/// prefill's queueing delay.
+const WITHDRAWN_LIFETIME_WITHOUT_TTL: Duration = Duration::from_secs(600);
+
 /// Why a load cannot have a chunk dropped at `pd_resident_ttl`.
 pub const RESIDENT_EXPIRED: &str = "it landed but was not loaded within pd_resident_ttl, so its \
      page went back to the pool (load sooner, or raise pd_resident_ttl)";
@@ -87,6 +98,8 @@ pub struct ReceiverConfig {
     pub read_margin_pct: f64,
     /// How long a landed chunk waits to be loaded or cancelled before
     /// [`ReceiverCore::sweep`] drops it (`pd_resident_ttl`; `None`: never).
+    /// Also how long a cancelled request stays withdrawn
+    /// ([`ReceiverCore::cancel`]; without a TTL, 600 s).
     pub resident_ttl: Option<Duration>,
 }
 
@@ -188,6 +201,16 @@ pub enum Verdict {
     AllocFailed(MemoryError),
     /// The message was invalid: nothing was kept; the reply says `alloc_failed`.
     Rejected(InvalidMessage),
+    /// The message's request was cancelled here before it came (see
+    /// [`ReceiverCore::cancel`]): nothing was allocated or stored, and the
+    /// reply names every key as already sent, so its sender writes nothing
+    /// (push) or releases its pins at once (pull).
+    Withdrawn {
+        /// The request.
+        req_id: String,
+        /// Its keys in the message.
+        keys: usize,
+    },
 }
 
 /// A receiver-local allocation number.
@@ -434,6 +457,10 @@ pub struct ReceiverCounters {
     pub cancelled_keys: u64,
     /// Landed chunks dropped at `pd_resident_ttl`, never loaded.
     pub expired_resident: u64,
+    /// Keys of `AllocRequest`s and `PullReadyNotif`s whose request was
+    /// cancelled here before they came, answered as already sent (nothing
+    /// allocated, stored or read).
+    pub withdrawn_keys: u64,
 }
 
 #[derive(Debug)]
@@ -474,6 +501,12 @@ pub struct ReceiverCore {
     /// stored, when it ends. Only keys still pending under that transfer
     /// are kept.
     cancelled: HashMap<String, Pending>,
+    /// Requests [`ReceiverCore::cancel`] named ("withdrawn"): the decode
+    /// side gave up on them, so their keys arriving later are answered as
+    /// already sent instead of being stored for a load that never comes.
+    /// Bounded in number and remembered for `pd_resident_ttl`, the longest
+    /// such keys would otherwise have held their pages.
+    withdrawn: RecentIds<()>,
     /// Who holds, claims and keeps the clock of each stored key: the one
     /// copy of the rule that says when a key may go.
     own: KeyOwnership,
@@ -560,6 +593,12 @@ impl ReceiverCore {
             pushes: PushAllocations::default(),
             expired_keys: RecentIds::new(ENDED_CAPACITY, EXPIRED_KEY_LIFETIME),
             cancelled: HashMap::new(),
+            withdrawn: RecentIds::new(
+                WITHDRAWN_CAPACITY,
+                config
+                    .resident_ttl
+                    .unwrap_or(WITHDRAWN_LIFETIME_WITHOUT_TTL),
+            ),
             own: KeyOwnership::default(),
             pieces: HashMap::new(),
             contexts: DelayContexts::default(),
@@ -813,12 +852,23 @@ impl ReceiverCore {
         self.remove(key)
     }
 
-    /// A request was cancelled (`CancelNotif`): drops every key of `keys`
-    /// this store holds. Resident chunks and proxies go now (a proxy counts
-    /// as discarded, which may complete its pull's Done); a key still
-    /// landing is dropped when its transfer ends instead of becoming
-    /// resident. Unknown keys are ignored.
-    pub fn cancel(&mut self, req: &str, keys: &[String]) -> Cancelled {
+    /// Request `req` was cancelled at `now` (its sender's `CancelNotif`, or
+    /// the decode side gave up on it): drops every key of `keys` this store
+    /// holds for it. Resident chunks and proxies go now (a proxy counts as
+    /// discarded, which may complete its pull's Done); a key still landing
+    /// is dropped when its transfer ends instead of becoming resident. A
+    /// key another request holds stays for it.
+    ///
+    /// `req` is also *withdrawn* for `pd_resident_ttl`: an `AllocRequest`
+    /// or `PullReadyNotif` that names it in its `req_id` and comes later is
+    /// answered with every key already sent ([`Verdict::Withdrawn`]), so
+    /// nothing is allocated or stored and the sender writes nothing, or
+    /// releases its pins at once. Messages without a `req_id`
+    /// (LMCache-Ascend peers) are not affected.
+    pub fn cancel(&mut self, now: Instant, req: &str, keys: &[String]) -> Cancelled {
+        if !req.is_empty() {
+            self.withdrawn.insert(req, (), now);
+        }
         // Marks whose transfer ended some other way (a sweep, a revoke)
         // are stale: keep only those still waiting, so the map stays small.
         let entries = &self.entries;
@@ -932,6 +982,18 @@ impl ReceiverCore {
                 }));
             }
         };
+        if let Some(verdict) = self.withdrawn_verdict(req.req_id.as_deref(), req.keys.len(), now) {
+            return Err(Box::new(PushReply {
+                response: AscendAllocResponse {
+                    already_sent_indexes: (0..req.keys.len() as u64).collect(),
+                    remote_indexes: Vec::new(),
+                    remote_buffer_uuids: Vec::new(),
+                    alloc_failed: false,
+                },
+                verdict,
+                done: Vec::new(),
+            }));
+        }
         let done = self.replace_expired(&req.keys, now);
         let part = self.partition(&req.keys);
         let metas: Vec<ChunkMeta> = part
@@ -1381,6 +1443,21 @@ impl ReceiverCore {
                 )));
             }
         };
+        let n = notif.keys.len();
+        if let Some(verdict) = self.withdrawn_verdict(notif.req_id.as_deref(), n, now) {
+            // Nothing to read: the ack releases the sender's pins, and the
+            // Done after it does too should the ack be lost.
+            self.counters.dones_emitted += 1;
+            return Err(Box::new(PullReply {
+                ack: PullReadyDoneAck {
+                    already_sent_indexes: (0..n as u64).collect(),
+                    alloc_failed: false,
+                },
+                verdict,
+                read: None,
+                done: vec![done_for(notif)],
+            }));
+        }
         let done = self.replace_expired(&notif.keys, now);
         let part = self.partition(&notif.keys);
         self.claim(&notif.keys, &part);
@@ -1827,6 +1904,22 @@ impl ReceiverCore {
     }
 
     // ---------------------------------------------------------- helpers
+
+    /// [`Verdict::Withdrawn`] (counted) when a message of request `req_id`
+    /// with `keys` keys comes at `now` after a cancel withdrew the request.
+    fn withdrawn_verdict(
+        &mut self,
+        req_id: Option<&str>,
+        keys: usize,
+        now: Instant,
+    ) -> Option<Verdict> {
+        let req_id = req_id.filter(|r| self.withdrawn.get(r, now).is_some())?;
+        self.counters.withdrawn_keys += keys as u64;
+        Some(Verdict::Withdrawn {
+            req_id: req_id.to_string(),
+            keys,
+        })
+    }
 
     fn is_proxy_of(&self, key: &str, handle: &ProxyHandle) -> bool {
         matches!(self.entries.get(key), Some(Entry::Proxy(p)) if p.handle == *handle)

@@ -136,7 +136,7 @@ impl Shared {
     /// [`ReceiverCore::cancel`]) and returns the keys dropped or marked.
     fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
         lock(&self.admission).release(req_id);
-        let c = lock(&self.core).cancel(req_id, keys);
+        let c = lock(&self.core).cancel(Instant::now(), req_id, keys);
         let mut dropped = Vec::with_capacity(c.removed.len() + c.deferred.len());
         for (key, r) in c.removed {
             if let Some(d) = r.done {
@@ -679,6 +679,13 @@ impl Receiver {
     /// then releases the sender's pins), and keys still landing are
     /// dropped when their transfer ends. A key another request still holds
     /// (a shared prefix) stays for it. Returns the keys this request let go of.
+    ///
+    /// The request is also *withdrawn* here for `pd_resident_ttl` (600 s
+    /// when that is 0): an `AllocRequest` or `PullReadyNotif` whose
+    /// `req_id` is `req_id` and that comes later (its prefill did not know)
+    /// is answered with every key already sent, so nothing is stored: the
+    /// sender writes nothing (push) or releases its pins at the ack (pull).
+    /// Name the request as the prefill's sender did (`TransferSpec::req_id`).
     pub fn cancel(&self, req_id: &str, keys: &[String]) -> Vec<String> {
         self.shared.cancel(req_id, keys)
     }

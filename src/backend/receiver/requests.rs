@@ -638,6 +638,12 @@ fn note_verdict(s: &Shared, v: &Verdict) {
                 log::warn!("rejected a message: {e} (logged once)");
             }
         }
+        Verdict::Withdrawn { req_id, keys } => {
+            log::debug!(
+                "request {req_id:?} was cancelled here before its {keys} key(s) came: answered \
+                 them as already sent (nothing allocated or read)"
+            );
+        }
     }
 }
 
