@@ -584,6 +584,14 @@ class Receiver:
         discarded, so senders release their pins). Returns what was found:
         ``"not_started"``, ``"cancelling"``, ``"already_ended"`` or
         ``"unknown"`` (never submitted here).
+
+        Name the request as the prefill's save did (its ``req_id``). Unless
+        its load here already ended, the request is then withdrawn for
+        ``pd_resident_ttl`` (600 s when that is 0; a running load withdraws
+        it if it fails): a save of it that reaches this receiver later is
+        answered as already sent, so nothing is stored, its sender writes
+        nothing (push) or releases its pins at once (pull), and the save
+        ends as done.
         """
         key_array, num_keys = _keys(keys)
         state = ctypes.c_int32()

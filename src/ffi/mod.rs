@@ -1681,6 +1681,13 @@ pub unsafe extern "C" fn apd_receiver_poll(
 /// freed (pull-delay proxies are discarded, so senders release their
 /// pins). `*state` tells what was found (`APD_CANCEL_*`).
 ///
+/// Name the request as the prefill's save did (its `req_id`). Unless its
+/// load here already ended, the request is then *withdrawn* for
+/// `pd_resident_ttl` (600 s when that is 0; a running load withdraws it
+/// if it fails): a save of it that reaches this receiver later is answered
+/// as already sent, so nothing is stored, its sender writes nothing (push)
+/// or releases its pins at once (pull), and the save ends as done.
+///
 /// # Safety
 /// As `apd_receiver_available`.
 #[no_mangle]

@@ -1015,8 +1015,12 @@ impl LoadQueue {
     /// so their senders release their pins. A running load is reported as
     /// cancelled when it ends (its pages come back as after any load). A
     /// load that already ended left nothing here: nothing is dropped, so
-    /// keys another request brought since stay. Cancel the prefill side too
-    /// if its save has not ended: keys that arrive later are kept.
+    /// keys another request brought since stay. Otherwise the request is
+    /// withdrawn for `pd_resident_ttl` (a running load's when it fails):
+    /// keys of its save that arrive later are answered as already sent and
+    /// never stored (see [`Receiver::cancel`]), so name it as the
+    /// prefill's save did. The prefill still gathers them: cancel its save
+    /// too when you can.
     pub fn cancel(&self, req_id: &str, keys: &[String]) -> CancelState {
         let verdict = lock(&self.state.book).cancel(req_id);
         match verdict {
