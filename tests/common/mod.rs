@@ -289,3 +289,38 @@ pub fn poll_until(
     }
     got
 }
+
+/// Where a fault injected into the emulator's asynchronous copies strikes
+/// (see its `ascend_emu_inject_copy_fault`).
+#[derive(Clone, Copy, Debug)]
+pub enum CopyFault {
+    /// `aclrtMemcpyAsync` refuses the copy.
+    Queue = 1,
+    /// The copy fails on its stream; the stream's next synchronisation,
+    /// and events recorded on it after the copy, report it.
+    Run = 2,
+    /// The copy runs, but the stream's next synchronisation (and that of
+    /// an event recorded on it meanwhile) fails at once, before it ran.
+    Sync = 3,
+}
+
+/// Makes the next `times` asynchronous copies touching `[addr, addr +
+/// len)` fail at `at`, in the emulator `acl` runs on.
+pub fn inject_copy_fault(acl: &ascend_sys::Acl, addr: u64, len: usize, at: CopyFault, times: u32) {
+    type InjectFn = unsafe extern "C" fn(u64, u64, std::ffi::c_int, u32) -> std::ffi::c_int;
+    assert!(
+        acl.is_emulator(),
+        "faults are injected into the emulator only"
+    );
+    // SAFETY: the file is the emulator library the loader already mapped;
+    // this takes another reference to that mapping for the call.
+    let lib = unsafe { libloading::Library::new(acl.library_path()) }.unwrap();
+    // SAFETY: the emulator exports the symbol with exactly this signature.
+    let inject = unsafe { lib.get::<InjectFn>(b"ascend_emu_inject_copy_fault\0") }.unwrap();
+    // SAFETY: plain values; the emulator only records them.
+    let rc = unsafe { inject(addr, len as u64, at as std::ffi::c_int, times) };
+    assert_eq!(
+        rc, 0,
+        "ascend_emu_inject_copy_fault({addr:#x}, {len}, {at:?}, {times})"
+    );
+}

@@ -608,3 +608,29 @@ pub unsafe extern "C" fn ascend_emu_link_stats(
     });
     acl_status("ascend_emu_link_stats", r)
 }
+
+/// Emulator only, no CANN counterpart: makes the next `times`
+/// `aclrtMemcpyAsync` copies whose source or destination overlaps
+/// `[addr, addr + len)` fail. `at` 1: the call refuses the copy (nothing is
+/// queued); `at` 2: the copy is queued but fails on its stream without
+/// moving a byte, and the stream's next `aclrtSynchronizeStream` reports
+/// it, as does `aclrtSynchronizeEvent` of every event recorded on that
+/// stream after it until then; `at` 3: the copy runs, but the stream's next
+/// `aclrtSynchronizeStream` (and the next `aclrtSynchronizeEvent` of an
+/// event recorded on it meanwhile) fails at once, before the stream's work
+/// ran (a wait that errs while the device still copies). `times` 0 clears
+/// the faults armed over
+/// exactly that range. Returns 0, or `ACL_ERROR_INVALID_PARAM` (the text in
+/// `aclGetRecentErrMsg`).
+#[no_mangle]
+pub extern "C" fn ascend_emu_inject_copy_fault(
+    addr: u64,
+    len: u64,
+    at: c_int,
+    times: u32,
+) -> c_int {
+    acl_status(
+        "ascend_emu_inject_copy_fault",
+        crate::fault::inject(addr, len, at, times),
+    )
+}

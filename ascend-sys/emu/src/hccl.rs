@@ -859,7 +859,12 @@ pub(crate) fn batch(
         None => Duration::ZERO,
     };
     stream
-        .submit(Task::Copies { copies, keep, pace })
+        .submit(Task::Copies {
+            copies,
+            keep,
+            pace,
+            fault: None,
+        })
         .map_err(|f| Failure::hccl(HCCL_E_RUNTIME, f.message))?;
     // Accounted once queued, in the order batches were accepted; every
     // batch is submitted at modeled time 0 (see `link`), so they queue.

@@ -1110,7 +1110,12 @@ fn submit(
     let event = Arc::new(Event::default());
     let seq = event.begin_record();
     c.worker
-        .submit(Task::Copies { copies, keep, pace })
+        .submit(Task::Copies {
+            copies,
+            keep,
+            pace,
+            fault: None,
+        })
         .map_err(|f| failed(format!("the client's worker stopped: {}", f.message)))?;
     if let Err(f) = c.worker.submit(Task::Record {
         event: event.clone(),

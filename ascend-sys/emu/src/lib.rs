@@ -14,7 +14,9 @@
 //! link ([`link`]), readable through the emulator-only C function
 //! `ascend_emu_link_stats`. HIXL's client/server API (`HixlCS*`) is a real
 //! TCP server and client that map each other's memory the same way; its
-//! batches are accounted on the link's `hixl` path.
+//! batches are accounted on the link's `hixl` path. Tests make copies
+//! fail (refused when queued, or failing on their stream) with the
+//! emulator-only C function `ascend_emu_inject_copy_fault`.
 //!
 //! This is an emulator. It has not been compared against Ascend hardware,
 //! and passing tests against it says nothing about the real path.
@@ -25,6 +27,7 @@
 
 #![warn(missing_docs)]
 
+mod fault;
 mod ffi;
 mod ffi_hixl;
 mod hccl;

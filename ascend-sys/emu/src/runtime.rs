@@ -504,12 +504,20 @@ pub(crate) fn memcpy_async(
     check_stream_context(&stream)?;
     let (copy, keep) = plan_copy(&st, dst, dst_max, src, count, kind, Some(stream.device))?;
     drop(st);
+    if let Some((f, _)) = crate::fault::strike(&copy, crate::fault::FaultPoint::Queue) {
+        return Err(f);
+    }
     stream.submit(Task::Copies {
         copies: vec![copy],
         keep,
         // Local copies are not on the modeled link.
         pace: std::time::Duration::ZERO,
-    })
+        fault: crate::fault::strike(&copy, crate::fault::FaultPoint::Run).map(|(f, _)| f),
+    })?;
+    if let Some((f, times)) = crate::fault::strike(&copy, crate::fault::FaultPoint::Sync) {
+        stream.arm_sync_fault(f, times);
+    }
+    Ok(())
 }
 
 pub(crate) fn memset(ptr: usize, max: usize, value: i32, count: usize) -> Result<(), Failure> {
@@ -592,6 +600,9 @@ pub(crate) fn record_event(event: usize, stream: usize) -> Result<(), Failure> {
     let stream = st.stream(stream)?;
     check_stream_context(&stream)?;
     drop(st);
+    if let Some(f) = stream.sync_fault() {
+        event.arm_sync_fault(f);
+    }
     let seq = event.begin_record();
     let queued = stream.submit(Task::Record {
         event: event.clone(),
@@ -614,8 +625,12 @@ pub(crate) fn query_event(event: usize) -> Result<u32, Failure> {
 
 pub(crate) fn synchronize_event(event: usize) -> Result<(), Failure> {
     let event = runtime().initialized()?.event(event)?;
-    event.wait_for(event.latest());
-    Ok(())
+    if let Some(f) = event.take_sync_fault() {
+        return Err(f);
+    }
+    let seq = event.latest();
+    event.wait_for(seq);
+    event.failure_at(seq).map_or(Ok(()), Err)
 }
 
 pub(crate) fn stream_wait_event(stream: usize, event: usize) -> Result<(), Failure> {

@@ -28,6 +28,9 @@ pub(crate) enum Task {
         copies: Vec<Copy>,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
         pace: Duration,
+        /// An injected fault (see `fault`): the task fails with it and
+        /// moves nothing.
+        fault: Option<Failure>,
     },
     /// Marks `event` complete up to record number `seq`.
     Record { event: Arc<Event>, seq: u64 },
@@ -55,6 +58,10 @@ pub(crate) struct Stream {
     sender: Mutex<Option<Sender<Task>>>,
     progress: Mutex<Progress>,
     changed: Condvar,
+    /// An injected fault (see `fault`): the next synchronisations (as
+    /// many as counted) fail with it at once, without waiting for the
+    /// stream's work.
+    sync_fault: Mutex<Option<(Failure, u32)>>,
 }
 
 impl Stream {
@@ -71,6 +78,7 @@ impl Stream {
             sender: Mutex::new(Some(tx)),
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
+            sync_fault: Mutex::new(None),
         });
         let worker = stream.clone();
         std::thread::Builder::new()
@@ -82,7 +90,17 @@ impl Stream {
     fn run(self: Arc<Self>, rx: Receiver<Task>) {
         // Ends when the stream is destroyed and the queue is drained.
         while let Ok(task) = rx.recv() {
-            let outcome = execute(task);
+            let outcome = match task {
+                // A record after a failed task carries the failure, as on a
+                // device whose stream met an exception: whoever waits for
+                // the event learns that work before it failed.
+                Task::Record { event, seq } => {
+                    let failure = lock(&self.progress).failure.clone();
+                    event.complete_with(seq, failure);
+                    Ok(())
+                }
+                task => execute(task),
+            };
             let mut p = lock(&self.progress);
             p.completed += 1;
             if let Err(f) = outcome {
@@ -117,6 +135,17 @@ impl Stream {
     /// Waits for everything submitted so far; reports (and clears) the first
     /// asynchronous failure.
     pub(crate) fn synchronize(&self) -> Result<(), Failure> {
+        {
+            let mut armed = lock(&self.sync_fault);
+            if let Some((f, left)) = armed.as_mut() {
+                let f = f.clone();
+                *left -= 1;
+                if *left == 0 {
+                    *armed = None;
+                }
+                return Err(f);
+            }
+        }
         let mut p = lock(&self.progress);
         let target = p.submitted;
         while p.completed < target {
@@ -128,6 +157,17 @@ impl Stream {
         }
     }
 
+    /// Makes the next `times` synchronisations fail with `f` at once (an
+    /// injected fault).
+    pub(crate) fn arm_sync_fault(&self, f: Failure, times: u32) {
+        *lock(&self.sync_fault) = (times > 0).then_some((f, times));
+    }
+
+    /// The failure the next synchronisation will report at once, if armed.
+    pub(crate) fn sync_fault(&self) -> Option<Failure> {
+        lock(&self.sync_fault).as_ref().map(|(f, _)| f.clone())
+    }
+
     /// Stops accepting work; queued tasks still run, then the worker exits.
     pub(crate) fn close(&self) {
         lock(&self.sender).take();
@@ -136,7 +176,13 @@ impl Stream {
 
 fn execute(task: Task) -> Result<(), Failure> {
     match task {
-        Task::Copies { copies, keep, pace } => {
+        Task::Copies { fault: Some(f), .. } => Err(f),
+        Task::Copies {
+            copies,
+            keep,
+            pace,
+            fault: None,
+        } => {
             let began = Instant::now();
             for c in &copies {
                 // SAFETY: both ranges were checked against live allocations
@@ -168,6 +214,11 @@ struct EventState {
     recorded: u64,
     /// Highest record number whose stream position has been reached.
     completed: u64,
+    /// The record reached last after a failed task on its stream, and
+    /// that failure.
+    failed: Option<(u64, Failure)>,
+    /// An injected fault: the next synchronisation fails with it at once.
+    sync_fault: Option<Failure>,
 }
 
 /// An event: a marker in a stream that other streams and the host can wait on.
@@ -188,10 +239,38 @@ impl Event {
     /// Marks record number `seq` reached. Also used when a record could not
     /// be queued, so that nobody waits forever for it.
     pub(crate) fn complete(&self, seq: u64) {
+        self.complete_with(seq, None);
+    }
+
+    /// Marks record number `seq` reached, after a failed task of its
+    /// stream when `failure` is given.
+    pub(crate) fn complete_with(&self, seq: u64, failure: Option<Failure>) {
         let mut s = lock(&self.state);
         s.completed = s.completed.max(seq);
+        if let Some(f) = failure {
+            s.failed = Some((seq, f));
+        }
         drop(s);
         self.changed.notify_all();
+    }
+
+    /// Makes the next synchronisation fail with `f` at once (recorded on a
+    /// stream armed with an injected fault).
+    pub(crate) fn arm_sync_fault(&self, f: Failure) {
+        lock(&self.state).sync_fault = Some(f);
+    }
+
+    /// Takes the injected fault the next synchronisation reports, if armed.
+    pub(crate) fn take_sync_fault(&self) -> Option<Failure> {
+        lock(&self.state).sync_fault.take()
+    }
+
+    /// The failure before record number `seq`, if its stream had one.
+    pub(crate) fn failure_at(&self, seq: u64) -> Option<Failure> {
+        match &lock(&self.state).failed {
+            Some((at, f)) if *at == seq => Some(f.clone()),
+            _ => None,
+        }
     }
 
     /// The record number a waiter must wait for (the latest record).
