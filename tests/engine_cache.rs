@@ -611,3 +611,273 @@ fn a_layerwise_save_from_an_npu_cache_follows_the_engines_stream_over_hccl() {
     drop(staged);
     drop((scratch, kernel_input));
 }
+
+/// `(allocated, quarantined)` pages of the host pool in `s`.
+fn host_held(s: &DualStats) -> (usize, usize) {
+    let p = s.cpu.expect("a host pool");
+    (p.allocated, p.quarantined)
+}
+
+/// Synchronises `cache` until a synchronisation succeeds (the first after
+/// an injected failure may report it again).
+fn prove_idle(cache: &SharedKvCache) {
+    for _ in 0..3 {
+        if cache.lock().synchronize().is_ok() {
+            return;
+        }
+    }
+    panic!("the stream never synchronised");
+}
+
+/// Issue "device error paths": a save whose gather's wait failed was
+/// reported released (its KV blocks free for the engine) and its page went
+/// back to the pool, though nothing proved the copies out of the cache had
+/// stopped. Neither happens now until a later synchronisation of the
+/// cache's stream succeeds; then the save ends, failed, naming the error.
+#[test]
+fn a_save_whose_gather_wait_fails_is_released_only_once_the_stream_is_proven_idle() {
+    let dev = device();
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 8);
+    let prefill = engine_cache(&dev, spec, None);
+    let t0 = &prefill.tensors[0];
+    inject_copy_fault(dev.acl(), t0.addr(), t0.len(), CopyFault::Sync, 1);
+    saves
+        .submit(
+            SaveRequest {
+                keys: req_keys(0),
+                slot_mapping: (0..TOKENS[0]).map(|t| prefill_slot(0, t, 8)).collect(),
+                spec: spec_for(&rc, "unproven", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || host_held(&sender.stats().pools)
+            == (1, 1)),
+        "the gathered page is quarantined: {:?}",
+        sender.stats().pools
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
+    assert_eq!(
+        saves.poll(),
+        vec![],
+        "not ended while its copies are unproven"
+    );
+    assert_eq!(saves.in_flight(), (0, 1));
+
+    prove_idle(&prefill.cache);
+    assert_eq!(host_held(&sender.stats().pools), (0, 0));
+    assert_eq!(saves.poll_cache_released(), ["unproven"]);
+    let done = saves.poll();
+    assert_eq!(done.len(), 1, "{done:?}");
+    let Outcome::Failed(why) = &done[0].outcome else {
+        panic!("{done:?}");
+    };
+    assert!(
+        why.contains("waiting for the gather copies") && why.contains("injected fault"),
+        "{why}"
+    );
+    drop(saves);
+    drop(receiver);
+}
+
+/// Three chunks resident at a receiver with a host pool, and a decode
+/// engine cache on the NPU to load them into.
+struct LoadSetup {
+    rc: ascend_pd::config::PdConfig,
+    receiver: Arc<Receiver>,
+    _sender: Arc<Sender>,
+    loads: LoadQueue,
+    decode: EngineCache,
+    keys: Vec<String>,
+}
+
+fn load_setup(prefix: &str) -> LoadSetup {
+    let dev = device();
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    let sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 8);
+    let decode = engine_cache(&dev, spec, None);
+    let keys = keys(prefix, 3);
+    let held = chunks(&sender, &keys, CHUNK);
+    sender
+        .put(&keys, &held, &spec_for(&rc, prefix, true))
+        .unwrap();
+    drop(held);
+    assert!(eventually(Duration::from_secs(20), || loads
+        .available(&keys)
+        == Availability::Ready));
+    LoadSetup {
+        rc,
+        receiver,
+        _sender: sender,
+        loads,
+        decode,
+        keys,
+    }
+}
+
+impl LoadSetup {
+    fn submit(&self, id: &str) {
+        self.loads
+            .submit(
+                LoadRequest {
+                    req_id: id.into(),
+                    keys: self.keys.clone(),
+                    slot_mapping: (0..3 * CHUNK).map(|t| decode_slot(0, t, 8)).collect(),
+                },
+                &self.decode.cache,
+            )
+            .unwrap();
+    }
+
+    /// Address of decode slot `t` of the load in the first tensor.
+    fn slot_addr(&self, t: usize) -> u64 {
+        let tb = self.decode.cache.spec().token_bytes();
+        self.decode.tensors[0].addr() + (decode_slot(0, t, 8) as usize * tb) as u64
+    }
+}
+
+/// A load whose scatter fence failed gave the source pages back and was
+/// reported failed at once (the engine free to reuse its blocks), while the
+/// copies into them were unproven. Now its pages stay quarantined and it
+/// ends only once the stream is proven idle.
+#[test]
+fn a_load_whose_scatter_wait_fails_ends_only_once_the_stream_is_proven_idle() {
+    let s = load_setup("unproven-load");
+    let t0 = &s.decode.tensors[0];
+    inject_copy_fault(device().acl(), t0.addr(), t0.len(), CopyFault::Sync, 1);
+    s.submit("unproven-load");
+    assert!(
+        eventually(Duration::from_secs(20), || host_held(
+            &s.receiver.stats().pools
+        ) == (3, 3)),
+        "the scattered pages are quarantined: {:?}",
+        s.receiver.stats().pools
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        s.loads.poll(),
+        vec![],
+        "not ended while its copies are unproven"
+    );
+    assert_eq!(s.loads.in_flight(), (0, 1));
+
+    prove_idle(&s.decode.cache);
+    assert_eq!(host_held(&s.receiver.stats().pools), (0, 0));
+    let done = s.loads.poll();
+    assert_eq!(done.len(), 1, "{done:?}");
+    let Outcome::Failed(why) = &done[0].outcome else {
+        panic!("{done:?}");
+    };
+    assert!(why.contains("injected fault"), "{why}");
+}
+
+/// A copy refused part-way through a load's scatter: the load was reported
+/// failed while the copies queued before the refusal were neither waited
+/// for nor fenced, their pages held by the cache until some later load
+/// fenced it. The load now waits for them before it ends, and every page
+/// comes back.
+#[test]
+fn a_load_refused_part_way_waits_for_what_was_queued_before_it_ends() {
+    let s = load_setup("refused-load");
+    // A copy of the second chunk is refused; the first chunk's are queued.
+    inject_copy_fault(
+        device().acl(),
+        s.slot_addr(CHUNK + 3),
+        1,
+        CopyFault::Queue,
+        1,
+    );
+    s.submit("refused-load");
+    let done = poll_until(|| s.loads.poll(), 1);
+    assert_eq!(done.len(), 1, "{done:?}");
+    let Outcome::Failed(why) = &done[0].outcome else {
+        panic!("{done:?}");
+    };
+    assert!(why.contains("refused when queued"), "{why}");
+    assert_eq!(
+        host_held(&s.receiver.stats().pools),
+        (0, 0),
+        "every page is back when the load ends"
+    );
+    let _ = &s.rc;
+}
+
+/// The layer-wise save's path: a layer whose gather's wait failed ended
+/// the save and reported its cache released at once. Now neither happens
+/// until the stream is proven idle; the staging page stays quarantined
+/// until then.
+#[test]
+fn a_layerwise_save_whose_gather_wait_fails_is_released_only_once_the_stream_is_proven_idle() {
+    let dev = device();
+    let rc = receiver_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    let mut sc = sender_config(ChannelKind::Tcp, TransferMode::Push, 8);
+    sc.layerwise = true;
+    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
+    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
+    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
+    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 8);
+    let engine = dev.create_stream().unwrap();
+    // SAFETY: the stream is live and outlives the cache (dropped after it).
+    let borrowed = unsafe { dev.borrow_stream(engine.as_raw()) }.unwrap();
+    let prefill = engine_cache(&dev, spec, Some(borrowed));
+    saves
+        .open_layered(
+            SaveRequest {
+                keys: req_keys(0),
+                slot_mapping: (0..TOKENS[0]).map(|t| prefill_slot(0, t, 8)).collect(),
+                spec: spec_for(&rc, "unproven-layers", true),
+            },
+            &prefill.cache,
+        )
+        .unwrap();
+    let t0 = &prefill.tensors[0];
+    inject_copy_fault(dev.acl(), t0.addr(), t0.len(), CopyFault::Sync, 1);
+    for layer in 0..spec.layers {
+        saves.save_layer("unproven-layers", layer).unwrap();
+    }
+    let _ = saves.close_layered("unproven-layers");
+    assert!(
+        eventually(Duration::from_secs(20), || host_held(&sender.stats().pools)
+            .1
+            == 1),
+        "the staging page is quarantined: {:?}",
+        sender.stats().pools
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
+    assert_eq!(
+        saves.poll(),
+        vec![],
+        "not ended while its copies are unproven"
+    );
+
+    prove_idle(&prefill.cache);
+    assert_eq!(saves.poll_cache_released(), ["unproven-layers"]);
+    let done = saves.poll();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert!(
+        matches!(&done[0].outcome, Outcome::Failed(why) if why.contains("injected fault")),
+        "{done:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || host_held(&sender.stats().pools)
+            == (0, 0)),
+        "{:?}",
+        sender.stats().pools
+    );
+    drop(saves);
+    drop(prefill);
+    drop(engine);
+    drop(receiver);
+}

@@ -12,14 +12,15 @@ use ascend_pd::config::{ChannelKind, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec, KvStrides, KvTensor};
 use ascend_pd::memory::npu::AclRuntime;
 use ascend_pd::memory::{
-    pattern, ChunkLayout, ChunkMeta, Dtype, DualStats, MemFormat, MemObj, PagePool,
-    RegisteredBuffer,
+    pattern, ChunkLayout, ChunkMeta, Dtype, DualStats, MemFormat, PagePool, RegisteredBuffer,
 };
 use ascend_pd::requests::{
     Availability, LoadQueue, LoadRequest, Outcome, SaveQueue, SaveRequest, SharedKvCache,
 };
 use ascend_pd::{LoadOptions, Receiver, Sender};
-use common::{eventually, poll_until, receiver_config, sender_config, spec_for};
+use common::{
+    eventually, inject_copy_fault, poll_until, receiver_config, sender_config, spec_for, CopyFault,
+};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,16 +61,20 @@ fn round_trip(src: &mut KvCache, dst: &mut KvCache, pool: &Arc<PagePool>, l: &Ch
     let from: Vec<i64> = (0..40).map(|t| (63 - t) as i64).collect();
     let to: Vec<i64> = (0..40).map(|t| ((t * 5) % 64) as i64).collect();
     let tokens = [16, 16, 8];
-    let mut pages = pool
+    let pages = pool
         .allocate_batch(&tokens.map(|t| ChunkMeta::partial(*l, t)))
         .unwrap();
-    for (i, page) in pages.iter_mut().enumerate() {
-        let r = &from[i * 16..i * 16 + tokens[i]];
-        let g = src.gather(r, page).unwrap();
-        assert_eq!(g.bytes, l.bytes_for(tokens[i]));
-    }
-    // Gathered: from now on only read.
-    let pages: Vec<_> = pages.into_iter().map(MemObj::seal).collect();
+    let pages: Vec<_> = pages
+        .into_iter()
+        .enumerate()
+        .map(|(i, page)| {
+            let r = &from[i * 16..i * 16 + tokens[i]];
+            let (page, g) = src.gather(r, page).unwrap();
+            assert_eq!(g.bytes, l.bytes_for(tokens[i]));
+            // Gathered: from now on only read.
+            page.seal()
+        })
+        .collect();
     for (i, page) in pages.iter().enumerate() {
         dst.scatter(page, tokens[i], &to[i * 16..i * 16 + tokens[i]])
             .unwrap();
@@ -902,4 +907,166 @@ fn strides_that_would_alias_or_overrun_are_refused_with_the_fix() {
         "{e}"
     );
     drop(cpu);
+}
+
+/// An NPU cache holding a prefill, and a host pool of `pages` pages for
+/// its chunks.
+fn npu_cache_and_pool(rt: &AclRuntime, pages: usize) -> (KvCache, Arc<PagePool>, ChunkLayout) {
+    let l = layout(MemFormat::Kv2Ltd);
+    let dev = rt.device(0).unwrap();
+    let mut cache = KvCache::npu(&dev, KvCacheSpec::for_layout(&l, 8, 8)).unwrap();
+    prefill(&mut cache);
+    (cache, host_pool(&l, pages), l)
+}
+
+/// `(allocated, quarantined)` pages of `pool`.
+fn held(pool: &PagePool) -> (usize, usize) {
+    let s = pool.stats();
+    (s.allocated, s.quarantined)
+}
+
+const SLOTS: [i64; 16] = [3, 2, 1, 0, 8, 9, 10, 11, 40, 41, 42, 43, 44, 45, 46, 47];
+
+/// Issue "device error paths": a gather whose wait for its copies failed
+/// gave its page back to the pool, though nothing proved the copies had
+/// stopped writing it. The page now stays out of the pool, counted as
+/// quarantined, until a later synchronisation of the stream succeeds.
+#[test]
+fn a_gather_whose_wait_fails_keeps_its_page_quarantined_until_the_stream_is_proven_idle() {
+    let rt = emulator();
+    let (mut cache, pool, l) = npu_cache_and_pool(&rt, 2);
+    let page = pool.allocate(ChunkMeta::full(l)).unwrap();
+    inject_copy_fault(rt.acl(), page.addr(), l.page_bytes(), CopyFault::Sync, 1);
+    let e = cache.gather(&SLOTS, page).unwrap_err().to_string();
+    assert!(
+        e.contains("waiting for the gather copies") && e.contains("injected fault"),
+        "{e}"
+    );
+    assert_eq!(held(&pool), (1, 1), "the page is quarantined, not free");
+    cache.synchronize().unwrap();
+    assert_eq!(held(&pool), (0, 0), "back once the stream is proven idle");
+}
+
+/// A copy refused part-way through a gather, and the wait for the copies
+/// queued before it failed too: the page stays quarantined (it was given
+/// back after `let _ = stream.synchronize()`). Refused with a wait that
+/// succeeds, the page comes back at once.
+#[test]
+fn a_gather_refused_part_way_keeps_its_page_only_while_the_copies_before_are_unproven() {
+    let rt = emulator();
+    let (mut cache, pool, l) = npu_cache_and_pool(&rt, 2);
+    let half = l.page_bytes() / 2;
+    for unproven in [true, false] {
+        let page = pool.allocate(ChunkMeta::full(l)).unwrap();
+        // The first copy lands at the page's start; a later one past its half.
+        inject_copy_fault(rt.acl(), page.addr() + half as u64, 1, CopyFault::Queue, 1);
+        if unproven {
+            inject_copy_fault(rt.acl(), page.addr(), 1, CopyFault::Sync, 1);
+        }
+        let e = cache.gather(&SLOTS, page).unwrap_err().to_string();
+        assert!(
+            e.contains("queueing a gather copy") && e.contains("refused when queued"),
+            "{e}"
+        );
+        if unproven {
+            assert_eq!(held(&pool), (1, 1), "{e}");
+            cache.synchronize().unwrap();
+        }
+        assert_eq!(held(&pool), (0, 0));
+    }
+}
+
+/// A scatter's fence whose event wait fails, waited for or dropped: the
+/// source pages went back to the pool. They now stay quarantined until a
+/// synchronisation of the stream succeeds (the first one after the failure
+/// reports it too, and proves nothing).
+#[test]
+fn a_fence_whose_wait_fails_keeps_the_scatter_sources_quarantined() {
+    let rt = emulator();
+    let (mut cache, pool, l) = npu_cache_and_pool(&rt, 2);
+    for wait in [true, false] {
+        let page = pool.allocate(ChunkMeta::full(l)).unwrap().seal();
+        // The fence's event and the stream's next synchronisation fail.
+        inject_copy_fault(rt.acl(), page.addr(), l.page_bytes(), CopyFault::Sync, 1);
+        cache.scatter(&page, 16, &SLOTS).unwrap();
+        let fence = cache.fence().unwrap();
+        if wait {
+            let e = fence.wait().unwrap_err().to_string();
+            assert!(
+                e.contains("waiting for the scatter copies") && e.contains("injected fault"),
+                "{e}"
+            );
+        } else {
+            drop(fence);
+        }
+        drop(page);
+        assert_eq!(held(&pool), (1, 1), "wait={wait}");
+        let e = cache.synchronize().unwrap_err().to_string();
+        assert!(e.contains("injected fault"), "{e}");
+        assert_eq!(
+            held(&pool),
+            (1, 1),
+            "a failed synchronisation proves nothing"
+        );
+        cache.synchronize().unwrap();
+        assert_eq!(held(&pool), (0, 0), "wait={wait}");
+    }
+}
+
+/// Scatters queued without a fence, then a synchronisation that fails:
+/// their sources stay out of the pool, counted as quarantined, until one
+/// succeeds; and a cache dropped while they are unproven keeps them
+/// quarantined for good rather than free them.
+#[test]
+fn scatter_sources_of_a_failed_synchronisation_stay_quarantined_even_past_the_cache() {
+    let rt = emulator();
+    let (mut cache, pool, l) = npu_cache_and_pool(&rt, 2);
+    let page = pool.allocate(ChunkMeta::full(l)).unwrap().seal();
+    inject_copy_fault(rt.acl(), page.addr(), l.page_bytes(), CopyFault::Sync, 1);
+    cache.scatter(&page, 16, &SLOTS).unwrap();
+    drop(page);
+    let e = cache.synchronize().unwrap_err().to_string();
+    assert!(
+        e.contains("synchronising the load stream") && e.contains("injected fault"),
+        "{e}"
+    );
+    assert_eq!(held(&pool), (1, 1));
+    cache.synchronize().unwrap();
+    assert_eq!(held(&pool), (0, 0));
+
+    let page = pool.allocate(ChunkMeta::full(l)).unwrap().seal();
+    inject_copy_fault(rt.acl(), page.addr(), l.page_bytes(), CopyFault::Sync, 1);
+    cache.scatter(&page, 16, &SLOTS).unwrap();
+    drop(page);
+    drop(cache);
+    assert_eq!(held(&pool), (1, 1), "kept out of the pool for good");
+}
+
+/// A read of the cache refused part-way whose wait for the copies before
+/// failed returned at once, while those copies might still write the
+/// caller's buffer. It now returns only once a synchronisation succeeded.
+#[test]
+fn a_read_refused_part_way_returns_only_once_the_stream_is_proven_idle() {
+    let rt = emulator();
+    let (mut cache, _pool, _) = npu_cache_and_pool(&rt, 1);
+    let spec = *cache.spec();
+    let mut out = vec![0u8; 2 * spec.plane_bytes()];
+    let at = out.as_ptr() as u64;
+    // The first plane's copy arms three failed synchronisations; the
+    // second plane's copy is refused.
+    inject_copy_fault(rt.acl(), at, 1, CopyFault::Sync, 3);
+    inject_copy_fault(
+        rt.acl(),
+        at + spec.plane_bytes() as u64,
+        1,
+        CopyFault::Queue,
+        1,
+    );
+    let e = cache.read(0, &mut out).unwrap_err().to_string();
+    assert!(
+        e.contains("reading the cache") && e.contains("refused when queued"),
+        "{e}"
+    );
+    // Nothing was left unproven: the stream answers at once.
+    cache.synchronize().unwrap();
 }

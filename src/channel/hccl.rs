@@ -54,8 +54,8 @@ use super::liveness::{LinkRole, Watch, WatchServer};
 use super::one_sided::device_channel_methods;
 use super::one_sided::{
     acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, proven_finished,
-    settle_with, Abandoned, Batch, Bounds, DevicePeer, DevicePeers, DirectLink, DirectState,
-    Finish, InFlight, LocalMem, Pending, Polled, Span, Watched, WAIT_SLICE,
+    Abandoned, Batch, Bounds, DevicePeer, DevicePeers, DirectLink, DirectState, Finish, InFlight,
+    LocalMem, Pending, Polled, Span, Watched, WAIT_SLICE,
 };
 use super::{
     pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion, DirectRead,
@@ -697,9 +697,10 @@ impl Abandoned for StreamAbandoned {
 /// batch cannot be tracked must not return while the device may still
 /// write into the caller's memory.
 fn settle(link: &Link, context: &str) {
-    settle_with(
+    crate::memory::npu::settle_with(
         || link.stream.synchronize(),
         context,
+        "the KV cache slots of this read",
         || link.stuck.store(true, Ordering::SeqCst),
     );
 }

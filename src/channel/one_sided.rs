@@ -16,6 +16,8 @@ use super::{
     CompletionSender, DirectRead, DirectRegistration, GrantId, GrantStats, GrantTag, LocalPage,
     PeerId, PeerPages, PeerRegistry, PeerTable, TransferOp,
 };
+#[cfg(test)]
+use crate::memory::npu::settle_with;
 use crate::memory::npu::{device_buffer, device_of, pinned_buffer};
 use crate::memory::BufferRef;
 use crate::memory::PagePool;
@@ -943,47 +945,6 @@ pub(crate) fn proven_finished<E: std::fmt::Display>(query: Result<bool, E>, node
     }
 }
 
-/// Calls `sync` until it succeeds, `on_error` at its first failure: an
-/// error is never proof that the device stopped, so this does not return
-/// while the device may still write into memory the caller gives back.
-/// Logged at the first failure and then about once a minute.
-pub(crate) fn settle_with<E: std::fmt::Display>(
-    mut sync: impl FnMut() -> Result<(), E>,
-    context: &str,
-    on_error: impl FnOnce(),
-) {
-    let mut on_error = Some(on_error);
-    let mut failures = 0u64;
-    let mut pause = WAIT_SLICE;
-    let mut log_at = Instant::now();
-    loop {
-        let e = match sync() {
-            Ok(()) => {
-                if failures > 0 {
-                    log::warn!(
-                        "{context}: the stream synchronised after {failures} failed attempt(s)"
-                    );
-                }
-                return;
-            }
-            Err(e) => e,
-        };
-        failures += 1;
-        if let Some(f) = on_error.take() {
-            f();
-        }
-        if Instant::now() >= log_at {
-            log::error!(
-                "{context}: the stream could not be synchronised ({e}; attempt {failures}); \
-                 waiting, as the device may still write into the KV cache slots of this read"
-            );
-            log_at = Instant::now() + Duration::from_secs(60);
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_secs(1));
-    }
-}
-
 #[cfg(test)]
 mod device_word_tests {
     use super::*;
@@ -1038,6 +999,7 @@ mod device_word_tests {
                 }
             },
             "test read",
+            "the KV cache slots of this read",
             || marked.set(marked.get() + 1),
         );
         assert_eq!(
@@ -1053,6 +1015,7 @@ mod device_word_tests {
         settle_with(
             || Ok::<(), String>(()),
             "test read",
+            "nothing",
             || panic!("no failure"),
         );
     }

@@ -7,6 +7,7 @@ use crate::memory::npu::{read_page, write_page};
 use crate::memory::{ChunkMeta, DeviceKind, DirectRegistration, MemObj, Page, SealedMemObj};
 use ascend_sys::{Device, DeviceBuffer, Event, MemcpyKind, Stream};
 use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
 /// Where bytes of a chunk land in a KV cache (see
 /// [`KvCache::direct_targets`]).
@@ -53,6 +54,12 @@ pub struct KvTensor {
 /// Scatters on an NPU cache are queued on its load stream and finish at a
 /// [`KvFence`]; the cache keeps every source page alive until then, so a
 /// page can never return to its pool while a copy still reads it.
+///
+/// A wait for device copies that fails (a stream or event synchronisation)
+/// is no proof that they stopped: the pages they touch stay with the
+/// cache, counted as quarantined in their pools, until a later
+/// synchronisation of its stream succeeds. A cache dropped before that
+/// keeps them (and its own device memory) out of use for good.
 pub struct KvCache {
     /// Registrations with channels that read straight into the cache.
     /// Declared first: dropped before the memory they name.
@@ -70,6 +77,111 @@ pub struct KvCache {
     regions: Vec<(usize, usize)>,
     /// Source pages of copies queued since the last fence.
     pending: Vec<SealedMemObj>,
+    /// Pages of copies whose end the device never proved (shared with the
+    /// fences, whose failed waits leave their pages here).
+    unsettled: Arc<Unsettled>,
+}
+
+/// Device copies of one cache's stream that the device never proved
+/// finished: a wait for them failed. Their pages stay here, quarantined,
+/// until a later wait covering them succeeds; pages still here when the
+/// last holder goes stay quarantined for good.
+#[derive(Debug, Default)]
+pub(crate) struct Unsettled(Mutex<UnsettledState>);
+
+#[derive(Debug, Default)]
+struct UnsettledState {
+    /// Each held page with the failed wait (numbered from 1) that left it.
+    held: Vec<(u64, SealedMemObj)>,
+    /// Failed waits so far.
+    failures: u64,
+    /// Every failed wait up to this one was settled by a later wait that
+    /// covered its copies.
+    settled: u64,
+}
+
+impl Unsettled {
+    fn state(&self) -> std::sync::MutexGuard<'_, UnsettledState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Failed waits so far: a mark for [`Unsettled::unproven_since`], and
+    /// what a later wait must cover to settle them.
+    pub(crate) fn failures(&self) -> u64 {
+        self.state().failures
+    }
+
+    /// Whether a wait that failed after mark `mark` is not settled yet:
+    /// copies it covered may still run.
+    pub(crate) fn unproven_since(&self, mark: u64) -> bool {
+        let s = self.state();
+        s.failures > mark && s.settled < s.failures
+    }
+
+    /// Whether every wait that failed up to mark `mark` is settled.
+    pub(crate) fn settled(&self, mark: u64) -> bool {
+        self.state().settled >= mark
+    }
+
+    /// A wait (`what`) failed with `e`: nothing proves the copies it
+    /// covered stopped, so `pages` stay here, quarantined, until a later
+    /// wait covering them succeeds.
+    fn fail(&self, what: &str, e: &ascend_sys::Error, pages: Vec<SealedMemObj>) {
+        let mut s = self.state();
+        s.failures += 1;
+        let n = s.failures;
+        for p in &pages {
+            p.quarantine();
+        }
+        let count = pages.len();
+        s.held.extend(pages.into_iter().map(|p| (n, p)));
+        let total = s.held.len();
+        drop(s);
+        log::error!(
+            "KV cache: {what} failed ({e}); nothing proves the device stopped copying, so the \
+             {count} page(s) those copies touch stay quarantined ({total} held in all) until a \
+             later synchronisation of the cache's stream succeeds"
+        );
+    }
+
+    /// A wait that covered every copy queued before failed wait `upto`
+    /// succeeded: the pages of those waits go back.
+    fn settle(&self, upto: u64) {
+        let mut s = self.state();
+        if upto <= s.settled {
+            return;
+        }
+        s.settled = upto;
+        let (back, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut s.held)
+            .into_iter()
+            .partition(|(n, _)| *n <= upto);
+        s.held = kept;
+        drop(s);
+        if !back.is_empty() {
+            log::warn!(
+                "KV cache: its stream synchronised after a failed wait; the {} page(s) held since \
+                 go back to their pools",
+                back.len()
+            );
+        }
+    }
+}
+
+impl Drop for UnsettledState {
+    fn drop(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        log::error!(
+            "KV cache gone while the device never proved {} copy page(s) finished: they stay \
+             quarantined (with their pools) for good",
+            self.held.len()
+        );
+        for (_, p) in self.held.drain(..) {
+            // Never back to the pool: a late copy may still touch it.
+            std::mem::forget(p);
+        }
+    }
 }
 
 impl std::fmt::Debug for KvCache {
@@ -102,16 +214,31 @@ impl ScatterStats {
 /// The end of the scatters queued before it: wait for it before reusing
 /// their source pages. Host scatters are complete when they return, so
 /// their fence is already reached. Dropping a fence waits for it.
+///
+/// A wait that fails proves nothing about the copies: their source pages
+/// stay quarantined with the cache until a later synchronisation of its
+/// stream succeeds.
 #[must_use = "a fence is how you learn the scatters have finished"]
 pub struct KvFence {
-    event: Option<Event>,
+    work: Option<DeviceWork>,
     pages: Vec<SealedMemObj>,
+}
+
+/// What a fence of an NPU cache waits for.
+struct DeviceWork {
+    /// Recorded on the cache's stream after the scatters.
+    event: Event,
+    /// Where the pages go if the wait fails.
+    unsettled: Arc<Unsettled>,
+    /// Failed waits of the cache when the event was recorded: their copies
+    /// were queued before it, so its completion settles them.
+    upto: u64,
 }
 
 impl std::fmt::Debug for KvFence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvFence")
-            .field("device_work", &self.event.is_some())
+            .field("device_work", &self.work.is_some())
             .field("pages", &self.pages.len())
             .finish()
     }
@@ -119,23 +246,42 @@ impl std::fmt::Debug for KvFence {
 
 impl KvFence {
     /// Blocks until the scatters before the fence have run, then releases
-    /// their source pages.
+    /// their source pages. On an error the pages stay quarantined (see the
+    /// type's docs).
     pub fn wait(mut self) -> Result<(), KvError> {
-        let r = match self.event.take() {
-            Some(e) => e.synchronize().map_err(|source| KvError::Device {
-                context: "waiting for the scatter copies".into(),
-                source,
-            }),
-            None => Ok(()),
+        self.finish().map_err(|source| KvError::Device {
+            context: "waiting for the scatter copies (their source pages stay quarantined until \
+                      a synchronisation of the stream succeeds)"
+                .into(),
+            source,
+        })
+    }
+
+    /// Waits for the event: the pages go back once it was reached, or to
+    /// the cache's unsettled copies when the wait fails.
+    fn finish(&mut self) -> Result<(), ascend_sys::Error> {
+        let pages = std::mem::take(&mut self.pages);
+        let Some(w) = self.work.take() else {
+            return Ok(());
         };
-        self.pages.clear();
-        r
+        match w.event.synchronize() {
+            Ok(()) => {
+                drop(pages);
+                w.unsettled.settle(w.upto);
+                Ok(())
+            }
+            Err(e) => {
+                w.unsettled
+                    .fail("waiting for the scatter copies", &e, pages);
+                Err(e)
+            }
+        }
     }
 
     /// Whether the scatters before the fence have run.
     pub fn is_complete(&self) -> Result<bool, KvError> {
-        match &self.event {
-            Some(e) => e.is_complete().map_err(|source| KvError::Device {
+        match &self.work {
+            Some(w) => w.event.is_complete().map_err(|source| KvError::Device {
                 context: "querying the scatter event".into(),
                 source,
             }),
@@ -146,10 +292,9 @@ impl KvFence {
 
 impl Drop for KvFence {
     fn drop(&mut self) {
-        // The pages may only go back to their pools once the copies ran.
-        if let Some(e) = self.event.take() {
-            let _ = e.synchronize();
-        }
+        // The pages may only go back to their pools once the copies ran; a
+        // failed wait keeps them quarantined (and logs it).
+        let _ = self.finish();
     }
 }
 
@@ -377,6 +522,7 @@ impl KvCache {
             regions: vec![(base, bytes)],
             mem: Memory::Host(Some(region)),
             pending: Vec::new(),
+            unsettled: Arc::default(),
         })
     }
 
@@ -407,6 +553,7 @@ impl KvCache {
                 engine_stream: true,
             },
             pending: Vec::new(),
+            unsettled: Arc::default(),
         })
     }
 
@@ -462,6 +609,7 @@ impl KvCache {
             regions: checked.regions,
             mem: Memory::Host(None),
             pending: Vec::new(),
+            unsettled: Arc::default(),
         }
     }
 
@@ -546,6 +694,7 @@ impl KvCache {
                 engine_stream,
             },
             pending: Vec::new(),
+            unsettled: Arc::default(),
         })
     }
 
@@ -876,18 +1025,25 @@ impl KvCache {
     pub fn fence(&mut self) -> Result<KvFence, KvError> {
         match &self.mem {
             Memory::Host(_) => Ok(KvFence {
-                event: None,
+                work: None,
                 pages: Vec::new(),
             }),
             Memory::Npu { stream, device, .. } => {
                 let event = device
                     .create_event()
                     .map_err(device_err("creating a scatter event"))?;
+                // Read before the record: every failed wait counted so far
+                // covered copies queued before the event.
+                let upto = self.unsettled.failures();
                 stream
                     .record(&event)
                     .map_err(device_err("recording the scatter event"))?;
                 Ok(KvFence {
-                    event: Some(event),
+                    work: Some(DeviceWork {
+                        event,
+                        unsettled: Arc::clone(&self.unsettled),
+                        upto,
+                    }),
                     pages: std::mem::take(&mut self.pending),
                 })
             }
@@ -895,23 +1051,83 @@ impl KvCache {
     }
 
     /// Waits for every queued copy and reports an asynchronous failure.
+    /// Once it succeeds every copy queued before has run: the pages held
+    /// since earlier failed waits go back. When it fails, the sources of
+    /// scatters not yet fenced stay quarantined until one succeeds.
     pub fn synchronize(&mut self) -> Result<(), KvError> {
-        if let Memory::Npu { stream, .. } = &self.mem {
-            stream
-                .synchronize()
-                .map_err(device_err("synchronising the load stream"))?;
-        }
+        const WHAT: &str = "synchronising the load stream";
+        self.wait_stream().map_err(|e| {
+            self.hold_unproven(WHAT, &e, None);
+            device_err(WHAT)(e)
+        })
+    }
+
+    /// Copies whose end the device has not proved yet (see [`KvCache`]):
+    /// shared so that a request can learn when a later synchronisation
+    /// settled the failure it met.
+    pub(crate) fn unsettled(&self) -> &Arc<Unsettled> {
+        &self.unsettled
+    }
+
+    /// Waits for everything queued on an NPU cache's stream. On `Ok` every
+    /// copy queued so far ran: the pending scatter sources and the pages
+    /// held since earlier failed waits go back. On `Err` nothing changed:
+    /// the caller holds what the copies touch ([`KvCache::hold_unproven`]).
+    fn wait_stream(&mut self) -> Result<(), ascend_sys::Error> {
+        let Memory::Npu { stream, .. } = &self.mem else {
+            return Ok(());
+        };
+        let upto = self.unsettled.failures();
+        stream.synchronize()?;
         self.pending.clear();
+        self.unsettled.settle(upto);
         Ok(())
+    }
+
+    /// A wait (`what`) for the stream failed with `e`: the pending scatter
+    /// sources, and `page` (the page of the caller's copies), stay
+    /// quarantined until a later synchronisation succeeds.
+    fn hold_unproven(&mut self, what: &str, e: &ascend_sys::Error, page: Option<MemObj>) {
+        let mut pages = std::mem::take(&mut self.pending);
+        pages.extend(page.map(MemObj::seal));
+        self.unsettled.fail(what, e, pages);
+    }
+
+    /// Waits until a synchronisation of the stream succeeds, however often
+    /// one fails: for copies into or out of memory the caller lent for the
+    /// call only, which cannot be kept back as a page can.
+    fn settle_stream(&mut self, context: &str, at_risk: &str) {
+        let mut first = true;
+        crate::memory::npu::settle_with(
+            || {
+                let r = self.wait_stream();
+                if let (Err(e), true) = (&r, std::mem::take(&mut first)) {
+                    self.hold_unproven(context, e, None);
+                }
+                r
+            },
+            context,
+            at_risk,
+            || {},
+        );
     }
 
     /// Copies the slots `slots` (one per token of `page`'s chunk) into
     /// `page` in chunk layout: the sender side of a transfer. An NPU cache
     /// into a CPU page is a device-to-host copy (CPU offload). Blocks until
-    /// the copies are done; `&mut` keeps the page ours meanwhile.
-    pub fn gather(&mut self, slots: &[i64], page: &mut MemObj) -> Result<ScatterStats, KvError> {
+    /// the copies are done, and gives the page back with what was moved.
+    ///
+    /// The page moves into the gather: on an error it is dropped, unless
+    /// the device did not prove that copies into it stopped (a wait for
+    /// them failed); then the cache keeps it, quarantined, until a later
+    /// synchronisation of its stream succeeds.
+    pub fn gather(
+        &mut self,
+        slots: &[i64],
+        page: MemObj,
+    ) -> Result<(MemObj, ScatterStats), KvError> {
         let meta = page.meta();
-        let copies = self.plan_page(page, &meta, slots)?;
+        let copies = self.plan_page(&page, &meta, slots)?;
         self.run_gather(&copies, page)
     }
 
@@ -922,7 +1138,8 @@ impl KvCache {
     /// its V rows right after them (MLA: the one latent row), each
     /// `tokens × hidden` elements, exactly as that layer's ranges of the
     /// chunk's own page ([`ChunkMeta::layer_ranges`]) would hold them.
-    /// Nothing else of `dst` is written. Blocks until the copies are done.
+    /// Nothing else of `dst` is written. Blocks until the copies are done;
+    /// `dst` comes back as from [`KvCache::gather`].
     ///
     /// `after`, for an NPU cache, is an event the engine recorded on its
     /// stream right after the layer's kernels: the copies are queued behind
@@ -932,9 +1149,9 @@ impl KvCache {
         &mut self,
         layer: usize,
         parts: &[(&[i64], ChunkMeta, usize)],
-        dst: &mut MemObj,
+        dst: MemObj,
         after: Option<&Event>,
-    ) -> Result<ScatterStats, KvError> {
+    ) -> Result<(MemObj, ScatterStats), KvError> {
         if let Some(e) = after {
             match &self.mem {
                 Memory::Npu { stream, .. } => stream.wait_event(e).map_err(device_err(
@@ -1032,31 +1249,34 @@ impl KvCache {
     fn run_gather(
         &mut self,
         copies: &[PlaneCopy],
-        page: &mut MemObj,
-    ) -> Result<ScatterStats, KvError> {
+        mut page: MemObj,
+    ) -> Result<(MemObj, ScatterStats), KvError> {
         let meta = page.meta();
-        match &self.mem {
-            Memory::Host(_) => match page.host_bytes_mut() {
-                Some(dst) => self.gather_host(copies, dst),
-                // A host cache into an NPU page with small copies: gathered
-                // on the host, then one host-to-device copy.
-                None if stage_through_host(copies) => {
-                    let mut chunk = vec![0u8; meta.byte_len()];
-                    self.gather_host(copies, &mut chunk);
-                    write_page(&mut *page, 0, &chunk)?;
-                }
-                None => {
-                    for c in copies {
-                        let src = self.addr_of(c) as *const u8;
-                        // SAFETY: the run lies inside elements of one plane
-                        // of the cache (plan + wrap checks); the engine does
-                        // not write slots being saved, and the slice lives
-                        // only for the copy.
-                        let src = unsafe { std::slice::from_raw_parts(src, c.len) };
-                        write_page(&mut *page, c.chunk_offset, src)?;
+        let queued = match &self.mem {
+            Memory::Host(_) => {
+                match page.host_bytes_mut() {
+                    Some(dst) => self.gather_host(copies, dst),
+                    // A host cache into an NPU page with small copies:
+                    // gathered on the host, then one host-to-device copy.
+                    None if stage_through_host(copies) => {
+                        let mut chunk = vec![0u8; meta.byte_len()];
+                        self.gather_host(copies, &mut chunk);
+                        write_page(&mut page, 0, &chunk)?;
+                    }
+                    None => {
+                        for c in copies {
+                            let src = self.addr_of(c) as *const u8;
+                            // SAFETY: the run lies inside elements of one
+                            // plane of the cache (plan + wrap checks); the
+                            // engine does not write slots being saved, and
+                            // the slice lives only for the copy.
+                            let src = unsafe { std::slice::from_raw_parts(src, c.len) };
+                            write_page(&mut page, c.chunk_offset, src)?;
+                        }
                     }
                 }
-            },
+                return Ok((page, ScatterStats::of(copies)));
+            }
             Memory::Npu { stream, .. } => {
                 let kind = match page.device() {
                     DeviceKind::Npu(_) => MemcpyKind::DeviceToDevice,
@@ -1064,13 +1284,13 @@ impl KvCache {
                 };
                 let dst = page.addr() as usize;
                 let page_size = page.pool().buffer().page_size();
-                for c in copies {
+                copies.iter().try_for_each(|c| {
                     let src = self.addr_of(c);
                     // SAFETY: both ranges are in bounds (plan, wrap checks,
-                    // check_page); `page` is borrowed until the stream is
-                    // synchronised below, and the caller owns its bytes
-                    // meanwhile.
-                    let queued = unsafe {
+                    // check_page); `page` is ours until the stream is
+                    // proven to have finished the copies below (or the
+                    // cache keeps it, quarantined, when it is not).
+                    unsafe {
                         stream.memcpy_async(
                             (dst + c.chunk_offset) as *mut c_void,
                             page_size - c.chunk_offset,
@@ -1078,19 +1298,29 @@ impl KvCache {
                             c.len,
                             kind,
                         )
-                    };
-                    if let Err(e) = queued {
-                        // Let what was queued finish before `page` is released.
-                        let _ = stream.synchronize();
-                        return Err(device_err("queueing a gather copy")(e));
                     }
-                }
-                stream
-                    .synchronize()
-                    .map_err(device_err("waiting for the gather copies"))?;
+                })
+            }
+        };
+        // The copies queued (all, or those before a refused one) write the
+        // page until the stream is proven to have run them.
+        match (queued, self.wait_stream()) {
+            (Ok(()), Ok(())) => Ok((page, ScatterStats::of(copies))),
+            (Err(e), Ok(())) => Err(device_err("queueing a gather copy")(e)),
+            (queued, Err(e)) => {
+                let what = "waiting for the gather copies";
+                self.hold_unproven(what, &e, Some(page));
+                let held = "the page stays quarantined until a synchronisation of the stream \
+                            succeeds";
+                Err(match queued {
+                    Ok(()) => device_err(format!("{what} ({held})"))(e),
+                    Err(q) => device_err(format!(
+                        "queueing a gather copy (and {what} queued before it failed too: {e}; \
+                         {held})"
+                    ))(q),
+                })
             }
         }
-        Ok(ScatterStats::of(copies))
     }
 
     /// The host copies of a plan from this host cache into `dst`, a
@@ -1164,15 +1394,17 @@ impl KvCache {
                         )
                     };
                     if let Err(e) = queued {
-                        // Copies already queued still write `dst`: let them
-                        // finish before the caller gets it back.
-                        let _ = stream.synchronize();
+                        // Copies already queued still write `dst`: the
+                        // caller gets it back only once they are proven done.
+                        self.settle_stream("reading the cache", "the caller's buffer");
                         return Err(device_err("reading the cache")(e));
                     }
                 }
             }
         }
-        self.synchronize()
+        self.synchronize().inspect_err(|_| {
+            self.settle_stream("reading the cache", "the caller's buffer");
+        })
     }
 
     /// Copies `src` into the cache at `offset` of the logical layout (after
@@ -1199,13 +1431,15 @@ impl KvCache {
                     };
                     if let Err(e) = queued {
                         // Copies already queued still read `src`.
-                        let _ = stream.synchronize();
+                        self.settle_stream("writing the cache", "the caller's buffer");
                         return Err(device_err("writing the cache")(e));
                     }
                 }
             }
         }
-        self.synchronize()
+        self.synchronize().inspect_err(|_| {
+            self.settle_stream("writing the cache", "the caller's buffer");
+        })
     }
 
     /// The bytes of `slot` in `(layer, plane)`.
@@ -1228,8 +1462,32 @@ impl Drop for KvCache {
     fn drop(&mut self) {
         // Queued copies read pages in `pending` and write `buf`: let them
         // finish before either goes away.
-        if let Memory::Npu { stream, .. } = &self.mem {
-            let _ = stream.synchronize();
+        let Err(e) = self.wait_stream() else {
+            return;
+        };
+        // Nothing will learn when the device stops: the pages stay
+        // quarantined for good (with `unsettled`), and the cache's own
+        // device memory is never given back to be allocated again.
+        self.hold_unproven(
+            "synchronising the stream of a KV cache being dropped",
+            &e,
+            None,
+        );
+        if let Memory::Npu { buf, .. } = &mut self.mem {
+            if let Some(b) = buf.take() {
+                log::error!(
+                    "KV cache dropped while its copies are unproven ({e}): its {} bytes of device \
+                     memory are kept allocated for good",
+                    b.len()
+                );
+                std::mem::forget(b);
+            }
+        }
+        if self.is_wrapped() {
+            log::error!(
+                "KV cache dropped while its copies are unproven ({e}): the engine's tensors may \
+                 still be written"
+            );
         }
     }
 }

@@ -34,6 +34,7 @@ mod strides;
 /// The heads each TP rank holds (see [`crate::layout::tp`]).
 pub use crate::layout::tp;
 
+pub(crate) use cache::Unsettled;
 pub use cache::{DirectRun, KvCache, KvFence, KvTensor, ScatterStats};
 pub use strides::KvStrides;
 

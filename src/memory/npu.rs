@@ -47,6 +47,7 @@ use ascend_sys::{Acl, Device, DeviceBuffer, HostBuffer};
 use std::any::Any;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The CANN runtime (or its emulator) as the source of NPU pools.
 #[derive(Clone, Debug)]
@@ -322,6 +323,49 @@ fn not_acl(buffer: &RegisteredBuffer) -> MemoryError {
         buffer.uuid().simple(),
         buffer.device()
     ))
+}
+
+/// Calls `sync` (a stream's synchronisation) until it succeeds, `on_error`
+/// at its first failure: an error is never proof that the device stopped,
+/// so this does not return while the device may still touch memory the
+/// caller gives back (`at_risk` names it, for the log). Logged at the first
+/// failure and then about once a minute.
+pub(crate) fn settle_with<E: std::fmt::Display>(
+    mut sync: impl FnMut() -> Result<(), E>,
+    context: &str,
+    at_risk: &str,
+    on_error: impl FnOnce(),
+) {
+    let mut on_error = Some(on_error);
+    let mut failures = 0u64;
+    let mut pause = Duration::from_millis(20);
+    let mut log_at = Instant::now();
+    loop {
+        let e = match sync() {
+            Ok(()) => {
+                if failures > 0 {
+                    log::warn!(
+                        "{context}: the stream synchronised after {failures} failed attempt(s)"
+                    );
+                }
+                return;
+            }
+            Err(e) => e,
+        };
+        failures += 1;
+        if let Some(f) = on_error.take() {
+            f();
+        }
+        if Instant::now() >= log_at {
+            log::error!(
+                "{context}: the stream could not be synchronised ({e}; attempt {failures}); \
+                 waiting, as the device may still touch {at_risk}"
+            );
+            log_at = Instant::now() + Duration::from_secs(60);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
 }
 
 #[cfg(test)]

@@ -84,7 +84,8 @@
 //! let mut chunk = pool.allocate(ChunkMeta::full(layout)).unwrap().seal();
 //! chunk.host_bytes_mut(); // error: no such method on a sealed page
 //! ```
-//! Nor is the KV cache gathered into one (a device copy writes the page):
+//! Nor is the KV cache gathered into one (a device copy writes the page,
+//! which moves into the gather):
 //! ```compile_fail,E0308
 //! # use ascend_pd::layout::{ChunkLayout, Dtype, MemFormat};
 //! # use ascend_pd::memory::{ChunkMeta, PagePool, RegisteredBuffer};
@@ -93,7 +94,7 @@
 //! # let pool = PagePool::new(RegisteredBuffer::host(64, 64, false).unwrap());
 //! # let mut cache = KvCache::host(KvCacheSpec::for_layout(&layout, 1, 4)).unwrap();
 //! let chunk = pool.allocate(ChunkMeta::full(layout)).unwrap().seal();
-//! cache.gather(&[0, 1, 2, 3], &chunk); // error: gather needs `&mut MemObj`
+//! cache.gather(&[0, 1, 2, 3], &chunk); // error: gather takes the `MemObj`
 //! ```
 //! A page lent to a peer has no local byte access:
 //! ```compile_fail,E0599

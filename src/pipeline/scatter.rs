@@ -141,11 +141,20 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
                 // One lock for the copies and their fence: the fence takes
                 // exactly this call's source pages.
                 let mut cache = locked(cache);
-                let stats = scatter_all(&mut cache, slots, &items)?;
-                let fence = cache
-                    .fence()
-                    .map_err(|e| format!("scatter into the KV cache: {e}"))?;
-                Ok(ScatterTicket::Fence(fence, stats))
+                let fenced = scatter_all(&mut cache, slots, &items).and_then(|stats| {
+                    let fence = cache
+                        .fence()
+                        .map_err(|e| format!("scatter into the KV cache: {e}"))?;
+                    Ok(ScatterTicket::Fence(fence, stats))
+                });
+                // Copies this call queued before it failed still write the
+                // engine's slots and read their pages: the load ends only
+                // once the stream ran them, or with their pages kept
+                // quarantined by the cache when that is not proven.
+                fenced.map_err(|e| match cache.synchronize() {
+                    Ok(()) => e,
+                    Err(w) => format!("{e}; then {w}"),
+                })
             }
             ScatterLane::Worker { jobs, .. } => jobs
                 .send(items)

@@ -241,19 +241,17 @@ impl QueueLayers<'_> {
             if mine.is_empty() {
                 continue;
             }
-            let mut page = held.take()?;
+            let page = held.take()?;
             let parts: Vec<(&[i64], ChunkMeta, usize)> = mine
                 .iter()
                 .map(|&(i, _, at)| (self.slots[i], self.metas[i], at))
                 .collect();
-            {
-                // The cache's own lock for the copies only: loads into
-                // other slots may run meanwhile.
-                let mut cache = lock(&self.cache.cache);
-                cache
-                    .gather_layer(layer, &parts, &mut page, event.as_deref())
-                    .map_err(err_text)?;
-            }
+            // The cache's own lock for the copies only: loads into other
+            // slots may run meanwhile. On an error the page is gone
+            // (quarantined with the cache if the copies are unproven).
+            let (page, _) = lock(&self.cache.cache)
+                .gather_layer(layer, &parts, page, event.as_deref())
+                .map_err(err_text)?;
             let sealed = page.seal();
             for (i, remote, at) in mine {
                 let ranges = self.metas[i].layer_ranges(layer).unwrap_or_default();

@@ -24,7 +24,7 @@ mod layered;
 pub use book::{Completion, Outcome, RELEASED_MEMORY};
 
 use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, Unsettled};
 use crate::memory::ChunkMeta;
 use crate::pipeline::LoadOptions;
 use crate::protocol::KeyState;
@@ -47,6 +47,9 @@ pub struct SharedKvCache {
     device: Option<ascend_sys::Device>,
     /// See [`KvCache::follows_engine`].
     follows_engine: bool,
+    /// The cache's copies whose end the device has not proved, readable
+    /// without the cache's lock.
+    unsettled: Arc<Unsettled>,
     cache: Mutex<KvCache>,
     /// The slots of the loads running now, each sorted.
     claims: Mutex<Vec<Arc<[i64]>>>,
@@ -90,6 +93,7 @@ impl SharedKvCache {
             spec: *cache.spec(),
             device: cache.npu_device().cloned(),
             follows_engine: cache.follows_engine(),
+            unsettled: Arc::clone(cache.unsettled()),
             cache: Mutex::new(cache),
             claims: Mutex::new(Vec::new()),
             claim_ended: Condvar::new(),
@@ -211,6 +215,23 @@ struct State<J> {
     book: Mutex<Book<J>>,
     wake: Condvar,
     stop: AtomicBool,
+    /// Requests that failed while device copies into or out of the
+    /// engine's cache were unproven: they end only once proven stopped.
+    unproven: Mutex<Vec<Unproven>>,
+}
+
+/// A request that failed after a wait for device copies of its cache
+/// failed too: the copies may still read or write its slots, so it stays
+/// running (not reported by `poll`, its KV blocks not released) until a
+/// later synchronisation of the cache's stream proves them stopped.
+struct Unproven {
+    id: String,
+    error: String,
+    unsettled: Arc<Unsettled>,
+    /// The failed waits a synchronisation must settle.
+    upto: u64,
+    /// Runs once the request ended, told whether it was cancelled.
+    then: Box<dyn FnOnce(bool) + Send>,
 }
 
 impl<J> State<J> {
@@ -219,7 +240,68 @@ impl<J> State<J> {
             book: Mutex::new(book),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
+            unproven: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Ends running request `id` with `r`, then runs `then` (told whether
+    /// it was cancelled meanwhile): at once, unless it failed and a wait
+    /// for device copies of `cache` failed since `mark` (taken when it
+    /// started) without a synchronisation settling it since. Then it ends
+    /// when one does ([`State::end_proven`]), or never.
+    fn end(
+        &self,
+        id: &str,
+        r: Result<(), String>,
+        cache: &SharedKvCache,
+        mark: u64,
+        then: impl FnOnce(bool) + Send + 'static,
+    ) {
+        match r {
+            Err(error) if cache.unsettled.unproven_since(mark) => {
+                log::error!(
+                    "request {id:?} failed ({error}) while a wait for device copies of its KV \
+                     cache failed too: it is held (not reported by poll, its KV blocks not \
+                     released) until a later synchronisation of the cache's stream succeeds; \
+                     without one, for good"
+                );
+                lock(&self.unproven).push(Unproven {
+                    id: id.to_string(),
+                    error,
+                    unsettled: Arc::clone(&cache.unsettled),
+                    upto: cache.unsettled.failures(),
+                    then: Box::new(then),
+                });
+            }
+            r => {
+                let cancelled = lock(&self.book).finish(id, r);
+                then(cancelled);
+            }
+        }
+    }
+
+    /// Ends the held requests whose copies a synchronisation proved stopped.
+    fn end_proven(&self) {
+        let ready: Vec<Unproven> = {
+            let mut held = lock(&self.unproven);
+            if held.is_empty() {
+                return;
+            }
+            let (ready, still) = std::mem::take(&mut *held)
+                .into_iter()
+                .partition(|u| u.unsettled.settled(u.upto));
+            *held = still;
+            ready
+        };
+        for u in ready {
+            log::warn!(
+                "request {:?}: the KV cache's stream synchronised, so its failed copies are \
+                 proven stopped; it ends now",
+                u.id
+            );
+            let cancelled = lock(&self.book).finish(&u.id, Err(u.error));
+            (u.then)(cancelled);
+        }
     }
 
     /// The next job, or `None` once stopping.
@@ -260,6 +342,7 @@ impl<J> State<J> {
     }
 
     fn poll(&self) -> Vec<Completion> {
+        self.end_proven();
         lock(&self.book).take_finished()
     }
 
@@ -276,6 +359,14 @@ impl<J> State<J> {
         let workers: Vec<_> = lock(workers).drain(..).collect();
         for w in workers {
             let _ = w.join();
+        }
+        self.end_proven();
+        let held = lock(&self.unproven).len();
+        if held > 0 {
+            log::error!(
+                "closing with {held} failed request(s) whose device copies were never proven \
+                 stopped: they are not reported, and their KV blocks are not released"
+            );
         }
         lock(&self.book).drain("the queue was closed before the request started")
     }
@@ -398,16 +489,21 @@ impl SaveQueue {
         };
         let worker = crate::backend::spawn(&format!("apd-save-{}", workers.len()), move || {
             while let Some((id, job)) = state.next() {
-                let r = guarded("save", &id, || match &job.gate {
-                    Some(gate) => layered::run_layered(&sender, &job, gate, || {
+                let cache = Arc::clone(&job.cache);
+                let mark = cache.unsettled.failures();
+                // A layer-wise save reports its release when it stops,
+                // failed or not: not while copies it left are unproven.
+                let released = || {
+                    if !cache.unsettled.unproven_since(mark) {
                         lock(&state.book).cache_released(&id);
-                    })
-                    .map(|()| SaveRun::Sent),
+                    }
+                };
+                let r = guarded("save", &id, || match &job.gate {
+                    Some(gate) => {
+                        layered::run_layered(&sender, &job, gate, released).map(|()| SaveRun::Sent)
+                    }
                     None if layered::writes_direct(&sender, &job.cache) => {
-                        layered::run_direct_whole(&sender, &job, || {
-                            lock(&state.book).cache_released(&id);
-                        })
-                        .map(|()| SaveRun::Sent)
+                        layered::run_direct_whole(&sender, &job, released).map(|()| SaveRun::Sent)
                     }
                     None => run_save(&sender, &job, || lock(&state.book).cache_released(&id)),
                 });
@@ -428,18 +524,22 @@ impl SaveQueue {
                         s.pop_front();
                     }
                 }
-                if lock(&state.book).finish(&id, r) {
+                let (saved, cancels, key) = (Arc::clone(&saved), cancels.clone(), id.clone());
+                state.end(&id, r, &cache, mark, move |cancelled| {
+                    if !cancelled {
+                        return;
+                    }
                     // Cancelled while it ran: whatever reached the
                     // receiver is dropped there.
                     let mut s = lock(&saved);
-                    if let Some(i) = s.iter().position(|(k, _)| *k == id) {
+                    if let Some(i) = s.iter().position(|(k, _)| *k == key) {
                         s.remove(i);
                     }
                     drop(s);
                     if sent {
-                        let _ = cancels.send((id, what));
+                        let _ = cancels.send((key, what));
                     }
-                }
+                });
             }
         });
         workers.push(worker?);
@@ -659,6 +759,10 @@ impl SaveQueue {
     ///   them), not when they are queued; usually well before the save ends;
     /// - failed or cancelled during its gather: once the gather stopped and
     ///   none of its copies runs any more (at the latest when the save ends);
+    ///   for one that failed because a wait for its device copies failed
+    ///   (nothing proves they stopped), only once a later synchronisation of
+    ///   the cache's stream succeeds (the next save's gather or load's
+    ///   fence does one), and the save ends only then too; never without;
     /// - cancelled before it started, or failed at shutdown: at once.
     ///
     /// Ids wait until this is called ([`SaveQueue::poll`] does not take
@@ -667,6 +771,7 @@ impl SaveQueue {
     /// asks costs bounded memory. The final outcome of a save whose id was
     /// dropped also means its cache is no longer read.
     pub fn poll_cache_released(&self) -> Vec<String> {
+        self.state.end_proven();
         let (ids, dropped) = lock(&self.state.book).take_released();
         if dropped > 0 {
             log::warn!(
@@ -829,22 +934,26 @@ fn run_save(
             .iter()
             .map(|&t| ChunkMeta::partial(layout, t).at_hidden_offset(offset))
             .collect();
-        let mut pages = sender
+        let pages = sender
             .allocator()
             .allocate_batch(&metas)
             .map_err(err_text)?;
+        let mut sealed = Vec::with_capacity(pages.len());
         {
             // Gathers only this request's slots, while loads into other
             // slots may run: the cache's own lock, no wait for them.
             let mut cache = lock(&job.cache.cache);
-            for (i, page) in pages.iter_mut().enumerate() {
+            for (i, page) in pages.into_iter().enumerate() {
                 let slots = &req.slot_mapping[i * chunk..i * chunk + tokens[i]];
                 // Returns once the copies have run (an NPU cache's are
-                // waited for), or failed: none reads the cache after it.
-                cache.gather(slots, page).map_err(err_text)?;
+                // waited for), or failed. When the wait for them failed,
+                // the cache keeps the page (quarantined) and the worker
+                // holds the save's end back until a later synchronisation
+                // proves them stopped (`State::end`).
+                let (page, _) = cache.gather(slots, page).map_err(err_text)?;
+                sealed.push(page.seal());
             }
         }
-        let sealed: Vec<_> = pages.into_iter().map(|p| p.seal()).collect();
         puts.push((route, keys, sealed));
     }
     if gathered() {
@@ -914,6 +1023,7 @@ impl LoadQueue {
             let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
             let worker = crate::backend::spawn(&format!("apd-load-{i}"), move || {
                 while let Some((id, job)) = state.next() {
+                    let mark = job.cache.unsettled.failures();
                     // Under heterogeneous TP each chunk is several pieces.
                     let (keys, per) = receiver.piece_keys(&job.req.keys);
                     let opts = LoadOptions {
@@ -945,7 +1055,9 @@ impl LoadQueue {
                         // are dropped, those still landing when they land.
                         receiver.cancel(&id, &keys);
                     }
-                    lock(&state.book).finish(&id, r);
+                    // Failed with its copies unproven: its slots may still
+                    // be written, so it ends only once they are proven not.
+                    state.end(&id, r, &job.cache, mark, |_| {});
                 }
             });
             match worker {
@@ -1004,7 +1116,10 @@ impl LoadQueue {
 
     /// Loads finished since the last poll (done, failed with the reason,
     /// or cancelled). After a done load the request's KV is in the cache
-    /// and its pages here are back in the pool.
+    /// and its pages here are back in the pool. A load that failed because
+    /// a wait for its device copies failed (they may still write its
+    /// slots) is reported only once a later synchronisation of the cache's
+    /// stream proves them stopped.
     pub fn poll(&self) -> Vec<Completion> {
         self.state.poll()
     }

@@ -1281,8 +1281,8 @@ impl DecodeSide {
         let mut first = 0;
         let from = model.start_of(model.plan.decode_heads(rank));
         for (i, &t) in tokens.iter().enumerate() {
-            let mut page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
-            self.cache.gather(&slots[first..first + t], &mut page)?;
+            let page = self.scratch.allocate(ChunkMeta::partial(self.layout, t))?;
+            let (page, _) = self.cache.gather(&slots[first..first + t], page)?;
             first += t;
             bytes += page.byte_len() as u64;
             let want = model.piece(key_seed(&chunk_key(req_id, i)), t, from, self.layout.hidden);
