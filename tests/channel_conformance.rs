@@ -1162,3 +1162,102 @@ fn direct_writes_send_caller_memory_into_the_peers_pages() {
         assert!(settles(&l.pool), "{kind:?}");
     }
 }
+
+/// Whether `f` holds within `timeout`, polled.
+fn within(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Issue "device error paths": our own setup with a peer failing was taken
+/// as proof that the peer cannot write our pages, so a revoked grant to it
+/// was quiescent at once. But the peer's setup may have gone through (hixl:
+/// its client connected to our server and read our regions; hccl: it holds
+/// our exchanged descriptors with access enabled) and it may write them.
+/// Only the peer closing its end of the liveness link proves it cannot.
+#[test]
+fn our_failed_setup_is_no_proof_that_the_peer_cannot_write_our_pages() {
+    for kind in [ChannelKind::Hixl, ChannelKind::Hccl] {
+        let ours = local(kind, 2);
+        let theirs = local(kind, 2);
+        let offer = ours.channel.offer().unwrap().expect("an offer");
+        let their_peer = theirs
+            .channel
+            .attach(NODE, &ours.channel.local_table(), &offer)
+            .unwrap();
+        let answer = theirs.channel.answer(&offer).expect("an answer");
+        // Our copy of their table names a buffer they never registered:
+        // our setup fails at its last check, after theirs could reach us.
+        let mut table = theirs.channel.local_table();
+        let mut ghost = table[0];
+        ghost.uuid = Uuid::new_v4();
+        ghost.base += ghost.len + (64 << 20);
+        table.push(ghost);
+        let our_peer = ours.channel.attach("theirs", &table, &answer).unwrap();
+        let e = ours.channel.wait_ready(our_peer).unwrap_err().to_string();
+        assert!(e.contains("not inside any memory"), "{kind:?}: {e}");
+        theirs
+            .channel
+            .wait_ready(their_peer)
+            .unwrap_or_else(|e| panic!("{kind:?}: their setup: {e}"));
+
+        let page = ours.objs[0].buffer_ref();
+        let grant = ours
+            .channel
+            .grant(our_peer, chan::Access::Write, GrantTag::UNTAGGED, &[page])
+            .unwrap();
+        ours.channel.revoke(grant);
+        assert!(
+            !within(Duration::from_millis(300), || ours
+                .channel
+                .is_quiescent(grant)),
+            "{kind:?}: a revoked grant is quiescent while the peer may still write"
+        );
+        // They let go: their end of the liveness link closes.
+        theirs.channel.detach(their_peer);
+        assert!(
+            within(Duration::from_secs(20), || ours.channel.is_quiescent(grant)),
+            "{kind:?}: quiescent once the peer closed its end"
+        );
+    }
+}
+
+/// A peer detached while our setup with it still ran was taken as unable
+/// to write our pages: a revoked grant to it was quiescent at once, though
+/// the setup could still complete (or fail after the peer reached our
+/// memory). It is not quiescent before the setup's outcome says so.
+#[test]
+fn a_peer_detached_during_its_setup_is_not_quiescent_at_once() {
+    for kind in [ChannelKind::Hixl, ChannelKind::Hccl] {
+        let ours = local(kind, 2);
+        let theirs = local(kind, 2);
+        // They offered but never attach our answer: our setup waits for
+        // their liveness link (until its timeout).
+        let offer = theirs.channel.offer().unwrap().expect("an offer");
+        let peer = ours
+            .channel
+            .attach("theirs", &theirs.channel.local_table(), &offer)
+            .unwrap();
+        let page = ours.objs[0].buffer_ref();
+        let grant = ours
+            .channel
+            .grant(peer, chan::Access::Write, GrantTag::UNTAGGED, &[page])
+            .unwrap();
+        ours.channel.revoke(grant);
+        ours.channel.detach(peer);
+        assert!(
+            !within(Duration::from_millis(300), || ours
+                .channel
+                .is_quiescent(grant)),
+            "{kind:?}: quiescent while the setup still runs"
+        );
+    }
+}

@@ -45,7 +45,10 @@
 //! So the peer closing its end proves it can no longer touch our memory:
 //! that is when a revoked grant is quiescent (the peer's process exiting
 //! closes it too). Nothing else can prove it: HCCL cannot refuse a peer's
-//! one-sided access.
+//! one-sided access. Not even our own setup failing, unless it failed
+//! before the descriptor exchange (a collective the peer cannot finish
+//! without us): after it, the peer may hold our descriptors with access
+//! enabled, so our end of the link is closed and we wait for the peer's.
 //!
 //! Nothing here has run on Ascend hardware; it is tested against the CANN
 //! emulator (`ascend-sys/emu`).
@@ -55,7 +58,7 @@ use super::one_sided::device_channel_methods;
 use super::one_sided::{
     acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, proven_finished,
     Abandoned, Batch, Bounds, DevicePeer, DevicePeers, DirectLink, DirectState, Finish, InFlight,
-    LocalMem, Pending, Polled, Span, Watched, WAIT_SLICE,
+    LocalMem, Pending, Polled, SetupFailure, Span, Watched, WAIT_SLICE,
 };
 use super::{
     pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion, DirectRead,
@@ -536,16 +539,28 @@ struct SetupJob {
 }
 
 impl SetupJob {
-    fn run(self) -> Result<Link, String> {
+    fn run(self) -> Result<Link, SetupFailure> {
         let deadline = Instant::now() + self.opts.setup_timeout;
-        let watch = self.link.open(deadline)?;
+        // The peer reaches our memory only through the descriptors of the
+        // exchange below, a collective it cannot finish without us: a
+        // failure before it leaves our memory out of its reach.
+        let watch = self
+            .link
+            .open(deadline)
+            .map_err(|f| SetupFailure::unexposed(f.message))?;
         let (root, rank) = (self.root, self.rank);
-        let e = |what: &str| {
+        let before = |what: &str| {
             let what = what.to_string();
-            move |err: ascend_sys::Error| format!("{what}: {err}")
+            move |err: ascend_sys::Error| SetupFailure::unexposed(format!("{what}: {err}"))
+        };
+        // From the exchange on, the peer may hold our descriptors and
+        // write our pages until it closes its end of the liveness link.
+        let after = |what: &str| {
+            let (what, watch) = (what.to_string(), Arc::clone(&watch));
+            move |err: ascend_sys::Error| SetupFailure::exposed(format!("{what}: {err}"), &watch)
         };
         let comm = Comm::init_two_ranks(&self.device, &root, rank)
-            .map_err(e("joining the two-rank communicator"))?;
+            .map_err(before("joining the two-rank communicator"))?;
         let regs: Vec<RegisteredMem> = self
             .local
             .iter()
@@ -554,22 +569,23 @@ impl SetupJob {
                 LocalMem::Host(b) => comm.register_host_buffer(b),
             })
             .collect::<Result<_, _>>()
-            .map_err(e("registering a pool"))?;
+            .map_err(before("registering a pool"))?;
         let refs: Vec<&RegisteredMem> = regs.iter().collect();
         let descs = comm
             .exchange_descriptors(&refs, MAX_REMOTE_DESCS)
-            .map_err(e("exchanging memory descriptors"))?;
+            .map_err(after("exchanging memory descriptors"))?;
         let remotes: Vec<RemoteMem> = descs
             .iter()
             .map(|d| comm.enable_access(d))
             .collect::<Result<_, _>>()
-            .map_err(e("enabling access to the peer's memory"))?;
+            .map_err(after("enabling access to the peer's memory"))?;
         let regions: Vec<(u64, u64)> = remotes.iter().map(|r| (r.addr(), r.len())).collect();
-        check_coverage(&self.table, &regions, "HCCL")?;
+        check_coverage(&self.table, &regions, "HCCL")
+            .map_err(|m| SetupFailure::exposed(m, &watch))?;
         let stream = self
             .device
             .create_stream()
-            .map_err(e("creating the transfer stream"))?;
+            .map_err(after("creating the transfer stream"))?;
         let (tx, rx) = crossbeam_channel::unbounded();
         let stuck = Arc::new(AtomicBool::new(false));
         let (node, bounds, w, st) = (
@@ -581,7 +597,9 @@ impl SetupJob {
         std::thread::Builder::new()
             .name("pd-hccl-done".into())
             .spawn(move || complete_loop(&rx, &w, &node, &bounds, &st))
-            .map_err(|e| format!("spawning the completion thread: {e}"))?;
+            .map_err(|e| {
+                SetupFailure::exposed(format!("spawning the completion thread: {e}"), &watch)
+            })?;
         Ok(Link {
             completer: tx,
             stream,

@@ -50,6 +50,11 @@
 //!
 //! **Dead peers** are seen as on hccl, by the liveness link (see
 //! `liveness`); a revoked grant is quiescent once the peer closed its end.
+//! Our own setup failing does not prove it: the peer connects its client
+//! to our server once its end of the liveness link opened, whatever becomes
+//! of our setup after that. Only a failure before the peer's end could
+//! open does (the listening side acks the link only once its setup took
+//! it).
 //! HIXL cannot refuse a connected client's access to the server's memory,
 //! and its server takes any client that reaches its port: keep the port
 //! off untrusted networks (the deployment secret authenticates the
@@ -64,7 +69,7 @@ use super::one_sided::device_channel_methods;
 use super::one_sided::{
     acl_pools, batch_spans, check_coverage, complete_loop, direct_spans, lock, Abandoned, Batch,
     Bounds, DevicePeer, DevicePeers, DirectLink, DirectRegion, DirectState, Finish, InFlight,
-    LocalMem, Pending, Polled, Span, Watched,
+    LocalMem, Pending, Polled, SetupFailure, Span, Watched,
 };
 use super::{
     pages_of, table_of, watch_ops, Access, BufferDesc, ChannelError, Completion, DirectRead,
@@ -738,17 +743,25 @@ impl std::ops::Deref for Closing {
 
 impl Link {
     /// Runs a peer's setup: liveness link, client, completion thread.
-    fn open(dialer: Arc<Dialer>, role: LinkRole, bounds: Bounds) -> Result<Link, String> {
+    fn open(dialer: Arc<Dialer>, role: LinkRole, bounds: Bounds) -> Result<Link, SetupFailure> {
         let deadline = Instant::now() + bounds.setup_timeout;
-        let watch = role.open(deadline)?;
-        let client = dialer.open(None)?;
+        // Our server serves every pool to any client that reaches it, and
+        // the peer connects its client once its end of the liveness link
+        // is open: from then on it may write our pages, whatever becomes
+        // of our side's setup, until it closes that end.
+        let watch = role.open(deadline).map_err(SetupFailure::link)?;
+        let client = dialer
+            .open(None)
+            .map_err(|m| SetupFailure::exposed(m, &watch))?;
         let (tx, rx) = crossbeam_channel::unbounded();
         let (node, w) = (dialer.node.clone(), Arc::clone(&watch));
         let stuck = AtomicBool::new(false);
         std::thread::Builder::new()
             .name("pd-hixl-done".into())
             .spawn(move || complete_loop(&rx, &w, &node, &bounds, &stuck))
-            .map_err(|e| format!("spawning the completion thread: {e}"))?;
+            .map_err(|e| {
+                SetupFailure::exposed(format!("spawning the completion thread: {e}"), &watch)
+            })?;
         Ok(Link {
             completer: tx,
             dialer,

@@ -11,7 +11,12 @@
 //! 16-byte hello (`"APDW"`, a flag byte, 3 pad bytes, the session); with a
 //! deployment secret the flag is set and a proof over the session, fresh
 //! bytes of the offer and the listener's address follows
-//! ([`watch_proof`]), and the listener takes no link without it.
+//! ([`watch_proof`]), and the listener takes no link without it. The
+//! listening side's setup acks a link (one byte) only once it took it, so
+//! a side whose setup failed before its link opened knows the peer's end
+//! never opened either (and so the peer never went on to reach its
+//! memory); a dialler whose ack does not come keeps its end as though
+//! open, as the peer may have taken it ([`LinkFailure`]).
 
 use super::{bind_listener, ChannelError};
 use crate::auth::{Proof, Secret, Step, PROOF_LEN};
@@ -102,49 +107,90 @@ impl LinkRole {
     }
 
     /// Opens (or waits for) the link by `deadline`.
-    pub(crate) fn open(self, deadline: Instant) -> Result<Arc<Watch>, String> {
+    pub(crate) fn open(self, deadline: Instant) -> Result<Arc<Watch>, LinkFailure> {
         let stream = match self {
             LinkRole::Dial {
                 addr,
                 session,
                 proof,
-            } => dial_watch(addr, session, proof, deadline)?,
-            LinkRole::Await(rx) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                rx.recv_timeout(left).map_err(|_| {
-                    format!("the peer did not open its liveness link within {left:?}")
-                })?
-            }
+            } => dial_watch(addr, session, proof, deadline).map_err(|(message, sent)| {
+                LinkFailure {
+                    message,
+                    // The hello went out: the peer may have taken the link
+                    // (and gone on) though its ack never reached us.
+                    maybe_open: sent.and_then(|s| Watch::new(s).ok()).map(Arc::new),
+                }
+            })?,
+            LinkRole::Await(rx) => take_link(&rx, deadline).map_err(|message| LinkFailure {
+                message,
+                maybe_open: None,
+            })?,
         };
-        Watch::new(stream).map(Arc::new)
+        Watch::new(stream)
+            .map(Arc::new)
+            .map_err(|message| LinkFailure {
+                message,
+                maybe_open: None,
+            })
     }
 }
 
+/// A liveness link that did not open.
+pub(crate) struct LinkFailure {
+    /// Why.
+    pub(crate) message: String,
+    /// Our end, when the peer may have opened its own anyway (the hello
+    /// reached its listener, the ack did not reach us): its closing proves
+    /// the peer gone. `None`: the peer's end cannot have opened.
+    pub(crate) maybe_open: Option<Arc<Watch>>,
+}
+
+/// Waits (until `deadline`) for the link the listener routes to this
+/// setup, then acks it: the dialler's end opens only now, so a link this
+/// setup never took never opens at the peer either.
+pub(crate) fn take_link(rx: &Receiver<TcpStream>, deadline: Instant) -> Result<TcpStream, String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut s = rx
+        .recv_timeout(left)
+        .map_err(|_| format!("the peer did not open its liveness link within {left:?}"))?;
+    s.write_all(&[1])
+        .map_err(|e| format!("acknowledging the peer's liveness link: {e}"))?;
+    Ok(s)
+}
+
 /// Opens the liveness link of `session` to the listener at `addr` (with
-/// `proof`, when a deployment secret is set) and waits for its ack.
+/// `proof`, when a deployment secret is set) and waits for its ack. On an
+/// error after the hello was sent, the stream comes back with it: the
+/// peer may have taken the link.
 pub(crate) fn dial_watch(
     addr: SocketAddr,
     session: u64,
     proof: Option<Proof>,
     deadline: Instant,
-) -> Result<TcpStream, String> {
+) -> Result<TcpStream, (String, Option<TcpStream>)> {
     let left = deadline.saturating_duration_since(Instant::now());
     let io = |e: io::Error| format!("liveness link to {addr}: {e}");
-    let mut s =
-        TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))).map_err(io)?;
-    s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
-        .map_err(io)?;
-    s.write_all(&watch_hello(session, proof.as_ref()))
-        .map_err(io)?;
+    let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+        .map_err(|e| (io(e), None))?;
+    if let Err(e) = s.set_read_timeout(Some(left.max(Duration::from_millis(1)))) {
+        return Err((io(e), None));
+    }
+    // Partly written, the hello may still have reached the listener whole.
+    if let Err(e) = s.write_all(&watch_hello(session, proof.as_ref())) {
+        return Err((io(e), Some(s)));
+    }
     let mut ack = [0u8; 1];
-    s.read_exact(&mut ack).map_err(|e| {
+    if let Err(e) = s.read_exact(&mut ack) {
         let why = if proof.is_some() {
             " (or did not take its proof: is its pd_auth_secret_file the same?)"
         } else {
             ""
         };
-        format!("the peer refused the liveness link for this session{why}: {e}")
-    })?;
+        return Err((
+            format!("the peer refused the liveness link for this session{why}: {e}"),
+            Some(s),
+        ));
+    }
     Ok(s)
 }
 
@@ -187,8 +233,11 @@ impl Watch {
     pub(crate) fn end(&self) -> Option<LinkEnd> {
         let mut end = self.end.lock().unwrap_or_else(|e| e.into_inner());
         if end.is_none() {
-            let mut b = [0u8; 1];
-            *end = match self.stream.peek(&mut b) {
+            // Nothing is sent after the opening bytes but an ack that came
+            // late (a dialler that stopped waiting for it): read and
+            // dropped, so the close behind it is seen.
+            let mut b = [0u8; 16];
+            *end = match (&self.stream).read(&mut b) {
                 Ok(0) => Some(LinkEnd::Closed),
                 Ok(_) => None,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
@@ -428,9 +477,9 @@ fn route_watch(mut s: TcpStream, shared: &WatchShared) {
         // Taken meanwhile by another proven hello.
         return;
     };
-    if s.write_all(&[1]).is_ok() {
-        let _ = w.tx.send(s);
-    }
+    // The setup acks it once it took it (`take_link`); a setup that gave
+    // up drops it unacked, refusing it.
+    let _ = w.tx.send(s);
 }
 
 impl Drop for WatchServer {
@@ -466,6 +515,10 @@ mod watch_tests {
         let silent: Vec<TcpStream> = (0..10)
             .map(|_| TcpStream::connect(server.addr).unwrap())
             .collect();
+        let taker = std::thread::spawn(move || {
+            take_link(&delivered, Instant::now() + Duration::from_secs(20))
+                .expect("its link is handed to the setup waiting for it")
+        });
         let ours = dial_watch(
             server.addr,
             41,
@@ -473,12 +526,10 @@ mod watch_tests {
             Instant::now() + Duration::from_secs(20),
         )
         .expect("the good peer's hello is accepted");
-        let theirs = delivered
-            .recv_timeout(Duration::from_secs(20))
-            .expect("its link is handed to the setup waiting for it");
+        let theirs = taker.join().unwrap();
         assert_eq!(ours.local_addr().unwrap(), theirs.peer_addr().unwrap());
         // A wrong session is still refused (closed without the ack).
-        let e = dial_watch(
+        let (e, _) = dial_watch(
             server.addr,
             42,
             None,
@@ -535,19 +586,86 @@ mod watch_tests {
         assert!(delivered.try_recv().is_err(), "nothing was attached");
         // The genuine hello still finds its session.
         let proof = watch_proof(&secret, session, &root_info, &listener);
+        let taker = std::thread::spawn(move || {
+            take_link(&delivered, deadline()).expect("its link is handed to the setup")
+        });
         let ours = dial_watch(server.addr, session, Some(proof), deadline())
             .expect("the genuine hello is accepted");
-        let theirs = delivered
-            .recv_timeout(Duration::from_secs(20))
-            .expect("its link is handed to the setup");
+        let theirs = taker.join().unwrap();
         assert_eq!(ours.local_addr().unwrap(), theirs.peer_addr().unwrap());
         assert_eq!(server.shared.unproven.load(Ordering::Relaxed), 6);
         // Once taken, the session is gone: a replay of that very hello is refused.
-        let e = dial_watch(server.addr, session, Some(proof), deadline()).unwrap_err();
+        let (e, _) = dial_watch(server.addr, session, Some(proof), deadline()).unwrap_err();
         assert!(
             e.contains("refused") && e.contains("pd_auth_secret_file"),
             "{e}"
         );
+    }
+
+    /// Issue "device error paths": the listener acked a link before the
+    /// setup waiting for it took it, so a link whose setup had given up
+    /// (timed out) was acked anyway: the dialer took it as open and its
+    /// side went on to reach our memory, while ours had failed before its
+    /// link opened and took that as proof the peer never could. The ack now
+    /// comes from the setup that took the link: one it never took is
+    /// refused.
+    #[test]
+    fn a_link_whose_setup_gave_up_is_refused_not_acked() {
+        let server = WatchServer::bind("127.0.0.1", "test").unwrap();
+        drop(server.expect(43, None));
+        let (e, sent) = dial_watch(
+            server.addr,
+            43,
+            None,
+            Instant::now() + Duration::from_secs(20),
+        )
+        .unwrap_err();
+        assert!(e.contains("refused"), "{e}");
+        // The hello went out, so the end is kept; the refusal closed it.
+        let w = Watch::new(sent.expect("the stream")).unwrap();
+        assert!(closes_within(&w, Duration::from_secs(10)));
+    }
+
+    fn closes_within(w: &Watch, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while !w.peer_closed() {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    /// A dialler whose ack does not come in time cannot tell whether the
+    /// peer took the link: it keeps its end, which proves the peer gone
+    /// only once the peer closes it, even after a late ack.
+    #[test]
+    fn a_dial_whose_ack_never_came_keeps_its_end_until_the_peer_closes() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let role = LinkRole::Dial {
+            addr,
+            session: 44,
+            proof: None,
+        };
+        let dialler =
+            std::thread::spawn(move || role.open(Instant::now() + Duration::from_millis(300)));
+        let (mut theirs, _) = l.accept().unwrap();
+        let mut hello = [0u8; WATCH_HELLO];
+        theirs.read_exact(&mut hello).unwrap();
+        let Err(f) = dialler.join().unwrap() else {
+            panic!("opened without an ack");
+        };
+        assert!(f.message.contains("refused"), "{}", f.message);
+        let w = f
+            .maybe_open
+            .expect("kept: the peer may have taken the link");
+        // The ack comes late; the peer still holds its end.
+        theirs.write_all(&[1]).unwrap();
+        assert!(!closes_within(&w, Duration::from_millis(200)));
+        drop(theirs);
+        assert!(closes_within(&w, Duration::from_secs(10)));
     }
 
     #[test]

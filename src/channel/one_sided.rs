@@ -10,7 +10,7 @@
 //! device can no longer touch its pages ([`Pending::abandon`]).
 
 use super::grant::GrantTable;
-use super::liveness::Watch;
+use super::liveness::{LinkFailure, Watch};
 use super::{
     check_grant_pages, check_ops, pages_of, table_pages, Access, BufferDesc, ChannelError,
     CompletionSender, DirectRead, DirectRegistration, GrantId, GrantStats, GrantTag, LocalPage,
@@ -194,8 +194,9 @@ pub(crate) struct DevicePeer<L> {
 
 /// The peers of a device channel and the grants of its pages to them. The
 /// device copies one-sidedly, so a grant cannot be enforced: a revoked
-/// grant is quiescent once the peer can no longer touch our memory (its
-/// setup never completed, or it closed its end of the liveness link).
+/// grant is quiescent once the peer can no longer touch our memory (our
+/// setup with it failed before it could reach our memory, or it closed its
+/// end of the liveness link).
 pub(crate) struct DevicePeers<L> {
     peers: PeerRegistry<DevicePeer<L>>,
     grants: GrantTable<Arc<SetupCell<L>>>,
@@ -224,7 +225,7 @@ impl<L: Watched> DevicePeers<L> {
         table: PeerTable,
         bounds: Bounds,
         thread: &str,
-        job: impl FnOnce() -> Result<L, String> + Send + 'static,
+        job: impl FnOnce() -> Result<L, SetupFailure> + Send + 'static,
     ) -> Result<PeerId, ChannelError> {
         let setup = Arc::new(SetupCell::new(bounds));
         let cell = Arc::clone(&setup);
@@ -634,13 +635,72 @@ pub(crate) struct SetupCell<L> {
     started: Instant,
 }
 
+/// Why a peer's setup failed, and what then proves that the peer cannot
+/// touch our memory. Our own failure is no such proof by itself: the
+/// peer's setup may have gone through (hixl: its client connected to our
+/// server, which serves every pool; hccl: it holds our descriptors).
+pub(crate) struct SetupFailure {
+    message: String,
+    /// `None`: the failure came before the peer could reach our memory.
+    /// `Some`: it may have, and may write our pages until it closes its
+    /// end of this liveness link.
+    exposed: Option<Arc<Watch>>,
+}
+
+impl SetupFailure {
+    /// A failure before the peer could reach our memory.
+    pub(crate) fn unexposed(message: impl Into<String>) -> SetupFailure {
+        SetupFailure {
+            message: message.into(),
+            exposed: None,
+        }
+    }
+
+    /// A failure after the peer may have reached our memory; `watch` is
+    /// the liveness link whose closing proves it no longer can.
+    pub(crate) fn exposed(message: impl Into<String>, watch: &Arc<Watch>) -> SetupFailure {
+        SetupFailure {
+            message: message.into(),
+            exposed: Some(Arc::clone(watch)),
+        }
+    }
+
+    /// A liveness link that did not open: the peer reached our memory only
+    /// if its end may have opened.
+    pub(crate) fn link(f: LinkFailure) -> SetupFailure {
+        SetupFailure {
+            message: f.message,
+            exposed: f.maybe_open,
+        }
+    }
+}
+
+/// What proves a peer whose setup ended without a usable link cannot touch
+/// our memory.
+#[derive(Clone)]
+enum Proof {
+    /// Our setup failed before it could reach our memory.
+    NeverReached,
+    /// It closes its end of this liveness link (or its process exits).
+    Closes(Arc<Watch>),
+}
+
+impl Proof {
+    fn holds(&self) -> bool {
+        match self {
+            Proof::NeverReached => true,
+            Proof::Closes(w) => w.peer_closed(),
+        }
+    }
+}
+
 enum SetupState<L> {
     Pending,
     Ready(Arc<L>),
-    Failed(String),
-    /// Detached; the liveness link of a setup that had completed, to learn
-    /// when the peer closes its end.
-    Closed(Option<Arc<Watch>>),
+    Failed(String, Proof),
+    /// Detached: with what proves the peer off our memory once its setup
+    /// ended (`None` while it still runs).
+    Closed(Option<Proof>),
 }
 
 impl<L: Watched> SetupCell<L> {
@@ -653,17 +713,32 @@ impl<L: Watched> SetupCell<L> {
         }
     }
 
-    pub(crate) fn finish(&self, r: Result<L, String>) {
+    pub(crate) fn finish(&self, r: Result<L, SetupFailure>) {
         let mut s = lock(&self.state);
+        let failed = |f: SetupFailure| {
+            let proof = match f.exposed {
+                Some(w) => {
+                    // Nothing of ours touches the peer's memory any more:
+                    // close our end, and keep reading the peer's.
+                    w.close();
+                    Proof::Closes(w)
+                }
+                None => Proof::NeverReached,
+            };
+            (f.message, proof)
+        };
         match (&*s, r) {
             // Detached meanwhile: the link drops here, closing its end of
             // the liveness link; keep reading the peer's end.
             (SetupState::Closed(_), Ok(link)) => {
-                *s = SetupState::Closed(Some(Arc::clone(link.watch())))
+                *s = SetupState::Closed(Some(Proof::Closes(Arc::clone(link.watch()))))
             }
-            (SetupState::Closed(_), Err(_)) => {}
+            (SetupState::Closed(_), Err(f)) => *s = SetupState::Closed(Some(failed(f).1)),
             (_, Ok(link)) => *s = SetupState::Ready(Arc::new(link)),
-            (_, Err(m)) => *s = SetupState::Failed(m),
+            (_, Err(f)) => {
+                let (m, proof) = failed(f);
+                *s = SetupState::Failed(m, proof);
+            }
         }
         drop(s);
         self.changed.notify_all();
@@ -673,12 +748,13 @@ impl<L: Watched> SetupCell<L> {
     /// liveness link) closes once the batches still holding it have ended.
     pub(crate) fn close(&self) {
         let mut s = lock(&self.state);
-        let watch = match &*s {
-            SetupState::Ready(link) => Some(Arc::clone(link.watch())),
-            SetupState::Closed(w) => w.clone(),
-            _ => None,
+        let proof = match &*s {
+            SetupState::Ready(link) => Some(Proof::Closes(Arc::clone(link.watch()))),
+            SetupState::Failed(_, p) => Some(p.clone()),
+            SetupState::Closed(p) => p.clone(),
+            SetupState::Pending => None,
         };
-        *s = SetupState::Closed(watch);
+        *s = SetupState::Closed(proof);
         drop(s);
         self.changed.notify_all();
     }
@@ -689,7 +765,7 @@ impl<L: Watched> SetupCell<L> {
         match &*lock(&self.state) {
             SetupState::Pending => None,
             SetupState::Ready(_) => Some(true),
-            SetupState::Failed(_) | SetupState::Closed(_) => Some(false),
+            SetupState::Failed(..) | SetupState::Closed(_) => Some(false),
         }
     }
 
@@ -699,15 +775,15 @@ impl<L: Watched> SetupCell<L> {
         matches!(&*lock(&self.state), SetupState::Ready(link) if link.watch().peer_closed())
     }
 
-    /// Whether the peer can no longer touch our memory: its setup never
-    /// completed, or it closed its end of the liveness link (after its last
-    /// batch) or exited.
+    /// Whether the peer can no longer touch our memory: our setup with it
+    /// failed before it could reach our memory, or it closed its end of the
+    /// liveness link (after its last batch) or exited. Our setup failing
+    /// later, or a detach while it still runs, proves nothing.
     pub(crate) fn peer_cannot_access(&self) -> bool {
         match &*lock(&self.state) {
-            SetupState::Pending => false,
+            SetupState::Pending | SetupState::Closed(None) => false,
             SetupState::Ready(link) => link.watch().peer_closed(),
-            SetupState::Failed(_) | SetupState::Closed(None) => true,
-            SetupState::Closed(Some(w)) => w.peer_closed(),
+            SetupState::Failed(_, p) | SetupState::Closed(Some(p)) => p.holds(),
         }
     }
 
@@ -720,7 +796,7 @@ impl<L: Watched> SetupCell<L> {
         loop {
             match &*s {
                 SetupState::Ready(l) => return Ok(Arc::clone(l)),
-                SetupState::Failed(m) => {
+                SetupState::Failed(m, _) => {
                     return Err(ChannelError::Handshake(format!(
                         "{} setup with {node} failed: {m}",
                         self.bounds.channel
@@ -1018,5 +1094,104 @@ mod device_word_tests {
             "nothing",
             || panic!("no failure"),
         );
+    }
+}
+
+#[cfg(test)]
+mod setup_tests {
+    use super::*;
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+
+    struct FakeLink(Arc<Watch>);
+
+    impl Watched for FakeLink {
+        fn watch(&self) -> &Arc<Watch> {
+            &self.0
+        }
+    }
+
+    /// Our end of a liveness link, and the peer's.
+    fn link() -> (Arc<Watch>, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (theirs, _) = l.accept().unwrap();
+        (Arc::new(Watch::new(ours).unwrap()), theirs)
+    }
+
+    fn cell() -> SetupCell<FakeLink> {
+        let t = Duration::from_secs(5);
+        SetupCell::new(Bounds {
+            channel: "test",
+            setup_steps: "test",
+            setup_timeout: t,
+            batch_timeout: t,
+            gone_grace: t,
+        })
+    }
+
+    fn proven_within(cell: &SetupCell<FakeLink>, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while !cell.peer_cannot_access() {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    /// Our setup failing proves the peer off our memory only when it
+    /// failed before the peer could reach it; after, only the peer closing
+    /// its end of the liveness link does (ours is closed at the failure,
+    /// so it learns we are gone), detached or not.
+    #[test]
+    fn a_failed_setup_is_proof_only_if_the_peer_never_reached_our_memory() {
+        let c = cell();
+        c.finish(Err(SetupFailure::unexposed("no liveness link")));
+        assert!(c.peer_cannot_access());
+        let e = c.wait("peer").map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("no liveness link"), "{e}");
+
+        let (w, mut theirs) = link();
+        let c = cell();
+        c.finish(Err(SetupFailure::exposed("a buffer is not covered", &w)));
+        assert!(!proven_within(&c, Duration::from_millis(200)));
+        theirs
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(theirs.read(&mut [0u8; 1]).unwrap(), 0, "our end is closed");
+        c.close();
+        assert!(!proven_within(&c, Duration::from_millis(200)), "detached");
+        drop(theirs);
+        assert!(proven_within(&c, Duration::from_secs(10)));
+    }
+
+    /// A peer detached while its setup still runs is not proven off our
+    /// memory: the setup may complete (then its link tells) or fail after
+    /// the peer reached our memory.
+    #[test]
+    fn a_detach_while_setup_runs_waits_for_its_outcome() {
+        let c = cell();
+        c.close();
+        assert!(!c.peer_cannot_access(), "the setup still runs");
+        let (w, theirs) = link();
+        c.finish(Ok(FakeLink(Arc::clone(&w))));
+        assert!(!proven_within(&c, Duration::from_millis(200)));
+        drop(theirs);
+        assert!(proven_within(&c, Duration::from_secs(10)));
+
+        let c = cell();
+        c.close();
+        let (w, theirs) = link();
+        c.finish(Err(SetupFailure::exposed("late", &w)));
+        assert!(!proven_within(&c, Duration::from_millis(200)));
+        drop(theirs);
+        assert!(proven_within(&c, Duration::from_secs(10)));
+
+        let c = cell();
+        c.close();
+        c.finish(Err(SetupFailure::unexposed("early")));
+        assert!(c.peer_cannot_access());
     }
 }
