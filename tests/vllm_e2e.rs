@@ -6,9 +6,12 @@
 //! ./python` (which builds the library with cargo and ships it inside the
 //! package), then runs `tests/vllm/test_units.py` (the connector's pieces,
 //! the KV layouts against vLLM's own CPU kernel) and
-//! `tests/vllm/test_e2e.py` (prefill and decode engines
-//! in separate processes, `vllm serve` behind `python -m ascend_pd.proxy`,
-//! a killed prefill) and the proxy's own tests under pytest.
+//! `tests/vllm/test_contract.py` (the connector's contract with vLLM's
+//! scheduler, without engines), `tests/vllm/test_e2e.py` (prefill and
+//! decode engines in separate processes, `vllm serve` behind
+//! `python -m ascend_pd.proxy`, a killed prefill),
+//! `tests/vllm/test_kv_identity.py` (LoRA and faults with real engines)
+//! and the proxy's own tests under pytest.
 //!
 //! Nothing is skipped: a missing python3 (or its venv module) fails the
 //! test with the command that installs it. Takes several minutes: each
@@ -81,6 +84,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             .arg(root.join("tests/vllm/test_units.py"))
             .arg(root.join("tests/vllm/test_contract.py"))
             .arg(root.join("tests/vllm/test_e2e.py"))
+            .arg(root.join("tests/vllm/test_kv_identity.py"))
             .arg(root.join("tests/python/test_proxy.py"))
             .current_dir(root.join("tests/vllm"))
             // The installed package, not the source tree or a stray library.
@@ -98,6 +102,13 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "pull-delay",
         "fault",
         "serve",
+        "lora-push",
+        "lora-pull-delay",
+        "partial-prefix",
+        "abort-before-load",
+        "abort-after-load-started",
+        "lease-outlived",
+        "prefill-killed-mid-transfer",
     ] {
         assert!(
             report.contains(&format!("\"{mode}\"")),

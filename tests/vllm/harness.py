@@ -208,10 +208,16 @@ class Engine:
         return out
 
     def last_pools(self) -> Dict[str, Any]:
-        evs = [e for e in self.events_of("pools")] + self.events_of("load") + self.events_of("save")
+        """The pool counters of the worker's latest event (every event
+        carries them; of two at the same time, the later written)."""
+        if not self.events.exists():
+            return {}
+        evs = [json.loads(line) for line in self.events.read_text().splitlines()]
+        evs = [e for e in evs if "pools" in e]
         if not evs:
             return {}
-        return dict(max(evs, key=lambda e: e["t"])["pools"])
+        best = max(range(len(evs)), key=lambda i: (evs[i]["t"], i))
+        return dict(evs[best]["pools"])
 
     def tail(self, n: int = 60) -> str:
         try:

@@ -381,11 +381,8 @@ class ConnectorWorker:
                     self._event(event="load", req_id=req_id, status="timeout", tokens=0, message=why)
                     self._fail(load, why, "timeout")
                     self._drop_keys(load.spec)
-        if os.environ.get(ENV_EVENTS):
-            pools = self.pool_stats()
-            if pools != self._last_pools:
-                self._last_pools = pools
-                self._event(event="pools")
+        if os.environ.get(ENV_EVENTS) and self.pool_stats() != self._last_pools:
+            self._event(event="pools")
         return None, (recving or None)
 
     def take_released(self) -> Dict[str, int]:
@@ -425,6 +422,9 @@ class ConnectorWorker:
         fields["rank"] = self.rank
         fields["t"] = time.time()
         fields["pools"] = self.pool_stats()
+        # A "pools" event is written whenever the counters differ from the
+        # last ones any event carried, so the latest event always has them.
+        self._last_pools = fields["pools"]
         with open(path.replace("{rank}", str(self.rank)), "a", encoding="utf-8") as f:
             f.write(json.dumps(fields) + "\n")
 
@@ -542,7 +542,8 @@ class ConnectorWorker:
         try:
             # Under the prefill's id: its hold on the keys goes, and chunks
             # of that save arriving later are refused by the receiver.
-            self.receiver.cancel(spec.save_id or spec.req_id, keys)
+            found = self.receiver.cancel(spec.save_id or spec.req_id, keys)
+            self._event(event="drop", req_id=spec.req_id, save_id=spec.save_id, keys=len(keys), found=found)
         except Exception as e:
             log.warning("ascend-pd cancel of %s: %s", spec.req_id, e)
 
