@@ -163,6 +163,13 @@ def test_model_identity_parts_name_weights_config_and_dtype(tmp_path: Path) -> N
     a, b, c = model(tmp_path / "a", 1), model(tmp_path / "b", 2), model(tmp_path / "c", 1)
     assert files_fingerprint(str(a)) == files_fingerprint(str(c)) != files_fingerprint(str(b))
     assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+    # One weight changed in the middle of the file (a fine-tune of one
+    # layer): the whole content is hashed, not samples of it.
+    d = model(tmp_path / "d", 1)
+    raw = bytearray((d / "model.safetensors").read_bytes())
+    raw[len(raw) // 2 + 1] ^= 0x01
+    (d / "model.safetensors").write_bytes(bytes(raw))
+    assert files_fingerprint(str(d)) != files_fingerprint(str(a))
     other = dict(IDENTITY.as_dict(), weights="w2", kv_cache_dtype="fp8")
     diffs = IDENTITY.differences(other)
     assert [d.split(":")[0] for d in diffs] == ["kv_cache_dtype", "weights"], diffs
@@ -173,10 +180,12 @@ def test_model_identity_parts_name_weights_config_and_dtype(tmp_path: Path) -> N
 
 def _handoff(prefill: ConnectorScheduler, req: Request, n: int, identity: Optional[Dict[str, str]] = None,
              nonce: Optional[str] = None) -> Dict[str, Any]:
+    from ascend_pd.vllm.keys import input_digests
     from ascend_pd.vllm.metadata import prefill_params
 
+    ki, _ = prefill.key_inputs(req, nonce)
     return prefill_params(n, prefill.request_keys(req, nonce), identity or IDENTITY.as_dict(), "push",
-                          req.request_id, nonce)
+                          req.request_id, nonce, input_digests(ki))
 
 
 def test_a_decode_refuses_kv_another_request_computed(tmp_path: Path) -> None:
@@ -192,7 +201,7 @@ def test_a_decode_refuses_kv_another_request_computed(tmp_path: Path) -> None:
     assert dec.get_num_new_matched_tokens(req, 0) == (40, True)
     dec.update_state_after_alloc(req, _Blocks([4, 5, 6]), 40)
     (spec,) = dec.build_connector_meta(_step()).loads
-    assert spec.error is not None and spec.cause == "inputs" and "LoRA adapter" in spec.error
+    assert spec.error is not None and spec.cause == "inputs" and "(the LoRA adapter differs)" in spec.error
     assert spec.keys == () and spec.sent_keys == tuple(params["ascend_pd"]["keys"])
     assert spec.block_ids == (4, 5, 6)
     assert dec.counters.handoffs_refused == {"inputs": 1}
@@ -203,6 +212,13 @@ def test_a_decode_refuses_kv_another_request_computed(tmp_path: Path) -> None:
     dec.update_state_after_alloc(ok, _Blocks([1, 2, 3]), 40)
     (spec,) = dec.build_connector_meta(_step()).loads
     assert spec.error is None and spec.keys == tuple(params["ascend_pd"]["keys"])
+    # Another salt: named as what differs.
+    params = _handoff(pre, _request("ps", toks, salt="tenant-a"), len(toks))
+    salted = _request("ds", toks, params=params, salt="tenant-b")
+    dec.get_num_new_matched_tokens(salted, 0)
+    dec.update_state_after_alloc(salted, _Blocks([13, 14, 15]), 40)
+    (spec,) = dec.build_connector_meta(_step()).loads
+    assert "(cache_salt differs)" in (spec.error or ""), spec.error
     # Another model's KV.
     params = _handoff(pre, _request("p3", toks), len(toks), identity=dict(IDENTITY.as_dict(), weights="w2"))
     bad = _request("d3", toks, params=params)
@@ -229,8 +245,11 @@ def test_unhashable_inputs_get_keys_of_their_own(tmp_path: Path) -> None:
     req = _request("p", toks, mm=[("", 0, 8)])
     req.mm_features[0].identifier = None
     pre._saves["p"] = SimpleNamespace(request=req, to=ReceiverAddress("h", (1,), (2,)), shipped=False,
-                                      keys=(), nonce=None)
-    pre.kv_cache_manager = SimpleNamespace(get_block_ids=lambda r: ([0, 1, 2],))
+                                      keys=(), nonce=None, inputs={})
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+    pre.block_pool = pool
+    blocks = [b.block_id for b in pool.get_new_blocks(3)]
+    pre.kv_cache_manager = SimpleNamespace(get_block_ids=lambda r: (blocks,))
     (save,) = pre.build_connector_meta(_step([("p", 0, 40)])).saves
     nonce = pre._saves["p"].nonce
     assert nonce and save.keys == pre.request_keys(req, nonce) != pre.request_keys(req, "other")
@@ -299,11 +318,11 @@ def test_a_decode_request_that_ends_before_its_load_frees_the_prefills_keys(tmp_
 
 # ---------------------------------------------------------------- prefill
 
-def test_save_blocks_stay_pinned_through_abort_and_preemption(tmp_path: Path) -> None:
+def test_save_blocks_stay_pinned_when_vllm_frees_the_request(tmp_path: Path) -> None:
     """The blocks a save reads are pinned in vLLM's own BlockPool: when vLLM
-    frees the request (it ended, was aborted or preempted) they do not go
-    back to the free queue until every TP rank reported the save released
-    them. An aborted request's save is cancelled and returns no hand-off.
+    frees the request's blocks (it ended or was aborted here; a preemption
+    frees them the same way, through the same pool) they do not go back to
+    the free queue until every TP rank reported the save released them. An aborted request's save is cancelled and returns no hand-off.
     The engine keeps stepping (has_pending_work) while anything is pinned."""
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BS)
     pre = ConnectorScheduler(_yaml(tmp_path, "sender"), IDENTITY, BS, num_workers=2)
@@ -452,6 +471,11 @@ def test_pipeline_parallel_and_hybrid_kv_groups_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="pipeline_parallel_size is 2"):
         _check_supported(cfg, None)
     cfg.parallel_config.pipeline_parallel_size = 1
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        setattr(cfg.parallel_config, name, 2)
+        with pytest.raises(ConfigError, match=f"{name} is 2"):
+            _check_supported(cfg, None)
+        setattr(cfg.parallel_config, name, 1)
     with pytest.raises(ConfigError, match="2 KV cache groups"):
         _check_supported(cfg, SimpleNamespace(kv_cache_groups=[1, 2]))
     _check_supported(cfg, SimpleNamespace(kv_cache_groups=[1]))

@@ -202,7 +202,7 @@ def _lora_case(pair: Pair, reference: Dict[str, Any], adapters: Dict[str, Lora],
     # another KV for a request without an adapter.
     params = [pair.handoff([p], [lr], [i])[0] for p, lr, i in zip(prompts, loras, ids)]
     keys = [tuple(p["ascend_pd"]["keys"]) for p in params]
-    assert keys[0][0] != keys[1][0] != keys[2][0], "adapters did not change the keys"
+    assert len({keys[0][0], keys[1][0], keys[2][0]}) == 3, "adapters did not change the keys"
     assert keys[0][0] == keys[4][0] and keys[1][0] == keys[3][0], "the shared system prompt lost its sharing"
     # Decoded one at a time, as the reference was (see `reference`).
     outs = [pair.decode.generate([p], [kv], loras=[lr], ids=[i])[0]
@@ -219,7 +219,7 @@ def _lora_case(pair: Pair, reference: Dict[str, Any], adapters: Dict[str, Lora],
     out = pair.decode.generate([X], mix, ids=[f"{tag}-mix"])
     assert out[0]["tokens"] == reference["lora"][0], "a decode loaded KV computed under another adapter"
     ev = pair.loads([f"{tag}-mix"])[f"{tag}-mix"]
-    assert ev["status"] == "refused" and "LoRA adapter" in ev["message"], ev
+    assert ev["status"] == "refused" and "(the LoRA adapter differs)" in ev["message"], ev
     pools = pair.settle()
     return {"requests": len(prompts), "tokens_identical": True,
             "tokens_loaded_remotely": sum(ev["tokens"] for ev in loads.values()),

@@ -9,7 +9,7 @@ rather than reading vLLM attributes itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class RequestInputs:
 
 def request_inputs(request: Any) -> RequestInputs:
     """The KV-relevant inputs of a vLLM ``Request``."""
-    n = _num_prompt_tokens(request)
+    n = num_prompt_tokens(request)
     ids = getattr(request, "prompt_token_ids", None)
     mask = getattr(request, "prompt_is_token_ids", None)
     if ids is None:
@@ -58,10 +58,11 @@ def request_inputs(request: Any) -> RequestInputs:
         token_ids = tuple(int(t) for t in ids[:n])
     lora = getattr(request, "lora_request", None)
     salt = getattr(request, "cache_salt", None)
+    lora_path = str(getattr(lora, "lora_path", "") or "") if lora is not None else ""
     return RequestInputs(
         token_ids=token_ids,
         lora_name=str(lora.lora_name) if lora is not None else None,
-        lora_path=str(getattr(lora, "lora_path", "") or "") or None if lora is not None else None,
+        lora_path=lora_path or None,
         spans=_spans(request),
         prompt_embeds=getattr(request, "prompt_embeds", None),
         is_token=tuple(bool(m) for m in mask) if mask is not None else None,
@@ -69,7 +70,8 @@ def request_inputs(request: Any) -> RequestInputs:
     )
 
 
-def _num_prompt_tokens(request: Any) -> int:
+def num_prompt_tokens(request: Any) -> int:
+    """How many tokens the request's prompt has (ids or embeddings)."""
     n = getattr(request, "num_prompt_tokens", None)
     if isinstance(n, int):
         return n
@@ -100,7 +102,11 @@ def finished_normally(request: Any) -> bool:
     not by an abort, an error or being ignored."""
     from vllm.v1.request import RequestStatus
 
-    return request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+    normal = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED}
+    repetition = getattr(RequestStatus, "FINISHED_REPETITION", None)
+    if repetition is not None:
+        normal.add(repetition)
+    return request.status in normal
 
 
 def prompt_block_ids(kv_cache_manager: Any, req_id: str) -> List[int]:
@@ -132,5 +138,8 @@ def kv_cache_group_count(kv_cache_config: Any) -> int:
     return len(groups) if groups is not None else 1
 
 
-def pipeline_parallel_size(vllm_config: Any) -> int:
-    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+def parallel_sizes(vllm_config: Any) -> Dict[str, int]:
+    """The parallel layouts the connector refuses above 1, by config name."""
+    pc = vllm_config.parallel_config
+    names = ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
+    return {n: int(getattr(pc, n, 1) or 1) for n in names}

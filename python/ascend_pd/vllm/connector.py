@@ -71,12 +71,12 @@ def _identity(vllm_config: Any, shape: ModelShape, chunk_size: int) -> ModelIden
 
 def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuses, by name, what the connector does not move yet."""
-    pp = compat.pipeline_parallel_size(vllm_config)
-    if pp > 1:
-        raise settings_mod._err(
-            f"pipeline_parallel_size is {pp}: AscendPDConnector moves the KV of tensor-parallel ranks only; "
-            "run the prefill and the decode with --pipeline-parallel-size 1"
-        )
+    for name, size in compat.parallel_sizes(vllm_config).items():
+        if size > 1:
+            raise settings_mod._err(
+                f"{name} is {size}: AscendPDConnector moves the KV of tensor-parallel ranks only; "
+                f"run the prefill and the decode with {name} 1"
+            )
     if kv_cache_config is not None and compat.kv_cache_group_count(kv_cache_config) > 1:
         raise settings_mod._err(
             f"this model has {compat.kv_cache_group_count(kv_cache_config)} KV cache groups (a hybrid model: "

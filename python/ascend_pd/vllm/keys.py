@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .compat import RequestInputs, Span
 
@@ -145,8 +145,9 @@ def embeds_digest(t: Any, is_token: Optional[Tuple[bool, ...]]) -> Callable[[int
 
 def key_inputs(inputs: RequestInputs, lora_identity: Optional[str], nonce: Optional[str]) -> KeyInputs:
     """The :class:`KeyInputs` of a request: its adapter (by ``lora_identity``,
-    which names the adapter's content), salt, spans, embeddings, and
-    ``nonce`` when it has inputs that cannot be hashed."""
+    which names the adapter's content; by name and path when that is
+    ``None``, with a nonce then), salt, spans, embeddings, and ``nonce``
+    when it has inputs that cannot be hashed."""
     extras: List[Tuple[str, str]] = []
     if inputs.lora_name is not None:
         extras.append(("lora", lora_identity or f"{inputs.lora_name}@{inputs.lora_path}"))
@@ -158,3 +159,27 @@ def key_inputs(inputs: RequestInputs, lora_identity: Optional[str], nonce: Optio
     if inputs.prompt_embeds is not None and _can_digest(inputs.prompt_embeds):
         digest = embeds_digest(inputs.prompt_embeds, inputs.is_token)
     return KeyInputs(inputs.token_ids, tuple(extras), inputs.spans, digest)
+
+
+def input_digests(inputs: KeyInputs) -> Dict[str, str]:
+    """A short digest per kind of input (``tokens``, ``lora``,
+    ``cache_salt``, ``nonce``, ``mm``, ``embeds``), so a decode whose keys
+    differ from the prefill's can say which kind differs."""
+
+    def short(*parts: bytes) -> str:
+        h = hashlib.blake2b(digest_size=6)
+        for p in parts:
+            _field(h, p)
+        return h.hexdigest()
+
+    out = {"tokens": short(struct.pack(f"<{len(inputs.token_ids)}q", *inputs.token_ids))}
+    extras = dict(inputs.request_extras)
+    for name in ("lora", "cache_salt", "nonce"):
+        out[name] = short(extras[name].encode()) if name in extras else "none"
+    spans = [f"{s.modality}|{s.identifier}|{s.offset}|{s.length}".encode() for s in inputs.spans]
+    out["mm"] = short(*spans) if spans else "none"
+    if inputs.embeds_digest is not None:
+        out["embeds"] = short(inputs.embeds_digest(0, len(inputs.token_ids)))
+    else:
+        out["embeds"] = "none"
+    return out

@@ -109,7 +109,7 @@ class AscendPDWorkerMetadata(_WorkerMetaBase):
 
 
 def prefill_params(num_tokens: int, keys: Tuple[str, ...], identity: Mapping[str, str], mode: str,
-                   save_id: str, nonce: Optional[str]) -> Dict[str, Any]:
+                   save_id: str, nonce: Optional[str], inputs: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """The ``kv_transfer_params`` a prefill returns; the client passes them
     unchanged to the decode request."""
     ours: Dict[str, Any] = {
@@ -119,6 +119,7 @@ def prefill_params(num_tokens: int, keys: Tuple[str, ...], identity: Mapping[str
         "identity": dict(identity),
         "mode": mode,
         "save_id": save_id,
+        "inputs": dict(inputs or {}),
     }
     if nonce is not None:
         ours["nonce"] = nonce
@@ -135,6 +136,8 @@ class HandOff:
     mode: str
     save_id: str
     nonce: Optional[str]
+    #: A short digest per kind of input (see :func:`.keys.input_digests`).
+    inputs: Dict[str, str] = field(default_factory=dict)
 
 
 class HandOffError(ValueError):
@@ -179,6 +182,7 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
                            save_id)
     identity = ours.get("identity")
     nonce = ours.get("nonce")
+    inputs = ours.get("inputs")
     return HandOff(
         num_tokens=n,
         keys=keys,
@@ -186,4 +190,5 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
         mode=str(ours.get("mode", "")),
         save_id=save_id,
         nonce=nonce if isinstance(nonce, str) and nonce else None,
+        inputs={str(k): str(v) for k, v in inputs.items()} if isinstance(inputs, dict) else {},
     )

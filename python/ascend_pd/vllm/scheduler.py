@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import compat
 from .identity import ModelIdentity, adapter_identity
-from .keys import chunk_keys, key_inputs, unhashable
+from .keys import KeyInputs, chunk_keys, input_digests, key_inputs, unhashable
 from .metadata import (
     AscendPDConnectorMetadata,
     HandOff,
@@ -91,6 +91,7 @@ class _SaveState:
     shipped: bool = False
     keys: Tuple[str, ...] = ()
     nonce: Optional[str] = None
+    inputs: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,11 +154,22 @@ class ConnectorScheduler:
 
     # ----------------------------------------------------------------- keys
 
+    def key_inputs(self, request: Any, nonce: Optional[str]) -> Tuple[KeyInputs, List[str]]:
+        """What ``request``'s keys hash, and what of it cannot be hashed
+        (then only a nonce names its KV)."""
+        inputs = compat.request_inputs(request)
+        lost = unhashable(inputs)
+        lora = None
+        if inputs.lora_name is not None:
+            lora = adapter_identity(inputs.lora_name, inputs.lora_path)
+            if lora is None:
+                lost.append(f"LoRA adapter {inputs.lora_name!r}, whose files cannot be read here")
+        return key_inputs(inputs, lora, nonce), lost
+
     def request_keys(self, request: Any, nonce: Optional[str]) -> Tuple[str, ...]:
         """The chunk keys of ``request``'s prompt (see :mod:`.keys`)."""
-        inputs = compat.request_inputs(request)
-        lora = adapter_identity(inputs.lora_name, inputs.lora_path) if inputs.lora_name is not None else None
-        return tuple(chunk_keys(self.tag, key_inputs(inputs, lora, nonce), self.settings.chunk_size))
+        ki, _ = self.key_inputs(request, nonce)
+        return tuple(chunk_keys(self.tag, ki, self.settings.chunk_size))
 
     # ---------------------------------------------------------------- decode
 
@@ -197,15 +209,21 @@ class ConnectorScheduler:
         if handoff.num_tokens != n:
             return refuse("prompt", f"the prefill saved {handoff.num_tokens} prompt tokens but this request "
                           f"has {n}: the decode request must carry the prefill request's prompt unchanged")
-        lost = unhashable(inputs)
+        ki, lost = self.key_inputs(request, handoff.nonce)
         if lost and handoff.nonce is None:
             return refuse("inputs", "this request has inputs whose KV cannot be named by a hash ("
                           + "; ".join(lost) + ") but the prefill named its KV by hash")
-        keys = self.request_keys(request, handoff.nonce)
+        keys = tuple(chunk_keys(self.tag, ki, self.settings.chunk_size))
         if keys != handoff.keys:
-            return refuse("inputs", "the prefill computed this prompt's KV with other inputs than this request "
-                          "carries (its LoRA adapter, images or audio, prompt embeddings or cache_salt differ, "
-                          "or the prompt's tokens): send the decode the prefill request's body unchanged")
+            mine = input_digests(ki)
+            differ = sorted(k for k in mine if handoff.inputs.get(k) != mine[k]) if handoff.inputs else []
+            names = {"tokens": "the prompt's tokens", "lora": "the LoRA adapter", "cache_salt": "cache_salt",
+                     "nonce": "the request's nonce", "mm": "the images or audio", "embeds": "the prompt embeddings"}
+            what = ", ".join(names.get(k, k) for k in differ) or (
+                "its LoRA adapter, images or audio, prompt embeddings, cache_salt or tokens")
+            verb = "differs" if len(differ) == 1 else "differ"
+            return refuse("inputs", f"the prefill computed this prompt's KV with other inputs than this request "
+                          f"carries ({what} {verb}): send the decode the prefill request's body unchanged")
         return _Offer(n, num_computed, keys, handoff.keys, save_id=handoff.save_id)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
@@ -268,19 +286,30 @@ class ConnectorScheduler:
     # --------------------------------------------------------------- prefill
 
     def _save_spec(self, req_id: str, state: _SaveState) -> SaveSpec:
+        """The save of a request whose prompt is computed, its blocks pinned."""
+        if self.block_pool is None:
+            raise RuntimeError("vLLM did not bind its block pool to the connector (bind_gpu_block_pool): "
+                               "without it the blocks a save reads cannot be kept from reuse")
         request = state.request
-        lost = unhashable(compat.request_inputs(request))
+        ki, lost = self.key_inputs(request, None)
         if lost:
             state.nonce = uuid.uuid4().hex
             log.info("request %s: its KV is keyed for itself alone (%s)", req_id, "; ".join(lost))
-        state.keys = self.request_keys(request, state.nonce)
-        n = compat.request_inputs(request).num_tokens
+            ki, _ = self.key_inputs(request, state.nonce)
+        state.keys = tuple(chunk_keys(self.tag, ki, self.settings.chunk_size))
+        state.inputs = input_digests(ki)
+        n = len(ki.token_ids)
         block_ids = compat.prompt_block_ids(self.kv_cache_manager, req_id)
         slots = slots_for(block_ids, self.block_size, n)
         used = block_ids[: (n + self.block_size - 1) // self.block_size]
-        if self.block_pool is not None and used:
+        if used:
             compat.pin_blocks(self.block_pool, used)
-            self._pins[req_id] = _Pin(used, self.num_workers)
+            pin = self._pins.get(req_id)
+            if pin is None:
+                self._pins[req_id] = _Pin(list(used), self.num_workers)
+            else:  # the same id again (ids not randomized): both pins held
+                pin.block_ids += used
+                pin.remaining += self.num_workers
         return SaveSpec(req_id, state.keys, slots, state.to)
 
     def build_connector_meta(self, scheduler_output: Any) -> AscendPDConnectorMetadata:
@@ -300,9 +329,16 @@ class ConnectorScheduler:
                 if state is None or state.shipped:
                     continue
                 done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                if done >= compat.request_inputs(state.request).num_tokens:
+                if done >= compat.num_prompt_tokens(state.request):
                     # The prompt's KV is complete after this step: save it then.
-                    meta.saves.append(self._save_spec(req_id, state))
+                    try:
+                        meta.saves.append(self._save_spec(req_id, state))
+                    except (ValueError, OSError, RuntimeError) as e:
+                        # Not saved: the request answers without a hand-off
+                        # and its decode computes the prompt itself.
+                        log.error("request %s: not saving its KV: %s", req_id, e)
+                        del self._saves[req_id]
+                        continue
                     state.shipped = True
         return meta
 
@@ -312,9 +348,9 @@ class ConnectorScheduler:
         if state is not None and state.shipped:
             # The save's blocks are pinned: vLLM may free the request now.
             if compat.finished_normally(request):
-                n = compat.request_inputs(request).num_tokens
+                n = compat.num_prompt_tokens(request)
                 return False, prefill_params(n, state.keys, self.identity.as_dict(), self.settings.mode,
-                                             req_id, state.nonce)
+                                             req_id, state.nonce, state.inputs)
             # Ended without a hand-off: nobody will load what it saves.
             self._cancel_saves.append(req_id)
             self.counters.saves_cancelled += 1

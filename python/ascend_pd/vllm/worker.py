@@ -499,7 +499,11 @@ class ConnectorWorker:
                 self._released(save)
                 return
         if req_id in self.state.running_saves and self.sender is not None:
-            state = self.sender.cancel(req_id)
+            try:
+                state = self.sender.cancel(req_id)
+            except Exception as e:  # it ends on its own; its release unpins
+                log.warning("ascend-pd: cancelling the save of %s: %s", req_id, e)
+                return
             log.info("ascend-pd: cancelled the save of %s (%s)", req_id, state)
 
     def _submit_loads(self, now: float) -> None:
@@ -507,7 +511,11 @@ class ConnectorWorker:
         for req_id in list(self.state.waiting_loads):
             load = self.state.waiting_loads[req_id]
             s = load.spec
-            if not self.receiver.available(list(s.keys)):
+            try:
+                if not self.receiver.available(list(s.keys)):
+                    continue
+            except Exception as e:  # its deadline reports it
+                log.warning("ascend-pd: whether the KV of %s is here: %s", req_id, e)
                 continue
             try:
                 self.receiver.submit_load(req_id, list(s.keys), self.cache, list(s.slots))
@@ -529,7 +537,9 @@ class ConnectorWorker:
                 "ascend-pd load of %s failed (%s); reported as a load error of its %d block(s): "
                 "vLLM recomputes or fails it as kv_load_failure_policy says",
                 load.spec.req_id, why, len(load.spec.block_ids))
-        self.stats.record_failure("load", cause)
+        # A refused hand-off is one decision for every rank: counted once.
+        if warn or self.rank == 0:
+            self.stats.record_failure("load", cause)
         self._failed_recving.add(load.spec.req_id)
         self._load_errors.update(load.spec.block_ids)
 
@@ -543,7 +553,7 @@ class ConnectorWorker:
             # Under the prefill's id: its hold on the keys goes, and chunks
             # of that save arriving later are refused by the receiver.
             found = self.receiver.cancel(spec.save_id or spec.req_id, keys)
-            self._event(event="drop", req_id=spec.req_id, save_id=spec.save_id, keys=len(keys), found=found)
+            self._event(event="drop", req_id=spec.save_id or spec.req_id, keys=len(keys), found=found)
         except Exception as e:
             log.warning("ascend-pd cancel of %s: %s", spec.req_id, e)
 
@@ -558,4 +568,7 @@ class ConnectorWorker:
         if req_id in self.state.running_loads:
             self.state.aborted.add(req_id)
             assert self.receiver is not None
-            self.receiver.cancel(req_id, list(keys))
+            try:
+                self.receiver.cancel(req_id, list(keys))
+            except Exception as e:  # it ends on its own and is reported then
+                log.warning("ascend-pd: cancelling the load of %s: %s", req_id, e)
