@@ -139,6 +139,15 @@ def _pair(channel: str) -> Any:
     return rx, tx, init, alloc
 
 
+def _until_ended(worker: Any, req_id: str) -> None:
+    """Steps a connector worker until its save of ``req_id`` ended."""
+    deadline = time.monotonic() + 30
+    while req_id in worker.state.running_saves:
+        assert time.monotonic() < deadline, f"the save of {req_id} did not end"
+        worker.get_finished(set())
+        time.sleep(0.005)
+
+
 def _wait(poll: Any) -> Any:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -307,11 +316,7 @@ def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, m
         worker.wait_for_save(meta)
         assert not worker.state.layered and "r" in worker.state.running_saves
         assert _wait(worker.take_released) == {"r": 1}
-        deadline = time.monotonic() + 30
-        while "r" in worker.state.running_saves:
-            assert time.monotonic() < deadline
-            worker.get_finished(set())
-            time.sleep(0.005)
+        _until_ended(worker, "r")
         assert rx.available(list(ks))
         dst_cache = _wrap(dst, "ASCEND")
         rx.submit_load("r", list(ks), dst_cache, [dst_blocks[t // BS] * BS + t % BS for t in range(n)])
@@ -330,11 +335,7 @@ def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, m
         assert not rx.available(["lw-c", "lw-d"])
         worker.wait_for_save(meta2)
         assert _wait(worker.take_released) == {"r2": 1}
-        deadline = time.monotonic() + 30
-        while "r2" in worker.state.running_saves:
-            assert time.monotonic() < deadline
-            worker.get_finished(set())
-            time.sleep(0.005)
+        _until_ended(worker, "r2")
         saves = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "save"]
         assert [(e["req_id"], e["status"], e["layerwise"]) for e in saves] == [
             ("r", "done", True), ("r2", "done", True)], saves
