@@ -11,7 +11,7 @@
 
 mod common;
 
-use ascend_pd::config::{ChannelKind, TransferMode};
+use ascend_pd::config::{ChannelKind, PdConfig, TransferMode};
 use ascend_pd::kv::{KvCache, KvCacheSpec};
 use ascend_pd::memory::DualStats;
 use ascend_pd::requests::{
@@ -87,8 +87,20 @@ enum Plan {
     CancelSecond,
 }
 
-fn run(mode: TransferMode, plan: Plan) {
-    let what = format!("{mode:?} {plan:?}");
+/// A sender and a receiver over shm, their queues, and a prefill cache
+/// (filled) and an empty decode cache of the same layout.
+struct Pair {
+    rc: PdConfig,
+    spec: KvCacheSpec,
+    receiver: Arc<Receiver>,
+    sender: Arc<Sender>,
+    saves: SaveQueue,
+    loads: LoadQueue,
+    pre: Arc<SharedKvCache>,
+    dec: Arc<SharedKvCache>,
+}
+
+fn pair(mode: TransferMode) -> Pair {
     let rc = receiver_config(ChannelKind::Shm, mode, 16);
     let sc = sender_config(ChannelKind::Shm, mode, 16);
     let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
@@ -98,6 +110,30 @@ fn run(mode: TransferMode, plan: Plan) {
     let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 16);
     let pre = SharedKvCache::new(prefill_cache(spec));
     let dec = SharedKvCache::new(KvCache::host(spec).unwrap());
+    Pair {
+        rc,
+        spec,
+        receiver,
+        sender,
+        saves,
+        loads,
+        pre,
+        dec,
+    }
+}
+
+fn run(mode: TransferMode, plan: Plan) {
+    let what = format!("{mode:?} {plan:?}");
+    let Pair {
+        rc,
+        spec,
+        receiver,
+        sender,
+        saves,
+        loads,
+        pre,
+        dec,
+    } = pair(mode);
     let tokens = 2 * CHUNK;
     for q in 0..2 {
         saves
@@ -234,15 +270,16 @@ fn a_save_reaching_the_decode_after_it_cancelled_the_request_lands_nothing() {
 
 fn late_save(mode: TransferMode) {
     let what = format!("{mode:?}");
-    let rc = receiver_config(ChannelKind::Shm, mode, 16);
-    let sc = sender_config(ChannelKind::Shm, mode, 16);
-    let receiver = Arc::new(Receiver::start(&rc, 0).unwrap());
-    let sender = Arc::new(Sender::start(&sc, 0, Default::default()).unwrap());
-    let saves = SaveQueue::new(Arc::clone(&sender)).unwrap();
-    let loads = LoadQueue::new(Arc::clone(&receiver)).unwrap();
-    let spec = KvCacheSpec::for_layout(&sc.chunk_layout(), 16, 16);
-    let pre = SharedKvCache::new(prefill_cache(spec));
-    let dec = SharedKvCache::new(KvCache::host(spec).unwrap());
+    let Pair {
+        rc,
+        spec,
+        receiver,
+        sender,
+        saves,
+        loads,
+        pre,
+        dec,
+    } = pair(mode);
     let keys: Vec<String> = vec!["late@0".into(), "late@1".into()];
     let tokens = 2 * CHUNK;
     let save = |req: &str| {
