@@ -260,7 +260,12 @@ def test_decode_aborted_before_its_load_started(push_pair: Pair, reference: Dict
     try:
         params = pair.handoff(ABORT_WAITING, ids=["abortw"])
         pair.decode.submit(ABORT_WAITING, params, ids=["abortw"])
-        time.sleep(3)
+        # Aborted once its load waits in the worker (an abort before vLLM
+        # scheduled it is a drop, tested by test_contract).
+        deadline = time.monotonic() + 60
+        while not [e for e in pair.decode.events_of("load_queued") if external(e["req_id"]) == "abortw"]:
+            assert time.monotonic() < deadline, "the decode never queued the load of abortw"
+            time.sleep(0.1)
         pair.decode.abort(["abortw"])
         out = pair.decode.wait(["abortw"], timeout=60)
         assert out[0]["aborted"], out

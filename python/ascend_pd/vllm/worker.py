@@ -221,6 +221,9 @@ class ConnectorWorker:
                 self._recv_ended.add(spec.req_id)
                 continue
             self.state.waiting_loads[spec.req_id] = load
+            # The load is known here and waits for its KV (what a test
+            # waits for before aborting a request whose KV never came).
+            self._event(event="load_queued", req_id=spec.req_id, keys=len(spec.keys))
         for req_id, keys in meta.cancels:
             self._cancel_load(req_id, keys)
         for req_id, keys in meta.drops:
