@@ -83,6 +83,10 @@ pub enum Step {
     SessionToReceiver,
     /// The key of side-channel frames a receiver seals for its sender.
     SessionToSender,
+    /// A decode's registration for a parked transfer, over its nonce.
+    Register,
+    /// A prefill's answer to a registration, over the registration's nonce.
+    RegisterAnswer,
 }
 
 impl Step {
@@ -97,6 +101,8 @@ impl Step {
             Step::HcclWatch => b"ascend-pd/hccl/watch",
             Step::SessionToReceiver => b"ascend-pd/session/to-receiver",
             Step::SessionToSender => b"ascend-pd/session/to-sender",
+            Step::Register => b"ascend-pd/register/request",
+            Step::RegisterAnswer => b"ascend-pd/register/answer",
         }
     }
 }

@@ -399,6 +399,17 @@ fn to_json(m: &Message) -> Json {
             f.push(("cached_keys", strs(&m.cached_keys)));
             f.push(("cached_indexes", ints(&m.cached_indexes)));
         }
+        Message::RegisterDecode(m) => {
+            f.push(("transfer_id", Json::Str(m.transfer_id.clone())));
+            f.push(("receiver_host", Json::Str(m.receiver_host.clone())));
+            f.push(("receiver_init_port", ints(&m.receiver_init_port)));
+            f.push(("receiver_alloc_port", ints(&m.receiver_alloc_port)));
+            f.push(("held_tokens", uint(m.held_tokens)));
+        }
+        Message::RegisterDecodeAck(m) => {
+            f.push(("accepted", Json::Bool(m.accepted)));
+            f.push(("error", Json::Str(m.error.clone())));
+        }
     }
     Json::Obj(f.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
 }

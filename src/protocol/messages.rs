@@ -1,4 +1,4 @@
-//! The six side-channel messages and their msgspec-compatible msgpack codec.
+//! The side-channel messages and their msgspec-compatible msgpack codec.
 
 use std::fmt;
 
@@ -35,11 +35,16 @@ pub enum MessageType {
     CacheQueryRequest,
     /// [`CacheQueryResponse`]: the reply to a [`CacheQueryRequest`].
     CacheQueryResponse,
+    /// [`RegisterDecode`]: router-native flow, a decode names its receiver
+    /// for a transfer the prefill parked (decode → prefill registration port).
+    RegisterDecode,
+    /// [`RegisterDecodeAck`]: the reply to a [`RegisterDecode`].
+    RegisterDecodeAck,
 }
 
 impl MessageType {
     /// Every message type, in the order of the protocol table.
-    pub const ALL: [MessageType; 9] = [
+    pub const ALL: [MessageType; 11] = [
         MessageType::AllocRequest,
         MessageType::AscendAllocResponse,
         MessageType::PullReadyNotif,
@@ -49,6 +54,8 @@ impl MessageType {
         MessageType::CancelNotif,
         MessageType::CacheQueryRequest,
         MessageType::CacheQueryResponse,
+        MessageType::RegisterDecode,
+        MessageType::RegisterDecodeAck,
     ];
 
     /// The wire name (value of the `"type"` key), e.g. `"AllocRequest"`.
@@ -63,6 +70,8 @@ impl MessageType {
             MessageType::CancelNotif => "CancelNotif",
             MessageType::CacheQueryRequest => "CacheQueryRequest",
             MessageType::CacheQueryResponse => "CacheQueryResponse",
+            MessageType::RegisterDecode => "RegisterDecode",
+            MessageType::RegisterDecodeAck => "RegisterDecodeAck",
         }
     }
 
@@ -218,6 +227,38 @@ pub struct CacheQueryResponse {
     pub cached_indexes: Vec<u64>,
 }
 
+/// Router-native flow: a decode registers for a transfer its prefill
+/// parked (the prefill's `kv_transfer_params` named the transfer and the
+/// prefill rank's registration port). From it the prefill runs the usual
+/// flow (push, pull-eager, pull-delay) to the receiver named here.
+///
+/// Sent on the decode's REQ socket to the prefill rank's ROUTER on
+/// `pd_register_port[rank]`; answered by [`RegisterDecodeAck`]. Sealed
+/// with the deployment secret when one is set (see `backend::register`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RegisterDecode {
+    /// The prefill's id of the parked transfer (its request id).
+    pub transfer_id: String,
+    /// The decode receiver's host.
+    pub receiver_host: String,
+    /// The decode receiver's `pd_peer_init_port`, one per decode TP rank.
+    pub receiver_init_port: Vec<u64>,
+    /// The decode receiver's `pd_peer_alloc_port`, one per decode TP rank.
+    pub receiver_alloc_port: Vec<u64>,
+    /// Leading prompt tokens the decode already holds (its own prefix
+    /// cache): the chunks they fill are not sent.
+    pub held_tokens: u64,
+}
+
+/// The prefill's answer to a [`RegisterDecode`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RegisterDecodeAck {
+    /// Whether the prefill sends the transfer to the registered receiver.
+    pub accepted: bool,
+    /// Why not, naming the problem and the fix (empty when accepted).
+    pub error: String,
+}
+
 /// Any side-channel message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
@@ -239,6 +280,10 @@ pub enum Message {
     CacheQueryRequest(CacheQueryRequest),
     /// See [`CacheQueryResponse`].
     CacheQueryResponse(CacheQueryResponse),
+    /// See [`RegisterDecode`].
+    RegisterDecode(RegisterDecode),
+    /// See [`RegisterDecodeAck`].
+    RegisterDecodeAck(RegisterDecodeAck),
 }
 
 impl Message {
@@ -254,6 +299,8 @@ impl Message {
             Message::CancelNotif(_) => MessageType::CancelNotif,
             Message::CacheQueryRequest(_) => MessageType::CacheQueryRequest,
             Message::CacheQueryResponse(_) => MessageType::CacheQueryResponse,
+            Message::RegisterDecode(_) => MessageType::RegisterDecode,
+            Message::RegisterDecodeAck(_) => MessageType::RegisterDecodeAck,
         }
     }
 
@@ -271,6 +318,8 @@ impl Message {
             Message::CancelNotif(m) => m.try_encode(),
             Message::CacheQueryRequest(m) => m.try_encode(),
             Message::CacheQueryResponse(m) => m.try_encode(),
+            Message::RegisterDecode(m) => m.try_encode(),
+            Message::RegisterDecodeAck(m) => m.try_encode(),
         }
     }
 
@@ -346,6 +395,17 @@ impl Message {
                 cached_keys: fields.required("cached_keys")?,
                 cached_indexes: fields.required("cached_indexes")?,
             }),
+            MessageType::RegisterDecode => Message::RegisterDecode(RegisterDecode {
+                transfer_id: fields.required("transfer_id")?,
+                receiver_host: fields.required("receiver_host")?,
+                receiver_init_port: fields.required("receiver_init_port")?,
+                receiver_alloc_port: fields.required("receiver_alloc_port")?,
+                held_tokens: fields.optional("held_tokens", 0)?,
+            }),
+            MessageType::RegisterDecodeAck => Message::RegisterDecodeAck(RegisterDecodeAck {
+                accepted: fields.required("accepted")?,
+                error: fields.optional("error", String::new())?,
+            }),
         })
     }
 }
@@ -359,7 +419,7 @@ fn unwrap_encoded(r: Result<Vec<u8>, EncodeError>) -> Vec<u8> {
 
 /// Every field name of every message; only entries with these keys are
 /// kept after the first pass, so unknown keys cost no memory.
-const KNOWN_FIELDS: [&str; 19] = [
+const KNOWN_FIELDS: [&str; 26] = [
     "keys",
     "fmt",
     "shape",
@@ -379,6 +439,13 @@ const KNOWN_FIELDS: [&str; 19] = [
     "total_chunks",
     "cached_keys",
     "cached_indexes",
+    "transfer_id",
+    "receiver_host",
+    "receiver_init_port",
+    "receiver_alloc_port",
+    "held_tokens",
+    "accepted",
+    "error",
 ];
 
 /// One map entry whose key is a known field name, with its raw value bytes.
@@ -842,6 +909,36 @@ impl CacheQueryResponse {
     }
 }
 
+impl RegisterDecode {
+    fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
+        let size = hint(
+            &[],
+            &[&self.transfer_id, &self.receiver_host],
+            self.receiver_init_port.len() + self.receiver_alloc_port.len() + 1,
+        );
+        let mut e = Enc::new(MessageType::RegisterDecode, 5, size)?;
+        e.str("transfer_id", &self.transfer_id)?;
+        e.str("receiver_host", &self.receiver_host)?;
+        e.uint_list("receiver_init_port", &self.receiver_init_port)?;
+        e.uint_list("receiver_alloc_port", &self.receiver_alloc_port)?;
+        e.uint("held_tokens", self.held_tokens)?;
+        Ok(e.finish())
+    }
+}
+
+impl RegisterDecodeAck {
+    fn encode_impl(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut e = Enc::new(
+            MessageType::RegisterDecodeAck,
+            2,
+            hint(&[], &[&self.error], 1),
+        )?;
+        e.bool("accepted", self.accepted)?;
+        e.str("error", &self.error)?;
+        Ok(e.finish())
+    }
+}
+
 /// Per-message API: type constant, encoding, typed decoding and
 /// conversions to and from [`Message`].
 macro_rules! wire_message {
@@ -910,3 +1007,5 @@ wire_message!(ProxyNotif);
 wire_message!(CancelNotif);
 wire_message!(CacheQueryRequest);
 wire_message!(CacheQueryResponse);
+wire_message!(RegisterDecode);
+wire_message!(RegisterDecodeAck);

@@ -13,6 +13,8 @@
 //! | [`PullReadyDoneAck`] | already_sent_indexes, alloc_failed=false |
 //! | [`PullDoneSignal`] | pull_id |
 //! | [`ProxyNotif`] | req_id |
+//! | [`RegisterDecode`] | transfer_id, receiver_host, receiver_init_port, receiver_alloc_port, held_tokens=0 |
+//! | [`RegisterDecodeAck`] | accepted, error="" |
 //!
 //! Encoding reproduces msgspec byte for byte (every value in its smallest
 //! msgpack form, defaulted fields always written). Decoding accepts any key
@@ -54,6 +56,7 @@ pub(crate) mod context;
 pub mod lease;
 pub mod notice;
 pub(crate) mod ownership;
+pub mod parking;
 pub(crate) mod pending;
 pub(crate) mod pulls;
 pub(crate) mod receiver;
@@ -70,10 +73,11 @@ pub use error::{DecodeError, EncodeError};
 pub use lease::{ClockMap, PullId};
 pub use messages::{
     AllocRequest, AscendAllocResponse, CacheQueryRequest, CacheQueryResponse, CancelNotif, Message,
-    MessageType, ProxyNotif, PullDoneSignal, PullReadyDoneAck, PullReadyNotif, FMT_KV_2LTD,
-    FMT_MLA, TYPE_KEY,
+    MessageType, ProxyNotif, PullDoneSignal, PullReadyDoneAck, PullReadyNotif, RegisterDecode,
+    RegisterDecodeAck, FMT_KV_2LTD, FMT_MLA, TYPE_KEY,
 };
 pub use notice::{PushNotice, PushOutcome};
+pub use parking::ParkingCounters;
 pub use pending::PullCounters;
 pub use receiver::{HeadPiece, KeyState, ProxyEntry, ProxyHandle, ReceiverCounters};
 pub use sender::{ChunkDesc, PutOutcome};
