@@ -325,6 +325,40 @@ typedef struct {
 } ApdPeer;
 
 /*
+ Registration counters of a sender (router-native flow).
+ */
+typedef struct {
+  /*
+   Transfers parked (gathered with no decode known yet).
+   */
+  uint64_t parked;
+  /*
+   Registrations that attached a parked transfer.
+   */
+  uint64_t attached;
+  /*
+   Parked transfers freed because no decode registered in time.
+   */
+  uint64_t expired;
+  /*
+   Registrations answered with an error (unknown, expired, cancelled).
+   */
+  uint64_t refused;
+  /*
+   Registrations dropped unanswered: forged (seal does not verify) or replayed.
+   */
+  uint64_t dropped;
+  /*
+   Registrations that did not decode or named an unusable receiver.
+   */
+  uint64_t malformed;
+  /*
+   Transfers parked now.
+   */
+  uint64_t parked_now;
+} ApdRegistrationStats;
+
+/*
  One finished request.
  */
 typedef struct {
@@ -560,6 +594,45 @@ int32_t apd_sender_submit_save_ranks(ApdSender sender,
                                      int32_t is_last_prefill);
 
 /*
+ Queues the save of request `req_id` whose decode is not known yet
+ (router-native flow): gathered from `cache` at `slot_mapping` like any
+ save (`apd_sender_poll_released` reports it then), then parked under
+ `req_id` until a decode registers for it on this rank's registration
+ port (`apd_sender_register_port`); it then goes to that decode's
+ receiver, without the chunks the decode holds. One no decode registered
+ for within `pd_park_timeout` ends as failed (`apd_sender_poll`) and its
+ pages go back to the pool.
+
+ # Safety
+ As `apd_sender_submit_save`, without `peer`.
+ */
+int32_t apd_sender_submit_parked_save(ApdSender sender,
+                                      const char *req_id,
+                                      const char *const *keys,
+                                      uint64_t num_keys,
+                                      ApdKvCache cache,
+                                      const int64_t *slot_mapping,
+                                      uint64_t num_slots);
+
+/*
+ `*port` = the port this sender's rank takes decode registrations on
+ (`pd_register_port[rank]`, or the free port chosen at start): what a
+ prefill's `kv_transfer_params` name for the router-native flow.
+
+ # Safety
+ `port` points to writable memory.
+ */
+int32_t apd_sender_register_port(ApdSender sender, uint16_t *port);
+
+/*
+ Registration counters of a sender.
+
+ # Safety
+ `out` points to writable memory.
+ */
+int32_t apd_sender_registration_stats(ApdSender sender, ApdRegistrationStats *out_stats);
+
+/*
  Opens the layer-wise save of request `req_id` (push mode, usually with
  `pd_layerwise: True`), before the engine's forward pass writes its KV:
  the arguments are `apd_sender_submit_save`'s. The receiver allocates
@@ -781,6 +854,41 @@ int32_t apd_receiver_poll(ApdReceiver receiver,
                           ApdCompletion *out_completions,
                           uint64_t capacity,
                           uint64_t *count);
+
+/*
+ Registers this decode's receiver (its `pd_peer_host` and ports) for
+ transfer `transfer_id`, which a prefill parked (router-native flow),
+ with each prefill rank: `prefill_host` and `ports[0..num_ports]`, one
+ registration port per prefill rank, as the prefill's
+ `kv_transfer_params` name them. `held_tokens`: leading tokens the
+ decode already holds (their whole chunks are not sent). Sent in the
+ background; `apd_receiver_poll_registrations` reports each under
+ `req_id`: done, or failed with why (the prefill refused it, or did not
+ answer) — then the KV never comes.
+
+ # Safety
+ Strings are NUL-terminated; `ports` holds `num_ports` values.
+ */
+int32_t apd_receiver_register(ApdReceiver receiver,
+                              const char *req_id,
+                              const char *prefill_host,
+                              const uint16_t *ports,
+                              uint64_t num_ports,
+                              const char *transfer_id,
+                              uint64_t held_tokens);
+
+/*
+ Registrations that ended since the last call (`apd_receiver_register`),
+ as completions: `APD_REQ_DONE` (the prefill sends), or `APD_REQ_FAILED`
+ with the reason. Arguments as `apd_receiver_poll`.
+
+ # Safety
+ As `apd_receiver_poll`.
+ */
+int32_t apd_receiver_poll_registrations(ApdReceiver receiver,
+                                        ApdCompletion *out_completions,
+                                        uint64_t capacity,
+                                        uint64_t *count);
 
 /*
  Cancels request `req_id` whose chunks are `keys`: its load is dropped

@@ -152,6 +152,20 @@ class ApdReqId(ctypes.Structure):
     _fields_ = [("req_id", ctypes.c_char * REQ_ID_MAX)]
 
 
+class ApdRegistrationStats(ctypes.Structure):
+    """``ApdRegistrationStats``: a sender's parked transfers and registrations."""
+
+    _fields_ = [
+        ("parked", ctypes.c_uint64),
+        ("attached", ctypes.c_uint64),
+        ("expired", ctypes.c_uint64),
+        ("refused", ctypes.c_uint64),
+        ("dropped", ctypes.c_uint64),
+        ("malformed", ctypes.c_uint64),
+        ("parked_now", ctypes.c_uint64),
+    ]
+
+
 class ApdPoolStats(ctypes.Structure):
     """``ApdPoolStats``: page counters of a worker's pools."""
 
@@ -213,6 +227,9 @@ _PROTOTYPES = {
     "apd_sender_save_layer": (_i32, [ApdSender, _str, _u64]),
     "apd_sender_save_layer_after": (_i32, [ApdSender, _str, _u64, ctypes.c_void_p]),
     "apd_sender_close_layered_save": (_i32, [ApdSender, _str, _P(ctypes.c_int64)]),
+    "apd_sender_submit_parked_save": (_i32, [ApdSender, _str, _strs, _u64, ApdKvCache, _slots, _u64]),
+    "apd_sender_register_port": (_i32, [ApdSender, _P(ctypes.c_uint16)]),
+    "apd_sender_registration_stats": (_i32, [ApdSender, _P(ApdRegistrationStats)]),
     "apd_sender_poll": (_i32, [ApdSender, _P(ApdCompletion), _u64, _P(_u64)]),
     "apd_sender_poll_released": (_i32, [ApdSender, _P(ApdReqId), _u64, _P(_u64)]),
     "apd_sender_cancel": (_i32, [ApdSender, _str, _P(_i32)]),
@@ -226,6 +243,11 @@ _PROTOTYPES = {
         [ApdReceiver, _str, _strs, _u64, ApdKvCache, _slots, _u64],
     ),
     "apd_receiver_poll": (_i32, [ApdReceiver, _P(ApdCompletion), _u64, _P(_u64)]),
+    "apd_receiver_register": (
+        _i32,
+        [ApdReceiver, _str, _str, _P(ctypes.c_uint16), _u64, _str, _u64],
+    ),
+    "apd_receiver_poll_registrations": (_i32, [ApdReceiver, _P(ApdCompletion), _u64, _P(_u64)]),
     "apd_receiver_cancel": (_i32, [ApdReceiver, _str, _strs, _u64, _P(_i32)]),
     "apd_receiver_pool_stats": (_i32, [ApdReceiver, _P(ApdPoolStats)]),
     "apd_receiver_close": (_i32, [ApdReceiver]),

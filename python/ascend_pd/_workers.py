@@ -310,6 +310,49 @@ class Sender:
         """
         self._submit(True, req_id, keys, cache, slot_mapping, host, init_port, alloc_port, is_last_prefill)
 
+    def submit_parked_save(self, req_id: str, keys: Sequence[str], cache: KVCache, slot_mapping: Any) -> None:
+        """Queues the save of request ``req_id`` whose decode is not known
+        yet (router-native flow) and returns at once.
+
+        Its chunks are gathered from ``cache`` as :meth:`submit_save`'s
+        (:meth:`poll_released` reports it then) and parked under ``req_id``
+        until a decode registers for it on this rank's
+        :attr:`register_port`; then they go to that decode's receiver,
+        without the chunks the decode said it holds. A save no decode
+        registered for within ``pd_park_timeout`` ends as failed
+        (:meth:`poll`) and its pages go back to the pool.
+        """
+        key_array, num_keys = _keys(keys)
+        slots, num_slots, _keep = _slots(slot_mapping)
+        rid = req_id if isinstance(req_id, str) else _encode("req_id", req_id).decode("utf-8", "replace")
+        self._inflight.add(rid, cache)
+        try:
+            check(
+                _lib.lib().apd_sender_submit_parked_save(
+                    self._handle, _encode("req_id", req_id), key_array, num_keys, _cache_handle(cache),
+                    slots, num_slots,
+                )
+            )
+        except BaseException:
+            self._inflight.discard(rid, cache)
+            raise
+
+    @property
+    def register_port(self) -> int:
+        """The port this rank takes decode registrations on
+        (``pd_register_port``, or a free port chosen at start)."""
+        port = ctypes.c_uint16()
+        check(_lib.lib().apd_sender_register_port(self._handle, ctypes.byref(port)))
+        return int(port.value)
+
+    def registration_stats(self) -> Dict[str, int]:
+        """Parked transfers and registrations: ``parked``, ``attached``,
+        ``expired``, ``refused``, ``dropped`` (forged or replayed),
+        ``malformed``, ``parked_now``."""
+        out = _lib.ApdRegistrationStats()
+        check(_lib.lib().apd_sender_registration_stats(self._handle, ctypes.byref(out)))
+        return {name: int(getattr(out, name)) for name, *_ in out._fields_}
+
     def save_layer(self, req_id: str, layer: int, stream: Optional[int] = None) -> None:
         """Layer ``layer`` (0 first) of request ``req_id`` is written: its
         rows of every chunk are gathered and sent now.
@@ -575,6 +618,33 @@ class Receiver:
         for c in done:
             self._inflight.remove(c.req_id)
         return done
+
+    def register(self, req_id: str, prefill_host: str, ports: Sequence[int], transfer_id: str,
+                 held_tokens: int = 0) -> None:
+        """Registers this decode's receiver for transfer ``transfer_id``,
+        which a prefill parked (router-native flow), with each prefill rank
+        (``prefill_host``, one registration port per rank in ``ports``),
+        saying it already holds the first ``held_tokens`` tokens. Returns at
+        once; :meth:`poll_registrations` reports the outcome under
+        ``req_id``."""
+        if not ports:
+            raise _bad("ports is empty: pass one registration port per prefill rank")
+        try:
+            arr = (ctypes.c_uint16 * len(ports))(*(int(p) for p in ports))
+        except (TypeError, OverflowError) as e:
+            raise _bad(f"ports must be port numbers: {e}") from None
+        check(
+            _lib.lib().apd_receiver_register(
+                self._handle, _encode("req_id", req_id), _encode("prefill_host", prefill_host), arr,
+                len(ports), _encode("transfer_id", transfer_id), int(held_tokens),
+            )
+        )
+
+    def poll_registrations(self) -> List[Completion]:
+        """Registrations that ended since the last call: status ``done``
+        (the prefill sends) or ``failed`` with why (refused: unknown or
+        expired transfer; or no answer) — then the KV never comes."""
+        return _completions(_lib.lib().apd_receiver_poll_registrations, self._handle)
 
     def cancel(self, req_id: str, keys: Sequence[str]) -> str:
         """Cancels request ``req_id`` whose chunks are ``keys``.

@@ -16,8 +16,9 @@
 mod counters;
 pub mod pools;
 mod receiver;
+pub(crate) mod register;
 mod sender;
-mod zmq_io;
+pub(crate) mod zmq_io;
 
 pub use crate::protocol::PutOutcome;
 pub use counters::{MessageCounters, MessageKind};

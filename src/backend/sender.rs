@@ -384,6 +384,11 @@ impl Sender {
         self.shared.node.as_str()
     }
 
+    /// The TP rank this sender serves.
+    pub fn rank(&self) -> usize {
+        self.shared.node.rank()
+    }
+
     /// The port of the PullDoneSignal socket (pull modes).
     pub fn done_port(&self) -> Option<u16> {
         self.shared.done_port

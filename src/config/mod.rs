@@ -465,6 +465,14 @@ pub struct PdConfig {
     pub delay_pull: bool,
     /// `pd_pull_done_port`: where a pull sender binds its PullDoneSignal PULL socket.
     pub pull_done_port: Option<PortList>,
+    /// `pd_register_port` (sender): where each prefill rank takes decode
+    /// registrations for parked transfers (router-native flow). Default:
+    /// a free port chosen at start, which the worker reports
+    /// ([`crate::requests::SaveQueue::register_port`]).
+    pub register_port: Option<PortList>,
+    /// `pd_park_timeout` (sender, default 60 s): how long a parked
+    /// transfer waits for a decode to register before its pages are freed.
+    pub park_timeout: Duration,
     /// `pd_use_cpu_offload`.
     pub use_cpu_offload: bool,
     /// `pd_layerwise` (sender, push mode): save each layer's KV as soon
@@ -538,6 +546,8 @@ impl PdConfig {
             pull_mode: false,
             delay_pull: false,
             pull_done_port: None,
+            register_port: None,
+            park_timeout: Duration::from_secs(60),
             use_cpu_offload: false,
             layerwise: false,
             push_direct_write: true,
@@ -724,6 +734,15 @@ impl PdConfig {
         }
     }
 
+    /// The registration port of TP rank `rank` (`pd_register_port`); 0:
+    /// a free port chosen when the sender starts.
+    pub fn register_port(&self, rank: usize) -> u16 {
+        self.register_port
+            .as_ref()
+            .and_then(|l| l.for_rank(rank))
+            .unwrap_or(0)
+    }
+
     /// Checks the combinations of keys. Returns warnings when usable, or every problem.
     pub fn validate(&self) -> Result<Vec<String>, Vec<ConfigProblem>> {
         let mut problems = Vec::new();
@@ -890,6 +909,13 @@ impl PdConfig {
                 );
             }
         }
+        if self.park_timeout.is_zero() {
+            bad(
+                "pd_park_timeout",
+                "is 0, so every parked transfer would be freed before a decode could register".into(),
+                "use a positive number of seconds longer than a decode takes to schedule a request, e.g. 60.0",
+            );
+        }
         if self.push_landing_timeout.is_zero() {
             bad(
                 "pd_push_landing_timeout",
@@ -982,6 +1008,7 @@ impl PdConfig {
         check_ports("pd_peer_alloc_port", &self.peer_alloc_port, &mut problems);
         check_ports("pd_peer_query_port", &self.peer_query_port, &mut problems);
         check_ports("pd_pull_done_port", &self.pull_done_port, &mut problems);
+        check_ports("pd_register_port", &self.register_port, &mut problems);
 
         match self.role {
             Role::Receiver => {
@@ -1132,6 +1159,8 @@ impl PdConfig {
         let _ = writeln!(s, "pd_pull_mode: {}", self.pull_mode);
         let _ = writeln!(s, "pd_delay_pull: {}", self.delay_pull);
         let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));
+        let _ = writeln!(s, "pd_register_port: {}", ports(&self.register_port));
+        let _ = writeln!(s, "pd_park_timeout: {}", secs(self.park_timeout));
         let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
         let _ = writeln!(s, "pd_layerwise: {}", self.layerwise);
         let _ = writeln!(s, "pd_push_direct_write: {}", self.push_direct_write);

@@ -31,6 +31,8 @@ impl SenderObj {
 pub(crate) struct ReceiverObj {
     pub(crate) queue: LoadQueue,
     pub(crate) backlog: Mutex<VecDeque<Completion>>,
+    /// Registration outcomes not yet polled.
+    pub(crate) registered_backlog: Mutex<VecDeque<Completion>>,
 }
 
 impl ReceiverObj {
@@ -38,6 +40,7 @@ impl ReceiverObj {
         ReceiverObj {
             queue,
             backlog: Mutex::new(VecDeque::new()),
+            registered_backlog: Mutex::new(VecDeque::new()),
         }
     }
 }

@@ -1236,6 +1236,115 @@ unsafe fn submit_save(
     Ok(())
 }
 
+/// Queues the save of request `req_id` whose decode is not known yet
+/// (router-native flow): gathered from `cache` at `slot_mapping` like any
+/// save (`apd_sender_poll_released` reports it then), then parked under
+/// `req_id` until a decode registers for it on this rank's registration
+/// port (`apd_sender_register_port`); it then goes to that decode's
+/// receiver, without the chunks the decode holds. One no decode registered
+/// for within `pd_park_timeout` ends as failed (`apd_sender_poll`) and its
+/// pages go back to the pool.
+///
+/// # Safety
+/// As `apd_sender_submit_save`, without `peer`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_submit_parked_save(
+    sender: ApdSender,
+    req_id: *const c_char,
+    keys: *const *const c_char,
+    num_keys: u64,
+    cache: ApdKvCache,
+    slot_mapping: *const i64,
+    num_slots: u64,
+) -> i32 {
+    call("apd_sender_submit_parked_save", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, keys, slots) =
+            unsafe { request_args(req_id, (keys, num_keys), (slot_mapping, num_slots)) }?;
+        let cache = handles::cache(cache.id)?;
+        let req = SaveRequest {
+            keys,
+            slot_mapping: slots.to_vec(),
+            spec: TransferSpec {
+                req_id: id.to_string(),
+                receiver_host: String::new(),
+                receiver_init_port: PortList::Single(0),
+                receiver_alloc_port: PortList::Single(0),
+                is_last_prefill: false,
+                receiver_rank: None,
+            },
+        };
+        s.queue.submit_parked(req, &cache)?;
+        Ok(())
+    })
+}
+
+/// `*port` = the port this sender's rank takes decode registrations on
+/// (`pd_register_port[rank]`, or the free port chosen at start): what a
+/// prefill's `kv_transfer_params` name for the router-native flow.
+///
+/// # Safety
+/// `port` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_register_port(sender: ApdSender, port: *mut u16) -> i32 {
+    call("apd_sender_register_port", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let o = unsafe { out("port", port) }?;
+        *o = s.queue.register_port();
+        Ok(())
+    })
+}
+
+/// Registration counters of a sender (router-native flow).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ApdRegistrationStats {
+    /// Transfers parked (gathered with no decode known yet).
+    pub parked: u64,
+    /// Registrations that attached a parked transfer.
+    pub attached: u64,
+    /// Parked transfers freed because no decode registered in time.
+    pub expired: u64,
+    /// Registrations answered with an error (unknown, expired, cancelled).
+    pub refused: u64,
+    /// Registrations dropped unanswered: forged (seal does not verify) or replayed.
+    pub dropped: u64,
+    /// Registrations that did not decode or named an unusable receiver.
+    pub malformed: u64,
+    /// Transfers parked now.
+    pub parked_now: u64,
+}
+
+/// Registration counters of a sender.
+///
+/// # Safety
+/// `out` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_registration_stats(
+    sender: ApdSender,
+    out_stats: *mut ApdRegistrationStats,
+) -> i32 {
+    call("apd_sender_registration_stats", || {
+        let s = handles::sender(sender.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let o = unsafe { out("out_stats", out_stats) }?;
+        let r = s.queue.registration_stats();
+        let p = r.parking;
+        *o = ApdRegistrationStats {
+            parked: p.parked,
+            attached: p.attached,
+            expired: p.expired,
+            refused: p.refused,
+            dropped: r.forged + r.replayed,
+            malformed: r.malformed,
+            parked_now: p.parked_now,
+        };
+        Ok(())
+    })
+}
+
 /// Opens the layer-wise save of request `req_id` (push mode, usually with
 /// `pd_layerwise: True`), before the engine's forward pass writes its KV:
 /// the arguments are `apd_sender_submit_save`'s. The receiver allocates
@@ -1668,6 +1777,85 @@ pub unsafe extern "C" fn apd_receiver_poll(
             poll_into(
                 &r.backlog,
                 || r.queue.poll(),
+                out_completions,
+                capacity,
+                count,
+            )
+        }
+    })
+}
+
+/// Registers this decode's receiver (its `pd_peer_host` and ports) for
+/// transfer `transfer_id`, which a prefill parked (router-native flow),
+/// with each prefill rank: `prefill_host` and `ports[0..num_ports]`, one
+/// registration port per prefill rank, as the prefill's
+/// `kv_transfer_params` name them. `held_tokens`: leading tokens the
+/// decode already holds (their whole chunks are not sent). Sent in the
+/// background; `apd_receiver_poll_registrations` reports each under
+/// `req_id`: done, or failed with why (the prefill refused it, or did not
+/// answer) — then the KV never comes.
+///
+/// # Safety
+/// Strings are NUL-terminated; `ports` holds `num_ports` values.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_register(
+    receiver: ApdReceiver,
+    req_id: *const c_char,
+    prefill_host: *const c_char,
+    ports: *const u16,
+    num_ports: u64,
+    transfer_id: *const c_char,
+    held_tokens: u64,
+) -> i32 {
+    call("apd_receiver_register", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (id, host, ports, tid) = unsafe {
+            (
+                arg_str("req_id", req_id)?,
+                arg_str("prefill_host", prefill_host)?,
+                arg_slice("ports", ports, num_ports)?,
+                arg_str("transfer_id", transfer_id)?,
+            )
+        };
+        r.queue.register(id, host, ports, tid, held_tokens)?;
+        Ok(())
+    })
+}
+
+/// Registrations that ended since the last call (`apd_receiver_register`),
+/// as completions: `APD_REQ_DONE` (the prefill sends), or `APD_REQ_FAILED`
+/// with the reason. Arguments as `apd_receiver_poll`.
+///
+/// # Safety
+/// As `apd_receiver_poll`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_poll_registrations(
+    receiver: ApdReceiver,
+    out_completions: *mut ApdCompletion,
+    capacity: u64,
+    count: *mut u64,
+) -> i32 {
+    call("apd_receiver_poll_registrations", || {
+        let r = handles::receiver(receiver.id)?;
+        let fresh = || {
+            r.queue
+                .poll_registrations()
+                .into_iter()
+                .map(|(req_id, res)| crate::requests::Completion {
+                    req_id,
+                    outcome: match res {
+                        Ok(()) => crate::requests::Outcome::Done,
+                        Err(e) => crate::requests::Outcome::Failed(e),
+                    },
+                })
+                .collect()
+        };
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            poll_into(
+                &r.registered_backlog,
+                fresh,
                 out_completions,
                 capacity,
                 count,

@@ -20,8 +20,11 @@
 
 mod book;
 mod layered;
+mod parked;
+mod register;
 
 pub use book::{Completion, Outcome, RELEASED_MEMORY};
+pub use parked::RegistrationStats;
 
 use crate::backend::{lock, BackendError, Receiver, Sender, TransferSpec};
 use crate::kv::{KvCache, Unsettled};
@@ -411,6 +414,8 @@ struct SaveJob {
     cache: Arc<SharedKvCache>,
     /// A layer-wise save's layers ([`SaveQueue::open_layered`]).
     gate: Option<Arc<layered::LayerGate>>,
+    /// Parked until a decode registers ([`SaveQueue::submit_parked`]).
+    parked: bool,
 }
 
 /// A save that finished, remembered so a late cancel can still reach the
@@ -427,6 +432,8 @@ pub struct SaveQueue {
     cancels: Mutex<Option<crossbeam_channel::Sender<(String, Saved)>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     cancel_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Parked saves and this rank's registration port.
+    parking: Arc<parked::Parking>,
 }
 
 /// Saves remembered for late cancels.
@@ -436,14 +443,24 @@ impl SaveQueue {
     /// A queue whose workers save through `sender`.
     pub fn new(sender: Arc<Sender>) -> Result<SaveQueue, BackendError> {
         let (cancels, cancel_rx) = crossbeam_channel::unbounded::<(String, Saved)>();
+        let state = State::new(Book::reporting_release(MAX_QUEUED));
+        let saved = Arc::new(Mutex::new(VecDeque::new()));
+        let parking = parked::Parking::start(
+            &sender,
+            sender.rank(),
+            Arc::clone(&state),
+            Arc::clone(&saved),
+            cancels.clone(),
+        )?;
         let q = SaveQueue {
             sender,
             gates: Mutex::new(std::collections::HashMap::new()),
-            state: State::new(Book::reporting_release(MAX_QUEUED)),
-            saved: Arc::new(Mutex::new(VecDeque::new())),
+            state,
+            saved,
             cancels: Mutex::new(Some(cancels)),
             workers: Mutex::new(Vec::new()),
             cancel_thread: Mutex::new(None),
+            parking,
         };
         let sender = Arc::clone(&q.sender);
         *lock(&q.cancel_thread) = Some(crate::backend::spawn("apd-save-cancel", move || {
@@ -479,10 +496,11 @@ impl SaveQueue {
     /// Starts one more save worker.
     fn add_worker(&self) -> Result<(), BackendError> {
         let mut workers = lock(&self.workers);
-        let (sender, state, saved) = (
+        let (sender, state, saved, parking) = (
             Arc::clone(&self.sender),
             Arc::clone(&self.state),
             Arc::clone(&self.saved),
+            Arc::clone(&self.parking),
         );
         let Some(cancels) = lock(&self.cancels).clone() else {
             return Err(BackendError::Closed);
@@ -499,6 +517,9 @@ impl SaveQueue {
                     }
                 };
                 let r = guarded("save", &id, || match &job.gate {
+                    _ if job.parked => run_parked(&sender, &job, &parking, || {
+                        lock(&state.book).cache_released(&id)
+                    }),
                     Some(gate) => {
                         layered::run_layered(&sender, &job, gate, released).map(|()| SaveRun::Sent)
                     }
@@ -510,11 +531,18 @@ impl SaveQueue {
                 if let Err(e) = &r {
                     log::warn!("save of request {id:?} failed: {e}");
                 }
+                if matches!(r, Ok(SaveRun::Parked)) {
+                    // Running until a registration or its expiry ends it.
+                    continue;
+                }
                 // Cancelled between its gather and its first put:
                 // nothing reached a receiver, nothing to drop there.
                 let sent = !matches!(r, Ok(SaveRun::StoppedBeforeSending));
+                let what = match r {
+                    Ok(SaveRun::SentTo(ref keys, ref spec)) => (keys.clone(), spec.clone()),
+                    _ => (job.req.keys, job.req.spec),
+                };
                 let r = r.map(|_| ());
-                let what = (job.req.keys, job.req.spec);
                 // Remembered before the end is published, so a cancel
                 // that follows the poll always finds it.
                 if r.is_ok() {
@@ -590,8 +618,59 @@ impl SaveQueue {
                 req,
                 cache: Arc::clone(cache),
                 gate: None,
+                parked: false,
             },
         )
+    }
+
+    /// Queues the save of one request whose decode is not known yet
+    /// (router-native flow): it is gathered from `cache` like any save
+    /// (`poll_cache_released` reports it then), and parked under the
+    /// request id until a decode registers for it on this rank's
+    /// registration port ([`SaveQueue::register_port`]); then it goes to
+    /// that decode's receiver, without the chunks the decode said it holds.
+    /// A save no decode registered for within `pd_park_timeout` ends as
+    /// failed and its pages go back. Checked as [`SaveQueue::submit`];
+    /// `receiver_*` of `req.spec` are ignored.
+    pub fn submit_parked(
+        &self,
+        req: SaveRequest,
+        cache: &Arc<SharedKvCache>,
+    ) -> Result<(), BackendError> {
+        let chunk = self.sender.chunk_layout().tokens;
+        check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
+        check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
+        let id = req.spec.req_id.clone();
+        if !lock(&self.parking.lot).expect(&id, std::time::Instant::now()) {
+            return Err(BackendError::InvalidInput(format!(
+                "request {id:?} is parked already: a transfer id is used once"
+            )));
+        }
+        let r = self.state.submit(
+            &id,
+            SaveJob {
+                req,
+                cache: Arc::clone(cache),
+                gate: None,
+                parked: true,
+            },
+        );
+        if r.is_err() {
+            lock(&self.parking.lot).cancel(&id, std::time::Instant::now());
+        }
+        r
+    }
+
+    /// The port this rank takes decode registrations on (the one a
+    /// prefill's `kv_transfer_params` name): `pd_register_port[rank]`, or
+    /// the free port chosen at start.
+    pub fn register_port(&self) -> u16 {
+        self.parking.port()
+    }
+
+    /// Counters of parked saves and registrations.
+    pub fn registration_stats(&self) -> RegistrationStats {
+        self.parking.stats()
     }
 
     /// Opens the layer-wise save of one request from `cache` (push mode;
@@ -648,6 +727,7 @@ impl SaveQueue {
             req,
             cache: Arc::clone(cache),
             gate: Some(Arc::clone(&gate)),
+            parked: false,
         };
         if let Err(e) = self.state.submit(&id, job) {
             lock(&self.gates).remove(&id);
@@ -792,6 +872,16 @@ impl SaveQueue {
             gate.close("the request was cancelled");
         }
         let verdict = lock(&self.state.book).cancel(req_id);
+        if matches!(verdict, Cancel::WhenDone) {
+            // A parked save has no worker to end it: it ends now.
+            let parked = lock(&self.parking.lot).cancel(req_id, std::time::Instant::now());
+            if let Some(parked) = parked {
+                drop(parked);
+                let _ = lock(&self.state.book).finish(req_id, Err("cancelled while parked".into()));
+            }
+        } else {
+            lock(&self.parking.lot).cancel(req_id, std::time::Instant::now());
+        }
         match verdict {
             Cancel::Dequeued(_) => CancelState::NotStarted,
             Cancel::WhenDone => CancelState::Cancelling,
@@ -831,6 +921,7 @@ impl SaveQueue {
             gate.close("the save queue was shut down");
         }
         let _ = self.state.shut_down(&self.workers);
+        self.parking.shutdown(&self.state);
         // The workers' senders are gone with them; this was the last.
         lock(&self.cancels).take();
         let t = lock(&self.cancel_thread).take();
@@ -907,6 +998,11 @@ fn check_no_padding(req_id: &str, slots: &[i64]) -> Result<(), BackendError> {
 enum SaveRun {
     /// Every piece was put.
     Sent,
+    /// Every piece was put, to the receiver of a registration (a parked
+    /// save a decode registered for during its gather): what was sent.
+    SentTo(Vec<String>, TransferSpec),
+    /// Gathered and parked: it ends when a decode registers, or expires.
+    Parked,
     /// It was cancelled during its gather: nothing was put.
     StoppedBeforeSending,
 }
@@ -919,14 +1015,31 @@ fn run_save(
     job: &SaveJob,
     gathered: impl FnOnce() -> bool,
 ) -> Result<SaveRun, String> {
+    let puts = gather_pieces(sender, job)?;
+    if gathered() {
+        return Ok(SaveRun::StoppedBeforeSending);
+    }
+    put_pieces(sender, puts, &job.req.spec)?;
+    Ok(SaveRun::Sent)
+}
+
+/// One decode rank's part of a save: the rank, its keys and the pages
+/// holding its head piece of each chunk.
+type Piece = (
+    crate::kv::tp::Route,
+    Vec<String>,
+    Vec<crate::memory::SealedMemObj>,
+);
+
+/// Gathers every piece of `job` from the engine's cache into the sender's
+/// pages: one per decode rank this rank feeds (one, unless the decode TP
+/// is larger), carrying its head piece of every chunk. From then on the
+/// save reads only its own pages, and the engine may reuse its blocks.
+fn gather_pieces(sender: &Sender, job: &SaveJob) -> Result<Vec<Piece>, String> {
     let req = &job.req;
     let layout = sender.chunk_layout();
     let chunk = layout.tokens;
     let tokens = chunk_tokens(req.slot_mapping.len(), chunk);
-    // One put per decode rank this rank feeds (one, unless the decode TP
-    // is larger), carrying its head piece of every chunk. Every piece is
-    // gathered before the first put: from then on the save reads only its
-    // own pages, and the engine may reuse its blocks during the transfer.
     let mut puts = Vec::new();
     for (route, keys) in sender.pieces(&req.keys) {
         let offset = sender.piece_offset(&route);
@@ -956,18 +1069,52 @@ fn run_save(
         }
         puts.push((route, keys, sealed));
     }
-    if gathered() {
-        return Ok(SaveRun::StoppedBeforeSending);
-    }
+    Ok(puts)
+}
+
+/// Puts gathered pieces to the receiver `spec` names (each to its rank).
+fn put_pieces(sender: &Sender, puts: Vec<Piece>, spec: &TransferSpec) -> Result<(), String> {
     for (route, keys, sealed) in puts {
+        if keys.is_empty() {
+            continue;
+        }
         let spec = TransferSpec {
             receiver_rank: Some(route.rank),
-            ..req.spec.clone()
+            ..spec.clone()
         };
         let outcome = sender.put(&keys, &sealed, &spec).map_err(err_text)?;
-        put_outcome(outcome, &req.spec.receiver_host)?;
+        put_outcome(outcome, &spec.receiver_host)?;
     }
-    Ok(SaveRun::Sent)
+    Ok(())
+}
+
+/// Gathers a parked save, then parks it, or sends it to the decode that
+/// registered during the gather.
+fn run_parked(
+    sender: &Sender,
+    job: &SaveJob,
+    parking: &parked::Parking,
+    gathered: impl FnOnce() -> bool,
+) -> Result<SaveRun, String> {
+    let id = &job.req.spec.req_id;
+    let pieces = match gather_pieces(sender, job) {
+        Ok(p) => p,
+        Err(e) => {
+            lock(&parking.lot).cancel(id, std::time::Instant::now());
+            return Err(e);
+        }
+    };
+    if gathered() {
+        lock(&parking.lot).cancel(id, std::time::Instant::now());
+        return Ok(SaveRun::StoppedBeforeSending);
+    }
+    match parking.park(id, pieces)? {
+        parked::ParkOutcome::Parked => Ok(SaveRun::Parked),
+        parked::ParkOutcome::SendNow(p, to) => {
+            let (keys, spec) = parked::send_attached(sender, id, p, &to)?;
+            Ok(SaveRun::SentTo(keys, spec))
+        }
+    }
 }
 
 /// Whether a put's outcome means its save may go on.
@@ -995,6 +1142,7 @@ pub struct LoadQueue {
     receiver: Arc<Receiver>,
     state: Arc<State<LoadJob>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    registrar: register::Registrar,
 }
 
 /// Whether a request's KV can be loaded.
@@ -1014,10 +1162,12 @@ pub enum Availability {
 impl LoadQueue {
     /// A queue whose workers load through `receiver`.
     pub fn new(receiver: Arc<Receiver>) -> Result<LoadQueue, BackendError> {
+        let registrar = register::Registrar::start(receiver.config())?;
         let q = LoadQueue {
             receiver,
             state: State::new(Book::new(MAX_QUEUED)),
             workers: Mutex::new(Vec::new()),
+            registrar,
         };
         for i in 0..WORKERS {
             let (receiver, state) = (Arc::clone(&q.receiver), Arc::clone(&q.state));
@@ -1069,6 +1219,39 @@ impl LoadQueue {
             }
         }
         Ok(q)
+    }
+
+    /// Registers this decode's receiver for transfer `transfer_id`, which
+    /// a prefill parked (router-native flow), with each of its ranks
+    /// (`prefill_host`, one registration port per rank, as the prefill's
+    /// `kv_transfer_params` name them), saying the decode already holds
+    /// the first `held_tokens` tokens (their whole chunks are not sent).
+    /// Sent in the background; [`LoadQueue::poll_registrations`] says how
+    /// it went. Then the prefill sends as in the usual flow, and the load
+    /// is submitted once the keys are [available](LoadQueue::available).
+    pub fn register(
+        &self,
+        req_id: &str,
+        prefill_host: &str,
+        prefill_ports: &[u16],
+        transfer_id: &str,
+        held_tokens: u64,
+    ) -> Result<(), BackendError> {
+        self.registrar.register(
+            req_id,
+            prefill_host,
+            prefill_ports,
+            transfer_id,
+            held_tokens,
+        )
+    }
+
+    /// Registrations answered (or failed) since the last call: the request
+    /// id, and `Err` with why (the prefill refused it — unknown or expired
+    /// transfer — or did not answer). A failed registration means its KV
+    /// never comes: report the load failed.
+    pub fn poll_registrations(&self) -> Vec<(String, Result<(), String>)> {
+        self.registrar.poll()
     }
 
     /// The receiver the queue loads through.
@@ -1164,6 +1347,7 @@ impl LoadQueue {
     /// reported as failed and their keys dropped, later submits fail. Safe
     /// to call more than once and from any thread.
     pub fn shutdown(&self) {
+        self.registrar.shutdown();
         for (id, job) in self.state.shut_down(&self.workers) {
             let (keys, _) = self.receiver.piece_keys(&job.req.keys);
             self.receiver.cancel(&id, &keys);

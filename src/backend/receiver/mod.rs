@@ -573,6 +573,11 @@ impl Receiver {
         self.shared.mode
     }
 
+    /// The configuration it runs.
+    pub fn config(&self) -> &PdConfig {
+        &self.shared.config
+    }
+
     /// The geometry of a full chunk (`chunk_size` tokens).
     pub fn chunk_layout(&self) -> ChunkLayout {
         self.shared.config.chunk_layout()
