@@ -105,6 +105,8 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "lora-push",
         "lora-pull-delay",
         "partial-prefix",
+        "router-flow-push",
+        "router-flow-pull-delay",
         "abort-before-load",
         "abort-after-load-started",
         "lease-outlived",

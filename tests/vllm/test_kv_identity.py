@@ -30,6 +30,7 @@ for the same prompt and adapter, and checks both pools back at the end.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -66,6 +67,10 @@ ABORT_WAITING = [_toks(300)]
 ABORT_RUNNING = [_toks(600), _toks(450)]
 LATE = [_toks(350), _toks(420), _toks(500), _toks(280)]
 KILL = [_toks(640), _toks(520), _toks(380)]
+#: Router-native flow: prompts, and one whose first 600 tokens the decode
+#: computes itself first.
+ROUTER = [_toks(640), _toks(300), _toks(450)]
+HELD = _toks(700)
 #: The LoRA batch: (prompt, adapter name or None).
 LORA_BATCH: List[Tuple[List[int], Optional[str]]] = [
     (X, None), (X, "a1"), (X, "a2"), (Y, "a1"), (Y, None), (Y, "a2"),
@@ -79,6 +84,8 @@ CASES: Dict[str, List[Tuple[List[int], Optional[str]]]] = {
     "abort_running": [(p, None) for p in ABORT_RUNNING],
     "late": [(p, None) for p in LATE],
     "kill": [(p, None) for p in KILL],
+    "router": [(p, None) for p in ROUTER],
+    "held": [(HELD, None)],
 }
 
 
@@ -141,9 +148,11 @@ class Pair:
         self.prefill.wait_ready()
 
     def handoff(self, prompts: Sequence[List[int]], loras: Optional[Sequence[Optional[Lora]]] = None,
-                ids: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-        """Runs the prompts on the prefill; their kv_transfer_params."""
-        outs = self.prefill.generate(prompts, [address(self.init, self.alloc)] * len(prompts), max_tokens=1,
+                ids: Optional[Sequence[str]] = None, router: bool = False) -> List[Dict[str, Any]]:
+        """Runs the prompts on the prefill; their kv_transfer_params.
+        ``router``: as vllm-router sends them (no receiver named)."""
+        ask = {"do_remote_decode": True} if router else address(self.init, self.alloc)
+        outs = self.prefill.generate(prompts, [dict(ask) for _ in prompts], max_tokens=1,
                                      loras=loras, ids=[f"{i}-p" for i in ids] if ids else None)
         params = [o["kv_transfer_params"] for o in outs]
         for p in params:
@@ -376,3 +385,54 @@ def test_prefill_killed_while_its_saves_are_in_flight(delay_pair: Pair, referenc
         "loads": {k: {"status": v["status"], "message": (v.get("message") or "")[:120]} for k, v in loads.items()},
         "tokens_identical": True, "decode_pools_after": pools,
     }
+
+
+def _router_case(pair: Pair, reference: Dict[str, Any], tag: str) -> Dict[str, Any]:
+    """The flow vllm-router drives: the prefill is asked with only
+    do_remote_decode, parks the KV and names where it takes registrations;
+    the decode, given the params unchanged, registers and loads."""
+    ids = [f"{tag}-{i}" for i in range(len(ROUTER))]
+    params = pair.handoff(ROUTER, ids=ids, router=True)
+    for p in params:
+        reg = p["ascend_pd"].get("register")
+        assert reg and reg["host"] and reg["ports"], p
+    outs = pair.decode.generate(ROUTER, params, ids=ids)
+    for o, want in zip(outs, reference["router"]):
+        assert o["tokens"] == want
+    loads = pair.loads(ids)
+    assert all(loads[i]["status"] == "done" and loads[i]["tokens"] == len(p) for i, p in zip(ids, ROUTER)), loads
+    registered = {external(e["req_id"]) for e in pair.decode.events_of("register")}
+    assert set(ids) <= registered, registered
+    # A transfer the prefill does not know: the decode fails the load at
+    # once (recomputes) instead of waiting for load_timeout_s.
+    bogus = json.loads(json.dumps(params[0]))
+    bogus["ascend_pd"]["save_id"] = f"nobody-{tag}"
+    t0 = time.monotonic()
+    out = pair.decode.generate([ROUTER[0]], [bogus], ids=[f"{tag}-bogus"])
+    bogus_s = round(time.monotonic() - t0, 2)
+    assert out[0]["tokens"] == reference["router"][0]
+    bev = pair.loads([f"{tag}-bogus"])[f"{tag}-bogus"]
+    assert bev["status"] == "failed" and "knows no transfer" in bev["message"], bev
+    # The decode's own prefix cache holds the first 512 tokens (4 blocks):
+    # the prefill sends only the chunks after them.
+    pair.decode.generate([HELD[:600]], max_tokens=1)
+    held = pair.handoff([HELD], ids=[f"{tag}-held"], router=True)
+    out = pair.decode.generate([HELD], held, ids=[f"{tag}-held"])
+    assert out[0]["tokens"] == reference["held"][0]
+    ev = pair.loads([f"{tag}-held"])[f"{tag}-held"]
+    reg = [e for e in pair.decode.events_of("register") if external(e["req_id"]) == f"{tag}-held"]
+    assert reg and reg[-1]["held_tokens"] == 512, reg
+    assert ev["status"] == "done" and ev["tokens"] == len(HELD) - 512, ev
+    pools = pair.settle()
+    return {"prompts": len(ROUTER), "tokens_identical": True,
+            "tokens_loaded_remotely": sum(loads[i]["tokens"] for i in ids),
+            "unknown_transfer_failed_after_s": bogus_s, "unknown_transfer_message": bev["message"][:160],
+            "held_by_decode": 512, "held_case_loaded": ev["tokens"], "pools_after": pools}
+
+
+def test_router_flow_push(push_pair: Pair, reference: Dict[str, Any]) -> None:
+    RESULTS["router-flow-push"] = _router_case(push_pair, reference, "rp")
+
+
+def test_router_flow_pull_delay(delay_pair: Pair, reference: Dict[str, Any]) -> None:
+    RESULTS["router-flow-pull-delay"] = _router_case(delay_pair, reference, "rd")

@@ -23,7 +23,7 @@ from . import compat
 from . import settings as settings_mod
 from .identity import ModelIdentity, model_identity
 from .layout import LayoutError, check_geometry, describe
-from .metadata import AscendPDConnectorMetadata, AscendPDWorkerMetadata
+from .metadata import AscendPDConnectorMetadata, AscendPDWorkerMetadata, RegisterHandshake
 from .scheduler import ConnectorScheduler
 from .settings import DTYPES, ModelShape
 from .stats import TransferStats
@@ -160,6 +160,20 @@ class AscendPDConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]) -> None:
+        # Where each prefill rank takes decode registrations (router-native flow).
+        if self._scheduler is None:
+            return
+        ports = {int(rank): (m.host, int(m.port)) for rank, m in metadata.items()
+                 if isinstance(m, RegisterHandshake)}
+        self._scheduler.set_registration_ports(ports)
+
+    def get_handshake_metadata(self) -> Optional[RegisterHandshake]:
+        if self._worker is None:
+            return None
+        at = self._worker.handshake()
+        return RegisterHandshake(at[0], at[1]) if at is not None else None
 
     # --------------------------------------------------------------- worker
 

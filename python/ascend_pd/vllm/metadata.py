@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 #: The version of the ``kv_transfer_params`` a prefill returns. 2: chunk keys
 #: name the model identity and the request's extra inputs; the params carry
@@ -36,6 +36,33 @@ class ReceiverAddress:
 
 
 @dataclass(frozen=True)
+class RegistrationPoint:
+    """Where a prefill's ranks take decode registrations (router-native
+    flow): one host, one port per prefill TP rank."""
+
+    host: str
+    ports: Tuple[int, ...]
+
+
+@dataclass
+class RegisterHandshake(KVConnectorHandshakeMetadata):
+    """What a prefill worker tells its scheduler at start: where its rank
+    takes registrations."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A decode load whose prefill parked the KV: register with it first."""
+
+    at: RegistrationPoint
+    #: Leading tokens this decode holds (their whole chunks are not sent).
+    held_tokens: int
+
+
+@dataclass(frozen=True)
 class SaveSpec:
     """Save request ``req_id``'s prompt KV (prefill side)."""
 
@@ -43,7 +70,8 @@ class SaveSpec:
     keys: Tuple[str, ...]
     #: One slot per prompt token.
     slots: Tuple[int, ...]
-    to: ReceiverAddress
+    #: The decode receiver; None: parked until a decode registers.
+    to: Optional[ReceiverAddress]
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,8 @@ class LoadSpec:
     #: The prefill's id for its save (its chunks arrive under it): what a
     #: drop names, so the receiver also refuses them if they arrive later.
     save_id: str = ""
+    #: The prefill parked the KV: register with it (under ``save_id``).
+    register: Optional[Registration] = None
 
 
 @dataclass
@@ -109,9 +139,11 @@ class AscendPDWorkerMetadata(_WorkerMetaBase):
 
 
 def prefill_params(num_tokens: int, keys: Tuple[str, ...], identity: Mapping[str, str], mode: str,
-                   save_id: str, nonce: Optional[str], inputs: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+                   save_id: str, nonce: Optional[str], inputs: Optional[Mapping[str, str]] = None,
+                   register: Optional[RegistrationPoint] = None) -> Dict[str, Any]:
     """The ``kv_transfer_params`` a prefill returns; the client passes them
-    unchanged to the decode request."""
+    unchanged to the decode request. ``register``: the KV is parked under
+    ``save_id`` until the decode registers there (router-native flow)."""
     ours: Dict[str, Any] = {
         "v": PARAMS_VERSION,
         "num_tokens": int(num_tokens),
@@ -123,6 +155,8 @@ def prefill_params(num_tokens: int, keys: Tuple[str, ...], identity: Mapping[str
     }
     if nonce is not None:
         ours["nonce"] = nonce
+    if register is not None:
+        ours["register"] = {"host": register.host, "ports": list(register.ports)}
     return {"do_remote_prefill": True, "ascend_pd": ours}
 
 
@@ -138,6 +172,8 @@ class HandOff:
     nonce: Optional[str]
     #: A short digest per kind of input (see :func:`.keys.input_digests`).
     inputs: Dict[str, str] = field(default_factory=dict)
+    #: Set when the prefill parked the KV: register there to receive it.
+    register: Optional[RegistrationPoint] = None
 
 
 class HandOffError(ValueError):
@@ -183,6 +219,16 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
     identity = ours.get("identity")
     nonce = ours.get("nonce")
     inputs = ours.get("inputs")
+    register: Optional[RegistrationPoint] = None
+    raw_reg = ours.get("register")
+    if raw_reg is not None:
+        host = raw_reg.get("host") if isinstance(raw_reg, dict) else None
+        ports = raw_reg.get("ports") if isinstance(raw_reg, dict) else None
+        if (not isinstance(host, str) or not host or not isinstance(ports, list) or not ports
+                or not all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports)):
+            raise HandOffError("malformed", f"the prefill's registration address is malformed: {raw_reg!r:.200} "
+                               "(pass the prefill's kv_transfer_params unchanged)", keys, save_id)
+        register = RegistrationPoint(host, tuple(ports))
     return HandOff(
         num_tokens=n,
         keys=keys,
@@ -191,4 +237,5 @@ def parse_handoff(params: Any) -> Optional[HandOff]:
         save_id=save_id,
         nonce=nonce if isinstance(nonce, str) and nonce else None,
         inputs={str(k): str(v) for k, v in inputs.items()} if isinstance(inputs, dict) else {},
+        register=register,
     )

@@ -32,6 +32,8 @@ from .metadata import (
     HandOffError,
     LoadSpec,
     ReceiverAddress,
+    Registration,
+    RegistrationPoint,
     SaveSpec,
     parse_handoff,
     prefill_params,
@@ -87,7 +89,8 @@ def slots_for(block_ids: Sequence[int], block_size: int, num_tokens: int, skip: 
 @dataclass
 class _SaveState:
     request: Any
-    to: ReceiverAddress
+    #: None: parked until a decode registers (router-native flow).
+    to: Optional[ReceiverAddress]
     shipped: bool = False
     keys: Tuple[str, ...] = ()
     nonce: Optional[str] = None
@@ -108,6 +111,8 @@ class _Offer:
     cause: str = ""
     #: The prefill's id for its save (what drops name).
     save_id: str = ""
+    #: The prefill parked the KV: register there.
+    register: Optional[RegistrationPoint] = None
 
 
 @dataclass
@@ -151,7 +156,27 @@ class ConnectorScheduler:
         self._pins: Dict[str, _Pin] = {}
         self.kv_cache_manager: Any = None
         self.block_pool: Any = None
+        #: Where this prefill's ranks take registrations (from the workers'
+        #: handshake metadata); None until they reported.
+        self.registration: Optional[RegistrationPoint] = None
 
+    def set_registration_ports(self, by_rank: Mapping[int, Tuple[str, int]]) -> None:
+        """The workers' registration addresses, by TP rank."""
+        if not by_rank:
+            return
+        ranks = sorted(by_rank)
+        if ranks != list(range(self.num_workers)):
+            log.error("ascend-pd: registration ports came from TP ranks %s of %d: the router-native flow "
+                      "is off (prefill requests without receiver_host are not saved)", ranks, self.num_workers)
+            return
+        hosts = {by_rank[r][0] for r in ranks}
+        if len(hosts) != 1:
+            log.error("ascend-pd: prefill ranks advertise different hosts %s for registrations: set one "
+                      "pd_peer_host", sorted(hosts))
+            return
+        self.registration = RegistrationPoint(hosts.pop(), tuple(by_rank[r][1] for r in ranks))
+        log.info("ascend-pd: this prefill takes decode registrations at %s ports %s",
+                 self.registration.host, list(self.registration.ports))
     # ----------------------------------------------------------------- keys
 
     def key_inputs(self, request: Any, nonce: Optional[str]) -> Tuple[KeyInputs, List[str]]:
@@ -224,7 +249,7 @@ class ConnectorScheduler:
             verb = "differs" if len(differ) == 1 else "differ"
             return refuse("inputs", f"the prefill computed this prompt's KV with other inputs than this request "
                           f"carries ({what} {verb}): send the decode the prefill request's body unchanged")
-        return _Offer(n, num_computed, keys, handoff.keys, save_id=handoff.save_id)
+        return _Offer(n, num_computed, keys, handoff.keys, save_id=handoff.save_id, register=handoff.register)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
         offer = self._offer(request, num_computed_tokens)
@@ -236,12 +261,22 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
             if request.request_id not in self._saves:
-                try:
-                    to = receiver_address(params)
-                except ValueError as e:
-                    log.error("request %s: not saving its KV: %s", request.request_id, e)
+                if params.get("receiver_host") is None:
+                    # The router-native flow: no receiver named; the KV is
+                    # parked until the decode registers.
+                    if self.registration is None:
+                        log.error("request %s: not saving its KV: kv_transfer_params name no receiver_host "
+                                  "and this prefill's workers reported no registration port",
+                                  request.request_id)
+                    else:
+                        self._saves[request.request_id] = _SaveState(request, None)
                 else:
-                    self._saves[request.request_id] = _SaveState(request, to)
+                    try:
+                        to = receiver_address(params)
+                    except ValueError as e:
+                        log.error("request %s: not saving its KV: %s", request.request_id, e)
+                    else:
+                        self._saves[request.request_id] = _SaveState(request, to)
         offer = self._offers.pop(request.request_id, None)
         if offer is None:
             return
@@ -265,6 +300,14 @@ class ConnectorScheduler:
             self._refuse(request.request_id, offer.cause or "prompt", why)
             spec = LoadSpec(request.request_id, (), (), tuple(block_ids[first:last]), why,
                             offer.cause or "prompt", offer.sent_keys, offer.save_id)
+        elif offer.register is not None:
+            # The prefill parked the KV: it sends only the chunks after the
+            # whole ones this decode holds, and the load reads only those.
+            slots = slots_for(block_ids, self.block_size, offer.num_tokens, skip=start, end=end)
+            skip = start // self.settings.chunk_size
+            spec = LoadSpec(request.request_id, offer.keys[skip:], slots[skip * self.settings.chunk_size:],
+                            tuple(block_ids[first:last]), sent_keys=offer.sent_keys[skip:],
+                            save_id=offer.save_id, register=Registration(offer.register, start))
         else:
             slots = slots_for(block_ids, self.block_size, offer.num_tokens, skip=start, end=end)
             spec = LoadSpec(request.request_id, offer.keys, slots, tuple(block_ids[first:last]),
@@ -350,7 +393,8 @@ class ConnectorScheduler:
             if compat.finished_normally(request):
                 n = compat.num_prompt_tokens(request)
                 return False, prefill_params(n, state.keys, self.identity.as_dict(), self.settings.mode,
-                                             req_id, state.nonce, state.inputs)
+                                             req_id, state.nonce, state.inputs,
+                                             register=self.registration if state.to is None else None)
             # Ended without a hand-off: nobody will load what it saves.
             self._cancel_saves.append(req_id)
             self.counters.saves_cancelled += 1

@@ -220,6 +220,8 @@ class ConnectorWorker:
                 self._drop_keys(spec)
                 self._recv_ended.add(spec.req_id)
                 continue
+            if spec.register is not None and not self._register(load):
+                continue
             self.state.waiting_loads[spec.req_id] = load
             # The load is known here and waits for its KV (what a test
             # waits for before aborting a request whose KV never came).
@@ -282,7 +284,8 @@ class ConnectorWorker:
         assert self.sender is not None and self.cache is not None
         self.state.layered_step = id(meta)
         for spec in meta.saves:
-            if spec.req_id in self.state.layered:
+            if spec.req_id in self.state.layered or spec.to is None:
+                # A parked save (no decode known yet) is saved whole.
                 continue
             try:
                 self.sender.open_layered_save(
@@ -351,6 +354,7 @@ class ConnectorWorker:
             self._poll_saves()
         if self.receiver is not None:
             now = time.monotonic()
+            recving |= self._registered()
             self._submit_loads(now)
             recving |= self._recv_ended
             self._recv_ended = set()
@@ -387,6 +391,13 @@ class ConnectorWorker:
         if os.environ.get(ENV_EVENTS) and self.pool_stats() != self._last_pools:
             self._event(event="pools")
         return None, (recving or None)
+
+    def handshake(self) -> Optional[Tuple[str, int]]:
+        """Where this rank takes decode registrations (a prefill), else None."""
+        if self.sender is None:
+            return None
+        host = self.settings.yaml.get("pd_peer_host") or "127.0.0.1"
+        return str(host), self.sender.register_port
 
     def take_released(self) -> Dict[str, int]:
         """The saves of this rank that stopped reading vLLM's blocks since
@@ -474,10 +485,13 @@ class ConnectorWorker:
             save = self.state.queued_saves[0]
             s = save.spec
             try:
-                self.sender.submit_save(
-                    s.req_id, list(s.keys), self.cache, list(s.slots), s.to.host,
-                    list(s.to.init_ports), list(s.to.alloc_ports), is_last_prefill=False,
-                )
+                if s.to is None:
+                    self.sender.submit_parked_save(s.req_id, list(s.keys), self.cache, list(s.slots))
+                else:
+                    self.sender.submit_save(
+                        s.req_id, list(s.keys), self.cache, list(s.slots), s.to.host,
+                        list(s.to.init_ports), list(s.to.alloc_ports), is_last_prefill=False,
+                    )
             except Busy:
                 return  # the queue is full: retried next step
             except Exception as e:  # refused: the request's blocks may go
@@ -534,6 +548,42 @@ class ConnectorWorker:
             del self.state.waiting_loads[req_id]
             self.state.running_loads[req_id] = load
             self._event(event="load_start", req_id=req_id, wait_s=round(now - load.received_at, 6))
+
+    def _register(self, load: _Load) -> bool:
+        """Registers this decode with the prefill that parked ``load``'s KV
+        (every rank registers; the prefill takes the first). False: it
+        could not be sent, and the load failed."""
+        spec = load.spec
+        assert self.receiver is not None and spec.register is not None
+        try:
+            self.receiver.register(spec.req_id, spec.register.at.host, list(spec.register.at.ports),
+                                   spec.save_id or spec.req_id, spec.register.held_tokens)
+        except Exception as e:
+            why = f"registering with the prefill at {spec.register.at.host}: {e}"
+            self._event(event="load", req_id=spec.req_id, status="failed", tokens=0, message=why)
+            self._fail(load, why, "registration")
+            self._recv_ended.add(spec.req_id)
+            return False
+        self._event(event="register", req_id=spec.req_id, host=spec.register.at.host,
+                    ports=list(spec.register.at.ports), held_tokens=spec.register.held_tokens)
+        return True
+
+    def _registered(self) -> Set[str]:
+        """Loads whose registration the prefill refused (or never answered)
+        fail now, not at load_timeout_s."""
+        assert self.receiver is not None
+        ended: Set[str] = set()
+        for c in self.receiver.poll_registrations():
+            if c.status == "done":
+                continue
+            load = self.state.waiting_loads.pop(c.req_id, None)
+            if load is None:
+                continue
+            why = f"the prefill refused the registration: {c.message}"
+            self._event(event="load", req_id=c.req_id, status="failed", tokens=0, message=why)
+            self._fail(load, why, "registration")
+            ended.add(c.req_id)
+        return ended
 
     def _fail(self, load: _Load, why: str, cause: str, warn: bool = True) -> None:
         log.log(logging.WARNING if warn else logging.DEBUG,
