@@ -356,6 +356,15 @@ typedef struct {
    Transfers parked now.
    */
   uint64_t parked_now;
+  /*
+   Chunk pieces of attached transfers sent to their decode.
+   */
+  uint64_t chunks_sent;
+  /*
+   Chunk pieces not sent because the decode's registration said it
+   held them (its own prefix cache).
+   */
+  uint64_t chunks_skipped;
 } ApdRegistrationStats;
 
 /*

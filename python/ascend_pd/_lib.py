@@ -163,6 +163,8 @@ class ApdRegistrationStats(ctypes.Structure):
         ("dropped", ctypes.c_uint64),
         ("malformed", ctypes.c_uint64),
         ("parked_now", ctypes.c_uint64),
+        ("chunks_sent", ctypes.c_uint64),
+        ("chunks_skipped", ctypes.c_uint64),
     ]
 
 

@@ -348,7 +348,8 @@ class Sender:
     def registration_stats(self) -> Dict[str, int]:
         """Parked transfers and registrations: ``parked``, ``attached``,
         ``expired``, ``refused``, ``dropped`` (forged or replayed),
-        ``malformed``, ``parked_now``."""
+        ``malformed``, ``parked_now``, ``chunks_sent``, ``chunks_skipped``
+        (chunks the decode's registration said it held)."""
         out = _lib.ApdRegistrationStats()
         check(_lib.lib().apd_sender_registration_stats(self._handle, ctypes.byref(out)))
         return {name: int(getattr(out, name)) for name, *_ in out._fields_}

@@ -4,15 +4,29 @@ Run it as::
 
     python -m ascend_pd.proxy --port 8000 \\
         --prefill http://127.0.0.1:8100 \\
-        --decode http://127.0.0.1:8200 --decode-kv 127.0.0.1/17300,17301/17400,17401
+        --decode http://127.0.0.1:8200
 
 For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` it picks
 a decode instance and a prefill instance (round-robin, independently), asks
 the prefill for one token (``max_tokens: 1``, not streamed) with
-``kv_transfer_params`` naming the decode's ascend-pd receiver, then sends the
-client's original body to the decode with the ``kv_transfer_params`` the
-prefill returned, and hands the decode's answer back (streamed through as it
-arrives when the client asked for ``"stream": true``). An upstream error
+``kv_transfer_params = {"do_remote_decode": true}``, then sends the client's
+original body to the decode with the ``kv_transfer_params`` the prefill
+returned, unchanged, and hands the decode's answer back (streamed through as
+it arrives when the client asked for ``"stream": true``). This is the
+router-native flow (as with vLLM's NIXL connector): the prefill parks the KV
+and its answer names where to register for it; the decode registers there
+itself, so the proxy needs no ascend-pd ports.
+
+The LMCache-style flow, where the prefill is told the decode's ascend-pd
+receiver, is still supported: give one ``--decode-kv`` per ``--decode``, in
+the same order::
+
+    python -m ascend_pd.proxy --port 8000 \\
+        --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200 --decode-kv 127.0.0.1/17300,17301/17400,17401
+
+and the prefill's ``kv_transfer_params`` then also carry ``receiver_host``,
+``receiver_init_port`` and ``receiver_alloc_port``. An upstream error
 answer is passed through unchanged; an unreachable upstream gives 502.
 ``GET /health`` answers 200; ``GET /v1/models`` is forwarded to the first
 decode.
@@ -66,18 +80,41 @@ JSONObject = Dict[str, Any]
 
 @dataclass(frozen=True)
 class DecodeTarget:
-    """A decode instance: its OpenAI server and its ascend-pd receiver.
+    """A decode instance: its OpenAI server and, optionally, its ascend-pd receiver.
 
-    ``init_ports`` and ``alloc_ports`` hold one port per decode TP rank.
+    With ``host`` ``None`` (the default) the decode is reached through the
+    router-native flow: the prefill is told only ``do_remote_decode`` and the
+    decode registers with the prefill itself. With ``host`` set, the prefill
+    is told this receiver (LMCache's flow); ``init_ports`` and ``alloc_ports``
+    then hold one port per decode TP rank.
     """
 
     url: str
-    host: str
-    init_ports: Tuple[int, ...]
-    alloc_ports: Tuple[int, ...]
+    host: Optional[str] = None
+    init_ports: Tuple[int, ...] = ()
+    alloc_ports: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            if self.init_ports or self.alloc_ports:
+                raise ValueError(
+                    f"decode {self.url!r}: receiver ports given without a receiver host"
+                )
+        elif not self.init_ports or len(self.init_ports) != len(self.alloc_ports):
+            raise ValueError(
+                f"decode {self.url!r}: {len(self.init_ports)} init port(s) and "
+                f"{len(self.alloc_ports)} alloc port(s); give one of each per decode TP rank"
+            )
+
+    @property
+    def router_native(self) -> bool:
+        """True when the prefill is told no receiver (the decode registers itself)."""
+        return self.host is None
 
     def kv_transfer_params(self) -> JSONObject:
-        """What the prefill is told about this decode's receiver."""
+        """What the prefill request's ``kv_transfer_params`` are for this decode."""
+        if self.host is None:
+            return {"do_remote_decode": True}
         return {
             "do_remote_decode": True,
             "receiver_host": self.host,
@@ -160,9 +197,23 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m ascend_pd.proxy`` argument parser."""
     p = argparse.ArgumentParser(
         prog="python -m ascend_pd.proxy",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "OpenAI-compatible proxy for disaggregated prefill/decode vLLM serving "
-            "with ascend-pd KV-cache transfer."
+            "OpenAI-compatible proxy for disaggregated prefill/decode vLLM serving\n"
+            "with ascend-pd KV-cache transfer.\n\n"
+            "Without --decode-kv (router-native flow) the prefill is sent\n"
+            'kv_transfer_params {"do_remote_decode": true} and the decode the\n'
+            "kv_transfer_params the prefill returned, unchanged; the decode registers\n"
+            "with the prefill itself, so no ascend-pd ports are needed here. With one\n"
+            "--decode-kv per --decode (LMCache's flow) the prefill is also told that\n"
+            "decode's ascend-pd receiver."
+        ),
+        epilog=(
+            "examples:\n"
+            "  python -m ascend_pd.proxy --port 8000 --prefill http://127.0.0.1:8100 \\\n"
+            "      --decode http://127.0.0.1:8200\n"
+            "  python -m ascend_pd.proxy --port 8000 --prefill http://127.0.0.1:8100 \\\n"
+            "      --decode http://127.0.0.1:8200 --decode-kv 127.0.0.1/17300,17301/17400,17401"
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -190,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_decode_kv_arg,
         metavar="HOST/INIT_PORTS/ALLOC_PORTS",
         help=(
-            "the ascend-pd receiver of a decode instance, one per --decode in the same "
-            "order; ports comma-separated per decode TP rank, "
-            "e.g. 127.0.0.1/17300,17301/17400,17401"
+            "optional: the ascend-pd receiver of a decode instance, for LMCache's flow; "
+            "if given, give one per --decode in the same order; ports comma-separated "
+            "per decode TP rank, e.g. 127.0.0.1/17300,17301/17400,17401. Without it the "
+            "router-native flow is used (the decode registers with the prefill itself)"
         ),
     )
     p.add_argument(
@@ -214,24 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse the command line; adds ``decodes``: a list of :class:`DecodeTarget`.
 
+    Without ``--decode-kv`` every decode is router-native (``host`` ``None``);
+    with it, there must be exactly one per ``--decode``.
     Exits through ``argparse`` (status 2) on a bad command line.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     kvs: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = args.decode_kv
     decode_urls: List[str] = args.decode
-    if len(kvs) != len(decode_urls):
+    if kvs and len(kvs) != len(decode_urls):
         parser.error(
             f"argument --decode-kv: give exactly one --decode-kv per --decode, in the same "
-            f"order (got {len(decode_urls)} --decode and {len(kvs)} --decode-kv); "
-            f"expected {DECODE_KV_FORM}"
+            f"order, or none at all for the router-native flow (got {len(decode_urls)} "
+            f"--decode and {len(kvs)} --decode-kv); expected {DECODE_KV_FORM}"
         )
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is out of range 0-65535")
-    args.decodes = [
-        DecodeTarget(url=url, host=host, init_ports=init, alloc_ports=alloc)
-        for url, (host, init, alloc) in zip(decode_urls, kvs)
-    ]
+    if kvs:
+        args.decodes = [
+            DecodeTarget(url=url, host=host, init_ports=init, alloc_ports=alloc)
+            for url, (host, init, alloc) in zip(decode_urls, kvs)
+        ]
+    else:
+        args.decodes = [DecodeTarget(url=url) for url in decode_urls]
     return args
 
 
@@ -500,7 +557,8 @@ def build_app(prefills: Sequence[str], decodes: Sequence[DecodeTarget], timeout:
     """The proxy as an :class:`aiohttp.web.Application`.
 
     ``prefills`` are the prefill instances' base URLs (``http://host:port``),
-    ``decodes`` the decode instances with their ascend-pd receivers, and
+    ``decodes`` the decode instances (each router-native, or with its
+    ascend-pd receiver: see :class:`DecodeTarget`), and
     ``timeout`` the total seconds allowed per upstream request. The client
     session to the upstreams opens when the app starts and closes on cleanup.
     """
@@ -513,6 +571,15 @@ def build_app(prefills: Sequence[str], decodes: Sequence[DecodeTarget], timeout:
     app.router.add_post("/v1/completions", proxy.generate)
     app.router.add_post("/v1/chat/completions", proxy.generate)
     return app
+
+
+def _describe(d: DecodeTarget) -> str:
+    if d.host is None:
+        return f"{d.url} (router-native)"
+    return (
+        f"{d.url} (kv {d.host}/{','.join(map(str, d.init_ports))}/"
+        f"{','.join(map(str, d.alloc_ports))})"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -529,11 +596,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         args.host,
         args.port,
         ", ".join(args.prefill),
-        ", ".join(
-            f"{d.url} (kv {d.host}/{','.join(map(str, d.init_ports))}/"
-            f"{','.join(map(str, d.alloc_ports))})"
-            for d in decodes
-        ),
+        ", ".join(_describe(d) for d in decodes),
     )
     web.run_app(app, host=args.host, port=args.port, print=None)
 

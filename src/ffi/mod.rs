@@ -1315,6 +1315,11 @@ pub struct ApdRegistrationStats {
     pub malformed: u64,
     /// Transfers parked now.
     pub parked_now: u64,
+    /// Chunk pieces of attached transfers sent to their decode.
+    pub chunks_sent: u64,
+    /// Chunk pieces not sent because the decode's registration said it
+    /// held them (its own prefix cache).
+    pub chunks_skipped: u64,
 }
 
 /// Registration counters of a sender.
@@ -1340,6 +1345,8 @@ pub unsafe extern "C" fn apd_sender_registration_stats(
             dropped: r.forged + r.replayed,
             malformed: r.malformed,
             parked_now: p.parked_now,
+            chunks_sent: r.chunks_sent,
+            chunks_skipped: r.chunks_skipped,
         };
         Ok(())
     })

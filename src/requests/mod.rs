@@ -1111,7 +1111,7 @@ fn run_parked(
     match parking.park(id, pieces)? {
         parked::ParkOutcome::Parked => Ok(SaveRun::Parked),
         parked::ParkOutcome::SendNow(p, to) => {
-            let (keys, spec) = parked::send_attached(sender, id, p, &to)?;
+            let (keys, spec) = parked::send_attached(sender, parking, id, p, &to)?;
             Ok(SaveRun::SentTo(keys, spec))
         }
     }

@@ -35,6 +35,8 @@ struct PortCounters {
     forged: AtomicU64,
     replayed: AtomicU64,
     malformed: AtomicU64,
+    chunks_sent: AtomicU64,
+    chunks_skipped: AtomicU64,
 }
 
 /// Registration counters of a save queue.
@@ -49,6 +51,10 @@ pub struct RegistrationStats {
     /// Registrations answered with an error because they did not decode
     /// or named an unusable receiver.
     pub malformed: u64,
+    /// Chunk pieces of attached transfers sent to their decode.
+    pub chunks_sent: u64,
+    /// Chunk pieces not sent because the decode held them already.
+    pub chunks_skipped: u64,
 }
 
 /// What the two threads share with the queue.
@@ -125,7 +131,7 @@ impl Parking {
             let (parking, sender) = (Arc::clone(&parking), Arc::clone(sender));
             crate::backend::spawn(&format!("apd-attach-{rank}"), move || {
                 for a in rx {
-                    let r = send_attached(&sender, &a.id, a.parked, &a.to);
+                    let r = send_attached(&sender, &parking, &a.id, a.parked, &a.to);
                     parking.end(&state, &saved, &cancels, &a.id, r);
                 }
             })?
@@ -148,6 +154,8 @@ impl Parking {
             forged: self.counters.forged.load(Ordering::Relaxed),
             replayed: self.counters.replayed.load(Ordering::Relaxed),
             malformed: self.counters.malformed.load(Ordering::Relaxed),
+            chunks_sent: self.counters.chunks_sent.load(Ordering::Relaxed),
+            chunks_skipped: self.counters.chunks_skipped.load(Ordering::Relaxed),
         }
     }
 
@@ -187,6 +195,7 @@ fn bound_port(sock: &zmq::Socket) -> Option<u16> {
 /// skipping the chunks the decode already holds. The spec it went under.
 pub(super) fn send_attached(
     sender: &Sender,
+    parking: &Parking,
     id: &str,
     parked: Parked,
     to: &RegisterDecode,
@@ -203,11 +212,13 @@ pub(super) fn send_attached(
     let chunk = sender.chunk_layout().tokens;
     let skip = usize::try_from(to.held_tokens).unwrap_or(usize::MAX) / chunk;
     let mut keys = Vec::new();
+    let mut skipped = 0;
     let pieces: Vec<Piece> = parked
         .pieces
         .into_iter()
         .map(|(route, k, pages)| {
             let n = skip.min(k.len());
+            skipped += n;
             // The skipped chunks' pages go back to the pool here.
             let (k, pages) = (k[n..].to_vec(), pages.into_iter().skip(n).collect());
             keys.extend(k.iter().cloned());
@@ -217,6 +228,10 @@ pub(super) fn send_attached(
     if skip > 0 {
         log::debug!("transfer {id:?}: the decode holds its first {skip} chunk(s); not sent");
     }
+    let sent: usize = pieces.iter().map(|(_, k, _)| k.len()).sum();
+    let c = &parking.counters;
+    c.chunks_sent.fetch_add(sent as u64, Ordering::Relaxed);
+    c.chunks_skipped.fetch_add(skipped as u64, Ordering::Relaxed);
     super::put_pieces(sender, pieces, &spec)?;
     keys.dedup();
     Ok((keys, spec))

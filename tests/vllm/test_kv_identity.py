@@ -416,8 +416,22 @@ def _router_case(pair: Pair, reference: Dict[str, Any], tag: str) -> Dict[str, A
     # The decode's own prefix cache holds the first 512 tokens (4 blocks):
     # the prefill sends only the chunks after them.
     pair.decode.generate([HELD[:600]], max_tokens=1)
+
+    def skipped() -> int:
+        ends = [e for e in pair.prefill.events_of("save") if e.get("parked") and "registrations" in e]
+        return max((e["registrations"]["chunks_skipped"] for e in ends), default=0)
+
+    skipped_before = skipped()
     held = pair.handoff([HELD], ids=[f"{tag}-held"], router=True)
     out = pair.decode.generate([HELD], held, ids=[f"{tag}-held"])
+    # The prefill's own counters: the two chunks the decode holds were
+    # never sent.
+    deadline = time.monotonic() + 30
+    while not [e for e in pair.prefill.events_of("save") if external(e["req_id"]) == f"{tag}-held-p"]:
+        assert time.monotonic() < deadline, "the prefill never reported the held case's save"
+        pair.prefill.generate([[5]], max_tokens=1)
+        time.sleep(0.2)
+    assert skipped() - skipped_before == 2, (skipped_before, skipped())
     assert out[0]["tokens"] == reference["held"][0]
     ev = pair.loads([f"{tag}-held"])[f"{tag}-held"]
     reg = [e for e in pair.decode.events_of("register") if external(e["req_id"]) == f"{tag}-held"]
@@ -427,7 +441,8 @@ def _router_case(pair: Pair, reference: Dict[str, Any], tag: str) -> Dict[str, A
     return {"prompts": len(ROUTER), "tokens_identical": True,
             "tokens_loaded_remotely": sum(loads[i]["tokens"] for i in ids),
             "unknown_transfer_failed_after_s": bogus_s, "unknown_transfer_message": bev["message"][:160],
-            "held_by_decode": 512, "held_case_loaded": ev["tokens"], "pools_after": pools}
+            "held_by_decode": 512, "held_case_loaded": ev["tokens"],
+            "prefill_chunks_not_sent": skipped() - skipped_before, "pools_after": pools}
 
 
 def test_router_flow_push(push_pair: Pair, reference: Dict[str, Any]) -> None:

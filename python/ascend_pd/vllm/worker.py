@@ -140,6 +140,7 @@ class ConnectorWorker:
         self._recv_ended: Set[str] = set()
         self._layout: Optional[CacheLayout] = None
         self._last_pools: Dict[str, Any] = {}
+        self._last_registrations: Dict[str, int] = {}
         #: vLLM's layer names -> the library's layer index (the order the
         #: connector wrapped the caches in); set by the connector.
         self.layer_index: Dict[str, int] = {}
@@ -390,6 +391,13 @@ class ConnectorWorker:
                     self._drop_keys(load.spec)
         if os.environ.get(ENV_EVENTS) and self.pool_stats() != self._last_pools:
             self._event(event="pools")
+        if os.environ.get(ENV_EVENTS) and self.sender is not None:
+            # Parked transfers and registrations (expired, refused, forged
+            # or replayed registrations dropped), whenever they changed.
+            reg = self.sender.registration_stats()
+            if reg != self._last_registrations:
+                self._last_registrations = reg
+                self._event(event="registrations", **reg)
         return None, (recving or None)
 
     def handshake(self) -> Optional[Tuple[str, int]]:
@@ -446,8 +454,14 @@ class ConnectorWorker:
         save = self.state.running_saves.pop(c.req_id, None)
         n = len(save.spec.slots) if save is not None else 0
         took = time.monotonic() - save.submitted_at if save is not None and save.submitted_at else 0.0
+        parked = save is not None and save.spec.to is None
+        extra: Dict[str, Any] = {}
+        if parked and self.sender is not None:
+            # The registration counters after this parked save ended.
+            extra["registrations"] = self.sender.registration_stats()
         self._event(event="save", req_id=c.req_id, status=c.status, tokens=n, message=c.message,
-                    save_s=round(took, 6), layerwise=save is not None and save.layerwise)
+                    save_s=round(took, 6), layerwise=save is not None and save.layerwise, parked=parked,
+                    **extra)
         if c.status == "done":
             self.stats.record("save", n * self._token_bytes, took)
         else:
