@@ -64,7 +64,23 @@ class Fake:
     first_chunk_sent: Optional[asyncio.Event] = None
     continue_stream: Optional[asyncio.Event] = None
 
+    # Prefill: answer in the router-native shape (the KV parked, the
+    # registration point named) instead of an opaque LMCache-style one.
+    native: bool = False
+
     def kv_params(self) -> Dict[str, Any]:
+        if self.native:
+            return {
+                "do_remote_prefill": True,
+                "ascend_pd": {
+                    "v": 1,
+                    "num_tokens": 3,
+                    "keys": ["k0"],
+                    "save_id": f"save-{self.name}",
+                    "register": {"host": "10.8.8.8", "ports": [7101, 7102]},
+                    "nested": {"from": self.name, "list": [1, 2]},
+                },
+            }
         return {
             "do_remote_prefill": True,
             "remote_engine_id": f"engine-{self.name}",
@@ -150,15 +166,23 @@ async def environment(
     n_prefill: int = 1,
     n_decode: int = 1,
     extra_decodes: Optional[List[DecodeTarget]] = None,
+    router_native: bool = False,
 ) -> AsyncIterator[Env]:
+    """Fake upstreams and the proxy; ``router_native``: the decodes are given
+    without receivers (no ``--decode-kv``) and the prefills answer with
+    router-native params."""
     runners: List[web.AppRunner] = []
     try:
-        prefills = [Fake(f"p{i}", "prefill") for i in range(n_prefill)]
+        prefills = [Fake(f"p{i}", "prefill", native=router_native) for i in range(n_prefill)]
         decodes = [Fake(f"d{i}", "decode") for i in range(n_decode)]
         for f in prefills + decodes:
             runner, f.url = await _serve(f.app())
             runners.append(runner)
-        targets = [_target(d.url, i) for i, d in enumerate(decodes)] + list(extra_decodes or [])
+        if router_native:
+            targets = [DecodeTarget(url=d.url) for d in decodes]
+        else:
+            targets = [_target(d.url, i) for i, d in enumerate(decodes)]
+        targets += list(extra_decodes or [])
         runner, proxy_url = await _serve(build_app([p.url for p in prefills], targets, timeout=10))
         runners.append(runner)
         async with aiohttp.ClientSession() as client:
@@ -485,6 +509,211 @@ def test_logs_one_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
 
 
 # ---------------------------------------------------------------------------
+# The router-native flow: no --decode-kv, no ports anywhere
+
+ROUTER_NATIVE_PREFILL_KV = {"do_remote_decode": True}
+
+
+def test_router_native_target() -> None:
+    t = DecodeTarget("http://d:1")
+    assert t.host is None and t.init_ports == () and t.alloc_ports == ()
+    assert t.router_native
+    assert t.kv_transfer_params() == ROUTER_NATIVE_PREFILL_KV
+    # A fresh dict each time: a caller changing one cannot change the next.
+    t.kv_transfer_params()["x"] = 1
+    assert t.kv_transfer_params() == ROUTER_NATIVE_PREFILL_KV
+    assert not _target("http://d:1", 0).router_native
+    with pytest.raises(ValueError, match="without a receiver host"):
+        DecodeTarget("http://d:1", None, (1,), (2,))
+    with pytest.raises(ValueError, match="per decode TP rank"):
+        DecodeTarget("http://d:1", "h", (1, 2), (3,))
+    with pytest.raises(ValueError, match="per decode TP rank"):
+        DecodeTarget("http://d:1", "h")
+
+
+def test_router_native_completion_flow() -> None:
+    async def body() -> None:
+        async with environment(router_native=True) as env:
+            req = {
+                "model": "m",
+                "prompt": "hello world",
+                "max_tokens": 64,
+                "temperature": 0.0,
+                "stream": False,
+                # Whatever the client sent is replaced on the prefill leg.
+                "kv_transfer_params": {"client": "junk", "receiver_host": "x"},
+            }
+            async with env.client.post(
+                env.proxy_url + "/v1/completions",
+                json=req,
+                headers={"Authorization": "Bearer sekrit"},
+            ) as resp:
+                assert resp.status == 200
+                got = await resp.json()
+            assert got["served_by"] == "d0"
+
+            (p,) = env.prefills[0].seen
+            assert p.path == "/v1/completions"
+            assert p.body["kv_transfer_params"] == {"do_remote_decode": True}
+            assert p.body == {
+                **req,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+            assert "receiver" not in json.dumps(p.body)
+
+            (d,) = env.decodes[0].seen
+            assert d.path == "/v1/completions"
+            # The prefill's answer, unchanged, and nothing else added.
+            assert d.body == {**req, "kv_transfer_params": env.prefills[0].kv_params()}
+            assert d.body["kv_transfer_params"]["ascend_pd"]["register"] == {
+                "host": "10.8.8.8",
+                "ports": [7101, 7102],
+            }
+            for seen in (p, d):
+                assert seen.headers["Authorization"] == "Bearer sekrit"
+            assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"]
+
+    run(body)
+
+
+def test_router_native_streaming() -> None:
+    async def body() -> None:
+        async with environment(router_native=True) as env:
+            dec = env.decodes[0]
+            dec.first_chunk_sent = asyncio.Event()
+            dec.continue_stream = asyncio.Event()
+            req = {
+                "model": "m",
+                "prompt": "stream me",
+                "max_tokens": 16,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with env.client.post(env.proxy_url + "/v1/completions", json=req) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+                first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+                assert first.decode() == SSE_CHUNKS[0]
+                dec.continue_stream.set()
+                rest = await resp.content.read()
+            assert first.decode() + rest.decode() == "".join(SSE_CHUNKS)
+            (p,) = env.prefills[0].seen
+            assert p.body["stream"] is False
+            assert "stream_options" not in p.body
+            assert p.body["max_tokens"] == 1
+            assert p.body["kv_transfer_params"] == {"do_remote_decode": True}
+            (d,) = dec.seen
+            assert d.body == {**req, "kv_transfer_params": env.prefills[0].kv_params()}
+
+    run(body)
+
+
+def test_router_native_round_robin_and_chat() -> None:
+    async def body() -> None:
+        async with environment(n_prefill=2, n_decode=2, router_native=True) as env:
+            for i in range(4):
+                req = {"model": "m", "prompt": f"req{i}", "max_tokens": 8}
+                async with env.client.post(env.proxy_url + "/v1/completions", json=req) as resp:
+                    assert resp.status == 200
+                    assert (await resp.json())["served_by"] == f"d{i % 2}"
+            for k in range(2):
+                for s in env.prefills[k].seen:
+                    assert s.body["kv_transfer_params"] == {"do_remote_decode": True}
+                # Each decode got the params of the prefill that served it.
+                for s in env.decodes[k].seen:
+                    i = int(s.body["prompt"][3:])
+                    assert s.body["kv_transfer_params"] == env.prefills[i % 2].kv_params()
+            assert env.prefills[0].kv_params() != env.prefills[1].kv_params()
+
+            chat = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 50,
+            }
+            async with env.client.post(env.proxy_url + "/v1/chat/completions", json=chat) as resp:
+                assert resp.status == 200
+            p = env.prefills[0].seen[-1]
+            assert p.path == "/v1/chat/completions"
+            assert p.body["max_completion_tokens"] == 1
+            assert p.body["kv_transfer_params"] == {"do_remote_decode": True}
+            d = env.decodes[0].seen[-1]
+            assert d.path == "/v1/chat/completions"
+            assert d.body == {**chat, "kv_transfer_params": env.prefills[0].kv_params()}
+
+    run(body)
+
+
+def test_router_native_prefill_without_params_gives_502() -> None:
+    async def body() -> None:
+        async with environment(router_native=True) as env:
+            # A prefill not running the connector as a producer answers
+            # without kv_transfer_params: the decode is never asked.
+            env.prefills[0].fail = (200, b'{"choices": []}', "application/json")
+            async with env.client.post(
+                env.proxy_url + "/v1/completions", json={"model": "m", "prompt": "p"}
+            ) as resp:
+                assert resp.status == 502
+                got = await resp.json()
+            assert "kv_transfer_params" in got["error"]["message"]
+            assert env.prefills[0].seen[0].body["kv_transfer_params"] == {"do_remote_decode": True}
+            assert env.decodes[0].seen == []
+
+    run(body)
+
+
+def test_router_native_through_the_command_line() -> None:
+    """``python -m ascend_pd.proxy`` without ``--decode-kv``, in a subprocess."""
+
+    async def body() -> None:
+        runners: List[web.AppRunner] = []
+        pre = Fake("p0", "prefill", native=True)
+        dec = Fake("d0", "decode")
+        for f in (pre, dec):
+            runner, f.url = await _serve(f.app())
+            runners.append(runner)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(PYTHON_DIR) + os.pathsep + env.get("PYTHONPATH", "")
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ascend_pd.proxy", "--port", str(port),
+            "--prefill", pre.url, "--decode", dec.url, "--log-level", "INFO",
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as client:
+                for _ in range(150):
+                    try:
+                        async with client.get(url + "/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    assert child.returncode is None, "the proxy exited"
+                    await asyncio.sleep(0.05)
+                req = {"model": "m", "prompt": "p", "stream": True}
+                async with client.post(url + "/v1/completions", json=req) as resp:
+                    assert resp.status == 200
+                    assert (await resp.read()).decode() == "".join(SSE_CHUNKS)
+        finally:
+            child.terminate()
+            out, _ = await child.communicate()
+            for r in reversed(runners):
+                await r.cleanup()
+        (p,) = pre.seen
+        assert p.body["kv_transfer_params"] == {"do_remote_decode": True}
+        (d,) = dec.seen
+        assert d.body == {**req, "kv_transfer_params": pre.kv_params()}
+        assert f"{dec.url} (router-native)" in out.decode(), out.decode()
+
+    run(body)
+
+
+# ---------------------------------------------------------------------------
 # Command line
 
 
@@ -524,11 +753,37 @@ def test_cli_parses() -> None:
     assert defaults.port == 8000 and defaults.timeout == 600.0
 
 
+def test_cli_without_decode_kv_is_router_native() -> None:
+    args = proxy.parse_args(GOOD)
+    assert args.decodes == [DecodeTarget("http://127.0.0.1:8200")]
+    assert args.decodes[0].host is None
+    assert args.decodes[0].kv_transfer_params() == {"do_remote_decode": True}
+    args = proxy.parse_args(
+        ["--prefill", "http://p:1", "--decode", "http://d1:1/", "--decode", "http://d2:2"]
+    )
+    assert args.decodes == [DecodeTarget("http://d1:1"), DecodeTarget("http://d2:2")]
+    assert all(d.router_native for d in args.decodes)
+    assert args.decode_kv == []
+
+
+def test_cli_help_shows_the_router_native_form(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        proxy.parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert '{"do_remote_decode": true}' in out
+    assert "router-native" in out
+    # The first example names no ports.
+    examples = out.split("examples:", 1)[1].strip().splitlines()
+    assert "--decode http://127.0.0.1:8200" in examples[1]
+    assert "--decode-kv" not in examples[0] + examples[1]
+
+
 @pytest.mark.parametrize(
     "extra",
     [
-        [],  # no --decode-kv for the --decode
         ["--decode-kv", "h/1/2", "--decode-kv", "h/3/4"],  # one too many
+        ["--decode", "http://127.0.0.1:8201", "--decode-kv", "h/1/2"],  # one too few
         ["--decode-kv", "127.0.0.1/17300"],  # two parts
         ["--decode-kv", "127.0.0.1/17300/17400/1"],  # four parts
         ["--decode-kv", "127.0.0.1/abc/17400"],  # not a port

@@ -344,10 +344,11 @@ def test_vllm_serve_through_the_proxy(model: Path, colocated: Dict[str, Any], lo
     dec = _serve("serve-decode", model, d_port, kv_d, logdir)
     pre = _serve("serve-prefill", model, p_port, kv_p, logdir)
     proxy_log = open(logdir / "proxy.log", "w")
+    # No port lists: the router-native flow (the prefill parks the KV, the
+    # decode registers with it), as vllm-router drives it.
     proxy = subprocess.Popen(
         [sys.executable, "-m", "ascend_pd.proxy", "--port", str(x_port),
-         "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
-         "--decode-kv", f"127.0.0.1/{init}/{alloc}"],
+         "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"],
         stdout=proxy_log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -377,7 +378,10 @@ def test_vllm_serve_through_the_proxy(model: Path, colocated: Dict[str, Any], lo
                 assert len(toks) == MAX_TOKENS
                 t, _ = _stream(f"http://127.0.0.1:{d_port}/v1/completions", {**base, "prompt": q})
                 ttft_local[n].append(round(1000 * t, 1))
+        registered = [e for e in events if e.get("event") == "register"]
+        assert len(registered) >= len(PROMPTS), "the decode did not register with the prefill"
         RESULTS["serve"] = {
+            "flow": "router-native (the decode registers; the proxy knows no ports)",
             "mode": mode,
             "channel": channel,
             "prompts": len(PROMPTS),
