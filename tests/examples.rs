@@ -350,6 +350,37 @@ fn a_layer_wise_save_through_python_lands_every_byte_and_an_early_close_fails_it
     );
 }
 
+/// The router-native flow through the Python package
+/// (tests/python/register.py), in push and pull-delay: a parked save
+/// sends nothing until a decode registers, then every byte lands (less
+/// the chunks the decode holds) and both pools are full again; an
+/// unknown transfer is refused at once, an unregistered one expires
+/// after pd_park_timeout, and with pd_auth_secret_file a registration
+/// without the secret is dropped while the parked save waits for a
+/// legit one.
+#[test]
+fn python_parked_saves_go_to_the_decode_that_registers_and_expire_or_drop_otherwise() {
+    let py = python_with_numpy();
+    let lib = common::cdylib();
+    for mode in ["push", "pull-delay"] {
+        let ports: Vec<String> = (0..13).map(|_| common::free_port().to_string()).collect();
+        let out = Command::new(&py)
+            .arg(root().join("tests/python/register.py"))
+            .arg(mode)
+            .args(&ports)
+            .env("ASCEND_PD_LIB", &lib)
+            .env_remove("ASCEND_PD_AUTH_SECRET_FILE")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("register: OK"),
+            "{mode}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn bad_input_through_python_raises_the_librarys_message() {
     let py = python_with_numpy();

@@ -15,6 +15,9 @@ use std::time::Duration;
 /// Threads sending registrations (one slow prefill holds up one of them).
 const THREADS: usize = 2;
 
+/// Registering sockets started by this process (part of their names).
+static ROUTES: AtomicU64 = AtomicU64::new(0);
+
 /// How long one prefill rank may take to answer a registration.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -57,15 +60,15 @@ impl Registrar {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let done: Outcomes = Arc::new(Mutex::new(Vec::new()));
         let ctx = zmq::Context::new();
-        let seq = Arc::new(AtomicU64::new(0));
+        let tag = crate::auth::hex(&crate::auth::nonce()[..8]);
         let mut threads = Vec::new();
         for i in 0..THREADS {
-            let (rx, done, ctx, secret, seq) = (
+            let (rx, done, ctx, secret, tag) = (
                 rx.clone(),
                 Arc::clone(&done),
                 ctx.clone(),
                 secret.clone(),
-                Arc::clone(&seq),
+                tag.clone(),
             );
             threads.push(crate::backend::spawn(
                 &format!("apd-registrar-{i}"),
@@ -73,11 +76,12 @@ impl Registrar {
                     for job in rx {
                         let mut r = Ok(());
                         for url in &job.urls {
-                            let route = format!(
-                                "reg-{}-{}",
-                                std::process::id(),
-                                seq.fetch_add(1, Ordering::Relaxed)
-                            );
+                            // A name no other registering socket has (the
+                            // prefill's ROUTER drops a second connection
+                            // under a name in use): random per registrar,
+                            // counted per process.
+                            let route =
+                                format!("reg-{tag}-{}", ROUTES.fetch_add(1, Ordering::Relaxed));
                             if let Err(e) = register(
                                 &ctx,
                                 secret.as_ref(),
