@@ -296,10 +296,13 @@ fn the_python_worker_pair_moves_cancels_and_verifies_in_every_mode() {
 /// Heterogeneous TP through the Python package: prefill TP 2 -> decode
 /// TP 1 and 1 -> 2, each rank with its own numpy cache of its heads, saved
 /// and loaded with the request API under plain keys and per-rank port
-/// lists; every loaded byte must be the decode rank's heads of the model,
-/// and every pool back at its start (tests/python/hetero_tp.py).
+/// lists, then again through parked saves that every decode rank registers
+/// for with every prefill rank (router-native flow, as vLLM's ranks do);
+/// every loaded byte must be the decode rank's heads of the model, and
+/// every pool back at its start; a decode of another TP size than the
+/// prefill's pd_peer_tp_size is refused naming it (tests/python/hetero_tp.py).
 #[test]
-fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
+fn hetero_tp_python_workers_move_each_decode_ranks_heads_direct_and_parked() {
     let py = python_with_numpy();
     let lib = common::cdylib();
     for (a, b, mode) in [
@@ -308,7 +311,7 @@ fn python_workers_of_different_tp_sizes_move_each_decode_ranks_heads() {
         (1, 2, "pull-eager"),
         (1, 2, "pull-delay"),
     ] {
-        let ports: Vec<String> = (0..2 * b + a + 1)
+        let ports: Vec<String> = (0..2 * b + a + 3)
             .map(|_| common::free_port().to_string())
             .collect();
         let out = Command::new(&py)
