@@ -211,7 +211,6 @@ pub(super) fn send_attached(
     };
     let chunk = sender.chunk_layout().tokens;
     let skip = usize::try_from(to.held_tokens).unwrap_or(usize::MAX) / chunk;
-    let mut keys = Vec::new();
     let mut skipped = 0;
     let pieces: Vec<Piece> = parked
         .pieces
@@ -221,7 +220,6 @@ pub(super) fn send_attached(
             skipped += n;
             // The skipped chunks' pages go back to the pool here.
             let (k, pages) = (k[n..].to_vec(), pages.into_iter().skip(n).collect());
-            keys.extend(k.iter().cloned());
             (route, k, pages)
         })
         .collect();
@@ -231,9 +229,14 @@ pub(super) fn send_attached(
     let sent: usize = pieces.iter().map(|(_, k, _)| k.len()).sum();
     let c = &parking.counters;
     c.chunks_sent.fetch_add(sent as u64, Ordering::Relaxed);
-    c.chunks_skipped.fetch_add(skipped as u64, Ordering::Relaxed);
+    c.chunks_skipped
+        .fetch_add(skipped as u64, Ordering::Relaxed);
+    // Every piece carries the same keys (its heads of each chunk).
+    let keys = pieces
+        .first()
+        .map(|(_, k, _)| k.clone())
+        .unwrap_or_default();
     super::put_pieces(sender, pieces, &spec)?;
-    keys.dedup();
     Ok((keys, spec))
 }
 
