@@ -10,8 +10,10 @@
 //! scheduler, without engines), `tests/vllm/test_e2e.py` (prefill and
 //! decode engines in separate processes, `vllm serve` behind
 //! `python -m ascend_pd.proxy`, a killed prefill),
-//! `tests/vllm/test_kv_identity.py` (LoRA and faults with real engines)
-//! and the proxy's own tests under pytest.
+//! `tests/vllm/test_kv_identity.py` (LoRA, faults and the router-native
+//! flow with real engines), `tests/vllm/test_router.py` (vllm-router from
+//! the package registry in front of `vllm serve` engines, in a venv of its
+//! own) and the proxy's own tests under pytest.
 //!
 //! Nothing is skipped: a missing python3 (or its venv module) fails the
 //! test with the command that installs it. Takes several minutes: each
@@ -85,6 +87,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             .arg(root.join("tests/vllm/test_contract.py"))
             .arg(root.join("tests/vllm/test_e2e.py"))
             .arg(root.join("tests/vllm/test_kv_identity.py"))
+            .arg(root.join("tests/vllm/test_router.py"))
             .arg(root.join("tests/python/test_proxy.py"))
             .current_dir(root.join("tests/vllm"))
             // The installed package, not the source tree or a stray library.
@@ -107,6 +110,11 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "partial-prefix",
         "router-flow-push",
         "router-flow-pull-delay",
+        "router-push",
+        "router-pull-eager",
+        "router-pull-delay",
+        "router-push-layerwise",
+        "router-2p1d",
         "abort-before-load",
         "abort-after-load-started",
         "lease-outlived",

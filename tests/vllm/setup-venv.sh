@@ -15,6 +15,26 @@ stamp="$venv/.ascend-pd-ready"
 key="$(cat "$0" | sha256sum | cut -c1-16)"
 py_base="${PYTHON:-python3}"
 
+# vLLM's PD router (test_router.py puts it in front of `vllm serve`): a Rust
+# binary behind a Python launcher, in a venv of its own so its fastapi and
+# pydantic never replace the vLLM environment's. Reused while its version
+# is unchanged.
+router_venv="${ASCEND_PD_ROUTER_VENV:-$root/.venv-router}"
+router_version=0.1.17
+router_stamp="$router_venv/.ascend-pd-ready"
+if [ -f "$router_stamp" ] && [ "$(cat "$router_stamp")" = "$router_version" ]; then
+    echo "router venv ready: $router_venv"
+else
+    echo "building the vllm-router environment in $router_venv"
+    rm -rf "$router_venv"
+    "$py_base" -m venv "$router_venv"
+    "$router_venv/bin/python" -m pip install -q --upgrade pip
+    "$router_venv/bin/python" -m pip install -q "vllm-router==$router_version"
+    "$router_venv/bin/vllm-router" --help >/dev/null
+    echo "$router_version" >"$router_stamp"
+    echo "router venv ready: $router_venv"
+fi
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
     echo "vllm venv ready: $venv"
     exit 0
