@@ -624,8 +624,11 @@ fn sweep_runs_doubling_rates_and_plots_latency_against_throughput() {
     let per_request = 2.0 * 2.0 * 150.0 * 128.0 * 2.0;
     let want = 0.7 * best * 1e9 / per_request;
     let got = at70[0]["rate"].as_f64().unwrap();
+    // The JSON rounds GB/s to 3 decimals (the bench used the exact figure):
+    // on a slow host 0.0005 GB/s is several percent of the best step.
+    let rounding = 0.7 * 0.0005 * 1e9 / per_request;
     assert!(
-        (got - want).abs() <= 0.01 + want * 0.01,
+        (got - want).abs() <= 0.01 + want * 0.01 + rounding,
         "70% step at {got}/s, want {want}/s: {doc}"
     );
     assert_eq!(at70[0]["verified"], true, "{doc}");
