@@ -36,6 +36,20 @@ pub(crate) enum Refused {
     Malformed(String),
 }
 
+/// The deployment secret (if any) and the host a worker of `config` binds
+/// and names in registrations (`pd_peer_host`, else loopback).
+pub(crate) fn secret_and_host(
+    config: &crate::config::PdConfig,
+) -> Result<(Option<Secret>, String), BackendError> {
+    let secret = Secret::from_env_or(config.auth_secret_file.as_deref())
+        .map_err(|e| BackendError::Setup(e.to_string()))?;
+    let host = config
+        .peer_host
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1".to_string());
+    Ok((secret, host))
+}
+
 /// Encodes `msg` as the decode sends it; with a secret, also the nonce the
 /// answer's proof must cover.
 pub(crate) fn seal_request(

@@ -86,12 +86,7 @@ impl Parking {
         cancels: crossbeam_channel::Sender<(String, Saved)>,
     ) -> Result<Arc<Parking>, BackendError> {
         let config = sender.config();
-        let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
-            .map_err(|e| BackendError::Setup(e.to_string()))?;
-        let host = config
-            .peer_host
-            .clone()
-            .unwrap_or_else(|| "127.0.0.1".to_string());
+        let (secret, host) = crate::backend::register::secret_and_host(config)?;
         let ctx = zmq::Context::new();
         let sock = ctx
             .socket(zmq::ROUTER)

@@ -44,12 +44,7 @@ pub(super) struct Registrar {
 
 impl Registrar {
     pub(super) fn start(config: &PdConfig) -> Result<Registrar, BackendError> {
-        let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
-            .map_err(|e| BackendError::Setup(e.to_string()))?;
-        let host = config
-            .peer_host
-            .clone()
-            .unwrap_or_else(|| "127.0.0.1".to_string());
+        let (secret, host) = crate::backend::register::secret_and_host(config)?;
         let ranks = config.tp_size.max(1);
         let init_ports: Vec<u64> = (0..ranks)
             .filter_map(|r| config.init_port(r).map(u64::from))
