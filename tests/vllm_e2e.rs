@@ -110,6 +110,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "partial-prefix",
         "router-flow-push",
         "router-flow-pull-delay",
+        "router-flow-faults",
         "router-push",
         "router-pull-eager",
         "router-pull-delay",

@@ -62,7 +62,7 @@ def prompts() -> List[List[int]]:
 
 
 def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_port: int,
-                  lease_s: float = 60.0) -> Path:
+                  lease_s: float = 60.0, extra: Sequence[str] = ()) -> Path:
     lines = [
         "enable_pd: true",
         f"transfer_channel: {channel}",
@@ -74,6 +74,7 @@ def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_por
         f"pd_peer_init_port: {init_port}",
         f"pd_peer_alloc_port: {alloc_port}",
         f"pd_pull_pending_ttl: {lease_s}",
+        *extra,
     ]
     lines += _mode_lines(mode)
     path.write_text("\n".join(lines) + "\n")
@@ -81,7 +82,7 @@ def receiver_yaml(path: Path, channel: str, mode: str, init_port: int, alloc_por
 
 
 def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: bool = False,
-                lease_s: float = 60.0) -> Path:
+                lease_s: float = 60.0, extra: Sequence[str] = ()) -> Path:
     lines = [
         "enable_pd: true",
         f"transfer_channel: {channel}",
@@ -91,6 +92,7 @@ def sender_yaml(path: Path, channel: str, mode: str, done_port: int, layerwise: 
         f"chunk_size: {CHUNK}",
         "pd_peer_host: 127.0.0.1",
         f"pd_pull_pending_ttl: {lease_s}",
+        *extra,
     ]
     if mode != "push":
         lines.append(f"pd_pull_done_port: {done_port}")

@@ -71,6 +71,9 @@ KILL = [_toks(640), _toks(520), _toks(380)]
 #: computes itself first.
 ROUTER = [_toks(640), _toks(300), _toks(450)]
 HELD = _toks(700)
+#: Router-native faults: a prompt no decode asks for, one a forged
+#: registration tries to divert, one whose prefill dies after answering.
+ORPHAN, FORGED, KILLED = _toks(500), _toks(420), _toks(380)
 #: The LoRA batch: (prompt, adapter name or None).
 LORA_BATCH: List[Tuple[List[int], Optional[str]]] = [
     (X, None), (X, "a1"), (X, "a2"), (Y, "a1"), (Y, None), (Y, "a2"),
@@ -86,6 +89,7 @@ CASES: Dict[str, List[Tuple[List[int], Optional[str]]]] = {
     "kill": [(p, None) for p in KILL],
     "router": [(p, None) for p in ROUTER],
     "held": [(HELD, None)],
+    "router_faults": [(FORGED, None), (KILLED, None)],
 }
 
 
@@ -131,11 +135,14 @@ class Pair:
     """A prefill and a decode engine (FaultConnector on both), started once."""
 
     def __init__(self, name: str, mode: str, model: Path, logdir: Path, lease_s: float = 60.0,
-                 decode_env: Optional[Dict[str, str]] = None, load_timeout_s: float = 30.0) -> None:
+                 decode_env: Optional[Dict[str, str]] = None, load_timeout_s: float = 30.0,
+                 both: Sequence[str] = (), sender: Sequence[str] = ()) -> None:
         self.name = name
         self.init, self.alloc, done = free_port(), free_port(), free_port()
-        ry = receiver_yaml(logdir / f"{name}-receiver.yaml", "tcp", mode, self.init, self.alloc, lease_s=lease_s)
-        sy = sender_yaml(logdir / f"{name}-sender.yaml", "tcp", mode, done, lease_s=lease_s)
+        ry = receiver_yaml(logdir / f"{name}-receiver.yaml", "tcp", mode, self.init, self.alloc, lease_s=lease_s,
+                           extra=both)
+        sy = sender_yaml(logdir / f"{name}-sender.yaml", "tcp", mode, done, lease_s=lease_s,
+                         extra=[*both, *sender])
         self.hold_saves = logdir / f"{name}-hold-saves.flag"
         self.hold_done = logdir / f"{name}-hold-done.flag"
         fault = dict(connector="FaultConnector", module="fault_connector")
@@ -177,9 +184,17 @@ class Pair:
         self.decode.stop()
 
 
+#: The push pair authenticates (a deployment secret on both sides) and
+#: frees parked KV no decode registered for after PARK_S.
+PARK_S = 20.0
+
+
 @pytest.fixture(scope="module")
 def push_pair(model: Path, logdir: Path, reference: Dict[str, Any]) -> Iterator[Pair]:
-    p = Pair("id-push", "push", model, logdir)
+    secret = logdir / "push-secret"
+    secret.write_bytes(random.Random(36).randbytes(32))
+    p = Pair("id-push", "push", model, logdir, both=[f"pd_auth_secret_file: {secret}"],
+             sender=[f"pd_park_timeout: {PARK_S}"])
     try:
         yield p
     finally:
@@ -352,41 +367,6 @@ def test_a_load_after_its_lease_fails_and_the_others_complete(delay_pair: Pair, 
                                  "others_done": 3, "tokens_identical": True, "pools_after": pair.settle()}
 
 
-def test_prefill_killed_while_its_saves_are_in_flight(delay_pair: Pair, reference: Dict[str, Any]) -> None:
-    """The prefill answers three requests with their saves held back, the
-    decode requests arrive, then the saves are let go and the prefill is
-    killed as soon as the first of them reached the decode (its load
-    started), the others in flight (or after 30 s if none arrived, which
-    the results record): whatever each load met (done, or failed), every
-    decode's tokens equal the colocated run's and the decode's pool is
-    back."""
-    pair = delay_pair
-    ids = [f"kill-{i}" for i in range(len(KILL))]
-    pair.hold_saves.write_text("1")
-    params = pair.handoff(KILL, ids=ids)
-    pair.decode.submit(KILL, params, ids=ids)
-    pair.hold_saves.unlink()
-    t0 = time.monotonic()
-    pair.prefill.submit([[5]], max_tokens=1)
-    deadline = t0 + 30
-    while not [e for e in pair.decode.events_of("load_start") if external(e["req_id"]).startswith("kill-")]:
-        if time.monotonic() > deadline:
-            break  # killed before any save arrived: the loads time out
-        time.sleep(0.005)
-    first_arrival_s = round(time.monotonic() - t0, 2) if time.monotonic() <= deadline else None
-    pair.prefill.kill()
-    outs = pair.decode.wait(ids, timeout=300)
-    for i, (o, want) in enumerate(zip(outs, reference["kill"])):
-        assert o["tokens"] == want, f"{ids[i]}: {o['tokens']} != {want}"
-    loads = pair.loads(ids)
-    pools = settle([pair.decode], ["receiver"])
-    RESULTS["prefill-killed-mid-transfer"] = {
-        "first_save_reached_decode_after_s": first_arrival_s,
-        "loads": {k: {"status": v["status"], "message": (v.get("message") or "")[:120]} for k, v in loads.items()},
-        "tokens_identical": True, "decode_pools_after": pools,
-    }
-
-
 def _router_case(pair: Pair, reference: Dict[str, Any], tag: str) -> Dict[str, Any]:
     """The flow vllm-router drives: the prefill is asked with only
     do_remote_decode, parks the KV and names where it takes registrations;
@@ -451,3 +431,122 @@ def test_router_flow_push(push_pair: Pair, reference: Dict[str, Any]) -> None:
 
 def test_router_flow_pull_delay(delay_pair: Pair, reference: Dict[str, Any]) -> None:
     RESULTS["router-flow-pull-delay"] = _router_case(delay_pair, reference, "rd")
+
+
+def test_prefill_killed_while_its_saves_are_in_flight(delay_pair: Pair, reference: Dict[str, Any]) -> None:
+    """The prefill answers three requests with their saves held back, the
+    decode requests arrive, then the saves are let go and the prefill is
+    killed as soon as the first of them reached the decode (its load
+    started), the others in flight (or after 30 s if none arrived, which
+    the results record): whatever each load met (done, or failed), every
+    decode's tokens equal the colocated run's and the decode's pool is
+    back."""
+    pair = delay_pair
+    ids = [f"kill-{i}" for i in range(len(KILL))]
+    pair.hold_saves.write_text("1")
+    params = pair.handoff(KILL, ids=ids)
+    pair.decode.submit(KILL, params, ids=ids)
+    pair.hold_saves.unlink()
+    t0 = time.monotonic()
+    pair.prefill.submit([[5]], max_tokens=1)
+    deadline = t0 + 30
+    while not [e for e in pair.decode.events_of("load_start") if external(e["req_id"]).startswith("kill-")]:
+        if time.monotonic() > deadline:
+            break  # killed before any save arrived: the loads time out
+        time.sleep(0.005)
+    first_arrival_s = round(time.monotonic() - t0, 2) if time.monotonic() <= deadline else None
+    pair.prefill.kill()
+    outs = pair.decode.wait(ids, timeout=300)
+    for i, (o, want) in enumerate(zip(outs, reference["kill"])):
+        assert o["tokens"] == want, f"{ids[i]}: {o['tokens']} != {want}"
+    loads = pair.loads(ids)
+    pools = settle([pair.decode], ["receiver"])
+    RESULTS["prefill-killed-mid-transfer"] = {
+        "first_save_reached_decode_after_s": first_arrival_s,
+        "loads": {k: {"status": v["status"], "message": (v.get("message") or "")[:120]} for k, v in loads.items()},
+        "tokens_identical": True, "decode_pools_after": pools,
+    }
+
+
+def _mp(v: Any) -> bytes:
+    """A msgpack encoding of str, small int, list and dict (the test's own:
+    the vLLM venv has no msgpack)."""
+    if isinstance(v, str):
+        b = v.encode()
+        return (bytes([0xA0 | len(b)]) if len(b) < 32 else bytes([0xD9, len(b)])) + b
+    if isinstance(v, int):
+        return bytes([v]) if 0 <= v < 128 else bytes([0xCD]) + v.to_bytes(2, "big")
+    if isinstance(v, list):
+        return bytes([0x90 | len(v)]) + b"".join(_mp(x) for x in v)
+    assert isinstance(v, dict)
+    return bytes([0x80 | len(v)]) + b"".join(_mp(k) + _mp(x) for k, x in v.items())
+
+
+def _registrations(engine: Engine) -> Dict[str, int]:
+    """The prefill's latest registration counters (steps it so its worker
+    writes them)."""
+    engine.generate([[5]], max_tokens=1)
+    evs = engine.events_of("registrations")
+    return {k: int(v) for k, v in evs[-1].items() if isinstance(v, int)} if evs else {}
+
+
+def test_router_flow_faults_push(push_pair: Pair, reference: Dict[str, Any]) -> None:
+    """Router-native faults with a deployment secret: a prefill whose decode
+    never comes frees the parked KV after pd_park_timeout; a registration
+    not sealed with the secret is dropped unanswered and counted, and the
+    real decode still gets the KV; a prefill killed after it answered makes
+    the decode's registration fail (no answer), reported as a load error and
+    recomputed. Runs last on this pair: its prefill is gone after it."""
+    import zmq
+
+    pair = push_pair
+    # A decode that never comes.
+    pair.handoff([ORPHAN], ids=["orphan"], router=True)
+    t0 = time.monotonic()
+    while not (ends := [e for e in pair.prefill.events_of("save") if external(e["req_id"]) == "orphan-p"]):
+        assert time.monotonic() < t0 + PARK_S + 90, "the parked save never ended"
+        pair.prefill.generate([[5]], max_tokens=1)
+        time.sleep(0.5)
+    freed_s = round(time.monotonic() - t0, 1)
+    assert ends[-1]["status"] == "failed" and "pd_park_timeout" in ends[-1]["message"], ends[-1]
+    assert ends[-1]["registrations"]["expired"] >= 1, ends[-1]
+    pools = pair.settle()
+    # A forged registration: the real message, not sealed with the secret.
+    params = pair.handoff([FORGED], ids=["forged"], router=True)
+    ours = params[0]["ascend_pd"]
+    before = _registrations(pair.prefill).get("dropped", 0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{ours['register']['host']}:{ours['register']['ports'][0]}")
+    sock.send(_mp({"type": "RegisterDecode", "transfer_id": ours["save_id"], "receiver_host": "127.0.0.1",
+                   "receiver_init_port": [9], "receiver_alloc_port": [10], "held_tokens": 0}))
+    with pytest.raises(zmq.Again):
+        sock.recv()
+    sock.close()
+    ctx.term()
+    out = pair.decode.generate([FORGED], params, ids=["forged"])
+    assert out[0]["tokens"] == reference["router_faults"][0]
+    fev = pair.loads(["forged"])["forged"]
+    assert fev["status"] == "done" and fev["tokens"] == len(FORGED), fev
+    deadline = time.monotonic() + 30
+    while _registrations(pair.prefill).get("dropped", 0) <= before:
+        assert time.monotonic() < deadline, "the forged registration was not counted"
+        time.sleep(0.2)
+    # The prefill dies after it answered.
+    params = pair.handoff([KILLED], ids=["killed"], router=True)
+    pair.prefill.kill()
+    t0 = time.monotonic()
+    out = pair.decode.generate([KILLED], params, ids=["killed"])
+    killed_s = round(time.monotonic() - t0, 1)
+    assert out[0]["tokens"] == reference["router_faults"][1]
+    ev = pair.loads(["killed"])["killed"]
+    assert ev["status"] == "failed" and "no answer" in ev["message"], ev
+    decode_pools = settle([pair.decode], ["receiver"])
+    RESULTS["router-flow-faults"] = {
+        "orphan_freed_after_s": freed_s, "orphan_message": ends[-1]["message"][:160], "pools_after_orphan": pools,
+        "forged_registration": "dropped unanswered, counted; the real decode loaded", "forged_loaded": fev["tokens"],
+        "killed_prefill_decode_answered_after_s": killed_s, "killed_message": ev["message"][:160],
+        "tokens_identical": True, "decode_pools_after": decode_pools,
+    }

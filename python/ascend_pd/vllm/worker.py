@@ -593,7 +593,7 @@ class ConnectorWorker:
             load = self.state.waiting_loads.pop(c.req_id, None)
             if load is None:
                 continue
-            why = f"the prefill refused the registration: {c.message}"
+            why = f"registering with the prefill failed: {c.message}"
             self._event(event="load", req_id=c.req_id, status="failed", tokens=0, message=why)
             self._fail(load, why, "registration")
             ended.add(c.req_id)
