@@ -468,7 +468,7 @@ pub struct PdConfig {
     /// `pd_register_port` (sender): where each prefill rank takes decode
     /// registrations for parked transfers (router-native flow). Default:
     /// a free port chosen at start, which the worker reports
-    /// ([`crate::requests::SaveQueue::register_port`]).
+    /// (`SaveQueue::register_port` in the request API).
     pub register_port: Option<PortList>,
     /// `pd_park_timeout` (sender, default 60 s): how long a parked
     /// transfer waits for a decode to register before its pages are freed.
