@@ -186,7 +186,8 @@ impl Opened {
         let pools: Vec<_> = alloc.pools().cloned().collect();
         let secret = crate::auth::Secret::from_env_or(config.auth_secret_file.as_deref())
             .map_err(|e| BackendError::Setup(e.to_string()))?;
-        let channel = crate::channel::open_configured(config, host, node.as_str(), &pools, secret)?;
+        let at = listeners(config, host, node.rank());
+        let channel = crate::channel::open_configured(config, &at, node.as_str(), &pools, secret)?;
         let ctx = zmq::Context::new();
         let counters = std::sync::Arc::new(counters::MessageCounters::default());
         let c2 = std::sync::Arc::clone(&counters);
@@ -201,6 +202,39 @@ impl Opened {
             counters,
             pushes,
         })
+    }
+}
+
+/// Where TP rank `rank`'s channel listeners bind (`pd_bind_host`) and
+/// which host peers are told (`advertise`, the worker's `pd_peer_host`),
+/// on the ports the config fixes (0: free).
+pub(crate) fn listeners(
+    config: &crate::config::PdConfig,
+    advertise: &str,
+    rank: usize,
+) -> crate::channel::Listeners {
+    let at = |port: u16| crate::channel::ListenAt {
+        bind: config
+            .bind_host
+            .clone()
+            .unwrap_or_else(|| advertise.to_string()),
+        advertise: advertise.to_string(),
+        port,
+    };
+    crate::channel::Listeners {
+        data: at(config.data_port(rank)),
+        liveness: at(config.liveness_port(rank)),
+        hixl_port: config.hixl_port(rank),
+    }
+}
+
+/// The ZMQ URL a listener of `config` binds on `port`.
+pub(crate) fn bind_url(config: &crate::config::PdConfig, advertise: &str, port: u16) -> String {
+    let host = config.bind_host.as_deref().unwrap_or(advertise);
+    if host.contains(':') && !host.starts_with('[') {
+        format!("tcp://[{host}]:{port}")
+    } else {
+        format!("tcp://{host}:{port}")
     }
 }
 

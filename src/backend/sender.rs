@@ -362,7 +362,7 @@ impl Sender {
                 .map_err(BackendError::zmq(
                     "capping the PullDoneSignal socket's frame size",
                 ))?;
-            let url = format!("tcp://{host}:{port}");
+            let url = crate::backend::bind_url(config, &host, port);
             sock.bind(&url).map_err(BackendError::zmq(format!(
                 "binding the PullDoneSignal socket {url} (pd_pull_done_port in use?)"
             )))?;

@@ -148,9 +148,9 @@ static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 impl HcclChannel {
     /// A channel over `pools` (every one allocated by the ACL runtime, all
-    /// for one NPU); the liveness listener binds `host`.
+    /// for one NPU); the liveness listener binds where `at` says.
     pub fn new(
-        host: &str,
+        at: &super::ListenAt,
         pools: &[Arc<PagePool>],
         opts: HcclOptions,
     ) -> Result<HcclChannel, ChannelError> {
@@ -167,7 +167,7 @@ impl HcclChannel {
             )));
         }
         Ok(HcclChannel {
-            watch: WatchServer::bind(host, "hccl")?,
+            watch: WatchServer::bind(at, "hccl")?,
             device,
             local_uuids: pools.iter().map(|p| p.uuid()).collect(),
             pools: pools.to_vec(),
@@ -202,7 +202,7 @@ impl HcclChannel {
             root_info,
             session,
             device: self.device.id(),
-            watch: self.watch.addr.to_string(),
+            watch: self.watch.advertised().to_string(),
         }
     }
 }

@@ -154,10 +154,11 @@ static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 impl HixlChannel {
     /// A channel over `pools` (every one allocated by the ACL runtime, all
-    /// for one NPU); the HIXL server and the liveness listener bind `host`,
-    /// the server on `settings.port` (0: a free port).
+    /// for one NPU); the HIXL server and the liveness listener bind
+    /// `at.bind` and are advertised at `at.advertise`, the server on
+    /// `settings.port` (0: a free port), the liveness listener on `at.port`.
     pub fn new(
-        host: &str,
+        at: &super::ListenAt,
         pools: &[Arc<PagePool>],
         settings: &HixlSettings,
         opts: HixlOptions,
@@ -177,6 +178,7 @@ impl HixlChannel {
             .bind()
             .map_err(hixl_err(format!("binding NPU {} for HIXL", device.id())))?;
         // The emulator binds port 0 itself; real HIXL wants a port.
+        let host = at.bind.as_str();
         let port = match settings.port {
             0 if !hixl.is_emulator() => free_port(host)?,
             p => p,
@@ -207,9 +209,9 @@ impl HixlChannel {
             device.id()
         );
         Ok(HixlChannel {
-            watch: WatchServer::bind(host, "hixl")?,
+            watch: WatchServer::bind(at, "hixl")?,
             _server: server,
-            server_addr: format!("{host}:{port}"),
+            server_addr: at.advertised(port),
             hixl,
             endpoint,
             device,
@@ -251,7 +253,7 @@ impl HixlChannel {
             session,
             server: self.server_addr.clone(),
             device: self.endpoint,
-            watch: self.watch.addr.to_string(),
+            watch: self.watch.advertised().to_string(),
         }
     }
 
@@ -266,7 +268,10 @@ fn hixl_bounds(opts: &HixlOptions) -> Bounds {
 
 /// A free TCP port on `host` for the HIXL server (real HIXL takes no port 0).
 fn free_port(host: &str) -> Result<u16, ChannelError> {
-    let (listener, addr) = super::bind_listener(host, "probe for a free HIXL server port")?;
+    let (listener, addr, _) = super::bind_listener(
+        &super::ListenAt::any(host),
+        "probe for a free HIXL server port",
+    )?;
     drop(listener);
     Ok(addr.port())
 }

@@ -723,13 +723,24 @@ pub fn open(
     pools: &[Arc<PagePool>],
     auth: Option<Secret>,
 ) -> Result<Arc<dyn TransferChannel>, ChannelError> {
+    open_at(kind, &Listeners::any(host), node, pools, auth)
+}
+
+/// [`open`], with each listener bound and advertised where `at` says.
+pub fn open_at(
+    kind: ChannelKind,
+    at: &Listeners,
+    node: &str,
+    pools: &[Arc<PagePool>],
+    auth: Option<Secret>,
+) -> Result<Arc<dyn TransferChannel>, ChannelError> {
     if auth.is_none() {
         crate::auth::warn_unauthenticated_once();
     }
     Ok(match kind {
         ChannelKind::Shm => Arc::new(shm::ShmChannel::new(pools)?.with_auth(auth)),
-        ChannelKind::Tcp => Arc::new(tcp::TcpChannel::bind(
-            host,
+        ChannelKind::Tcp => Arc::new(tcp::TcpChannel::bind_at(
+            &at.data,
             node,
             pools,
             tcp::TcpOptions {
@@ -738,13 +749,17 @@ pub fn open(
             },
         )?),
         ChannelKind::Hccl => Arc::new(
-            hccl::HcclChannel::new(host, pools, hccl::HcclOptions::default())?.with_auth(auth),
+            hccl::HcclChannel::new(&at.liveness, pools, hccl::HcclOptions::default())?
+                .with_auth(auth),
         ),
         ChannelKind::Hixl => Arc::new(
             hixl::HixlChannel::new(
-                host,
+                &at.liveness,
                 pools,
-                &crate::config::HixlSettings::default(),
+                &crate::config::HixlSettings {
+                    port: at.hixl_port,
+                    ..Default::default()
+                },
                 hixl::HixlOptions::default(),
             )?
             .with_auth(auth),
@@ -799,7 +814,7 @@ pub fn choose_hccl_path(
 /// the `pd_hixl_*` keys.
 pub fn open_configured(
     config: &crate::config::PdConfig,
-    host: &str,
+    at: &Listeners,
     node: &str,
     pools: &[Arc<PagePool>],
     auth: Option<Secret>,
@@ -832,14 +847,22 @@ pub fn open_configured(
         kind => kind,
     };
     if kind != ChannelKind::Hixl {
-        return open(kind, host, node, pools, auth);
+        return open_at(kind, at, node, pools, auth);
     }
     if auth.is_none() {
         crate::auth::warn_unauthenticated_once();
     }
     Ok(Arc::new(
-        hixl::HixlChannel::new(host, pools, &config.hixl, hixl::HixlOptions::default())?
-            .with_auth(auth),
+        hixl::HixlChannel::new(
+            &at.liveness,
+            pools,
+            &crate::config::HixlSettings {
+                port: at.hixl_port,
+                ..config.hixl.clone()
+            },
+            hixl::HixlOptions::default(),
+        )?
+        .with_auth(auth),
     ))
 }
 
@@ -953,22 +976,90 @@ impl<P> PeerRegistry<P> {
     }
 }
 
-/// Binds a TCP listener on `host` (any free port) for `what`; returns it and its address.
+/// Where one listener of a worker binds, and the address peers are told
+/// to reach it at (they differ behind NAT, in containers, or when binding
+/// all interfaces).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenAt {
+    /// The local address to bind (`pd_bind_host`; `0.0.0.0` for all).
+    pub bind: String,
+    /// The host put in the endpoint peers dial (`pd_peer_host`).
+    pub advertise: String,
+    /// The port (0: a free port, picked at bind).
+    pub port: u16,
+}
+
+impl ListenAt {
+    /// Binds and advertises `host`, on a free port.
+    pub fn any(host: &str) -> ListenAt {
+        ListenAt {
+            bind: host.to_string(),
+            advertise: host.to_string(),
+            port: 0,
+        }
+    }
+
+    /// `host:port` as peers dial it (IPv6 hosts in brackets).
+    pub fn advertised(&self, port: u16) -> String {
+        if self.advertise.contains(':') && !self.advertise.starts_with('[') {
+            format!("[{}]:{port}", self.advertise)
+        } else {
+            format!("{}:{port}", self.advertise)
+        }
+    }
+}
+
+/// The listeners a channel may open: its data server (tcp) and its
+/// liveness listener (hccl, hixl); the HIXL server's port is `pd_hixl_port`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listeners {
+    /// The tcp transfer server (`pd_data_port`).
+    pub data: ListenAt,
+    /// The hccl / hixl liveness listener (`pd_liveness_port`); the HIXL
+    /// server binds the same host.
+    pub liveness: ListenAt,
+    /// The HIXL server's port (`pd_hixl_port`; 0: a free port).
+    pub hixl_port: u16,
+}
+
+impl Listeners {
+    /// Every listener on `host` (bound and advertised), on free ports.
+    pub fn any(host: &str) -> Listeners {
+        Listeners {
+            data: ListenAt::any(host),
+            liveness: ListenAt::any(host),
+            hixl_port: 0,
+        }
+    }
+}
+
+/// Binds a TCP listener for `what` where `at` says; returns it, the
+/// address it bound and the address peers are to dial.
 pub(crate) fn bind_listener(
-    host: &str,
+    at: &ListenAt,
     what: &str,
-) -> Result<(std::net::TcpListener, std::net::SocketAddr), ChannelError> {
-    let listener = std::net::TcpListener::bind((host, 0))
-        .or_else(|_| std::net::TcpListener::bind(host))
-        .map_err(|source| ChannelError::Io {
-            context: format!("binding the {what} on {host}"),
-            source,
-        })?;
+) -> Result<(std::net::TcpListener, std::net::SocketAddr, String), ChannelError> {
+    let host = at.bind.as_str();
+    let bound = std::net::TcpListener::bind((host, at.port));
+    let listener = match (bound, at.port) {
+        (Ok(l), _) => Ok(l),
+        // A bind "host" that already names a port (tests pass `ip:port`).
+        (Err(_), 0) => std::net::TcpListener::bind(host),
+        (Err(e), _) => Err(e),
+    }
+    .map_err(|source| ChannelError::Io {
+        context: format!(
+            "binding the {what} on {host}:{} (change its port key or free the port)",
+            at.port
+        ),
+        source,
+    })?;
     let addr = listener.local_addr().map_err(|source| ChannelError::Io {
         context: format!("reading the {what} address"),
         source,
     })?;
-    Ok((listener, addr))
+    let advertised = at.advertised(addr.port());
+    Ok((listener, addr, advertised))
 }
 
 /// Watches on the local pages of a batch (for its completion).

@@ -197,6 +197,8 @@ impl Stagers {
 struct ServerHandle {
     stop: Arc<AtomicBool>,
     addr: SocketAddr,
+    /// The address peers are told to dial (`pd_peer_host` and the port).
+    advertised: String,
     accept: Option<JoinHandle<()>>,
     conns: Arc<Mutex<ServedConns>>,
 }
@@ -273,6 +275,17 @@ impl TcpChannel {
         pools: &[Arc<PagePool>],
         opts: TcpOptions,
     ) -> Result<TcpChannel, ChannelError> {
+        Self::bind_at(&super::ListenAt::any(host), node, pools, opts)
+    }
+
+    /// [`TcpChannel::bind`], the server bound on `at.bind:at.port` and
+    /// advertised to peers as `at.advertise`.
+    pub fn bind_at(
+        at: &super::ListenAt,
+        node: &str,
+        pools: &[Arc<PagePool>],
+        opts: TcpOptions,
+    ) -> Result<TcpChannel, ChannelError> {
         if node.is_empty() || node.len() > MAX_NODE_LEN {
             return Err(ChannelError::Handshake(format!(
                 "node id of {} bytes: it must be 1..={MAX_NODE_LEN} bytes",
@@ -306,7 +319,7 @@ impl TcpChannel {
                 },
             );
         }
-        let (listener, addr) = bind_listener(host, "tcp transfer server")?;
+        let (listener, addr, advertised) = bind_listener(at, "tcp transfer server")?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(Mutex::new(ServedConns::new()));
         let (stop2, conns2) = (Arc::clone(&stop), Arc::clone(&conns));
@@ -339,6 +352,7 @@ impl TcpChannel {
             server: ServerHandle {
                 stop,
                 addr,
+                advertised,
                 accept: Some(accept),
                 conns,
             },
@@ -967,7 +981,7 @@ impl TransferChannel for TcpChannel {
 
     fn endpoint(&self) -> Endpoint {
         Endpoint::Tcp {
-            addr: self.server.addr.to_string(),
+            addr: self.server.advertised.clone(),
         }
     }
 

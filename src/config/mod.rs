@@ -372,6 +372,99 @@ impl fmt::Display for PortList {
     }
 }
 
+/// Ports of one TP rank under `pd_base_port`: rank `r`'s listeners take
+/// `base + PORT_STRIDE * r + slot`.
+pub const PORT_STRIDE: u16 = 20;
+
+/// A listening socket a worker opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    /// Receiver: the channel handshake (`pd_peer_init_port`).
+    Init,
+    /// Receiver: allocation requests and pull notices (`pd_peer_alloc_port`).
+    Alloc,
+    /// Receiver: LMCache's cache query (`pd_peer_query_port`, opt-in).
+    Query,
+    /// Sender, pull modes: PullDoneSignal (`pd_pull_done_port`).
+    Done,
+    /// Sender: decode registrations, router flow (`pd_register_port`).
+    Register,
+    /// tcp channel: the transfer server (`pd_data_port`).
+    Data,
+    /// hccl / hixl channel: the liveness listener (`pd_liveness_port`).
+    Liveness,
+    /// HIXL path: the HIXL server (`pd_hixl_port`).
+    Hixl,
+}
+
+impl Listener {
+    /// Every listener, in table order.
+    pub const ALL: [Listener; 8] = [
+        Listener::Init,
+        Listener::Alloc,
+        Listener::Query,
+        Listener::Done,
+        Listener::Register,
+        Listener::Data,
+        Listener::Liveness,
+        Listener::Hixl,
+    ];
+
+    /// The config key that fixes its port.
+    pub fn key(self) -> &'static str {
+        match self {
+            Listener::Init => "pd_peer_init_port",
+            Listener::Alloc => "pd_peer_alloc_port",
+            Listener::Query => "pd_peer_query_port",
+            Listener::Done => "pd_pull_done_port",
+            Listener::Register => "pd_register_port",
+            Listener::Data => "pd_data_port",
+            Listener::Liveness => "pd_liveness_port",
+            Listener::Hixl => "pd_hixl_port",
+        }
+    }
+
+    /// What it is, in a few words.
+    pub fn what(self) -> &'static str {
+        match self {
+            Listener::Init => "channel handshake (ZMQ)",
+            Listener::Alloc => "allocations and pull notices (ZMQ)",
+            Listener::Query => "LMCache cache queries (ZMQ)",
+            Listener::Done => "pull done signals (ZMQ)",
+            Listener::Register => "decode registrations (ZMQ)",
+            Listener::Data => "tcp transfer server",
+            Listener::Liveness => "liveness links",
+            Listener::Hixl => "HIXL server",
+        }
+    }
+
+    /// Its offset in a rank's `pd_base_port` block for a worker of
+    /// `role`: a receiver's are 0-5, a sender's 10-14, so a decode and a
+    /// prefill (or the two halves of a `kv_both` engine) share one base.
+    pub fn slot(self, role: Role) -> u16 {
+        let sender = if role == Role::Sender { 10 } else { 0 };
+        match self {
+            Listener::Init => 0,
+            Listener::Alloc => 1,
+            Listener::Query => 2,
+            Listener::Data => 3 + sender,
+            Listener::Liveness => 4 + sender,
+            Listener::Hixl => 5 + sender,
+            Listener::Done => 10,
+            Listener::Register => 11,
+        }
+    }
+
+    /// Whether a worker of `role` opens it at all.
+    pub fn opened_by(self, role: Role) -> bool {
+        match self {
+            Listener::Init | Listener::Alloc | Listener::Query => role == Role::Receiver,
+            Listener::Done | Listener::Register => role == Role::Sender,
+            Listener::Data | Listener::Liveness | Listener::Hixl => true,
+        }
+    }
+}
+
 /// The model's KV geometry the backend needs to size pages
 /// (`kv_*` keys; LMCache takes them from the engine, we take them from the file).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -473,6 +566,27 @@ pub struct PdConfig {
     /// `pd_park_timeout` (sender, default 60 s): how long a parked
     /// transfer waits for a decode to register before its pages are freed.
     pub park_timeout: Duration,
+    /// `pd_bind_host`: the local address every listener of this worker
+    /// binds (`0.0.0.0`: all interfaces). Default: `pd_peer_host`, which
+    /// stays the address peers are told (the advertised address).
+    pub bind_host: Option<String>,
+    /// `pd_base_port`: fills every listener port not set by its own key,
+    /// `base + 20 * rank + slot` (see [`Listener::slot`]); unset, such
+    /// listeners take a free port at start.
+    pub base_port: Option<u16>,
+    /// `pd_data_port`: the tcp channel's transfer server, per TP rank.
+    pub data_port: Option<PortList>,
+    /// `pd_liveness_port`: the hccl / hixl channel's liveness listener,
+    /// per TP rank.
+    pub liveness_port: Option<PortList>,
+    /// `pd_model_identity`: what this worker's KV is (model, revision,
+    /// dtype: the vLLM connector fills it). Peers whose identities differ
+    /// are refused at the handshake, before any byte moves.
+    pub model_identity: Option<String>,
+    /// `pd_drain_timeout` (sender, default 20 s): on close, how long the
+    /// sender keeps serving the transfers in flight (new saves refused)
+    /// before it tears them down.
+    pub drain_timeout: Duration,
     /// `pd_use_cpu_offload`.
     pub use_cpu_offload: bool,
     /// `pd_layerwise` (sender, push mode): save each layer's KV as soon
@@ -548,6 +662,12 @@ impl PdConfig {
             pull_done_port: None,
             register_port: None,
             park_timeout: Duration::from_secs(60),
+            bind_host: None,
+            base_port: None,
+            data_port: None,
+            liveness_port: None,
+            model_identity: None,
+            drain_timeout: Duration::from_secs(20),
             use_cpu_offload: false,
             layerwise: false,
             push_direct_write: true,
@@ -677,9 +797,105 @@ impl PdConfig {
         round_up_pages(raw, self.page_bytes())
     }
 
-    /// `pd_peer_init_port` of TP rank `rank`.
+    /// `pd_peer_init_port` of TP rank `rank` (on a receiver, its own:
+    /// `pd_base_port`'s slot when the key is unset).
     pub fn init_port(&self, rank: usize) -> Option<u16> {
-        self.peer_init_port.as_ref()?.for_rank(rank)
+        match &self.peer_init_port {
+            Some(list) => list.for_rank(rank),
+            None => self.own_base(Listener::Init, rank),
+        }
+    }
+
+    /// The port `listener` of TP rank `rank` takes from `pd_base_port`,
+    /// when this role opens it and the base is set.
+    fn own_base(&self, listener: Listener, rank: usize) -> Option<u16> {
+        let base = self.base_port?;
+        if !listener.opened_by(self.role) {
+            return None;
+        }
+        let rank = u16::try_from(rank).ok()?;
+        base.checked_add(rank.checked_mul(PORT_STRIDE)?)?
+            .checked_add(listener.slot(self.role))
+    }
+
+    /// The port of a listener whose key is `list`: its entry for `rank`,
+    /// else `pd_base_port`'s slot, else 0 (a free port at start).
+    fn own_port(&self, list: &Option<PortList>, listener: Listener, rank: usize) -> u16 {
+        list.as_ref()
+            .and_then(|l| l.for_rank(rank))
+            .or_else(|| self.own_base(listener, rank))
+            .unwrap_or(0)
+    }
+
+    /// The address every listener binds: `pd_bind_host`, else
+    /// `pd_peer_host`, else loopback.
+    pub fn bind_host(&self) -> &str {
+        self.bind_host
+            .as_deref()
+            .or(self.peer_host.as_deref())
+            .unwrap_or("127.0.0.1")
+    }
+
+    /// The tcp transfer server's port of TP rank `rank` (`pd_data_port`; 0: free).
+    pub fn data_port(&self, rank: usize) -> u16 {
+        self.own_port(&self.data_port, Listener::Data, rank)
+    }
+
+    /// The liveness listener's port of TP rank `rank` (`pd_liveness_port`; 0: free).
+    pub fn liveness_port(&self, rank: usize) -> u16 {
+        self.own_port(&self.liveness_port, Listener::Liveness, rank)
+    }
+
+    /// The HIXL server's port of TP rank `rank`: `pd_hixl_port` (one for
+    /// every rank) when set, else `pd_base_port`'s slot, else 0 (free).
+    pub fn hixl_port(&self, rank: usize) -> u16 {
+        match self.hixl.port {
+            0 => self.own_base(Listener::Hixl, rank).unwrap_or(0),
+            p => p,
+        }
+    }
+
+    /// Whether this worker opens `listener` (by role, channel and mode).
+    pub fn opens(&self, listener: Listener) -> bool {
+        if !listener.opened_by(self.role) {
+            return false;
+        }
+        let hccl_like = matches!(self.transfer_channel, ChannelKind::Hccl | ChannelKind::Hixl);
+        match listener {
+            Listener::Init | Listener::Alloc | Listener::Register => true,
+            Listener::Query => self.peer_query_port.is_some(),
+            Listener::Done => self.pull_mode,
+            Listener::Data => self.transfer_channel == ChannelKind::Tcp,
+            Listener::Liveness => hccl_like,
+            Listener::Hixl => {
+                self.transfer_channel == ChannelKind::Hixl
+                    || (self.transfer_channel == ChannelKind::Hccl
+                        && self.hccl_path != HcclPath::Comm)
+            }
+        }
+    }
+
+    /// Every listener TP rank `rank` of this worker opens, with its port
+    /// (0: a free port picked at start). `Hixl` is listed where the HIXL
+    /// path may run (`pd_hccl_path: auto` picks it only where HIXL loads).
+    pub fn port_table(&self, rank: usize) -> Vec<(Listener, u16)> {
+        Listener::ALL
+            .iter()
+            .filter(|l| self.opens(**l))
+            .map(|&l| {
+                let port = match l {
+                    Listener::Init => self.init_port(rank).unwrap_or(0),
+                    Listener::Alloc => self.alloc_port(rank).unwrap_or(0),
+                    Listener::Query => self.query_port(rank).unwrap_or(0),
+                    Listener::Done => self.done_port(rank).unwrap_or(0),
+                    Listener::Register => self.register_port(rank),
+                    Listener::Data => self.data_port(rank),
+                    Listener::Liveness => self.liveness_port(rank),
+                    Listener::Hixl => self.hixl_port(rank),
+                };
+                (l, port)
+            })
+            .collect()
     }
 
     /// The most keys one side-channel message may carry:
@@ -715,9 +931,13 @@ impl PdConfig {
         (MESSAGE_BYTES_FIXED + keys * MESSAGE_BYTES_PER_KEY) as i64
     }
 
-    /// `pd_peer_alloc_port` of TP rank `rank`.
+    /// `pd_peer_alloc_port` of TP rank `rank` (on a receiver, its own:
+    /// `pd_base_port`'s slot when the key is unset).
     pub fn alloc_port(&self, rank: usize) -> Option<u16> {
-        self.peer_alloc_port.as_ref()?.for_rank(rank)
+        match &self.peer_alloc_port {
+            Some(list) => list.for_rank(rank),
+            None => self.own_base(Listener::Alloc, rank),
+        }
     }
 
     /// `pd_peer_query_port` of TP rank `rank`, if configured.
@@ -726,21 +946,20 @@ impl PdConfig {
     }
 
     /// The PullDoneSignal port of TP rank `rank`: `pd_pull_done_port[rank]`,
-    /// else `pd_peer_alloc_port[rank] + 100`.
+    /// else `pd_base_port`'s slot, else `pd_peer_alloc_port[rank] + 100`.
     pub fn done_port(&self, rank: usize) -> Option<u16> {
         match &self.pull_done_port {
             Some(list) => list.for_rank(rank),
-            None => self.alloc_port(rank)?.checked_add(100),
+            None => self
+                .own_base(Listener::Done, rank)
+                .or_else(|| self.alloc_port(rank)?.checked_add(100)),
         }
     }
 
-    /// The registration port of TP rank `rank` (`pd_register_port`); 0:
-    /// a free port chosen when the sender starts.
+    /// The registration port of TP rank `rank` (`pd_register_port`, else
+    /// `pd_base_port`'s slot); 0: a free port chosen when the sender starts.
     pub fn register_port(&self, rank: usize) -> u16 {
-        self.register_port
-            .as_ref()
-            .and_then(|l| l.for_rank(rank))
-            .unwrap_or(0)
+        self.own_port(&self.register_port, Listener::Register, rank)
     }
 
     /// Checks the combinations of keys. Returns warnings when usable, or every problem.
@@ -1009,19 +1228,81 @@ impl PdConfig {
         check_ports("pd_peer_query_port", &self.peer_query_port, &mut problems);
         check_ports("pd_pull_done_port", &self.pull_done_port, &mut problems);
         check_ports("pd_register_port", &self.register_port, &mut problems);
+        check_ports("pd_data_port", &self.data_port, &mut problems);
+        check_ports("pd_liveness_port", &self.liveness_port, &mut problems);
+        if let Some(base) = self.base_port {
+            let last = u32::from(base)
+                + u32::from(PORT_STRIDE) * (self.tp_size.max(1) as u32 - 1).min(4096)
+                + 14;
+            if last > 65_535 {
+                problems.push(ConfigProblem::new(
+                    "pd_base_port",
+                    format!(
+                        "{base} leaves no room for {} TP rank(s): the last rank's block ends at {last}",
+                        self.tp_size
+                    ),
+                    format!(
+                        "lower pd_base_port to at most {}",
+                        65_535 - (last - u32::from(base))
+                    ),
+                ));
+            }
+        }
+        if self.bind_host.as_deref() == Some("") {
+            problems.push(ConfigProblem::new(
+                "pd_bind_host",
+                "is empty",
+                "give the local address to bind (0.0.0.0 for every interface), or leave it out to bind pd_peer_host",
+            ));
+        }
+        // Two listeners of one rank on one port: the second bind fails at
+        // start; say which keys collide now. Two ranks sharing a port work
+        // only if they run on different hosts: a warning.
+        let mut taken: std::collections::HashMap<u16, (Listener, usize)> = Default::default();
+        let mut shared = std::collections::BTreeSet::new();
+        for rank in 0..self.tp_size.min(4096) {
+            for (l, port) in self.port_table(rank) {
+                if port == 0 {
+                    continue;
+                }
+                match taken.insert(port, (l, rank)) {
+                    Some((other, orank)) if orank == rank => problems.push(ConfigProblem::new(
+                        l.key(),
+                        format!(
+                            "gives TP rank {rank}'s {} port {port}, which its {} ({}) also has",
+                            l.what(),
+                            other.what(),
+                            other.key()
+                        ),
+                        "give every listener its own port, or use pd_base_port",
+                    )),
+                    Some(_) => {
+                        shared.insert(l.key());
+                    }
+                    None => {}
+                }
+            }
+        }
+        for key in shared {
+            warnings.push(format!(
+                "{key}: TP ranks share a port, which works only if each rank runs on its own \
+                 host; give one port per rank (a list) or use pd_base_port"
+            ));
+        }
 
         match self.role {
             Role::Receiver => {
+                let no_base = self.base_port.is_none();
                 for (key, missing) in [
                     ("pd_peer_host", self.peer_host.is_none()),
-                    ("pd_peer_init_port", self.peer_init_port.is_none()),
-                    ("pd_peer_alloc_port", self.peer_alloc_port.is_none()),
+                    ("pd_peer_init_port", self.peer_init_port.is_none() && no_base),
+                    ("pd_peer_alloc_port", self.peer_alloc_port.is_none() && no_base),
                 ] {
                     if missing {
                         problems.push(ConfigProblem::new(
                             key,
                             "is required on a receiver (it is where senders reach it)",
-                            format!("set {key} (see configs/receiver-*.yaml for an example)"),
+                            format!("set {key} or pd_base_port (see configs/receiver-*.yaml for an example)"),
                         ));
                     }
                 }
@@ -1043,7 +1324,10 @@ impl PdConfig {
                     }
                 }
                 if self.pull_mode {
-                    if self.pull_done_port.is_none() && self.peer_alloc_port.is_none() {
+                    if self.pull_done_port.is_none()
+                        && self.peer_alloc_port.is_none()
+                        && self.base_port.is_none()
+                    {
                         problems.push(ConfigProblem::new(
                             "pd_pull_done_port",
                             "is missing and there is no pd_peer_alloc_port to fall back to (+100); a pull sender must listen for PullDoneSignal",
@@ -1073,6 +1357,31 @@ impl PdConfig {
         } else {
             Err(problems)
         }
+    }
+
+    /// The listeners of every TP rank, one line each: rank, key, what it
+    /// is, where it binds and the address peers dial (`free` where the
+    /// port is picked at start).
+    pub fn port_table_text(&self) -> String {
+        let mut s = String::new();
+        let advertise = self.peer_host.as_deref().unwrap_or("127.0.0.1");
+        let _ = writeln!(
+            s,
+            "# listeners: bound on {}, advertised as {advertise}",
+            self.bind_host()
+        );
+        let _ = writeln!(s, "# rank  port   key                 listener");
+        for rank in 0..self.tp_size.min(4096) {
+            for (l, port) in self.port_table(rank) {
+                let p = if port == 0 {
+                    "free".to_string()
+                } else {
+                    port.to_string()
+                };
+                let _ = writeln!(s, "# {rank:<5} {p:<6} {:<19} {}", l.key(), l.what());
+            }
+        }
+        s
     }
 
     /// The effective configuration as YAML, defaults filled in, with derived values as comments.
@@ -1161,6 +1470,16 @@ impl PdConfig {
         let _ = writeln!(s, "pd_pull_done_port: {}", ports(&self.pull_done_port));
         let _ = writeln!(s, "pd_register_port: {}", ports(&self.register_port));
         let _ = writeln!(s, "pd_park_timeout: {}", secs(self.park_timeout));
+        let _ = writeln!(s, "pd_bind_host: {}", opt(&self.bind_host));
+        let _ = writeln!(
+            s,
+            "pd_base_port: {}",
+            self.base_port.map_or("null".into(), |p| p.to_string())
+        );
+        let _ = writeln!(s, "pd_data_port: {}", ports(&self.data_port));
+        let _ = writeln!(s, "pd_liveness_port: {}", ports(&self.liveness_port));
+        let _ = writeln!(s, "pd_model_identity: {}", opt(&self.model_identity));
+        let _ = writeln!(s, "pd_drain_timeout: {}", secs(self.drain_timeout));
         let _ = writeln!(s, "pd_use_cpu_offload: {}", self.use_cpu_offload);
         let _ = writeln!(s, "pd_layerwise: {}", self.layerwise);
         let _ = writeln!(s, "pd_push_direct_write: {}", self.push_direct_write);

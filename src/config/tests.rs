@@ -577,3 +577,67 @@ fn npu_link_takes_auto_none_or_a_table_link() {
     assert_eq!(named.map(|l| l.name()), Some("a2-hccs"));
     assert_eq!(NpuLink::Off.resolve().unwrap(), None);
 }
+
+#[test]
+fn base_port_fills_every_listener_by_role_and_rank() {
+    // A TP-2 decode with only a base: its handshake and request ports come
+    // from it, and tcp's transfer server too.
+    let recv = ok("enable_pd: true\ntransfer_channel: tcp\npd_role: receiver\n\
+         pd_peer_host: 10.0.0.2\npd_bind_host: 0.0.0.0\npd_base_port: 20000\ntp_size: 2\n\
+         pd_buffer_size: 134217728\npd_buffer_device: cpu\n")
+    .config;
+    assert_eq!(recv.bind_host(), "0.0.0.0");
+    assert_eq!(recv.init_port(1), Some(20_020));
+    assert_eq!(recv.alloc_port(0), Some(20_001));
+    assert_eq!(
+        recv.port_table(1),
+        vec![
+            (Listener::Init, 20_020),
+            (Listener::Alloc, 20_021),
+            (Listener::Data, 20_023)
+        ]
+    );
+    // The prefill on the same base: its block starts at +10, so both
+    // roles (a kv_both engine) fit on one host. An explicit key wins.
+    let send = ok(&format!(
+        "{SENDER}transfer_channel: tcp\npd_base_port: 20000\ntp_size: 2\npd_pull_mode: true\n\
+         pd_register_port: [21000, 21001]\npd_buffer_device: cpu\n"
+    )
+    .replace("transfer_channel: hccl\n", "")
+    .replace("pd_buffer_device: npu\n", ""))
+    .config;
+    assert_eq!(
+        send.port_table(1),
+        vec![
+            (Listener::Done, 20_030),
+            (Listener::Register, 21_001),
+            (Listener::Data, 20_033)
+        ]
+    );
+    let text = send.port_table_text();
+    assert!(text.contains("20030") && text.contains("pd_pull_done_port"), "{text}");
+    // Without a base the listeners the keys leave out are free ports.
+    assert_eq!(ok(SENDER).config.port_table(0)[0], (Listener::Register, 0));
+}
+
+#[test]
+fn listener_ports_that_collide_or_overflow_are_errors() {
+    // The tcp server on the request socket's port.
+    expect_problem(
+        &RECEIVER
+            .replace("transfer_channel: hccl", "transfer_channel: tcp")
+            .replace("pd_buffer_device: npu", "pd_buffer_device: cpu\npd_data_port: [7400, 7500]"),
+        "pd_data_port",
+        &["port 7400", "pd_peer_alloc_port"],
+    );
+    expect_problem(
+        &format!("{RECEIVER}pd_base_port: 65530\n"),
+        "pd_base_port",
+        &["no room", "at most"],
+    );
+    expect_problem(
+        &format!("{RECEIVER}pd_bind_host: \"\"\n"),
+        "pd_bind_host",
+        &["empty"],
+    );
+}

@@ -93,10 +93,12 @@ impl Parking {
             .map_err(|e| BackendError::Setup(format!("creating the registration socket: {e}")))?;
         sock.set_linger(0).ok();
         let want = config.register_port(rank);
-        let bind = if want == 0 {
-            format!("tcp://{host}:*")
-        } else {
-            format!("tcp://{host}:{want}")
+        let bind = match want {
+            0 => {
+                let url = crate::backend::bind_url(config, &host, 0);
+                format!("{}*", url.strip_suffix('0').unwrap_or(&url))
+            }
+            p => crate::backend::bind_url(config, &host, p),
         };
         sock.bind(&bind).map_err(|e| {
             BackendError::Setup(format!(

@@ -26,7 +26,7 @@ from .layout import LayoutError, check_geometry, describe
 from .metadata import AscendPDConnectorMetadata, AscendPDWorkerMetadata, RegisterHandshake
 from .scheduler import ConnectorScheduler
 from .settings import DTYPES, ModelShape
-from .stats import TransferStats
+from .stats import AscendPDPromMetrics, TransferStats
 from .worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -262,14 +262,43 @@ class AscendPDConnector(KVConnectorBase_V1):
         released = self._work().take_released()
         return AscendPDWorkerMetadata(released) if released else None
 
+    #: The scheduler half's counters as last reported (see get_kv_connector_stats).
+    _scheduler_stats: Optional[TransferStats] = None
+
     def get_kv_connector_stats(self) -> Optional[TransferStats]:
-        if self._worker is None:
+        # Called every engine step, in each worker and in the scheduler;
+        # vLLM sums the workers' and joins the scheduler's.
+        worker = self._worker
+        if worker is not None:
+            try:
+                reg = worker.sender.registration_stats() if worker.sender is not None else None
+                worker.stats.sample(worker.rank, worker.pool_stats(), reg)
+            except Exception as e:  # metrics never fail a step (a worker shutting down)
+                log.debug("ascend-pd: pool counters not sampled: %s", e)
+            return worker.stats.take()
+        if self._scheduler is None:
             return None
-        return self._worker.stats.take()
+        if self._scheduler_stats is None:
+            self._scheduler_stats = TransferStats()
+        c = self._scheduler.counters
+        self._scheduler_stats.count_scheduler({"saves_cancelled": c.saves_cancelled,
+                                               "keys_dropped": c.keys_dropped})
+        return self._scheduler_stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[TransferStats]:
         return TransferStats(data) if data is not None else TransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: Dict[Any, Any],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+    ) -> AscendPDPromMetrics:
+        """The ``vllm:ascend_pd_*`` series on vLLM's ``/metrics`` (see :mod:`.stats`)."""
+        return AscendPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

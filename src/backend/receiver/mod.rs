@@ -491,7 +491,7 @@ impl Receiver {
         let s2 = Arc::clone(&shared);
         let handshake = HandshakeServer::spawn_with(
             &ctx,
-            &format!("tcp://{host}:{init_port}"),
+            &crate::backend::bind_url(config, &host, init_port),
             channel,
             hello,
             ev_tx,
@@ -510,7 +510,7 @@ impl Receiver {
         router
             .set_maxmsgsize(config.max_message_bytes())
             .map_err(BackendError::zmq("capping the request socket's frame size"))?;
-        let url = format!("tcp://{host}:{alloc_port}");
+        let url = crate::backend::bind_url(config, &host, alloc_port);
         router.bind(&url).map_err(BackendError::zmq(format!(
             "binding the request socket {url} (pd_peer_alloc_port in use?)"
         )))?;
@@ -525,7 +525,7 @@ impl Receiver {
                 sock.set_rcvtimeo(100).ok();
                 sock.set_maxmsgsize(config.max_message_bytes())
                     .map_err(BackendError::zmq("capping the query socket's frame size"))?;
-                let url = format!("tcp://{host}:{port}");
+                let url = crate::backend::bind_url(config, &host, port);
                 sock.bind(&url).map_err(BackendError::zmq(format!(
                     "binding the query socket {url} (pd_peer_query_port in use?)"
                 )))?;

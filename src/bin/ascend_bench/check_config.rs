@@ -31,6 +31,7 @@ pub fn run(files: &[String], out: &mut impl Write, err: &mut impl Write) -> bool
                     );
                 }
                 let _ = write!(out, "{}", c.to_effective_yaml());
+                let _ = write!(out, "{}", c.port_table_text());
             }
             Err(e) => {
                 all_ok = false;
