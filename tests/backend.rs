@@ -1007,3 +1007,35 @@ fn an_oversized_frame_is_dropped_at_the_socket_without_growing_the_receiver() {
         grown >> 20
     );
 }
+
+/// A prefill and a decode whose KV is of different models
+/// (`pd_model_identity`) are refused at the handshake: the sender's put
+/// fails naming both identities and the key, the receiver attaches no
+/// sender, and no page of either side is taken.
+#[test]
+fn peers_of_different_models_are_refused_at_the_handshake_by_name() {
+    for channel in [ChannelKind::Tcp, ChannelKind::Shm] {
+        let mut rc = receiver_config(channel, TransferMode::Push, 16);
+        let mut sc = sender_config(channel, TransferMode::Push, 16);
+        rc.model_identity = Some("llama-8b@rev1".into());
+        sc.model_identity = Some("llama-8b@rev2".into());
+        let r = Receiver::start(&rc, 0).unwrap();
+        let s = Sender::start(&sc, 0, Default::default()).unwrap();
+        let ks = keys("model", 2);
+        let c = chunks(&s, &ks, CHUNK);
+        let e = s
+            .put(&ks, &c, &spec_for(&rc, "model", true))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama-8b@rev1") && e.contains("llama-8b@rev2"),
+            "{channel:?}: {e}"
+        );
+        assert!(e.contains("pd_model_identity"), "{channel:?}: {e}");
+        drop(c);
+        assert_eq!(r.stats().peers, 0, "{channel:?}");
+        assert_no_pages(r.stats().pools.cpu.unwrap(), "receiver pool");
+        assert!(s.drain(Duration::from_secs(10)));
+        assert_no_pages(s.stats().pools.cpu.unwrap(), "sender pool");
+    }
+}

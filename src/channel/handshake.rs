@@ -69,6 +69,32 @@ pub struct Hello {
     /// How this side splits KV heads over TP ranks; `None` from a peer that
     /// does not send it (taken as the same TP size on both sides).
     pub tp: Option<TpInfo>,
+    /// The ascend-pd release this side runs ([`LIB_VERSION`]); `None` from
+    /// a release that did not send it.
+    pub lib: Option<String>,
+    /// What this side's KV is (`pd_model_identity`); `None` when unset.
+    pub model: Option<String>,
+}
+
+/// The release of this library, sent in every hello.
+pub const LIB_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The longest `lib` or `model` a hello may carry.
+const MAX_IDENTITY_BYTES: usize = 1024;
+
+/// Whether two releases can talk: the same major version, and for 0.x
+/// the same minor (semver's rule for what may break).
+pub fn releases_compatible(a: &str, b: &str) -> bool {
+    let key = |v: &str| -> Option<(u64, u64)> {
+        let mut it = v.split(['.', '-', '+']);
+        let major = it.next()?.parse().ok()?;
+        let minor = it.next()?.parse().ok()?;
+        Some(if major == 0 { (0, minor) } else { (major, 0) })
+    };
+    match (key(a), key(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
 }
 
 /// A side's tensor-parallel split, carried in the hello so a receiver knows
@@ -182,6 +208,8 @@ impl Hello {
             lease,
             incarnation: incarnation_of(&buffers),
             tp: None,
+            lib: Some(LIB_VERSION.to_string()),
+            model: None,
             buffers,
             endpoint: channel.endpoint(),
             clock_us: 0,
@@ -193,6 +221,11 @@ impl Hello {
         Hello { tp, ..self }
     }
 
+    /// This hello naming its KV `model` (`pd_model_identity`).
+    pub fn with_model(self, model: Option<String>) -> Hello {
+        Hello { model, ..self }
+    }
+
     /// Checks that `remote` can talk to `self`; returns the agreed lease.
     pub fn agree(&self, remote: &Hello) -> Result<Duration, ChannelError> {
         if remote.version != self.version {
@@ -200,6 +233,26 @@ impl Hello {
                 "peer {} speaks handshake version {}, this side {}; run the same ascend-pd version on both",
                 remote.node, remote.version, self.version
             )));
+        }
+        if let (Some(ours), Some(theirs)) = (&self.lib, &remote.lib) {
+            if !releases_compatible(ours, theirs) {
+                return Err(ChannelError::Handshake(format!(
+                    "peer {} runs ascend-pd {theirs}, this side {ours}: releases of another \
+                     minor version (major, after 1.0) may not understand each other; run the \
+                     same ascend-pd release on prefill and decode",
+                    remote.node
+                )));
+            }
+        }
+        if let (Some(ours), Some(theirs)) = (&self.model, &remote.model) {
+            if ours != theirs {
+                return Err(ChannelError::Handshake(format!(
+                    "peer {} serves KV of model {theirs:?}, this side {ours:?} \
+                     (pd_model_identity): their KV is not interchangeable; point prefill and \
+                     decode at the same model files, revision, dtype and KV cache dtype",
+                    remote.node
+                )));
+            }
         }
         if remote.mode != self.mode {
             return Err(ChannelError::ModeMismatch {
@@ -254,7 +307,8 @@ impl Hello {
         // Ten fields and `error` (nil when accepting), then the seal's.
         let sealed = seal.map_or(0, |s| 1 + usize::from(s.send_nonce.is_some()));
         let tp = usize::from(self.tp.is_some());
-        w.map_len(11 + tp + sealed).expect("small map");
+        let ids = usize::from(self.lib.is_some()) + usize::from(self.model.is_some());
+        w.map_len(11 + tp + ids + sealed).expect("small map");
         let s = |w: &mut Writer, v: &str| w.str(v).expect("short string");
         s(&mut w, "v");
         w.uint(self.version);
@@ -284,6 +338,14 @@ impl Hello {
             ] {
                 w.uint(v as u64);
             }
+        }
+        if let Some(lib) = &self.lib {
+            s(&mut w, "lib");
+            s(&mut w, lib);
+        }
+        if let Some(model) = &self.model {
+            s(&mut w, "model");
+            s(&mut w, model);
         }
         s(&mut w, "buffers");
         w.array_len(self.buffers.len()).expect("few buffers");
@@ -612,6 +674,7 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
     let mut clock_us = None;
     let mut incarnation = None;
     let mut tp = None;
+    let (mut lib, mut model) = (None, None);
     let mut buffers = None;
     let mut endpoint = None;
     let mut error = None;
@@ -648,6 +711,19 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
             "lease_ms" => lease = Some(Duration::from_millis(r.uint().map_err(|e| raw(e, key))?)),
             "clock_us" => clock_us = Some(r.uint().map_err(|e| raw(e, key))?),
             "incarnation" => incarnation = Some(r.uint().map_err(|e| raw(e, key))?),
+            "lib" | "model" => {
+                let v = r.str().map_err(|e| raw(e, key))?;
+                if v.is_empty() || v.len() > MAX_IDENTITY_BYTES {
+                    return Err(format!(
+                        "{key} of {} bytes (1..={MAX_IDENTITY_BYTES})",
+                        v.len()
+                    ));
+                }
+                match key {
+                    "lib" => lib = Some(v.to_string()),
+                    _ => model = Some(v.to_string()),
+                }
+            }
             "buffers" => {
                 let count = r.array_len().map_err(|e| raw(e, key))?;
                 if count > MAX_BUFFERS {
@@ -723,6 +799,8 @@ fn decode_hello(bytes: &[u8]) -> Result<Decoded, String> {
         clock_us: clock_us.ok_or_else(|| missing("clock_us"))?,
         incarnation: incarnation.unwrap_or(0),
         tp,
+        lib,
+        model,
     };
     Ok(Decoded {
         hello,
@@ -1620,7 +1698,56 @@ mod tests {
             clock_us: 7,
             incarnation: 11,
             tp: None,
+            lib: Some(LIB_VERSION.into()),
+            model: Some("tiny-llama@0a1b".into()),
         }
+    }
+
+    #[test]
+    fn the_release_and_the_model_round_trip_and_mismatches_are_refused_by_name() {
+        let ours = hello(Endpoint::Tcp {
+            addr: "1.2.3.4:5".into(),
+        });
+        let (back, _) = Hello::decode(&ours.encode(None)).unwrap();
+        assert_eq!(back, ours);
+        let theirs = |lib: Option<&str>, model: Option<&str>| Hello {
+            role: Role::Receiver,
+            node: "peer".into(),
+            lib: lib.map(Into::into),
+            model: model.map(Into::into),
+            ..ours.clone()
+        };
+        // Another model: refused from either side, naming both and the key.
+        for (a, b) in [
+            (&ours, &theirs(Some(LIB_VERSION), Some("other@ffff"))),
+            (&theirs(Some(LIB_VERSION), Some("other@ffff")), &ours),
+        ] {
+            let e = a.agree(b).unwrap_err().to_string();
+            assert!(
+                e.contains("other@ffff") && e.contains("tiny-llama@0a1b"),
+                "{e}"
+            );
+            assert!(e.contains("pd_model_identity"), "{e}");
+        }
+        // Another minor release: refused, naming both.
+        let e = ours
+            .agree(&theirs(Some("0.99.0"), Some("tiny-llama@0a1b")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0.99.0") && e.contains(LIB_VERSION), "{e}");
+        assert!(e.contains("same ascend-pd release"), "{e}");
+        // A patch release, or a peer that names no model: accepted.
+        let patch = format!("{LIB_VERSION}-post1");
+        assert!(ours.agree(&theirs(Some(&patch), None)).is_ok());
+        assert!(ours.agree(&theirs(None, Some("tiny-llama@0a1b"))).is_ok());
+        assert!(releases_compatible("0.1.0", "0.1.7"));
+        assert!(!releases_compatible("0.1.0", "0.2.0"));
+        assert!(releases_compatible("1.2.0", "1.9.1"));
+        assert!(!releases_compatible("1.2.0", "2.0.0"));
+        // An empty or oversized identity is malformed.
+        let mut bad = ours.clone();
+        bad.model = Some("x".repeat(MAX_IDENTITY_BYTES + 1));
+        assert!(Hello::decode(&bad.encode(None)).is_err());
     }
 
     #[test]

@@ -486,7 +486,8 @@ impl Receiver {
             config.pull_pending_ttl,
             channel.as_ref(),
         )
-        .with_tp(shared.tp);
+        .with_tp(shared.tp)
+        .with_model(config.model_identity.clone());
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
         let s2 = Arc::clone(&shared);
         let handshake = HandshakeServer::spawn_with(
