@@ -144,6 +144,12 @@
 #define APD_RELEASED_MAX 16384
 
 /*
+ `timeout_ms` of `apd_sender_drain_close` that means the sender's
+ `pd_drain_timeout`.
+ */
+#define APD_DRAIN_CONFIGURED UINT64_MAX
+
+/*
  Receives one log record: its level (1 error … 5 trace), its module and
  its message (NUL-terminated, valid during the call), and the
  `user_data` given to `apd_set_log_callback`. NULL means none.
@@ -421,6 +427,33 @@ typedef struct {
    */
   uint64_t quarantined;
 } ApdPoolStats;
+
+/*
+ How a drain before close ended (`apd_sender_drain_close`).
+ */
+typedef struct {
+  /*
+   1: every save, parked save and pull ended within the bound.
+   */
+  int32_t drained;
+  /*
+   Milliseconds waited.
+   */
+  uint64_t waited_ms;
+  /*
+   Saves still queued or running at the bound (failed by the close).
+   */
+  uint64_t saves_left;
+  /*
+   Parked saves no decode registered for by the bound (cancelled).
+   */
+  uint64_t parked_cancelled;
+  /*
+   Requests with a pull pending at the bound (cancelled at their
+   receiver, whose loads of them fail at once).
+   */
+  uint64_t pulls_cancelled;
+} ApdDrainReport;
 
 /*
  A decode worker's receiver and its load queue.
@@ -804,6 +837,21 @@ int32_t apd_sender_pool_stats(ApdSender sender, ApdPoolStats *out_stats);
  `drained` points to writable memory.
  */
 int32_t apd_sender_drain(ApdSender sender, uint64_t timeout_ms, int32_t *drained);
+
+/*
+ Drains, then closes the sender (a rolling restart's clean stop): new
+ saves are refused at once, saves in flight, parked saves a decode
+ registers for meanwhile and pending pulls get up to `timeout_ms`
+ (`APD_DRAIN_CONFIGURED`: the config's `pd_drain_timeout`) to end; at the
+ bound what is left is cancelled (receivers are told, so their loads
+ fail at once), then the sender closes as `apd_sender_close`.
+ `*out_report` (may be NULL) says how the drain ended. The handle is
+ invalid afterwards.
+
+ # Safety
+ `out_report` is NULL or points to writable memory.
+ */
+int32_t apd_sender_drain_close(ApdSender sender, uint64_t timeout_ms, ApdDrainReport *out_report);
 
 /*
  Closes the sender: saves running now finish, saves not started fail,

@@ -168,6 +168,18 @@ class ApdRegistrationStats(ctypes.Structure):
     ]
 
 
+class ApdDrainReport(ctypes.Structure):
+    """``ApdDrainReport``: how a sender's drain before close ended."""
+
+    _fields_ = [
+        ("drained", ctypes.c_int32),
+        ("waited_ms", ctypes.c_uint64),
+        ("saves_left", ctypes.c_uint64),
+        ("parked_cancelled", ctypes.c_uint64),
+        ("pulls_cancelled", ctypes.c_uint64),
+    ]
+
+
 class ApdPoolStats(ctypes.Structure):
     """``ApdPoolStats``: page counters of a worker's pools."""
 
@@ -238,6 +250,7 @@ _PROTOTYPES = {
     "apd_sender_pool_stats": (_i32, [ApdSender, _P(ApdPoolStats)]),
     "apd_sender_drain": (_i32, [ApdSender, _u64, _P(_i32)]),
     "apd_sender_close": (_i32, [ApdSender]),
+    "apd_sender_drain_close": (_i32, [ApdSender, ctypes.c_uint64, _P(ApdDrainReport)]),
     "apd_receiver_start": (_i32, [ApdConfig, _u32, _P(ApdReceiver)]),
     "apd_receiver_available": (_i32, [ApdReceiver, _strs, _u64, _P(_i32)]),
     "apd_receiver_submit_load": (

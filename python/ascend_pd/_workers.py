@@ -508,21 +508,36 @@ class Sender:
         check(_lib.lib().apd_sender_drain(self._handle, ms, ctypes.byref(drained)))
         return drained.value != 0
 
-    def close(self) -> None:
-        """Closes the sender (a no-op if already closed).
+    def close(self, drain_timeout_s: Optional[float] = None) -> Dict[str, int]:
+        """Drains, then closes the sender (a no-op if already closed).
 
-        Saves running now finish, saves not started fail, sockets close.
-        When it returns no save reads any cache any more, so the caches of
-        unfinished requests are released.
+        The drain (a rolling restart's clean stop): new saves are refused at
+        once; saves in flight, parked saves a decode registers for meanwhile
+        and pulls not yet read get up to ``drain_timeout_s`` (None: the
+        config's ``pd_drain_timeout``; 0: no wait) to end. At the bound what
+        is left is cancelled, and the receivers are told, so their loads fail
+        at once. Then saves running finish, saves not started fail, sockets
+        close. When it returns no save reads any cache any more, so the
+        caches of unfinished requests are released.
+
+        Returns how the drain ended: ``drained`` (1: everything ended in
+        time), ``waited_ms``, ``saves_left``, ``parked_cancelled``,
+        ``pulls_cancelled`` (all 0 when already closed).
         """
+        report = _lib.ApdDrainReport()
         if self._closed:
-            return
+            return {name: 0 for name, *_ in report._fields_}
         self._closed = True
         handle = self._handle
+        if drain_timeout_s is None:
+            ms = 2**64 - 1
+        else:
+            ms = max(0, min(int(round(drain_timeout_s * 1000)), 2**64 - 2))
         try:
-            check(_lib.lib().apd_sender_close(handle))
+            check(_lib.lib().apd_sender_drain_close(handle, ms, ctypes.byref(report)))
         finally:
             self._inflight.clear()
+        return {name: int(getattr(report, name)) for name, *_ in report._fields_}
 
     def __enter__(self) -> "Sender":
         return self

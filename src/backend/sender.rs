@@ -1039,7 +1039,8 @@ impl Sender {
             s.config.pull_pending_ttl,
             s.channel.as_ref(),
         )
-        .with_tp(s.tp);
+        .with_tp(s.tp)
+        .with_model(s.config.model_identity.clone());
         let a = handshake::connect(
             &s.ctx,
             &link.init_url,
@@ -1135,6 +1136,12 @@ impl Sender {
                 .0;
         }
         true
+    }
+
+    /// The requests with a pull pending (pages pinned for a receiver that
+    /// has not read them yet), each once.
+    pub fn pending_requests(&self) -> Vec<String> {
+        lock(&self.shared.core).pending_requests()
     }
 
     /// Drains pending pulls for up to `timeout`, then stops every thread.

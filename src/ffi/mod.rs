@@ -1667,6 +1667,70 @@ pub unsafe extern "C" fn apd_sender_drain(
     })
 }
 
+/// How a drain before close ended (`apd_sender_drain_close`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ApdDrainReport {
+    /// 1: every save, parked save and pull ended within the bound.
+    pub drained: i32,
+    /// Milliseconds waited.
+    pub waited_ms: u64,
+    /// Saves still queued or running at the bound (failed by the close).
+    pub saves_left: u64,
+    /// Parked saves no decode registered for by the bound (cancelled).
+    pub parked_cancelled: u64,
+    /// Requests with a pull pending at the bound (cancelled at their
+    /// receiver, whose loads of them fail at once).
+    pub pulls_cancelled: u64,
+}
+
+/// `timeout_ms` of `apd_sender_drain_close` that means the sender's
+/// `pd_drain_timeout`.
+pub const APD_DRAIN_CONFIGURED: u64 = u64::MAX;
+
+/// Drains, then closes the sender (a rolling restart's clean stop): new
+/// saves are refused at once, saves in flight, parked saves a decode
+/// registers for meanwhile and pending pulls get up to `timeout_ms`
+/// (`APD_DRAIN_CONFIGURED`: the config's `pd_drain_timeout`) to end; at the
+/// bound what is left is cancelled (receivers are told, so their loads
+/// fail at once), then the sender closes as `apd_sender_close`.
+/// `*out_report` (may be NULL) says how the drain ended. The handle is
+/// invalid afterwards.
+///
+/// # Safety
+/// `out_report` is NULL or points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_sender_drain_close(
+    sender: ApdSender,
+    timeout_ms: u64,
+    out_report: *mut ApdDrainReport,
+) -> i32 {
+    call("apd_sender_drain_close", || {
+        let o = match out_report.is_null() {
+            true => None,
+            // SAFETY: non-null, so writable per the caller's contract.
+            false => Some(unsafe { out("out_report", out_report) }?),
+        };
+        let s = handles::sender(sender.id)?;
+        let timeout = match timeout_ms {
+            APD_DRAIN_CONFIGURED => s.queue.sender().config().drain_timeout,
+            ms => Duration::from_millis(ms),
+        };
+        let r = s.queue.drain(timeout);
+        drop(s);
+        if let Some(o) = o {
+            *o = ApdDrainReport {
+                drained: i32::from(r.drained),
+                waited_ms: u64::try_from(r.waited.as_millis()).unwrap_or(u64::MAX),
+                saves_left: r.saves_left as u64,
+                parked_cancelled: r.parked_cancelled as u64,
+                pulls_cancelled: r.pulls_cancelled as u64,
+            };
+        }
+        handles::remove_sender(sender.id).map(|o| o.queue.shutdown())
+    })
+}
+
 /// Closes the sender: saves running now finish, saves not started fail,
 /// sockets close. The handle is invalid afterwards.
 #[no_mangle]

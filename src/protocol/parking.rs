@@ -230,6 +230,11 @@ impl<P, R> ParkingLot<P, R> {
         out
     }
 
+    /// The ids of the transfers in the lot (gathering or parked).
+    pub fn ids(&self) -> Vec<String> {
+        self.slots.keys().cloned().collect()
+    }
+
     /// Transfers in the lot (gathering or parked).
     pub fn len(&self) -> usize {
         self.slots.len()

@@ -567,6 +567,14 @@ impl PullPending {
         self.entries.len()
     }
 
+    /// The requests (`req_id` tags) with a pull pending, each once.
+    pub fn requests(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.entries.values().map(|e| e.req_id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
     #[cfg(test)]
     /// Whether no pull is pending.
     pub fn is_empty(&self) -> bool {

@@ -1092,6 +1092,11 @@ impl SenderCore {
         self.pending.len()
     }
 
+    /// The requests with a pull pending, each once.
+    pub fn pending_requests(&self) -> Vec<String> {
+        self.pending.requests()
+    }
+
     /// Whether every pull has ended with its pages back: none pending, and
     /// none released without a Done (expired, or its receiver gone or
     /// restarted) whose pages still wait for their grant to be quiescent.

@@ -434,6 +434,26 @@ pub struct SaveQueue {
     cancel_thread: Mutex<Option<JoinHandle<()>>>,
     /// Parked saves and this rank's registration port.
     parking: Arc<parked::Parking>,
+    /// Set by [`SaveQueue::drain`]: new saves are refused.
+    draining: std::sync::atomic::AtomicBool,
+}
+
+/// How a [`SaveQueue::drain`] ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Everything ended within the bound: no save queued or running, none
+    /// parked, no pull pending.
+    pub drained: bool,
+    /// How long it waited.
+    pub waited: Duration,
+    /// Saves still queued or running at the bound.
+    pub saves_left: usize,
+    /// Parked saves no decode had registered for by the bound: cancelled
+    /// (their pages freed; a decode registering later is told they expired).
+    pub parked_cancelled: usize,
+    /// Requests with a pull still pending at the bound: cancelled at their
+    /// receiver, whose loads of them fail at once.
+    pub pulls_cancelled: usize,
 }
 
 /// Saves remembered for late cancels.
@@ -461,6 +481,7 @@ impl SaveQueue {
             workers: Mutex::new(Vec::new()),
             cancel_thread: Mutex::new(None),
             parking,
+            draining: std::sync::atomic::AtomicBool::new(false),
         };
         let sender = Arc::clone(&q.sender);
         *lock(&q.cancel_thread) = Some(crate::backend::spawn("apd-save-cancel", move || {
@@ -608,6 +629,7 @@ impl SaveQueue {
     /// the cache, and that no slot is padding (negative: a save sends every
     /// token); nothing is copied yet.
     pub fn submit(&self, req: SaveRequest, cache: &Arc<SharedKvCache>) -> Result<(), BackendError> {
+        self.refuse_if_draining(&req.spec.req_id)?;
         let chunk = self.sender.chunk_layout().tokens;
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
@@ -637,6 +659,7 @@ impl SaveQueue {
         req: SaveRequest,
         cache: &Arc<SharedKvCache>,
     ) -> Result<(), BackendError> {
+        self.refuse_if_draining(&req.spec.req_id)?;
         let chunk = self.sender.chunk_layout().tokens;
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
@@ -701,6 +724,7 @@ impl SaveQueue {
                 self.sender.mode()
             )));
         }
+        self.refuse_if_draining(&req.spec.req_id)?;
         let chunk = self.sender.chunk_layout().tokens;
         check_request(&req.spec.req_id, &req.keys, &req.slot_mapping, chunk, cache)?;
         check_no_padding(&req.spec.req_id, &req.slot_mapping)?;
@@ -933,6 +957,77 @@ impl SaveQueue {
     /// [`SaveQueue::shutdown`], consuming the queue.
     pub fn close(self) {
         self.shutdown();
+    }
+
+    /// Stops taking saves (every submit fails, naming the drain) and waits
+    /// up to `timeout` for the work in flight to end: saves queued and
+    /// running, parked saves a decode registers for meanwhile, pulls until
+    /// their receiver read them. At the bound, parked saves are cancelled
+    /// and the receivers of pulls still pending are told to drop them, so
+    /// their loads fail at once rather than at a timeout. Call before
+    /// [`SaveQueue::shutdown`] for a clean stop (a rolling restart).
+    pub fn drain(&self, timeout: Duration) -> DrainReport {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+        let start = std::time::Instant::now();
+        let deadline = start.checked_add(timeout);
+        let settled = |q: &SaveQueue| {
+            q.in_flight() == (0, 0)
+                && lock(&q.parking.lot).is_empty()
+                && q.sender.drain(Duration::ZERO)
+        };
+        loop {
+            if settled(self) {
+                return DrainReport {
+                    drained: true,
+                    waited: start.elapsed(),
+                    ..Default::default()
+                };
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (queued, running) = self.in_flight();
+        let parked = lock(&self.parking.lot).ids();
+        for id in &parked {
+            self.cancel(id);
+        }
+        let pulls = self.sender.pending_requests();
+        for id in &pulls {
+            self.cancel(id);
+        }
+        let report = DrainReport {
+            drained: false,
+            waited: start.elapsed(),
+            saves_left: queued + running,
+            parked_cancelled: parked.len(),
+            pulls_cancelled: pulls.len(),
+        };
+        log::warn!(
+            "drain: not over within {timeout:?}: {} save(s) still running, {} parked save(s) \
+             and {} request(s) with a pull pending cancelled (raise pd_drain_timeout to wait longer)",
+            report.saves_left,
+            report.parked_cancelled,
+            report.pulls_cancelled
+        );
+        report
+    }
+
+    /// Whether [`SaveQueue::drain`] was called: submits are refused.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn refuse_if_draining(&self, id: &str) -> Result<(), BackendError> {
+        if self.is_draining() {
+            return Err(BackendError::InvalidInput(format!(
+                "request {id:?}: this sender is draining (shutting down): it takes no new save; \
+                 the decode computes the prompt itself"
+            )));
+        }
+        Ok(())
     }
 }
 
