@@ -164,3 +164,141 @@ fn check_config_fails_on_an_invalid_file_and_names_the_key() {
     assert!(!ok && err.contains("unknown command"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `check-config` prints each rank's listener ports: fixed by `pd_base_port`
+/// or its own key, or `free` (picked at start).
+#[test]
+fn check_config_prints_the_port_table_of_every_rank() {
+    let f = std::env::temp_dir().join(format!("apd-ports-{}.yaml", std::process::id()));
+    std::fs::write(
+        &f,
+        "enable_pd: true\ntransfer_channel: tcp\npd_role: receiver\npd_peer_host: 10.0.0.2\n\
+         pd_bind_host: 0.0.0.0\npd_base_port: 30000\ntp_size: 2\npd_buffer_size: 1\n\
+         pd_buffer_device: cpu\n",
+    )
+    .unwrap();
+    let (ok, out, err) = bench(&["check-config", f.to_str().unwrap()]);
+    assert!(ok, "{out}{err}");
+    assert!(
+        out.contains("bound on 0.0.0.0, advertised as 10.0.0.2"),
+        "{out}"
+    );
+    for (rank, port, key) in [
+        (0, 30000, "pd_peer_init_port"),
+        (0, 30001, "pd_peer_alloc_port"),
+        (0, 30003, "pd_data_port"),
+        (1, 30020, "pd_peer_init_port"),
+        (1, 30023, "pd_data_port"),
+    ] {
+        let line = format!("# {rank:<5} {port:<6} {key}");
+        assert!(out.contains(&line), "no {line:?} in {out}");
+    }
+    let _ = std::fs::remove_file(f);
+}
+
+mod doctor {
+    use super::bench;
+    use ascend_pd::config::{ChannelKind, PdConfig, PortList, Role};
+    use ascend_pd::Receiver;
+
+    fn free_port() -> u16 {
+        ascend_pd::config::loopback_port().unwrap()
+    }
+
+    fn yaml(path: &std::path::Path, text: &str) -> String {
+        std::fs::write(path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    }
+
+    fn sender_yaml(name: &str, model: &str, extra: &str) -> String {
+        let p = std::env::temp_dir().join(format!("apd-doctor-{}-{name}.yaml", std::process::id()));
+        yaml(
+            &p,
+            &format!(
+                "enable_pd: true\ntransfer_channel: tcp\npd_role: sender\npd_peer_host: 127.0.0.1\n\
+                 pd_proxy_host: 127.0.0.1\npd_proxy_port: {}\npd_buffer_size: 1\n\
+                 pd_buffer_device: cpu\nkv_num_layers: 2\nkv_num_heads: 2\nkv_head_size: 16\n\
+                 chunk_size: 16\npd_model_identity: {model}\n{extra}",
+                free_port()
+            ),
+        )
+    }
+
+    /// A decode serving KV of `model` over tcp, push mode.
+    fn decode(model: &str) -> (Receiver, String) {
+        let mut c = PdConfig::with_defaults(Role::Receiver);
+        c.transfer_channel = ChannelKind::Tcp;
+        c.buffer_device = ascend_pd::config::BufferDevice::Cpu;
+        c.chunk_size = 16;
+        c.kv.num_layers = 2;
+        c.kv.num_kv_heads = 2;
+        c.kv.head_size = 16;
+        c.kv.hidden_size = 32;
+        c.buffer_size = 4 * c.page_bytes();
+        c.peer_host = Some("127.0.0.1".into());
+        let (init, alloc) = (free_port(), free_port());
+        c.peer_init_port = Some(PortList::Single(init));
+        c.peer_alloc_port = Some(PortList::Single(alloc));
+        c.model_identity = Some(model.into());
+        (
+            Receiver::start(&c, 0).unwrap(),
+            format!("127.0.0.1:{init}:{alloc}"),
+        )
+    }
+
+    #[test]
+    fn a_matching_decode_passes_every_check() {
+        let (_r, at) = decode("tiny@1111");
+        let cfg = sender_yaml("match", "tiny@1111", "");
+        let (ok, out, err) = bench(&["doctor", "--config", &cfg, "--receiver", &at]);
+        assert!(ok, "{out}{err}");
+        assert!(out.contains("ok    handshake: decode 127.0.0.1:"), "{out}");
+        assert!(out.contains("model tiny@1111"), "{out}");
+        assert!(out.contains("all checks passed"), "{out}");
+    }
+
+    #[test]
+    fn another_model_a_taken_port_and_a_silent_peer_fail_by_name() {
+        let (_r, at) = decode("tiny@1111");
+        // The port pd_data_port fixes is held by another process (here: us).
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = held.local_addr().unwrap().port();
+        let silent = free_port();
+        let cfg = sender_yaml("mismatch", "tiny@2222", &format!("pd_data_port: {port}\n"));
+        let (ok, out, err) = bench(&[
+            "doctor",
+            "--config",
+            &cfg,
+            "--receiver",
+            &at,
+            "--reach",
+            &format!("127.0.0.1:{silent}"),
+        ]);
+        assert!(!ok, "{out}{err}");
+        assert!(
+            out.contains(&format!(
+                "FAIL  pd_data_port (tcp transfer server): 127.0.0.1:{port}"
+            )),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!(
+                "FAIL  --reach: 127.0.0.1:{silent} does not answer"
+            )),
+            "{out}"
+        );
+        let hs = out
+            .lines()
+            .skip_while(|l| !l.starts_with("FAIL  handshake"))
+            .take(2)
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(
+            hs.contains("tiny@1111") && hs.contains("tiny@2222"),
+            "{out}"
+        );
+        assert!(hs.contains("pd_model_identity"), "{hs}");
+        assert!(out.contains("3 check(s) failed"), "{out}");
+        drop(held);
+    }
+}

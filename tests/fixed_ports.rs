@@ -86,7 +86,10 @@ fn listening_ports() -> BTreeSet<u16> {
 #[test]
 fn a_pair_with_every_port_fixed_listens_on_those_ports_only() {
     let before = listening_ports();
-    assert!(before.is_empty(), "the test process already listens: {before:?}");
+    assert!(
+        before.is_empty(),
+        "the test process already listens: {before:?}"
+    );
     let base = free_base();
     // Its own key, outside the base's block.
     let query = std::iter::repeat_with(free_port)
@@ -114,9 +117,17 @@ fn a_pair_with_every_port_fixed_listens_on_those_ports_only() {
     }
     assert_eq!(
         want,
-        [base, base + 1, query, base + 3, base + 10, base + 11, base + 13]
-            .into_iter()
-            .collect(),
+        [
+            base,
+            base + 1,
+            query,
+            base + 3,
+            base + 10,
+            base + 11,
+            base + 13
+        ]
+        .into_iter()
+        .collect(),
         "receiver: init, alloc, query, data; sender: done, register, data"
     );
 
@@ -167,7 +178,11 @@ fn a_pair_with_every_port_fixed_listens_on_those_ports_only() {
         "never loadable"
     );
     // Every listener is up now: the set is exactly the table.
-    assert_eq!(listening_ports(), want, "listening sockets vs the port table");
+    assert_eq!(
+        listening_ports(),
+        want,
+        "listening sockets vs the port table"
+    );
     let decode = SharedKvCache::new(KvCache::host(spec).unwrap());
     let slots: Vec<i64> = (0..TOKENS).map(|t| (spec.slots() - 1 - t) as i64).collect();
     loads
@@ -188,10 +203,10 @@ fn a_pair_with_every_port_fixed_listens_on_those_ports_only() {
         let (mut src, mut dst) = (prefill.lock(), decode.lock());
         for l in 0..spec.layers {
             for p in 0..spec.planes() {
-                for t in 0..TOKENS {
+                for (t, slot) in slots.iter().enumerate() {
                     assert_eq!(
                         src.token(l, p, t).unwrap(),
-                        dst.token(l, p, slots[t] as usize).unwrap(),
+                        dst.token(l, p, *slot as usize).unwrap(),
                         "token {t} layer {l} plane {p}"
                     );
                 }

@@ -316,9 +316,14 @@ fn hello() -> impl Strategy<Value = Hello> {
             endpoint(),
             any::<u64>(),
         ),
+        (text(40), any::<bool>()),
     )
         .prop_map(
-            |((node, sender, mode, channel), (lease_ms, buffers, endpoint, clock_us))| Hello {
+            |(
+                (node, sender, mode, channel),
+                (lease_ms, buffers, endpoint, clock_us),
+                (model, named),
+            )| Hello {
                 version: HANDSHAKE_VERSION,
                 node,
                 role: if sender { Role::Sender } else { Role::Receiver },
@@ -334,6 +339,9 @@ fn hello() -> impl Strategy<Value = Hello> {
                 clock_us,
                 incarnation: clock_us.rotate_left(7),
                 tp: None,
+                lib: named.then(|| "0.1.0".to_string()),
+                // An identity is never empty (a decoder refuses one).
+                model: (named && !model.is_empty()).then_some(model),
             },
         )
 }

@@ -69,7 +69,14 @@ fn config(role: Role, path: HcclPath) -> PdConfig {
 fn open(config: &PdConfig, node: &str) -> Arc<dyn TransferChannel> {
     let buf = RegisteredBuffer::pinned_host(runtime(), 0, 4 * PAGE, PAGE).unwrap();
     let pool = PagePool::new(buf);
-    chan::open_configured(config, "127.0.0.1", node, &[pool], None).unwrap()
+    chan::open_configured(
+        config,
+        &chan::Listeners::any("127.0.0.1"),
+        node,
+        &[pool],
+        None,
+    )
+    .unwrap()
 }
 
 #[test]

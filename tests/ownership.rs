@@ -772,6 +772,8 @@ impl StallingSender {
             clock_us: 0,
             incarnation: 0,
             tp: None,
+            lib: None,
+            model: None,
         };
         let ctx = zmq::Context::new();
         let init = format!("tcp://127.0.0.1:{}", rc.init_port(0).unwrap());

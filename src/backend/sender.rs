@@ -1075,6 +1075,39 @@ impl Sender {
         })
     }
 
+    /// A diagnostic handshake with the receiver of `spec` (what `ascend-bench
+    /// doctor` runs): the full hello exchange (release, model identity,
+    /// mode, channel, TP split, and the deployment secret when one is set),
+    /// then the attachment is dropped at once; nothing else is sent. The
+    /// error names what differs and the fix. Returns the receiver's hello.
+    pub fn check_receiver(&self, spec: &TransferSpec) -> Result<Hello, BackendError> {
+        let s = &self.shared;
+        let rank = self.receiver_rank(spec)?;
+        let Some(init) = spec.receiver_init_port.for_rank(rank) else {
+            return Err(BackendError::InvalidInput(format!(
+                "the transfer spec has no receiver init port for TP rank {rank}"
+            )));
+        };
+        let hello = Hello::local(
+            s.node.as_str(),
+            Role::Sender,
+            s.config.mode(),
+            s.config.pull_pending_ttl,
+            s.channel.as_ref(),
+        )
+        .with_tp(s.tp)
+        .with_model(s.config.model_identity.clone());
+        let a = handshake::connect(
+            &s.ctx,
+            &format!("tcp://{}:{init}", spec.receiver_host),
+            s.channel.as_ref(),
+            &hello,
+            s.timeouts.handshake,
+        )?;
+        s.channel.detach(a.peer);
+        Ok(a.remote)
+    }
+
     /// Probes the receiver listening at `init_url` for its clock and
     /// incarnation; answers that fail authentication are dropped and counted.
     fn probe(&self, init_url: &str) -> Result<handshake::Probed, crate::channel::ChannelError> {

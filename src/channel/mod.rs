@@ -858,7 +858,7 @@ pub fn open_configured(
             pools,
             &crate::config::HixlSettings {
                 port: at.hixl_port,
-                ..config.hixl.clone()
+                ..config.hixl
             },
             hixl::HixlOptions::default(),
         )?

@@ -8,6 +8,7 @@
 mod args;
 mod channel;
 mod check_config;
+mod doctor;
 mod engine;
 mod link_model;
 mod metrics;
@@ -69,6 +70,12 @@ commands:
                          failed (with the reason), corrupted (must be 0) and leaked pages
                          (must be 0)
   check-config FILE...   validate configs, print the effective values (defaults filled in)
+                         and each rank's listener ports
+  doctor --config FILE [--rank R] [--receiver HOST:INIT:ALLOC] [--reach HOST:PORT]...
+                         check a worker's deployment from where it runs: the config,
+                         its bind address and fixed ports, peers answering, and (from a
+                         prefill, with --receiver) a real handshake with the decode:
+                         secret, model identity, release, mode, channel; names each fix
   help                   this text; `ascend-bench COMMAND --help` lists a command's flags
 
 --emulator (any command) uses the CANN emulator instead of CANN, as does
@@ -115,6 +122,7 @@ fn main() -> ExitCode {
         "selftest" => report(selftest::selftest_main(rest)),
         "soak" => report(soak::soak_main(rest)),
         "selftest-peer" => report(selftest::peer_main(rest).map(|()| true)),
+        "doctor" => report(doctor::doctor_main(rest)),
         "check-config" => {
             if rest.is_empty() {
                 eprintln!("error: check-config needs at least one FILE\n\n{USAGE}");
