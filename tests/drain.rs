@@ -79,11 +79,15 @@ impl Rig {
     /// Saves `name` and waits until the decode holds its proxies (the pull
     /// is in flight: announced, not read).
     fn save_announced(&self, name: &str) {
-        self.saves.submit(self.request(name), &self.prefill).unwrap();
+        self.saves
+            .submit(self.request(name), &self.prefill)
+            .unwrap();
         let done = poll_until(|| self.saves.poll(), 1);
         assert_eq!(done[0].outcome, Outcome::Done, "{done:?}");
         assert!(
-            eventually(Duration::from_secs(30), || self.loads.available(&keys_of(name))
+            eventually(Duration::from_secs(30), || self
+                .loads
+                .available(&keys_of(name))
                 == Availability::Ready),
             "{name}: never announced"
         );
@@ -166,7 +170,11 @@ fn a_drain_waits_for_the_pull_in_flight_and_refuses_new_saves() {
     });
     assert!(report.drained, "{report:?}");
     assert_eq!(
-        (report.saves_left, report.parked_cancelled, report.pulls_cancelled),
+        (
+            report.saves_left,
+            report.parked_cancelled,
+            report.pulls_cancelled
+        ),
         (0, 0, 0)
     );
     assert!(report.waited < Duration::from_secs(60), "{report:?}");
@@ -186,7 +194,9 @@ fn at_the_bound_the_pull_left_is_cancelled_and_the_decode_fails_at_once() {
     assert!(report.waited >= Duration::from_millis(300), "{report:?}");
     // The receiver was told: the request is no longer loadable.
     assert!(
-        eventually(Duration::from_secs(10), || r.loads.available(&keys_of("stale"))
+        eventually(Duration::from_secs(10), || r
+            .loads
+            .available(&keys_of("stale"))
             != Availability::Ready),
         "the decode still holds the cancelled request"
     );
@@ -195,7 +205,11 @@ fn at_the_bound_the_pull_left_is_cancelled_and_the_decode_fails_at_once() {
     assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
     // "At once": well inside the receiver's own timeouts (the lease and
     // the pull TTL are minutes), not a timed assertion on a tight bound.
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
     r.pools_back("cancelled at the bound");
     // A drain with nothing in flight ends at once.
     assert!(r.saves.drain(Duration::from_secs(30)).drained);

@@ -519,7 +519,8 @@ mod watch_tests {
     /// 50 s, past any setup). Hellos are now read off the accept thread.
     #[test]
     fn a_good_peers_hello_is_accepted_while_silent_connections_are_open() {
-        let server = WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
+        let server =
+            WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
         let delivered = server.expect(41, None);
         let silent: Vec<TcpStream> = (0..10)
             .map(|_| TcpStream::connect(server.addr).unwrap())
@@ -559,7 +560,8 @@ mod watch_tests {
         let secret = Secret::from_bytes(&[7; 32]).unwrap();
         let other = Secret::from_bytes(&[8; 32]).unwrap();
         let root_info = vec![0x5a; 64];
-        let server = WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
+        let server =
+            WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
         let listener = server.addr.to_string();
         let session = 0x1234_5678_9abc_def0;
         let delivered = server.expect(session, Some((secret.clone(), root_info.clone())));
@@ -620,7 +622,8 @@ mod watch_tests {
     /// refused.
     #[test]
     fn a_link_whose_setup_gave_up_is_refused_not_acked() {
-        let server = WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
+        let server =
+            WatchServer::bind(&crate::channel::ListenAt::any("127.0.0.1"), "test").unwrap();
         drop(server.expect(43, None));
         let (e, sent) = dial_watch(
             server.addr,

@@ -1295,8 +1295,14 @@ impl PdConfig {
                 let no_base = self.base_port.is_none();
                 for (key, missing) in [
                     ("pd_peer_host", self.peer_host.is_none()),
-                    ("pd_peer_init_port", self.peer_init_port.is_none() && no_base),
-                    ("pd_peer_alloc_port", self.peer_alloc_port.is_none() && no_base),
+                    (
+                        "pd_peer_init_port",
+                        self.peer_init_port.is_none() && no_base,
+                    ),
+                    (
+                        "pd_peer_alloc_port",
+                        self.peer_alloc_port.is_none() && no_base,
+                    ),
                 ] {
                     if missing {
                         problems.push(ConfigProblem::new(

@@ -582,9 +582,11 @@ fn npu_link_takes_auto_none_or_a_table_link() {
 fn base_port_fills_every_listener_by_role_and_rank() {
     // A TP-2 decode with only a base: its handshake and request ports come
     // from it, and tcp's transfer server too.
-    let recv = ok("enable_pd: true\ntransfer_channel: tcp\npd_role: receiver\n\
+    let recv = ok(
+        "enable_pd: true\ntransfer_channel: tcp\npd_role: receiver\n\
          pd_peer_host: 10.0.0.2\npd_bind_host: 0.0.0.0\npd_base_port: 20000\ntp_size: 2\n\
-         pd_buffer_size: 134217728\npd_buffer_device: cpu\n")
+         pd_buffer_size: 134217728\npd_buffer_device: cpu\n",
+    )
     .config;
     assert_eq!(recv.bind_host(), "0.0.0.0");
     assert_eq!(recv.init_port(1), Some(20_020));
@@ -615,7 +617,10 @@ fn base_port_fills_every_listener_by_role_and_rank() {
         ]
     );
     let text = send.port_table_text();
-    assert!(text.contains("20030") && text.contains("pd_pull_done_port"), "{text}");
+    assert!(
+        text.contains("20030") && text.contains("pd_pull_done_port"),
+        "{text}"
+    );
     // Without a base the listeners the keys leave out are free ports.
     assert_eq!(ok(SENDER).config.port_table(0)[0], (Listener::Register, 0));
 }
@@ -626,7 +631,10 @@ fn listener_ports_that_collide_or_overflow_are_errors() {
     expect_problem(
         &RECEIVER
             .replace("transfer_channel: hccl", "transfer_channel: tcp")
-            .replace("pd_buffer_device: npu", "pd_buffer_device: cpu\npd_data_port: [7400, 7500]"),
+            .replace(
+                "pd_buffer_device: npu",
+                "pd_buffer_device: cpu\npd_data_port: [7400, 7500]",
+            ),
         "pd_data_port",
         &["port 7400", "pd_peer_alloc_port"],
     );
