@@ -505,6 +505,10 @@ pub const MESSAGE_BYTES_PER_KEY: u64 = 1024;
 /// Frame budget besides the keys.
 pub const MESSAGE_BYTES_FIXED: u64 = 64 * 1024;
 
+/// Keys only a sender reads, left out of the receiver half of a
+/// `pd_role: both` config (a receiver would warn they are ignored).
+pub const SENDER_ONLY_KEYS: &[&str] = &["pd_layerwise", "pd_pull_done_port"];
+
 /// The complete configuration of one PD worker, defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PdConfig {
@@ -695,6 +699,46 @@ impl PdConfig {
             source,
         })?;
         Self::from_yaml_str(&text, &path.display().to_string())
+    }
+
+    /// Reads a YAML file as [`PdConfig::roles_from_yaml_str`] does.
+    pub fn load_roles(path: impl AsRef<Path>) -> Result<Vec<LoadedConfig>, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::roles_from_yaml_str(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates YAML text of any `pd_role`: `both` (a vLLM
+    /// `kv_both` engine) gives its sender half and its receiver half (the
+    /// receiver half without the sender-only keys [`SENDER_ONLY_KEYS`]),
+    /// each validated as its role; `sender` or `receiver` gives one config.
+    pub fn roles_from_yaml_str(text: &str, origin: &str) -> Result<Vec<LoadedConfig>, ConfigError> {
+        let doc: Option<serde_yaml::Mapping> = serde_yaml::from_str(text).ok();
+        let both = doc.as_ref().is_some_and(|m| {
+            m.get("pd_role")
+                .and_then(|v| v.as_str())
+                .is_some_and(|r| r == "both")
+        });
+        let Some(doc) = doc.filter(|_| both) else {
+            return Ok(vec![Self::from_yaml_str(text, origin)?]);
+        };
+        [Role::Sender, Role::Receiver]
+            .into_iter()
+            .map(|role| {
+                let mut half = doc.clone();
+                half.insert("pd_role".into(), role.name().into());
+                if role == Role::Receiver {
+                    for k in SENDER_ONLY_KEYS {
+                        half.remove(*k);
+                    }
+                }
+                let text = serde_yaml::to_string(&half).expect("a mapping serializes");
+                Self::from_yaml_str(&text, &format!("{origin} ({} half)", role.name()))
+            })
+            .collect()
     }
 
     /// Parses and validates YAML text; `origin` names it in errors.
@@ -1317,15 +1361,25 @@ impl PdConfig {
                 }
             }
             Role::Sender => {
-                for (key, missing) in [
-                    ("pd_proxy_host", self.proxy_host.is_none()),
-                    ("pd_proxy_port", self.proxy_port.is_none()),
+                // Optional (the vLLM connector and the router flow need
+                // no proxy); half of an address is a mistake.
+                for (key, missing, other) in [
+                    (
+                        "pd_proxy_host",
+                        self.proxy_host.is_none(),
+                        self.proxy_port.is_some(),
+                    ),
+                    (
+                        "pd_proxy_port",
+                        self.proxy_port.is_none(),
+                        self.proxy_host.is_some(),
+                    ),
                 ] {
-                    if missing {
+                    if missing && other {
                         problems.push(ConfigProblem::new(
                             key,
-                            "is required on a sender (ProxyNotif tells the proxy a request's KV is sent)",
-                            format!("set {key} to the proxy server's address"),
+                            "is missing while the other pd_proxy_* key is set (ProxyNotif needs both)",
+                            format!("set {key} too, or leave both pd_proxy_* keys out (no ProxyNotif is sent)"),
                         ));
                     }
                 }

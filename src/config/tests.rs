@@ -178,15 +178,54 @@ fn receiver_needs_host_and_both_ports() {
 }
 
 #[test]
-fn sender_needs_proxy_host_and_port() {
+fn a_sender_needs_both_proxy_keys_or_neither() {
+    // Half an address is refused, naming the missing key.
     for key in ["pd_proxy_host", "pd_proxy_port"] {
         let yaml: String = SENDER
             .lines()
             .filter(|l| !l.starts_with(key))
             .map(|l| format!("{l}\n"))
             .collect();
-        expect_problem(&yaml, key, &["required on a sender"]);
+        expect_problem(&yaml, key, &["while the other pd_proxy_* key is set"]);
     }
+    // Neither (the vLLM connector, the router flow): valid.
+    let none: String = SENDER
+        .lines()
+        .filter(|l| !l.starts_with("pd_proxy_"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    ok(&none);
+}
+
+#[test]
+fn pd_role_both_gives_a_sender_half_and_a_receiver_half() {
+    let both = "enable_pd: true\ntransfer_channel: tcp\npd_role: both\npd_peer_host: 127.0.0.1\n\
+                pd_base_port: 40000\npd_pull_mode: true\npd_pull_done_port: 40100\n\
+                pd_buffer_size: 1\npd_buffer_device: cpu\n";
+    let halves = PdConfig::roles_from_yaml_str(both, "both.yaml").unwrap();
+    let roles: Vec<Role> = halves.iter().map(|h| h.config.role).collect();
+    assert_eq!(roles, vec![Role::Sender, Role::Receiver]);
+    // The receiver half has no sender key to warn about; its ports and
+    // the sender's do not collide on one base.
+    assert!(
+        halves[1]
+            .warnings
+            .iter()
+            .all(|w| !w.contains("pd_pull_done_port")),
+        "{:?}",
+        halves[1].warnings
+    );
+    assert_eq!(halves[0].config.done_port(0), Some(40100));
+    assert_eq!(halves[1].config.init_port(0), Some(40000));
+    // One role per worker: the single-role loader names the way out.
+    expect_problem(both, "pd_role", &["kv_both", "roles_from_yaml_str"]);
+    // A single role loads as one config.
+    assert_eq!(
+        PdConfig::roles_from_yaml_str(SENDER, "s.yaml")
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[test]

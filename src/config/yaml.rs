@@ -290,11 +290,21 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<(PdConfig, Vec<String>),
             ));
             Role::Sender
         }
+        Some(Value::String(s)) if s == "both" => {
+            r.problems.push(ConfigProblem::new(
+                "pd_role",
+                "is both (a vLLM kv_both engine), which runs a sender and a receiver: one worker \
+                 of the library takes one role",
+                "load it with PdConfig::roles_from_yaml_str (check-config and doctor do), or \
+                 write one config per role",
+            ));
+            Role::Sender
+        }
         Some(_) => r.choice(
             "pd_role",
             Role::Sender,
             |s| s.parse().ok(),
-            "sender, receiver",
+            "sender, receiver (both: a kv_both engine's two halves)",
         ),
     };
     let num_kv_heads = r.usize_or("kv_num_heads", d.kv.num_kv_heads);

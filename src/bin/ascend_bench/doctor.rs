@@ -65,8 +65,45 @@ pub fn doctor_main(args: &[String]) -> Result<bool> {
 
 fn run(a: &DoctorCli, out: &mut impl Write) -> bool {
     let mut c = Checks { out, failed: 0 };
-    let config = match PdConfig::load(&a.config) {
-        Ok(loaded) => {
+    let halves = match PdConfig::load_roles(&a.config) {
+        Ok(h) => h,
+        Err(e) => {
+            c.fail(
+                "config",
+                e,
+                "correct the keys named above (`ascend-bench check-config` prints the effective values)",
+            );
+            return false;
+        }
+    };
+    // `pd_role: both`: each half in turn (the sender's hand-shakes).
+    let both = halves.len() > 1;
+    for loaded in halves {
+        check_worker(&mut c, a, loaded, both);
+    }
+    for addr in &a.reach {
+        check_reach(&mut c, addr, "--reach");
+    }
+    let failed = c.failed;
+    let _ = writeln!(
+        c.out,
+        "{}",
+        match failed {
+            0 => "all checks passed".to_string(),
+            n => format!("{n} check(s) failed"),
+        }
+    );
+    failed == 0
+}
+
+fn check_worker(
+    c: &mut Checks<'_, impl Write>,
+    a: &DoctorCli,
+    loaded: ascend_pd::config::LoadedConfig,
+    both: bool,
+) {
+    let config = {
+        {
             let cfg = loaded.config;
             c.pass(
                 "config",
@@ -84,14 +121,6 @@ fn run(a: &DoctorCli, out: &mut impl Write) -> bool {
             }
             cfg
         }
-        Err(e) => {
-            c.fail(
-                "config",
-                e,
-                "correct the keys named above (`ascend-bench check-config` prints the effective values)",
-            );
-            return false;
-        }
     };
     if a.rank >= config.tp_size {
         c.fail(
@@ -99,14 +128,15 @@ fn run(a: &DoctorCli, out: &mut impl Write) -> bool {
             format!("--rank {} but tp_size is {}", a.rank, config.tp_size),
             "give a rank below tp_size",
         );
-        return false;
+        return;
     }
-    check_listeners(&mut c, &config, a.rank);
-    for addr in &a.reach {
-        check_reach(&mut c, addr, "--reach");
-    }
+    check_listeners(c, &config, a.rank);
     match (&a.receiver, config.role) {
-        (Some(r), Role::Sender) => check_receiver(&mut c, &config, a.rank, r),
+        (Some(r), Role::Sender) => check_receiver(c, &config, a.rank, r),
+        (Some(_), Role::Receiver) if both => c.note(
+            "handshake",
+            "the receiver half is checked from the engines that send to it",
+        ),
         (Some(_), Role::Receiver) => c.fail(
             "--receiver",
             "this is a receiver's config: only a sender hand-shakes with a receiver",
@@ -123,16 +153,6 @@ fn run(a: &DoctorCli, out: &mut impl Write) -> bool {
              --receiver <this host>:<init>:<alloc>` there",
         ),
     }
-    let failed = c.failed;
-    let _ = writeln!(
-        c.out,
-        "{}",
-        match failed {
-            0 => "all checks passed".to_string(),
-            n => format!("{n} check(s) failed"),
-        }
-    );
-    failed == 0
 }
 
 /// The bind address is local, and every fixed port of `rank` binds.
