@@ -13,7 +13,10 @@
 //! `tests/vllm/test_kv_identity.py` (LoRA, faults and the router-native
 //! flow with real engines), `tests/vllm/test_router.py` (vllm-router from
 //! the package registry in front of `vllm serve` engines, in a venv of its
-//! own) and the proxy's own tests under pytest.
+//! own), `tests/vllm/test_ops.py` (the `vllm:ascend_pd_*` series scraped
+//! from `vllm serve`'s `/metrics`, two `kv_both` engines), and
+//! `tests/vllm/test_restart.py` (a prefill restarted under load drains)
+//! and the proxy's own tests under pytest.
 //!
 //! Nothing is skipped: a missing python3 (or its venv module) fails the
 //! test with the command that installs it. Takes several minutes: each
@@ -88,6 +91,8 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             .arg(root.join("tests/vllm/test_e2e.py"))
             .arg(root.join("tests/vllm/test_kv_identity.py"))
             .arg(root.join("tests/vllm/test_router.py"))
+            .arg(root.join("tests/vllm/test_ops.py"))
+            .arg(root.join("tests/vllm/test_restart.py"))
             .arg(root.join("tests/python/test_proxy.py"))
             .current_dir(root.join("tests/vllm"))
             // The installed package, not the source tree or a stray library.
@@ -120,6 +125,9 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
         "abort-after-load-started",
         "lease-outlived",
         "prefill-killed-mid-transfer",
+        "metrics",
+        "kv-both",
+        "prefill-restart",
     ] {
         assert!(
             report.contains(&format!("\"{mode}\"")),

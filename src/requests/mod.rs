@@ -446,7 +446,8 @@ pub struct DrainReport {
     pub drained: bool,
     /// How long it waited.
     pub waited: Duration,
-    /// Saves still queued or running at the bound.
+    /// Saves still queued or running (gathering or sending) at the bound,
+    /// parked ones not included.
     pub saves_left: usize,
     /// Parked saves no decode had registered for by the bound: cancelled
     /// (their pages freed; a decode registering later is told they expired).
@@ -1001,7 +1002,9 @@ impl SaveQueue {
         let report = DrainReport {
             drained: false,
             waited: start.elapsed(),
-            saves_left: queued + running,
+            // A parked save stays "running" in the book until a decode
+            // claims it: counted once, as parked.
+            saves_left: (queued + running).saturating_sub(parked.len()),
             parked_cancelled: parked.len(),
             pulls_cancelled: pulls.len(),
         };
