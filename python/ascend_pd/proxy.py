@@ -255,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="total seconds allowed per upstream request (default %(default)s)",
     )
     p.add_argument(
+        "--prefill-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help=(
+            "seconds allowed for the prefill leg alone (default: --timeout). A prefill "
+            "that is shutting down may accept a request and never answer it; a short "
+            "bound fails that request fast instead of holding the client (and keeping "
+            "the stopping prefill's HTTP server alive) for the whole --timeout"
+        ),
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -340,7 +352,13 @@ def _unreachable(role: str, url: str, exc: BaseException, request_id: Optional[s
 
 
 class _Proxy:
-    def __init__(self, prefills: Sequence[str], decodes: Sequence[DecodeTarget], timeout: float) -> None:
+    def __init__(
+        self,
+        prefills: Sequence[str],
+        decodes: Sequence[DecodeTarget],
+        timeout: float,
+        prefill_timeout: Optional[float] = None,
+    ) -> None:
         if not prefills:
             raise ValueError("at least one prefill URL is required")
         if not decodes:
@@ -350,6 +368,9 @@ class _Proxy:
         self.prefills = [u.rstrip("/") for u in prefills]
         self.decodes = list(decodes)
         self.timeout = timeout
+        if prefill_timeout is not None and not prefill_timeout > 0:
+            raise ValueError(f"prefill_timeout must be positive, got {prefill_timeout}")
+        self.prefill_timeout = aiohttp.ClientTimeout(total=min(prefill_timeout or timeout, timeout))
         self._next_prefill = itertools.count()
         self._next_decode = itertools.count()
         self._session: Optional[aiohttp.ClientSession] = None
@@ -423,7 +444,9 @@ class _Proxy:
         req.pop("stream_options", None)
         req["kv_transfer_params"] = decode.kv_transfer_params()
         try:
-            async with self.session.post(prefill + path, json=req, headers=headers) as resp:
+            async with self.session.post(
+                prefill + path, json=req, headers=headers, timeout=self.prefill_timeout
+            ) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
                     raise _UpstreamFailed(_passthrough(resp, raw, request_id))
@@ -553,16 +576,23 @@ class _Proxy:
 _PROXY_KEY = web.AppKey("ascend_pd_proxy", _Proxy)
 
 
-def build_app(prefills: Sequence[str], decodes: Sequence[DecodeTarget], timeout: float = 600.0) -> web.Application:
+def build_app(
+    prefills: Sequence[str],
+    decodes: Sequence[DecodeTarget],
+    timeout: float = 600.0,
+    prefill_timeout: Optional[float] = None,
+) -> web.Application:
     """The proxy as an :class:`aiohttp.web.Application`.
 
     ``prefills`` are the prefill instances' base URLs (``http://host:port``),
     ``decodes`` the decode instances (each router-native, or with its
     ascend-pd receiver: see :class:`DecodeTarget`), and
-    ``timeout`` the total seconds allowed per upstream request. The client
-    session to the upstreams opens when the app starts and closes on cleanup.
+    ``timeout`` the total seconds allowed per upstream request,
+    ``prefill_timeout`` those allowed for the prefill leg (default
+    ``timeout``). The client session to the upstreams opens when the app
+    starts and closes on cleanup.
     """
-    proxy = _Proxy(prefills, decodes, timeout)
+    proxy = _Proxy(prefills, decodes, timeout, prefill_timeout)
     app = web.Application()
     app[_PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.session_ctx)
@@ -590,7 +620,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     decodes: List[DecodeTarget] = args.decodes
-    app = build_app(args.prefill, decodes, args.timeout)
+    app = build_app(args.prefill, decodes, args.timeout, args.prefill_timeout)
     logger.info(
         "listening on http://%s:%d; prefill %s; decode %s",
         args.host,

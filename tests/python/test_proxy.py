@@ -462,6 +462,47 @@ def test_unreachable_prefill_gives_502() -> None:
     run(body)
 
 
+def test_a_prefill_that_never_answers_fails_at_the_prefill_timeout() -> None:
+    """A prefill shutting down may take a request and never answer: with
+    --prefill-timeout the client gets a 504 naming the prefill then, not at
+    the whole --timeout, and the decode is never asked."""
+
+    async def body() -> None:
+        release = asyncio.Event()
+
+        async def hang(request: web.Request) -> web.Response:
+            await release.wait()
+            return web.json_response({})
+
+        silent = web.Application()
+        silent.router.add_post("/v1/completions", hang)
+        async with environment() as env:
+            srunner, silent_url = await _serve(silent)
+            runner, url = await _serve(
+                build_app([silent_url], env.targets, timeout=15, prefill_timeout=0.5)
+            )
+            try:
+                started = asyncio.get_running_loop().time()
+                async with env.client.post(
+                    url + "/v1/completions", json={"model": "m", "prompt": "p"}
+                ) as resp:
+                    assert resp.status == 504
+                    got = await resp.json()
+                # Well before the 15 s total (not a speed bound: 0.5 s vs 15 s).
+                assert asyncio.get_running_loop().time() - started < 10
+                assert silent_url in got["error"]["message"]
+                assert env.decodes[0].seen == []
+            finally:
+                release.set()
+                await runner.cleanup()
+                await srunner.cleanup()
+
+    run(body)
+    args = proxy.parse_args(GOOD + ["--prefill-timeout", "20"])
+    assert args.prefill_timeout == 20.0
+    assert proxy.parse_args(GOOD).prefill_timeout is None
+
+
 def test_health_models_and_bad_body() -> None:
     async def body() -> None:
         async with environment(n_decode=2) as env:
