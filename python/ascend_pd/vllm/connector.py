@@ -16,7 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 from . import compat
@@ -110,6 +109,9 @@ class AscendPDConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[ConnectorScheduler] = None
         self._worker: Optional[ConnectorWorker] = None
+        #: Keeps finished requests whose blocks a save pins, where vLLM has
+        #: no has_pending_push_work (see compat.FinishedHold).
+        self._hold: Optional[compat.FinishedHold] = None
         _check_supported(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             shape = _model_shape(vllm_config, 0)
@@ -120,12 +122,18 @@ class AscendPDConnector(KVConnectorBase_V1):
                 self._block_size,
                 num_workers=shape.tp_size,
             )
+            self._hold = compat.finished_hold()
+            if not compat.passes_handshake_metadata():
+                log.warning("vLLM %s does not pass the workers' handshake metadata to the scheduler: the "
+                            "router-native flow (kv_transfer_params without receiver_host) is not available; "
+                            "name the decode's receiver ports", compat.vllm_version())
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             shape = _model_shape(vllm_config, get_tensor_model_parallel_rank())
             settings_mod.check_model_keys(self._settings, shape)
-            self._worker = ConnectorWorker(self._settings, shape)
+            self._worker = ConnectorWorker(
+                self._settings, shape, identity=_identity(vllm_config, shape, self._settings.chunk_size).tag)
 
     # ------------------------------------------------------------ scheduler
 
@@ -135,7 +143,7 @@ class AscendPDConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.kv_cache_manager = self._kv_cache_manager
+            self._scheduler.kv_cache_manager = compat.kv_cache_manager(self)
             self._scheduler.block_pool = gpu_block_pool
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
@@ -145,12 +153,15 @@ class AscendPDConnector(KVConnectorBase_V1):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        compat.observe_step(self._sched().kv_cache_manager, scheduler_output)
         return self._sched().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         released = meta.released if isinstance(meta, AscendPDWorkerMetadata) else {}
         self._sched().update_connector_output(connector_output.finished_recving, released)
+        if self._hold is not None:
+            self._hold.released(connector_output, self._sched().pinned_requests)
 
     def has_pending_push_work(self) -> bool:
         # Keeps an idle engine stepping while a save holds pinned blocks or
@@ -159,7 +170,11 @@ class AscendPDConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        return self._sched().request_finished(request, block_ids)
+        delay_free, params = self._sched().request_finished(request, block_ids)
+        if self._hold is not None:
+            delay_free = self._hold.finished(request.request_id, delay_free,
+                                             request.request_id in self._sched().pinned_requests)
+        return delay_free, params
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]) -> None:
         # Where each prefill rank takes decode registrations (router-native flow).
@@ -196,11 +211,9 @@ class AscendPDConnector(KVConnectorBase_V1):
         backend = backends.pop()
         isa = isas.pop() if len(isas) == 1 else "mixed"
         first = kv_caches[names[0]]
-        if backend == "CPU_ATTN" and isa is None and not isinstance(first, (tuple, list)):
+        if backend == "CPU_ATTN" and isa is None:
             # The kernel the CPU backend picks decides its cache's interior.
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(first.dtype, int(first.shape[2]), worker.shape.head_size)
+            isa = compat.cpu_attention_isa(first, worker.shape.head_size)
         layout = describe(
             [kv_caches[n] for n in names],
             backend,
@@ -247,15 +260,15 @@ class AscendPDConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         return self._work().get_finished(finished_req_ids)
 
-    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        # KVConnectorTransferResults, on vLLM that has it (and calls this).
         sending, recving = self.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=set(sending or ()),
-            finished_recving=set(recving or ()),
-            failed_recving=self._work().take_failed_recving(),
-        )
+        return compat.transfer_results(sending, recving, self._work().take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
+        if not compat.reports_failed_recving():
+            # This vLLM learns of failed loads from their blocks alone.
+            self._work().take_failed_recving()
         return self._work().take_load_errors()
 
     def build_connector_worker_meta(self) -> Optional[AscendPDWorkerMetadata]:

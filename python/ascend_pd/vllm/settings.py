@@ -100,21 +100,25 @@ class ConnectorSettings:
         writes it (push mode; the library refuses it with a pull mode)."""
         return bool(self.yaml.get("pd_layerwise", False))
 
-    def role_yaml(self, role: str, shape: ModelShape) -> str:
+    def role_yaml(self, role: str, shape: ModelShape, identity: Optional[str] = None) -> str:
         """The YAML text of the library configuration for ``role``
-        (``sender`` or ``receiver``) with the model keys of ``shape``."""
+        (``sender`` or ``receiver``) with the model keys of ``shape``, and
+        ``pd_model_identity`` (unless the file sets it) from ``identity``."""
         import yaml as pyyaml
 
         doc = dict(self.yaml)
         doc["pd_role"] = role
+        if identity and not doc.get("pd_model_identity"):
+            doc["pd_model_identity"] = identity
         for k, v in shape.keys().items():
             doc[k] = v
         if role == "sender":
             for k, v in _SENDER_PLACEHOLDERS.items():
                 doc.setdefault(k, v)
         else:
-            # A sender key (kv_both): the receiver would only warn it is ignored.
+            # Sender keys (kv_both): the receiver would only warn they are ignored.
             doc.pop("pd_layerwise", None)
+            doc.pop("pd_pull_done_port", None)
         return str(pyyaml.safe_dump(doc, sort_keys=False))
 
 

@@ -80,7 +80,8 @@ class TransferStats(KVConnectorStats):
     each save and load, and the latest pool and parking values per rank."""
 
     def __init__(self, data: Optional[Dict[str, Any]] = None) -> None:
-        super().__init__(data=dict(data) if data else {})
+        # Lists copied: record() appends to this interval's own.
+        super().__init__(data={k: list(v) if isinstance(v, list) else v for k, v in (data or {}).items()})
         for k in _FIELDS:
             self.data.setdefault(k, 0)
         for k in _SECONDS:
@@ -197,8 +198,9 @@ class TransferStats(KVConnectorStats):
         return out
 
 
-#: Seconds a save or load took (submit to end): from shared memory on one
-#: host to a congested network.
+#: Seconds a save or load took (submission to end): from shared memory on
+#: one host to a congested network, or a parked or pulled save waiting for
+#: its decode.
 _SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 #: ``data`` key -> (metric name, what it counts): plain counters.
@@ -280,7 +282,9 @@ class AscendPDPromMetrics(KVConnectorPromMetrics):
         for kind in ("save", "load"):
             h = self._histogram_cls(
                 name=f"vllm:ascend_pd_{kind}_seconds",
-                documentation=f"Seconds from a {kind}'s submission to the library to its end (per TP rank).",
+                documentation=f"Seconds from a {kind}'s submission to the library to its end, per TP rank ("
+                              + ("a parked save, or one the decode pulls, waits for the decode)." if kind == "save"
+                                 else "submitted once the prefill's KV is there to read)."),
                 buckets=_SECONDS_BUCKETS, labelnames=labels)
             self._histograms[f"{kind}_seconds"] = {i: h.labels(*v) for i, v in engines.items()}
         self._page_gauges = {

@@ -123,9 +123,12 @@ class WorkerState:
 class ConnectorWorker:
     """Worker-side logic of :class:`~ascend_pd.vllm.AscendPDConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: ModelShape) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: ModelShape, identity: Optional[str] = None) -> None:
         self.settings = settings
         self.shape = shape
+        #: The model identity's tag: the library's handshake refuses a peer
+        #: whose KV is of another model (``pd_model_identity``).
+        self.identity = identity
         self.rank = shape.tp_rank
         self.cache: Optional[KVCache] = None
         self.sender: Optional[Sender] = None
@@ -179,10 +182,10 @@ class ConnectorWorker:
         self._token_bytes = planes * layout.layers * layout.hidden * es
         with _unpinned():
             if self.settings.pd_role in ("sender", "both"):
-                with Config.from_yaml(self.settings.role_yaml("sender", self.shape)) as cfg:
+                with Config.from_yaml(self.settings.role_yaml("sender", self.shape, self.identity)) as cfg:
                     self.sender = Sender(cfg, rank=self.rank)
             if self.settings.pd_role in ("receiver", "both"):
-                with Config.from_yaml(self.settings.role_yaml("receiver", self.shape)) as cfg:
+                with Config.from_yaml(self.settings.role_yaml("receiver", self.shape, self.identity)) as cfg:
                     self.receiver = Receiver(cfg, rank=self.rank)
         log.info(
             "ascend-pd connector rank %d: %s, %s mode, cache %d layers x %d blocks x %d tokens, "
@@ -193,10 +196,17 @@ class ConnectorWorker:
         )
 
     def close(self) -> None:
-        """Stops the sender and receiver (saves in flight finish first)."""
-        for w in (self.sender, self.receiver):
-            if w is not None:
-                w.close()
+        """Stops the sender and receiver. The sender drains first (vLLM
+        shuts the connector down on SIGTERM): new saves are refused, the
+        transfers in flight get ``pd_drain_timeout`` to end, and what is left
+        then is cancelled at its decode, which fails those loads at once."""
+        if self.sender is not None:
+            sender, self.sender = self.sender, None
+            report = sender.close()
+            log.info("ascend-pd connector rank %d: sender drained %s", self.rank, report)
+            self._event(event="drain", **report)
+        if self.receiver is not None:
+            self.receiver.close()
         if self.cache is not None:
             self.cache.close()
 
