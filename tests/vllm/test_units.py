@@ -357,3 +357,24 @@ def test_a_layerwise_worker_hands_each_layer_as_vllm_writes_it(tmp_path: Path, m
     finally:
         worker.close()
         rx.close()
+
+
+def test_the_drain_on_shutdown_fits_inside_vllms_worker_grace(monkeypatch: Any, caplog: Any) -> None:
+    """vLLM kills a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS after asking
+    it to stop: a longer pd_drain_timeout is cut to end a second before,
+    and an API server that kills its engine at once is warned about."""
+    from types import SimpleNamespace
+
+    from ascend_pd.vllm import compat
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5")
+    with caplog.at_level("WARNING"):
+        assert compat.drain_bound(SimpleNamespace(shutdown_timeout=0), 20.0) == 4.0
+    text = caplog.text
+    assert "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in text and "cut to 4.0 s" in text
+    assert "--shutdown-timeout 0" in text
+    caplog.clear()
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+    with caplog.at_level("WARNING"):
+        assert compat.drain_bound(SimpleNamespace(shutdown_timeout=40), 20.0) == 20.0
+    assert caplog.text == ""

@@ -332,3 +332,30 @@ def cpu_attention_isa(kv_cache: Any, head_size: int) -> Optional[str]:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(kv_cache.dtype, int(kv_cache.shape[2]), head_size))
+
+
+def drain_bound(vllm_config: Any, drain_timeout_s: float) -> float:
+    """How long a prefill's sender may drain when vLLM shuts its worker
+    down: ``pd_drain_timeout``, cut to fit inside the grace vLLM gives a
+    worker before it kills it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, less
+    a second), so the drain ends and reports rather than being killed
+    mid-way. Warns when vLLM's settings cut or defeat it (an API server
+    with ``--shutdown-timeout 0`` kills the engine at once on SIGTERM)."""
+    bound = float(drain_timeout_s)
+    try:
+        import vllm.envs as envs
+
+        grace = getattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
+    except Exception:
+        grace = None
+    if grace is not None and bound > float(grace) - 1.0:
+        cut = max(0.0, float(grace) - 1.0)
+        log.warning("pd_drain_timeout is %.1f s but vLLM kills a worker %s s after asking it to stop "
+                    "(VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS): the drain on shutdown is cut to %.1f s; "
+                    "set VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS above pd_drain_timeout + 1", bound, grace, cut)
+        bound = cut
+    if getattr(vllm_config, "shutdown_timeout", None) == 0:
+        log.warning("vllm serve runs with --shutdown-timeout 0: on SIGTERM it kills the engine at once and "
+                    "this prefill cannot drain its transfers (decodes then recompute); set "
+                    "--shutdown-timeout above pd_drain_timeout + 5")
+    return bound

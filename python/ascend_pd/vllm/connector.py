@@ -132,8 +132,12 @@ class AscendPDConnector(KVConnectorBase_V1):
 
             shape = _model_shape(vllm_config, get_tensor_model_parallel_rank())
             settings_mod.check_model_keys(self._settings, shape)
+            drain = None
+            if self._settings.pd_role in ("sender", "both"):
+                drain = compat.drain_bound(vllm_config, float(self._settings.yaml.get("pd_drain_timeout", 20.0)))
             self._worker = ConnectorWorker(
-                self._settings, shape, identity=_identity(vllm_config, shape, self._settings.chunk_size).tag)
+                self._settings, shape, identity=_identity(vllm_config, shape, self._settings.chunk_size).tag,
+                drain_s=drain)
 
     # ------------------------------------------------------------ scheduler
 

@@ -123,12 +123,16 @@ class WorkerState:
 class ConnectorWorker:
     """Worker-side logic of :class:`~ascend_pd.vllm.AscendPDConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: ModelShape, identity: Optional[str] = None) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: ModelShape, identity: Optional[str] = None,
+                 drain_s: Optional[float] = None) -> None:
         self.settings = settings
         self.shape = shape
         #: The model identity's tag: the library's handshake refuses a peer
         #: whose KV is of another model (``pd_model_identity``).
         self.identity = identity
+        #: How long the sender drains on close (``pd_drain_timeout`` within
+        #: vLLM's worker shutdown grace: see compat.drain_bound).
+        self.drain_s = drain_s
         self.rank = shape.tp_rank
         self.cache: Optional[KVCache] = None
         self.sender: Optional[Sender] = None
@@ -202,7 +206,7 @@ class ConnectorWorker:
         then is cancelled at its decode, which fails those loads at once."""
         if self.sender is not None:
             sender, self.sender = self.sender, None
-            report = sender.close()
+            report = sender.close(self.drain_s)
             log.info("ascend-pd connector rank %d: sender drained %s", self.rank, report)
             self._event(event="drain", **report)
         if self.receiver is not None:
