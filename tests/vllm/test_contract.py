@@ -488,3 +488,35 @@ def test_handoff_params_are_parsed_strictly() -> None:
 
     with pytest.raises(HandOffError, match="malformed"):
         parse_handoff({"do_remote_prefill": True, "ascend_pd": {"v": 2, "num_tokens": 40, "keys": ["x"]}})
+
+
+def test_a_step_that_runs_nothing_is_idle_and_a_holding_prefill_paces_it(tmp_path: Path) -> None:
+    """vLLM keeps an idle prefill stepping while a save pins blocks: such a
+    step (no token, no order) is marked idle, and a sender's worker with no
+    load of its own pauses it (no busy loop of empty steps burning the core
+    other engines' workers run on); a step with work, or a decode waiting
+    for a load, never pauses."""
+    from ascend_pd.vllm.metadata import AscendPDConnectorMetadata
+    from ascend_pd.vllm.worker import IDLE_PACE_S, ConnectorWorker
+
+    dec = ConnectorScheduler(_yaml(tmp_path, "receiver"), IDENTITY, BS)
+    empty = _step()
+    empty.total_num_scheduled_tokens = 0
+    assert dec.build_connector_meta(empty).idle
+    busy = _step([("r", 0, 16)])
+    busy.total_num_scheduled_tokens = 16
+    assert not dec.build_connector_meta(busy).idle
+    # A cancelled save is an order: the step that carries it is not idle.
+    pre = ConnectorScheduler(_yaml(tmp_path, "sender"), IDENTITY, BS)
+    pre._cancel_saves.append("gone")
+    assert not pre.build_connector_meta(empty).idle
+
+    def worker(sender: bool, loads: Dict[str, Any]) -> Any:
+        return SimpleNamespace(sender=object() if sender else None,
+                               state=SimpleNamespace(waiting_loads=loads, running_loads={}))
+
+    idle = AscendPDConnectorMetadata(idle=True)
+    assert ConnectorWorker.idle_pace_s(worker(True, {}), idle) == IDLE_PACE_S
+    assert ConnectorWorker.idle_pace_s(worker(True, {}), AscendPDConnectorMetadata()) == 0.0
+    assert ConnectorWorker.idle_pace_s(worker(False, {}), idle) == 0.0
+    assert ConnectorWorker.idle_pace_s(worker(True, {"d": object()}), idle) == 0.0

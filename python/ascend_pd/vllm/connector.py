@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -262,7 +263,13 @@ class AscendPDConnector(KVConnectorBase_V1):
             self._work().wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        return self._work().get_finished(finished_req_ids)
+        sending, recving = self._work().get_finished(finished_req_ids)
+        meta = getattr(self, "_connector_metadata", None)
+        if isinstance(meta, AscendPDConnectorMetadata) and not (sending or recving):
+            pause = self._work().idle_pace_s(meta)
+            if pause:
+                time.sleep(pause)
+        return sending, recving
 
     def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
         # KVConnectorTransferResults, on vLLM that has it (and calls this).

@@ -117,6 +117,9 @@ class AscendPDConnectorMetadata(KVConnectorMetadata):
     cancel_saves: List[str] = field(default_factory=list)
     #: Requests vLLM preempted this step (their saves read pinned blocks).
     preempted: List[str] = field(default_factory=list)
+    #: The step runs no tokens and carries no order: vLLM steps only because
+    #: a save still pins blocks (see ConnectorWorker.idle_pace_s).
+    idle: bool = False
 
 
 try:

@@ -383,6 +383,11 @@ class ConnectorScheduler:
                         del self._saves[req_id]
                         continue
                     state.shipped = True
+        meta.idle = (
+            not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+            and not (meta.loads or meta.cancels or meta.drops or meta.cancel_saves or meta.saves
+                     or meta.preempted)
+        )
         return meta
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:

@@ -29,6 +29,9 @@ log = logging.getLogger("vllm.ascend_pd")
 #: see what moved. ``{rank}`` in it is replaced by the TP rank.
 ENV_EVENTS = "ASCEND_PD_VLLM_EVENTS"
 
+#: How long an idle step waits (see ConnectorWorker.idle_pace_s).
+IDLE_PACE_S = 0.005
+
 
 @contextlib.contextmanager
 def _unpinned() -> Iterator[None]:
@@ -358,6 +361,24 @@ class ConnectorWorker:
         reading valid KV. Never blocks, never raises."""
         if meta.preempted:
             log.debug("ascend-pd: preempted %s; their saves read pinned blocks", sorted(meta.preempted))
+
+    def idle_pace_s(self, meta: AscendPDConnectorMetadata) -> float:
+        """How long to pause at the end of a step that ran nothing.
+
+        vLLM keeps an idle prefill stepping while a save still pins its
+        blocks (``has_pending_push_work``), which without a pause is a busy
+        loop of hundreds of empty steps a second: a core burnt for as long
+        as a parked or pulled save waits for its decode, and on vLLM's CPU
+        build, where every worker's main thread is bound to the same core,
+        a decode engine on that host starved for tens of seconds. A step
+        that runs no tokens, carries no order and finds no load of this rank
+        waiting or running therefore pauses ``IDLE_PACE_S``: a new request
+        waits at most that long, a release is seen at the next step."""
+        if not meta.idle or self.sender is None:
+            return 0.0
+        if self.state.waiting_loads or self.state.running_loads:
+            return 0.0
+        return IDLE_PACE_S
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """The requests whose load ended since the last call (saves are
