@@ -22,20 +22,11 @@
 //! test with the command that installs it. Takes several minutes: each
 //! engine needs about half a minute to start on two cores.
 
+mod vllm_env;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn run(what: &str, cmd: &mut Command) {
-    eprintln!("vllm e2e: {what}: {cmd:?}");
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
-    assert!(status.success(), "{what} failed ({status}): {cmd:?}");
-}
+use vllm_env::{install_package, root, run};
 
 fn venv() -> PathBuf {
     std::env::var_os("ASCEND_PD_VLLM_VENV")
@@ -65,20 +56,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
     );
     let vpy = venv.join("bin/python");
     // This checkout's package, as a user installs it.
-    run(
-        "pip install ./python",
-        Command::new(&vpy)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--force-reinstall",
-            ])
-            .arg(root.join("python"))
-            .env_remove("ASCEND_PD_LIB"),
-    );
+    install_package(&vpy);
     let logs = std::env::temp_dir().join(format!("apd-vllm-e2e-{}", std::process::id()));
     std::fs::create_dir_all(&logs).unwrap();
     let results = logs.join("results.json");

@@ -10,21 +10,13 @@
 //! A separate test binary, so cargo runs it after (never beside) the
 //! newest version's engines.
 
-use std::path::{Path, PathBuf};
+mod vllm_env;
+
+use std::path::PathBuf;
 use std::process::Command;
+use vllm_env::{install_package, root, run};
 
 const OLDEST: &str = "0.23.0";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
-
-fn run(what: &str, cmd: &mut Command) {
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    assert!(status.success(), "{what} failed ({status})");
-}
 
 #[test]
 fn the_oldest_supported_vllm_moves_kv_in_every_mode() {
@@ -50,20 +42,7 @@ fn the_oldest_supported_vllm_moves_kv_in_every_mode() {
         "{} holds vLLM {version:?}, not {OLDEST}",
         venv.display()
     );
-    run(
-        "pip install ./python",
-        Command::new(&vpy)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--force-reinstall",
-            ])
-            .arg(root.join("python"))
-            .env_remove("ASCEND_PD_LIB"),
-    );
+    install_package(&vpy);
     let logs = std::env::temp_dir().join(format!("apd-vllm-oldest-{}", std::process::id()));
     std::fs::create_dir_all(&logs).unwrap();
     let results = logs.join("results.json");

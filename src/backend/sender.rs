@@ -1032,15 +1032,7 @@ impl Sender {
         rank: usize,
     ) -> Result<Attached, BackendError> {
         let s = &self.shared;
-        let hello = Hello::local(
-            s.node.as_str(),
-            Role::Sender,
-            s.config.mode(),
-            s.config.pull_pending_ttl,
-            s.channel.as_ref(),
-        )
-        .with_tp(s.tp)
-        .with_model(s.config.model_identity.clone());
+        let hello = self.hello();
         let a = handshake::connect(
             &s.ctx,
             &link.init_url,
@@ -1075,6 +1067,20 @@ impl Sender {
         })
     }
 
+    /// This sender's half of a handshake.
+    fn hello(&self) -> Hello {
+        let s = &self.shared;
+        Hello::local(
+            s.node.as_str(),
+            Role::Sender,
+            s.config.mode(),
+            s.config.pull_pending_ttl,
+            s.channel.as_ref(),
+        )
+        .with_tp(s.tp)
+        .with_model(s.config.model_identity.clone())
+    }
+
     /// A diagnostic handshake with the receiver of `spec` (what `ascend-bench
     /// doctor` runs): the full hello exchange (release, model identity,
     /// mode, channel, TP split, and the deployment secret when one is set),
@@ -1088,15 +1094,7 @@ impl Sender {
                 "the transfer spec has no receiver init port for TP rank {rank}"
             )));
         };
-        let hello = Hello::local(
-            s.node.as_str(),
-            Role::Sender,
-            s.config.mode(),
-            s.config.pull_pending_ttl,
-            s.channel.as_ref(),
-        )
-        .with_tp(s.tp)
-        .with_model(s.config.model_identity.clone());
+        let hello = self.hello();
         let a = handshake::connect(
             &s.ctx,
             &format!("tcp://{}:{init}", spec.receiver_host),

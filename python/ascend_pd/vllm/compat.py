@@ -337,9 +337,9 @@ def cpu_attention_isa(kv_cache: Any, head_size: int) -> Optional[str]:
 def drain_bound(vllm_config: Any, drain_timeout_s: float) -> float:
     """How long a prefill's sender may drain when vLLM shuts its worker
     down: ``pd_drain_timeout``, cut to fit inside the grace vLLM gives a
-    worker before it kills it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, less
-    a second), so the drain ends and reports rather than being killed
-    mid-way. Warns when vLLM's settings cut or defeat it (an API server
+    worker before it kills it (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``; a
+    fixed 4 s in vLLM before that setting), less a second, so the drain
+    ends and reports rather than being killed mid-way. Warns when vLLM's settings cut or defeat it (an API server
     with ``--shutdown-timeout 0`` kills the engine at once on SIGTERM)."""
     bound = float(drain_timeout_s)
     try:
@@ -348,11 +348,15 @@ def drain_bound(vllm_config: Any, drain_timeout_s: float) -> float:
         grace = getattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
     except Exception:
         grace = None
-    if grace is not None and bound > float(grace) - 1.0:
+    if grace is None:
+        # vLLM before the setting: a fixed grace, not configurable.
+        grace, how = 4.0, f"(fixed in vLLM {vllm_version()}; a newer vLLM makes it configurable)"
+    else:
+        how = "(VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS; set it above pd_drain_timeout + 1)"
+    if bound > float(grace) - 1.0:
         cut = max(0.0, float(grace) - 1.0)
-        log.warning("pd_drain_timeout is %.1f s but vLLM kills a worker %s s after asking it to stop "
-                    "(VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS): the drain on shutdown is cut to %.1f s; "
-                    "set VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS above pd_drain_timeout + 1", bound, grace, cut)
+        log.warning("pd_drain_timeout is %.1f s but vLLM kills a worker %s s after asking it to stop %s: "
+                    "the drain on shutdown is cut to %.1f s", bound, grace, how, cut)
         bound = cut
     if getattr(vllm_config, "shutdown_timeout", None) == 0:
         log.warning("vllm serve runs with --shutdown-timeout 0: on SIGTERM it kills the engine at once and "
