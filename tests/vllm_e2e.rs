@@ -24,9 +24,9 @@
 
 mod vllm_env;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-use vllm_env::{install_package, root, run};
+use vllm_env::{install_package, pytest_results, root, run};
 
 fn venv() -> PathBuf {
     std::env::var_os("ASCEND_PD_VLLM_VENV")
@@ -57,61 +57,45 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
     let vpy = venv.join("bin/python");
     // This checkout's package, as a user installs it.
     install_package(&vpy);
-    let logs = std::env::temp_dir().join(format!("apd-vllm-e2e-{}", std::process::id()));
-    std::fs::create_dir_all(&logs).unwrap();
-    let results = logs.join("results.json");
-    run(
-        "pytest tests/vllm tests/python/test_proxy.py",
-        Command::new(&vpy)
-            .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"])
-            .arg(root.join("tests/vllm/test_units.py"))
-            .arg(root.join("tests/vllm/test_contract.py"))
-            .arg(root.join("tests/vllm/test_e2e.py"))
-            .arg(root.join("tests/vllm/test_kv_identity.py"))
-            .arg(root.join("tests/vllm/test_router.py"))
-            .arg(root.join("tests/vllm/test_ops.py"))
-            .arg(root.join("tests/vllm/test_restart.py"))
-            .arg(root.join("tests/python/test_proxy.py"))
-            .current_dir(root.join("tests/vllm"))
-            // The installed package, not the source tree or a stray library.
-            .env_remove("ASCEND_PD_LIB")
-            .env_remove("PYTHONPATH")
-            .env("APD_VLLM_LOG_DIR", &logs)
-            .env("APD_VLLM_RESULTS", &results),
+    pytest_results(
+        &vpy,
+        "vllm-e2e",
+        &[
+            "vllm/test_units.py",
+            "vllm/test_contract.py",
+            "vllm/test_e2e.py",
+            "vllm/test_kv_identity.py",
+            "vllm/test_router.py",
+            "vllm/test_ops.py",
+            "vllm/test_restart.py",
+            "python/test_proxy.py",
+        ],
+        &[],
+        &[
+            "push",
+            "push-layerwise",
+            "pull-eager",
+            "pull-delay",
+            "fault",
+            "serve",
+            "lora-push",
+            "lora-pull-delay",
+            "partial-prefix",
+            "router-flow-push",
+            "router-flow-pull-delay",
+            "router-flow-faults",
+            "router-push",
+            "router-pull-eager",
+            "router-pull-delay",
+            "router-push-layerwise",
+            "router-2p1d",
+            "abort-before-load",
+            "abort-after-load-started",
+            "lease-outlived",
+            "prefill-killed-mid-transfer",
+            "metrics",
+            "kv-both",
+            "prefill-restart",
+        ],
     );
-    let report = std::fs::read_to_string(&results).unwrap_or_default();
-    eprintln!("vllm e2e results ({}):\n{report}", results.display());
-    for mode in [
-        "push",
-        "push-layerwise",
-        "pull-eager",
-        "pull-delay",
-        "fault",
-        "serve",
-        "lora-push",
-        "lora-pull-delay",
-        "partial-prefix",
-        "router-flow-push",
-        "router-flow-pull-delay",
-        "router-flow-faults",
-        "router-push",
-        "router-pull-eager",
-        "router-pull-delay",
-        "router-push-layerwise",
-        "router-2p1d",
-        "abort-before-load",
-        "abort-after-load-started",
-        "lease-outlived",
-        "prefill-killed-mid-transfer",
-        "metrics",
-        "kv-both",
-        "prefill-restart",
-    ] {
-        assert!(
-            report.contains(&format!("\"{mode}\"")),
-            "no result for {mode} in {}",
-            results.display()
-        );
-    }
-    let _ = std::fs::remove_dir_all(Path::new(&logs));
 }

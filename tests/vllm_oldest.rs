@@ -14,7 +14,7 @@ mod vllm_env;
 
 use std::path::PathBuf;
 use std::process::Command;
-use vllm_env::{install_package, root, run};
+use vllm_env::{install_package, pytest_results, root, run};
 
 const OLDEST: &str = "0.23.0";
 
@@ -43,33 +43,17 @@ fn the_oldest_supported_vllm_moves_kv_in_every_mode() {
         venv.display()
     );
     install_package(&vpy);
-    let logs = std::env::temp_dir().join(format!("apd-vllm-oldest-{}", std::process::id()));
-    std::fs::create_dir_all(&logs).unwrap();
-    let results = logs.join("results.json");
-    run(
-        "pytest on the oldest vLLM",
-        Command::new(&vpy)
-            .args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"])
-            .arg(root.join("tests/vllm/test_units.py"))
-            .arg(root.join("tests/vllm/test_contract.py"))
-            .arg(root.join("tests/vllm/test_e2e.py"))
-            // Layer-wise push is the newest version's (it runs there);
-            // keeps this run to about 8 minutes.
-            .args(["-k", "not layerwise"])
-            .current_dir(root.join("tests/vllm"))
-            .env_remove("ASCEND_PD_LIB")
-            .env_remove("PYTHONPATH")
-            .env("APD_VLLM_LOG_DIR", &logs)
-            .env("APD_VLLM_RESULTS", &results),
+    pytest_results(
+        &vpy,
+        &format!("vllm-{version}"),
+        &[
+            "vllm/test_units.py",
+            "vllm/test_contract.py",
+            "vllm/test_e2e.py",
+        ],
+        // Layer-wise push is the newest version's (it runs there); keeps
+        // this run to about 8 minutes.
+        &["-k", "not layerwise"],
+        &["push", "pull-eager", "pull-delay", "fault", "serve"],
     );
-    let report = std::fs::read_to_string(&results).unwrap_or_default();
-    eprintln!("vllm {version} results ({}):\n{report}", results.display());
-    for mode in ["push", "pull-eager", "pull-delay", "fault", "serve"] {
-        assert!(
-            report.contains(&format!("\"{mode}\"")),
-            "no result for {mode} on vLLM {version} in {}",
-            results.display()
-        );
-    }
-    let _ = std::fs::remove_dir_all(&logs);
 }

@@ -37,3 +37,39 @@ pub fn install_package(python: &Path) {
             .env_remove("ASCEND_PD_LIB"),
     );
 }
+
+/// Runs pytest with `python` on `files` (relative to `tests/`, run from
+/// `tests/vllm`) plus `extra` arguments, against the installed package
+/// (not the source tree or a stray library), logging to a fresh directory
+/// named for `name`; then requires a result for each of `keys` in the
+/// results report the suites write.
+pub fn pytest_results(python: &Path, name: &str, files: &[&str], extra: &[&str], keys: &[&str]) {
+    let root = root();
+    let logs = std::env::temp_dir().join(format!("apd-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let results = logs.join("results.json");
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "pytest", "-v", "-s", "-p", "no:cacheprovider"]);
+    for f in files {
+        cmd.arg(root.join("tests").join(f));
+    }
+    run(
+        &format!("pytest ({name})"),
+        cmd.args(extra)
+            .current_dir(root.join("tests/vllm"))
+            .env_remove("ASCEND_PD_LIB")
+            .env_remove("PYTHONPATH")
+            .env("APD_VLLM_LOG_DIR", &logs)
+            .env("APD_VLLM_RESULTS", &results),
+    );
+    let report = std::fs::read_to_string(&results).unwrap_or_default();
+    eprintln!("{name} results ({}):\n{report}", results.display());
+    for key in keys {
+        assert!(
+            report.contains(&format!("\"{key}\"")),
+            "no result for {key} in {}",
+            results.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&logs);
+}
