@@ -450,9 +450,11 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
         assert!(m["sustained_gbps"].as_f64().unwrap() > 0.0, "{m}");
         // Compared with the copy pool's memcpy of the same run.
         assert_eq!(m["sustained_baseline"], "memcpy mt", "{m}");
-        let ratio = m["sustained_gbps"].as_f64().unwrap() / doc["memcpy_mt_gbps"].as_f64().unwrap();
+        // Within the rounding of the two printed figures (3 decimals).
+        let memcpy = doc["memcpy_mt_gbps"].as_f64().unwrap();
+        let ratio = m["sustained_gbps"].as_f64().unwrap() / memcpy;
         assert!(
-            (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() < 2e-3,
+            (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() <= 0.0005 / memcpy + 2e-3,
             "{m}"
         );
         for k in ["e2e_ms", "gather_ms", "transfer_ms", "load_ms"] {
@@ -505,9 +507,13 @@ fn run_open_loop_keeps_requests_in_flight_and_reports_throughput_under_load() {
         format!("{streams}-stream TCP"),
         "{m}"
     );
-    let ratio = m["sustained_gbps"].as_f64().unwrap() / doc["tcp_nstream_gbps"].as_f64().unwrap();
+    // Both figures are printed to 3 decimals: on a loaded machine a run can
+    // sustain a few MB/s, where that rounding alone moves the ratio by more
+    // than any fixed tolerance, so the bound is the rounding's own.
+    let nstream = doc["tcp_nstream_gbps"].as_f64().unwrap();
+    let ratio = m["sustained_gbps"].as_f64().unwrap() / nstream;
     assert!(
-        (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() < 2e-3,
+        (m["sustained_ratio"].as_f64().unwrap() - ratio).abs() <= 0.0005 / nstream + 2e-3,
         "{m}"
     );
     assert!(
