@@ -123,6 +123,15 @@ fn main() -> ExitCode {
         "soak" => report(soak::soak_main(rest)),
         "selftest-peer" => report(selftest::peer_main(rest).map(|()| true)),
         "doctor" => report(doctor::doctor_main(rest)),
+        "check-config" if rest.iter().any(|a| a == "--help" || a == "-h") => {
+            println!(
+                "validate configs, print the effective values (defaults filled in) and each TP rank's \
+                 listener ports; `pd_role: both` prints both halves\n\n\
+                 Usage: ascend-bench check-config FILE...\n\n\
+                 Exits non-zero if any FILE is invalid, after printing every error."
+            );
+            true
+        }
         "check-config" => {
             if rest.is_empty() {
                 eprintln!("error: check-config needs at least one FILE\n\n{USAGE}");
