@@ -43,7 +43,37 @@ from ._lib import ABI_VERSION, LibraryLoadError, library_path
 from ._log import clear_log_callback, set_log_callback
 from ._workers import Completion, PoolStats, Receiver, Sender
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The release: Cargo.toml's ``[package] version`` (its one source).
+
+    From a checkout on ``sys.path`` it is read from the crate's manifest
+    next to the package; from an installed wheel, from the package's
+    metadata (which ``setup.py`` took from the same manifest)."""
+    import os
+    import re
+
+    manifest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "Cargo.toml")
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    package = re.search(r"^\[package\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    if package and re.search(r'^name\s*=\s*"ascend-pd"', package.group(1), re.M):
+        found = re.search(r'^version\s*=\s*"([^"]+)"', package.group(1), re.M)
+        if found:
+            return found.group(1)
+    from importlib import metadata
+
+    try:
+        return metadata.version("ascend-pd")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "ABI_VERSION",

@@ -6,6 +6,7 @@ Run it as::
         --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200
 
+(or ``ascend-pd-proxy --port 8000 ...``: the command the package installs).
 For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` it picks
 a decode instance and a prefill instance (round-robin, independently), asks
 the prefill for one token (``max_tokens: 1``, not streamed) with
@@ -42,6 +43,8 @@ import asyncio
 import itertools
 import json
 import logging
+import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -193,10 +196,22 @@ def _positive_float(value: str) -> float:
     return f
 
 
+#: The command the package installs for :func:`main` ([project.scripts]).
+_CONSOLE_SCRIPT = "ascend-pd-proxy"
+
+
+def _prog() -> str:
+    """How the proxy was started, for ``--help`` and errors: the installed
+    command's name, else ``python -m ascend_pd.proxy``."""
+    if sys.argv and os.path.basename(sys.argv[0]) == _CONSOLE_SCRIPT:
+        return _CONSOLE_SCRIPT
+    return "python -m ascend_pd.proxy"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m ascend_pd.proxy`` argument parser."""
+    """The ``python -m ascend_pd.proxy`` (or ``ascend-pd-proxy``) argument parser."""
     p = argparse.ArgumentParser(
-        prog="python -m ascend_pd.proxy",
+        prog=_prog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "OpenAI-compatible proxy for disaggregated prefill/decode vLLM serving\n"
@@ -210,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "examples:\n"
-            "  python -m ascend_pd.proxy --port 8000 --prefill http://127.0.0.1:8100 \\\n"
+            "  %(prog)s --port 8000 --prefill http://127.0.0.1:8100 \\\n"
             "      --decode http://127.0.0.1:8200\n"
-            "  python -m ascend_pd.proxy --port 8000 --prefill http://127.0.0.1:8100 \\\n"
+            "  %(prog)s --port 8000 --prefill http://127.0.0.1:8100 \\\n"
             "      --decode http://127.0.0.1:8200 --decode-kv 127.0.0.1/17300,17301/17400,17401"
         ),
     )
@@ -613,7 +628,8 @@ def _describe(d: DecodeTarget) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m ascend_pd.proxy``."""
+    """``python -m ascend_pd.proxy`` and the ``ascend-pd-proxy`` command
+    (``argv``: the arguments, default ``sys.argv[1:]``)."""
     args = parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
