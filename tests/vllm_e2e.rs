@@ -13,7 +13,10 @@
 //! `tests/vllm/test_kv_identity.py` (LoRA, faults and the router-native
 //! flow with real engines), `tests/vllm/test_router.py` (vllm-router from
 //! the package registry in front of `vllm serve` engines, in a venv of its
-//! own), `tests/vllm/test_ops.py` (the `vllm:ascend_pd_*` series scraped
+//! own), `tests/vllm/test_quickstart.py` (README.md's same-host 1P1D
+//! quickstart block run as written: `examples/vllm/`'s scripts, the
+//! `configs/vllm/` YAMLs, `vllm serve` and vllm-router),
+//! `tests/vllm/test_ops.py` (the `vllm:ascend_pd_*` series scraped
 //! from `vllm serve`'s `/metrics`, two `kv_both` engines), and
 //! `tests/vllm/test_restart.py` (a prefill restarted under load drains)
 //! and the proxy's own tests under pytest.
@@ -66,6 +69,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             "vllm/test_e2e.py",
             "vllm/test_kv_identity.py",
             "vllm/test_router.py",
+            "vllm/test_quickstart.py",
             "vllm/test_ops.py",
             "vllm/test_restart.py",
             "python/test_proxy.py",
@@ -89,6 +93,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             "router-pull-delay",
             "router-push-layerwise",
             "router-2p1d",
+            "quickstart",
             "abort-before-load",
             "abort-after-load-started",
             "lease-outlived",
