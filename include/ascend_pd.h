@@ -496,8 +496,8 @@ const char *apd_last_error(void);
 int32_t apd_set_log_callback(ApdLogCallback callback, void *user_data, int32_t max_level);
 
 /*
- Parses and validates a YAML configuration (LMCache-style keys, see the
- README) into `*out`.
+ Parses and validates a YAML configuration (LMCache-style keys, see
+ docs/configuration.md) into `*out`.
 
  # Safety
  `yaml` is a NUL-terminated string; `out` points to writable memory.

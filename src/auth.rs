@@ -33,7 +33,7 @@
 //! attachment (the clock and incarnation probe) carry a fresh challenge
 //! nonce that the answer's proof covers ([`Step::ClockAnswer`]); the hccl
 //! liveness link's opening bytes carry a proof over its session and root
-//! info ([`Step::HcclWatch`]), so nobody else can open it first. See the README for what this changes on the wire.
+//! info ([`Step::HcclWatch`]), so nobody else can open it first. See docs/networking.md for what this changes on the wire.
 //!
 //! Without a secret the product runs as before on a trusted fabric, and
 //! says so once at start-up ([`warn_unauthenticated_once`]).

@@ -646,8 +646,8 @@ fn store_config(
     Ok(handles::insert(Object::Config(Arc::new(loaded.config))))
 }
 
-/// Parses and validates a YAML configuration (LMCache-style keys, see the
-/// README) into `*out`.
+/// Parses and validates a YAML configuration (LMCache-style keys, see
+/// docs/configuration.md) into `*out`.
 ///
 /// # Safety
 /// `yaml` is a NUL-terminated string; `out` points to writable memory.

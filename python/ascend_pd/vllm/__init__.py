@@ -6,8 +6,8 @@ Turn it on with ``--kv-transfer-config``::
      "kv_connector_extra_config": {"config": "/path/to/prefill.yaml"}}
 
 (``"kv_connector_module_path": "ascend_pd.vllm"`` also works where the
-package's ``vllm.general_plugins`` entry point is not installed.) See the
-README's "Use it with vLLM / vLLM-Ascend".
+package's ``vllm.general_plugins`` entry point is not installed.) See
+docs/vllm.md.
 
 Importing this module imports vLLM; ``import ascend_pd`` alone does not.
 """

@@ -650,7 +650,7 @@ pub fn bench_main(args: &[String]) -> Result<bool> {
         if verified { "every byte" } else { "MISMATCH" }
     );
     // nixlbench's columns (Mooncake's tebench: --block_size, --batch_size,
-    // and its throughput is B/W); see the README for the mapping.
+    // and its throughput is B/W); see docs/benchmark.md for the mapping.
     println!(
         "\n{:<20}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}{:<15}",
         "Block Size (B)",

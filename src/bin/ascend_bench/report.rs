@@ -671,7 +671,7 @@ fn modeled_table(s: &mut String, modes: &[ModeReport]) {
     );
 }
 
-/// The machine-readable document (field names documented in the README).
+/// The machine-readable document (field names documented in docs/benchmark.md).
 pub fn json_doc(modes: &[ModeReport]) -> Value {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mut doc = json!({
