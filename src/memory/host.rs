@@ -39,6 +39,13 @@ pub fn seals_of(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<libc::c_int> {
     Ok(seals)
 }
 
+/// The kernel's page size: 4 KiB on x86-64, 4, 16 or 64 KiB on aarch64.
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
 impl HostRegion {
     /// Private anonymous memory of `len` bytes (`len` > 0), 2 MiB aligned.
     pub fn anonymous(len: usize) -> io::Result<HostRegion> {
@@ -121,9 +128,12 @@ impl HostRegion {
             )
         };
         let err = (mapped == libc::MAP_FAILED).then(io::Error::last_os_error);
-        // Trim the slack before and after (or everything on failure).
+        // Trim the slack before and after (or everything on failure). The
+        // mapping ends at a page boundary (munmap takes only page-aligned
+        // addresses): on a kernel with 64 KiB pages (aarch64) a `len` that
+        // is a multiple of 4 KiB still ends mid-page.
         let head = aligned - start;
-        let tail_start = aligned + len;
+        let tail_start = aligned + len.next_multiple_of(page_size());
         let tail = start + reserve - tail_start;
         // SAFETY: each range is part of our reservation and not the live mapping.
         unsafe {
