@@ -1,6 +1,6 @@
 //! Loader errors: missing directory, missing library, missing symbols.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ascend_sys::{CannLibraries, Error};
 
@@ -11,18 +11,22 @@ fn scratch_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// A shared library every Linux test machine has, lacking every CANN symbol.
-fn libc_path() -> &'static Path {
-    [
-        "/lib/x86_64-linux-gnu/libc.so.6",
-        "/lib/aarch64-linux-gnu/libc.so.6",
-        "/lib64/libc.so.6",
-        "/usr/lib/libc.so.6",
-    ]
-    .iter()
-    .map(Path::new)
-    .find(|p| p.exists())
-    .expect("a libc.so.6 to stand in for a wrong library")
+/// A shared library every Linux test machine has, lacking every CANN symbol:
+/// the C library this test process itself runs on, as `/proc/self/maps`
+/// names it. (A fixed list of paths would take the first that exists, which
+/// is another architecture's libc on a multiarch host or under qemu-user.)
+fn libc_path() -> PathBuf {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("reading /proc/self/maps");
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .map(Path::new)
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n == "libc.so.6" || (n.starts_with("libc-") && n.ends_with(".so")))
+        })
+        .map(Path::to_path_buf)
+        .expect("a libc.so.6 mapped into this process, to stand in for a wrong library")
 }
 
 #[test]
