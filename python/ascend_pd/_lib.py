@@ -274,8 +274,8 @@ class LibraryLoadError(OSError):
 
 
 _FIX = (
-    "Install the package with `pip install ./python` from the ascend-pd repository "
-    "(it builds and ships the library), or build it there with `cargo build --lib` "
+    "Install the package's wheel (docs/install.md), or `pip install ./python` from the ascend-pd "
+    "repository (it builds and ships the library), or build it there with `cargo build --lib` "
     "(or `cargo build --release --lib`), or set the environment variable "
     f"{ENV_LIB} to the full path of libascend_pd.so."
 )

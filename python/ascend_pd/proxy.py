@@ -32,7 +32,7 @@ answer is passed through unchanged; an unreachable upstream gives 502.
 ``GET /health`` answers 200; ``GET /v1/models`` is forwarded to the first
 decode.
 
-This module needs aiohttp (``pip install 'ascend-pd[proxy]'``); nothing
+This module needs aiohttp (the ``proxy`` extra, or ``pip install 'aiohttp>=3.9'``); nothing
 else in :mod:`ascend_pd` imports it.
 """
 
@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 _INSTALL_HINT = (
     "ascend_pd.proxy needs aiohttp, which is not installed; "
-    "install it with: pip install 'ascend-pd[proxy]'"
+    "install it with: pip install 'aiohttp>=3.9' (what the package's proxy extra installs)"
 )
 
 try:
