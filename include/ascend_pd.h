@@ -882,6 +882,32 @@ int32_t apd_receiver_available(ApdReceiver receiver,
                                int32_t *ready);
 
 /*
+ Waits up to `timeout_ms` until every key can be loaded (as
+ `apd_receiver_available`); `*ready` = 1 if they all can, 0 at the
+ timeout. Returns the moment the last chunk lands (or its proxy
+ arrives): an engine with nothing else to run calls it instead of
+ polling at its next step.
+
+ # Safety
+ As `apd_receiver_available`.
+ */
+int32_t apd_receiver_wait_available(ApdReceiver receiver,
+                                    const char *const *keys,
+                                    uint64_t num_keys,
+                                    uint64_t timeout_ms,
+                                    int32_t *ready);
+
+/*
+ Waits up to `timeout_ms` until a load has ended (done, failed or
+ cancelled) and waits for `apd_receiver_poll`; `*ended` = 1 if one has,
+ 0 at the timeout. Woken by the load's end, not a timer.
+
+ # Safety
+ `ended` points to writable memory.
+ */
+int32_t apd_receiver_wait_ended(ApdReceiver receiver, uint64_t timeout_ms, int32_t *ended);
+
+/*
  Queues the load of request `req_id` (`keys`, one per chunk) into
  `cache` at `slot_mapping` (one slot per token the keys hold; a negative
  slot skips that token). Returns at once; `apd_receiver_poll` reports

@@ -253,6 +253,8 @@ _PROTOTYPES = {
     "apd_sender_drain_close": (_i32, [ApdSender, ctypes.c_uint64, _P(ApdDrainReport)]),
     "apd_receiver_start": (_i32, [ApdConfig, _u32, _P(ApdReceiver)]),
     "apd_receiver_available": (_i32, [ApdReceiver, _strs, _u64, _P(_i32)]),
+    "apd_receiver_wait_available": (_i32, [ApdReceiver, _strs, _u64, _u64, _P(_i32)]),
+    "apd_receiver_wait_ended": (_i32, [ApdReceiver, _u64, _P(_i32)]),
     "apd_receiver_submit_load": (
         _i32,
         [ApdReceiver, _str, _strs, _u64, ApdKvCache, _slots, _u64],

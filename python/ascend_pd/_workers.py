@@ -595,6 +595,25 @@ class Receiver:
         check(_lib.lib().apd_receiver_available(self._handle, key_array, num_keys, ctypes.byref(ready)))
         return ready.value != 0
 
+    def wait_available(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until :meth:`available` would say True
+        (returns the moment the last chunk lands); whether it does. The GIL
+        is released while it waits."""
+        key_array, num_keys = _keys(keys)
+        ready = ctypes.c_int32()
+        ms = max(0, int(timeout_s * 1000))
+        check(_lib.lib().apd_receiver_wait_available(self._handle, key_array, num_keys, ms, ctypes.byref(ready)))
+        return ready.value != 0
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until a load has ended and :meth:`poll`
+        would report it (returns the moment it ends); whether one has. The
+        GIL is released while it waits."""
+        ended = ctypes.c_int32()
+        ms = max(0, int(timeout_s * 1000))
+        check(_lib.lib().apd_receiver_wait_ended(self._handle, ms, ctypes.byref(ended)))
+        return ended.value != 0
+
     def submit_load(self, req_id: str, keys: Sequence[str], cache: KVCache, slot_mapping: Any) -> None:
         """Queues the load of request ``req_id`` (``keys``, one per chunk) into
         ``cache`` at ``slot_mapping`` (one slot per token the keys hold; a

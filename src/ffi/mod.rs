@@ -1792,6 +1792,58 @@ pub unsafe extern "C" fn apd_receiver_available(
     })
 }
 
+/// Waits up to `timeout_ms` until every key can be loaded (as
+/// `apd_receiver_available`); `*ready` = 1 if they all can, 0 at the
+/// timeout. Returns the moment the last chunk lands (or its proxy
+/// arrives): an engine with nothing else to run calls it instead of
+/// polling at its next step.
+///
+/// # Safety
+/// As `apd_receiver_available`.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_wait_available(
+    receiver: ApdReceiver,
+    keys: *const *const c_char,
+    num_keys: u64,
+    timeout_ms: u64,
+    ready: *mut i32,
+) -> i32 {
+    call("apd_receiver_wait_available", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let (keys, o) = unsafe { (arg_strs("keys", keys, num_keys)?, out("ready", ready)?) };
+        if keys.is_empty() {
+            return Err(Failure::arg("keys", "is empty: pass the request's keys"));
+        }
+        let waited = r
+            .queue
+            .wait_available(&keys, Duration::from_millis(timeout_ms));
+        *o = i32::from(waited);
+        Ok(())
+    })
+}
+
+/// Waits up to `timeout_ms` until a load has ended (done, failed or
+/// cancelled) and waits for `apd_receiver_poll`; `*ended` = 1 if one has,
+/// 0 at the timeout. Woken by the load's end, not a timer.
+///
+/// # Safety
+/// `ended` points to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn apd_receiver_wait_ended(
+    receiver: ApdReceiver,
+    timeout_ms: u64,
+    ended: *mut i32,
+) -> i32 {
+    call("apd_receiver_wait_ended", || {
+        let r = handles::receiver(receiver.id)?;
+        // SAFETY: forwarded to the caller's contract.
+        let o = unsafe { out("ended", ended) }?;
+        *o = i32::from(r.queue.wait_ended(Duration::from_millis(timeout_ms)));
+        Ok(())
+    })
+}
+
 /// Queues the load of request `req_id` (`keys`, one per chunk) into
 /// `cache` at `slot_mapping` (one slot per token the keys hold; a negative
 /// slot skips that token). Returns at once; `apd_receiver_poll` reports

@@ -224,6 +224,11 @@ impl<J> Book<J> {
         Cancel::Unknown
     }
 
+    /// Whether a finished request waits to be taken.
+    pub fn has_finished(&self) -> bool {
+        !self.finished.is_empty()
+    }
+
     /// The requests finished since the last call, in the order they ended.
     /// Taking them leaves the released ids alone.
     pub fn take_finished(&mut self) -> Vec<Completion> {

@@ -217,6 +217,8 @@ pub struct LoadRequest {
 struct State<J> {
     book: Mutex<Book<J>>,
     wake: Condvar,
+    /// Notified when a request ends (what [`State::wait_ended`] waits for).
+    ended: Condvar,
     stop: AtomicBool,
     /// Requests that failed while device copies into or out of the
     /// engine's cache were unproven: they end only once proven stopped.
@@ -242,6 +244,7 @@ impl<J> State<J> {
         Arc::new(State {
             book: Mutex::new(book),
             wake: Condvar::new(),
+            ended: Condvar::new(),
             stop: AtomicBool::new(false),
             unproven: Mutex::new(Vec::new()),
         })
@@ -278,6 +281,7 @@ impl<J> State<J> {
             }
             r => {
                 let cancelled = lock(&self.book).finish(id, r);
+                self.ended.notify_all();
                 then(cancelled);
             }
         }
@@ -303,6 +307,7 @@ impl<J> State<J> {
                 u.id
             );
             let cancelled = lock(&self.book).finish(&u.id, Err(u.error));
+            self.ended.notify_all();
             (u.then)(cancelled);
         }
     }
@@ -347,6 +352,34 @@ impl<J> State<J> {
     fn poll(&self) -> Vec<Completion> {
         self.end_proven();
         lock(&self.book).take_finished()
+    }
+
+    /// Waits up to `timeout` until a request has ended and waits to be
+    /// polled; true if one has. Woken by the end itself, not a timer.
+    fn wait_ended(&self, timeout: Duration) -> bool {
+        self.end_proven();
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        let mut book = lock(&self.book);
+        loop {
+            if book.has_finished() {
+                return true;
+            }
+            if self.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            let now = std::time::Instant::now();
+            let left = match deadline {
+                Some(d) if now >= d => return false,
+                Some(d) => d - now,
+                None => Duration::MAX,
+            };
+            // The bound only re-checks the stop flag; ends notify.
+            book = self
+                .ended
+                .wait_timeout(book, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// Stops the workers; jobs not started are failed (and returned to be
@@ -1377,6 +1410,21 @@ impl LoadQueue {
                 of: keys.len(),
             }
         }
+    }
+
+    /// Waits up to `timeout` until every chunk of `keys` can be loaded
+    /// (see [`LoadQueue::available`]); true if they all can. The engine
+    /// calls it on a step with nothing else to run instead of coming back
+    /// at its next step: it returns the moment the last chunk lands.
+    pub fn wait_available(&self, keys: &[String], timeout: Duration) -> bool {
+        let (keys, _) = self.receiver.piece_keys(keys);
+        self.receiver.wait_loadable(&keys, timeout)
+    }
+
+    /// Waits up to `timeout` until a load has ended (done, failed or
+    /// cancelled) and waits for [`LoadQueue::poll`]; true if one has.
+    pub fn wait_ended(&self, timeout: Duration) -> bool {
+        self.state.wait_ended(timeout)
     }
 
     /// Queues the load of one request into `cache` at its slots. Checked

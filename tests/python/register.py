@@ -190,15 +190,19 @@ def register_and_load(tag, s, r, dec, req_id, seed, q, held_chunks, s_start, r_s
         f"{tag}: registration for {req_id} (held_tokens {first}) done in {time.monotonic() - t0:.2f} s: {reg}",
     )
     need = keys[held_chunks:]
-    got = wait_for(f"{tag}: keys of {req_id}", lambda: r.available(need))
-    report(bool(got), f"{tag}: keys {need[0]}.. of {req_id} available after the registration")
+    # Woken by the landing itself (the engine's wait on a step with nothing to run).
+    got = r.wait_available(need, 20.0)
+    report(got and r.available(need),
+           f"{tag}: keys {need[0]}.. of {req_id} available after the registration (wait_available woke)")
     if held_chunks:
         report(
             not any(r.available([k]) for k in keys[:held_chunks]),
             f"{tag}: the {held_chunks} held chunk(s) {keys[:held_chunks]} never stored at the receiver",
         )
     r.submit_load(f"load-{req_id}", need, dec.cache, dslots[first:])
-    loaded = one(f"{tag}: load of {req_id}", r.poll)
+    ended = r.wait_ended(20.0)
+    loaded = r.poll()  # no wait: wait_ended returned because it ended
+    report(ended, f"{tag}: wait_ended woke when the load of {req_id} ended")
     report(
         [(c.req_id, c.status) for c in loaded] == [(f"load-{req_id}", "done")],
         f"{tag}: load of {req_id} done: {loaded}",
@@ -256,7 +260,13 @@ def main():
     pre.write(1, slots_of(0, False))
     s.submit_parked_save("reg-a", keys, pre.cache, slots_of(0, False))
     released(s, "reg-a", f"{tag} [1]")
-    time.sleep(0.3)
+    t0 = time.monotonic()
+    waited = r.wait_available(keys, 0.3)
+    report(not waited and time.monotonic() - t0 >= 0.29,
+           f"{tag} [1]: wait_available of unregistered keys returned False at its timeout")
+    t0 = time.monotonic()
+    report(not r.wait_ended(0.05) and time.monotonic() - t0 >= 0.04,
+           f"{tag} [1]: wait_ended with no load in flight returned False at its timeout")
     report(not r.available(keys) and not any(r.available([k]) for k in keys),
            f"{tag} [1]: nothing at the receiver before a registration")
     report(r.pool_stats() == r_start, f"{tag} [1]: receiver pool untouched: {r.pool_stats()}")

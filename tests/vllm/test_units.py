@@ -37,6 +37,13 @@ def test_roles_must_agree_and_errors_name_the_key(tmp_path: Path) -> None:
         settings.load("kv_consumer", {"config": path, "confg": 1})
     with pytest.raises(ConfigError, match="cannot be read"):
         settings.load("kv_consumer", {"config": str(tmp_path / "missing.yaml")})
+    # load_wait_ms: 20 ms unless set, 0 turns the in-step wait off, the rest is refused by name.
+    assert s.load_wait_s == 0.02
+    assert settings.load("kv_consumer", {"config": path, "load_wait_ms": 0}).load_wait_s == 0.0
+    assert settings.load("kv_consumer", {"config": path, "load_wait_ms": 5}).load_wait_s == 0.005
+    for bad in (-1, 1001, "20", True):
+        with pytest.raises(ConfigError, match="load_wait_ms is .*: pass milliseconds from 0"):
+            settings.load("kv_consumer", {"config": path, "load_wait_ms": bad})
 
 
 def test_a_model_key_contradicting_vllm_is_named(tmp_path: Path) -> None:
@@ -385,3 +392,95 @@ def test_the_drain_on_shutdown_fits_inside_vllms_worker_grace(monkeypatch: Any, 
         want = 20.0 if configurable else 3.0
         assert compat.drain_bound(SimpleNamespace(shutdown_timeout=40), 20.0) == want
     assert (caplog.text == "") == configurable
+
+
+def test_a_decode_step_with_nothing_to_run_waits_for_its_load_and_reports_it_in_that_step(tmp_path: Path) -> None:
+    """load_wait_ms: a decode step that runs no tokens and holds a load
+    whose KV is not there yet waits in step_finished, woken by the
+    library when the KV lands and again when its copy ends, and reports
+    the request loaded in that same step, every byte in place; a step that
+    runs tokens, or one with load_wait_ms 0, returns at once; the pools
+    are full again."""
+    import threading
+
+    import vllm._custom_ops as ops
+    from ascend_pd.vllm.metadata import AscendPDConnectorMetadata, LoadSpec
+    from ascend_pd.vllm.worker import ConnectorWorker
+
+    n = 300
+    g = torch.Generator().manual_seed(5)
+    keys = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+    vals = [torch.randn(n, H, HS, generator=g) for _ in range(L)]
+    src_blocks, dst_blocks = [2, 4, 0], [5, 1, 3]
+    src_slots = [src_blocks[t // BS] * BS + t % BS for t in range(n)]
+    dst_slots = tuple(dst_blocks[t // BS] * BS + t % BS for t in range(n))
+    cpu = []
+    for layer in range(L):
+        t = torch.zeros(NB, H, BS, 2 * HS)
+        kc, vc = t.view(NB, H, 2 * BS, HS).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys[layer], vals[layer], kc, vc, torch.tensor(src_slots), "vec")
+        cpu.append(t)
+    dst = [torch.zeros(NB, H, BS, 2 * HS) for _ in range(L)]
+    _rx, tx, init, alloc = _pair("tcp")
+    _rx.close()  # its ports go to the worker's receiver
+    shape = settings.ModelShape(L, H, HS, "float32", False, 1, 0, "m")
+    common = (f"enable_pd: true\ntransfer_channel: tcp\npd_buffer_device: cpu\npd_buffer_size: {32 << 20}\n"
+              "chunk_size: 256\npd_peer_host: 127.0.0.1\n")
+    path = _yaml(tmp_path, common + f"pd_role: receiver\npd_peer_init_port: {init}\npd_peer_alloc_port: {alloc}\n")
+    worker = ConnectorWorker(settings.load("kv_consumer", {"config": path}), shape)
+    worker.start(describe(dst, "CPU_ATTN", H, HS, False, isa="vec"))
+    src = _wrap(cpu, "CPU_ATTN")
+    start = worker.pool_stats()
+    rx = worker.receiver
+    assert rx is not None
+    waits: List[str] = []
+    real_available, real_ended = rx.wait_available, rx.wait_ended
+
+    def spy_available(k: Any, timeout_s: float) -> bool:
+        waits.append("available")
+        return bool(real_available(k, timeout_s))
+
+    def spy_ended(timeout_s: float) -> bool:
+        waits.append("ended")
+        return bool(real_ended(timeout_s))
+
+    rx.wait_available, rx.wait_ended = spy_available, spy_ended  # type: ignore[method-assign]
+    try:
+        ks = ("w-a", "w-b")
+        load = LoadSpec("r", ks, dst_slots, tuple(dst_blocks), sent_keys=ks)
+        worker.start_load_kv(AscendPDConnectorMetadata(loads=[load], no_tokens=True))
+        # A step that runs tokens has work of its own: it does not wait.
+        assert worker.step_finished(set(), AscendPDConnectorMetadata(no_tokens=False)) == (None, None)
+        assert waits == [] and "r" in worker.state.waiting_loads
+        # load_wait_ms 0: not even an idle step waits.
+        worker.settings = settings.load("kv_consumer", {"config": path, "load_wait_ms": 0})
+        assert worker.step_finished(set(), AscendPDConnectorMetadata(no_tokens=True)) == (None, None)
+        assert waits == [] and "r" in worker.state.waiting_loads
+        # The prefill sends 0.3 s into a step with nothing to run (the wait
+        # budget raised to cover it): that step returns the request loaded,
+        # having waited for the KV, then for its copy.
+        worker.settings = settings.load("kv_consumer", {"config": path, "load_wait_ms": 1000})
+        sender = threading.Timer(0.3, lambda: tx.submit_save("s", list(ks), src, src_slots, "127.0.0.1", init,
+                                                              alloc, is_last_prefill=False))
+        sender.start()
+        t0 = time.monotonic()
+        got = worker.step_finished(set(), AscendPDConnectorMetadata(no_tokens=True))
+        waited = time.monotonic() - t0
+        sender.join()
+        assert got == (None, {"r"}), got
+        assert waited >= 0.25 and waits[0] == "available" and "ended" in waits, (waited, waits)
+        assert not worker.state.waiting_loads and not worker.state.running_loads
+        for layer in range(L):
+            kc, vc = dst[layer].view(NB, H, 2 * BS, HS).chunk(2, dim=2)
+            skc, svc = cpu[layer].view(NB, H, 2 * BS, HS).chunk(2, dim=2)
+            for s_b, d_b in zip(src_blocks, dst_blocks):
+                assert torch.equal(kc[d_b], skc[s_b]) and torch.equal(vc[d_b], svc[s_b]), (layer, s_b)
+        assert [c.status for c in _wait(tx.poll)] == ["done"]
+        deadline = time.monotonic() + 10
+        while not (worker.pool_stats() == start and tx.pool_stats().free == tx.pool_stats().total):
+            assert time.monotonic() < deadline, (worker.pool_stats(), start, tx.pool_stats())
+            time.sleep(0.01)
+    finally:
+        src.close()
+        worker.close()
+        tx.close()

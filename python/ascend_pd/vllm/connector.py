@@ -263,8 +263,12 @@ class AscendPDConnector(KVConnectorBase_V1):
             self._work().wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        sending, recving = self._work().get_finished(finished_req_ids)
+        work = self._work()
         meta = getattr(self, "_connector_metadata", None)
+        if isinstance(meta, AscendPDConnectorMetadata):
+            sending, recving = work.step_finished(finished_req_ids, meta)
+        else:
+            sending, recving = work.get_finished(finished_req_ids)
         if isinstance(meta, AscendPDConnectorMetadata) and not (sending or recving):
             pause = self._work().idle_pace_s(meta)
             if pause:

@@ -120,6 +120,9 @@ class AscendPDConnectorMetadata(KVConnectorMetadata):
     #: The step runs no tokens and carries no order: vLLM steps only because
     #: a save still pins blocks (see ConnectorWorker.idle_pace_s).
     idle: bool = False
+    #: The step runs no tokens (orders or not): a worker with a load in
+    #: flight may wait for it in the step (see ConnectorWorker.get_finished).
+    no_tokens: bool = False
 
 
 try:

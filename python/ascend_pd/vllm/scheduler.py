@@ -383,8 +383,9 @@ class ConnectorScheduler:
                         del self._saves[req_id]
                         continue
                     state.shipped = True
+        meta.no_tokens = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         meta.idle = (
-            not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+            meta.no_tokens
             and not (meta.loads or meta.cancels or meta.drops or meta.cancel_saves or meta.saves
                      or meta.preempted)
         )

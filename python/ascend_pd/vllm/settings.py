@@ -24,7 +24,7 @@ from .. import _lib
 ROLE_OF = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": "both"}
 
 #: Extra-config keys the connector reads (besides ``config``).
-EXTRA_KEYS = ("config", "load_timeout_s")
+EXTRA_KEYS = ("config", "load_timeout_s", "load_wait_ms")
 
 #: torch dtype names -> ascend-pd ``kv_dtype``.
 DTYPES = {
@@ -93,6 +93,10 @@ class ConnectorSettings:
     load_timeout_s: float
     mode: str
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: How long a decode step that runs no tokens waits in the connector
+    #: for its loads' KV to land and their copies to end (it returns the
+    #: moment one ends) instead of returning and polling at the next step.
+    load_wait_s: float = 0.02
 
     @property
     def layerwise(self) -> bool:
@@ -175,6 +179,10 @@ def load(kv_role: Optional[str], extra: Mapping[str, Any]) -> ConnectorSettings:
     timeout = extra.get("load_timeout_s", 30.0)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise _err(f"kv_connector_extra_config load_timeout_s is {timeout!r}: pass seconds > 0")
+    wait_ms = extra.get("load_wait_ms", 20)
+    if not isinstance(wait_ms, (int, float)) or isinstance(wait_ms, bool) or not 0 <= wait_ms <= 1000:
+        raise _err(f"kv_connector_extra_config load_wait_ms is {wait_ms!r}: pass milliseconds from 0 "
+                   "(poll at every step) to 1000")
     return ConnectorSettings(
         path=path,
         kv_role=kv_role,
@@ -184,6 +192,7 @@ def load(kv_role: Optional[str], extra: Mapping[str, Any]) -> ConnectorSettings:
         load_timeout_s=float(timeout),
         mode=mode_of(doc),
         extra=dict(extra),
+        load_wait_s=float(wait_ms) / 1000.0,
     )
 
 

@@ -380,6 +380,42 @@ class ConnectorWorker:
             return 0.0
         return IDLE_PACE_S
 
+    def wait_for_loads(self, meta: AscendPDConnectorMetadata, budget_s: float) -> bool:
+        """On a step that runs no tokens, waits up to ``budget_s`` for the
+        next event of this rank's loads: a running load ended, or a waiting
+        load's KV became loadable. True if one came (call
+        :meth:`get_finished` again: it reports or submits it at once).
+
+        Without it a load costs a step per event (the KV is there: submit;
+        the copy ended: report; then vLLM schedules the request), and an
+        engine with nothing else to do spins through empty steps between
+        them. With it the step that registered or submitted a load waits
+        for the KV and its copy and reports the request ready in that
+        step. A step that runs tokens never waits: it has work of its own.
+        New requests reaching the engine meanwhile wait at most
+        ``load_wait_ms`` (``kv_connector_extra_config``, 20 ms)."""
+        if self.receiver is None or not meta.no_tokens or budget_s <= 0 or self._recv_ended:
+            return False
+        if self.state.running_loads:
+            return self.receiver.wait_ended(budget_s)
+        for load in self.state.waiting_loads.values():
+            if load.spec.keys:
+                return self.receiver.wait_available(list(load.spec.keys), budget_s)
+        return False
+
+    def step_finished(self, finished_req_ids: Set[str],
+                      meta: AscendPDConnectorMetadata) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """:meth:`get_finished` at the end of step ``meta``; a step with
+        nothing to compute first waits up to ``load_wait_ms`` for its loads
+        (:meth:`wait_for_loads`), woken by the library the moment the KV
+        lands or a copy ends, so the load that step registered or submitted
+        can be reported in it."""
+        sending, recving = self.get_finished(finished_req_ids)
+        deadline = time.monotonic() + self.settings.load_wait_s
+        while not (sending or recving) and self.wait_for_loads(meta, deadline - time.monotonic()):
+            sending, recving = self.get_finished(set())
+        return sending, recving
+
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """The requests whose load ended since the last call (saves are
         never reported here: their blocks are pinned by the scheduler half,

@@ -643,6 +643,38 @@ impl Receiver {
         }
     }
 
+    /// Waits up to `timeout` until every key of `keys` can be loaded (its
+    /// chunk landed, or a proxy for it is held); true if they all can. Wakes
+    /// when a chunk lands or proxies arrive, not on a polling interval.
+    pub fn wait_loadable(&self, keys: &[String], timeout: Duration) -> bool {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut core = lock(&self.shared.core);
+        loop {
+            let ready = keys
+                .iter()
+                .all(|k| matches!(core.state(k), Some(KeyState::Resident | KeyState::Proxy)));
+            if ready {
+                return true;
+            }
+            if self.shared.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            let now = Instant::now();
+            let left = match deadline {
+                Some(d) if now >= d => return false,
+                Some(d) => d - now,
+                None => Duration::MAX,
+            };
+            // The bound only re-checks the stop flag; landings notify.
+            core = self
+                .shared
+                .landed
+                .wait_timeout(core, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Removes `key` (its page returns to the pool once no load uses it; a
     /// proxy counts as discarded, which may complete its pull's Done).
     /// Returns whether it was removed: a key still landing or being read

@@ -612,7 +612,12 @@ fn serve_pull(
             };
             lock(&s.core).commit_pull_eager(plan, pages)
         }
-        Ok(plan) => lock(&s.core).commit_pull_delay(plan),
+        Ok(plan) => {
+            let reply = lock(&s.core).commit_pull_delay(plan);
+            // Proxies are loadable at once: wake whoever waits for them.
+            s.landed.notify_all();
+            reply
+        }
     };
     pull_reply(s, reply)
 }
