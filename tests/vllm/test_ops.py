@@ -281,7 +281,7 @@ SERIES = [
     "vllm:ascend_pd_saves_parked_total", "vllm:ascend_pd_parked_expired_total",
     "vllm:ascend_pd_registrations_total", "vllm:ascend_pd_registered_chunks_total",
     "vllm:ascend_pd_save_seconds_count", "vllm:ascend_pd_load_seconds_count",
-    "vllm:ascend_pd_pool_pages", "vllm:ascend_pd_pool_free_pages", "vllm:ascend_pd_pool_pinned_pages",
+    "vllm:ascend_pd_load_wait_seconds_count", "vllm:ascend_pd_pool_pages", "vllm:ascend_pd_pool_free_pages", "vllm:ascend_pd_pool_pinned_pages",
     "vllm:ascend_pd_pool_quarantined_pages", "vllm:ascend_pd_parked_saves",
 ]
 
@@ -304,6 +304,7 @@ def _direction(prefill: List[Sample], decode: List[Sample], prompts: List[List[i
         "decode_load_tokens": value(decode, "vllm:ascend_pd_load_tokens_total"),
         "decode_load_seconds_count": value(decode, "vllm:ascend_pd_load_seconds_count"),
         "decode_load_seconds_sum": value(decode, "vllm:ascend_pd_load_seconds_sum"),
+        "decode_load_wait_seconds_count": value(decode, "vllm:ascend_pd_load_wait_seconds_count"),
     }
     # TP 1: one save per request on the prefill, one load on the decode,
     # each the whole prompt (the decode held none of it).
@@ -312,6 +313,8 @@ def _direction(prefill: List[Sample], decode: List[Sample], prompts: List[List[i
     assert got["decode_load_bytes"] == tokens * TOKEN_BYTES and got["decode_load_tokens"] == tokens, got
     assert got["prefill_save_seconds_count"] == n and got["prefill_save_seconds_sum"] > 0, got
     assert got["decode_load_seconds_count"] == n and got["decode_load_seconds_sum"] > 0, got
+    # Every load waited for its KV once (the wait may round to 0 s).
+    assert got["decode_load_wait_seconds_count"] == n, got
     if parked:
         chunks = sum(math.ceil(len(p) / CHUNK) for p in prompts)
         assert got["prefill_saves_parked"] == n and got["prefill_registrations_attached"] == n, got

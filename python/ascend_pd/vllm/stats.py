@@ -41,7 +41,7 @@ LOAD_CAUSES = ("model", "version", "prompt", "inputs", "malformed", "timeout", "
                "registration")
 SAVE_CAUSES = ("refused", "failed", "cancelled")
 #: The seconds of each save and load of the interval.
-_SECONDS = ("save_seconds", "load_seconds")
+_SECONDS = ("save_seconds", "load_seconds", "load_wait_seconds")
 #: The library's registration counters of a sender (they only grow): the
 #: stats carry their increase, under ``"reg:<name>"``.
 REGISTRATION_COUNTERS = ("parked", "attached", "expired", "refused", "dropped", "malformed", "chunks_sent",
@@ -97,6 +97,12 @@ class TransferStats(KVConnectorStats):
         self.data[f"{kind}_seconds"].append(float(seconds))
         if kind == "load":
             self.data["load_tokens"] += int(tokens)
+
+    def record_wait(self, seconds: float) -> None:
+        """A load's wait for its KV: from the load reaching the worker (its
+        registration sent, when the prefill parked the KV) to the KV being
+        there to read."""
+        self.data["load_wait_seconds"].append(float(seconds))
 
     def record_failure(self, kind: str, cause: str) -> None:
         """One ``kind`` that failed, and why (a short word: see the module)."""
@@ -287,6 +293,14 @@ class AscendPDPromMetrics(KVConnectorPromMetrics):
                                  else "submitted once the prefill's KV is there to read)."),
                 buckets=_SECONDS_BUCKETS, labelnames=labels)
             self._histograms[f"{kind}_seconds"] = {i: h.labels(*v) for i, v in engines.items()}
+        wait = self._histogram_cls(
+            name="vllm:ascend_pd_load_wait_seconds",
+            documentation="Seconds a load waited for its KV, per TP rank: from the request's load reaching "
+                          "the decode's worker (its registration sent, when the prefill parked the KV) to the "
+                          "KV being there to read. With load_seconds and vLLM's request_queue_time, where a "
+                          "disaggregated request's time to first token goes.",
+            buckets=_SECONDS_BUCKETS, labelnames=labels)
+        self._histograms["load_wait_seconds"] = {i: wait.labels(*v) for i, v in engines.items()}
         self._page_gauges = {
             state: self._gauge_cls(name=name, documentation=doc, multiprocess_mode="mostrecent",
                                    labelnames=labels + ["pool"])

@@ -632,6 +632,7 @@ class ConnectorWorker:
             load.submitted_at = now
             del self.state.waiting_loads[req_id]
             self.state.running_loads[req_id] = load
+            self.stats.record_wait(now - load.received_at)
             self._event(event="load_start", req_id=req_id, wait_s=round(now - load.received_at, 6))
 
     def _register(self, load: _Load) -> bool:
