@@ -10,7 +10,7 @@
 /*
  The version of this ABI; bumped on any incompatible change.
  */
-#define APD_ABI_VERSION 1
+#define APD_ABI_VERSION 2
 
 /*
  Success.
@@ -389,6 +389,11 @@ typedef struct {
    Why it failed (NUL-terminated; empty otherwise; cut at `APD_MESSAGE_MAX - 1` bytes).
    */
   char message[APD_MESSAGE_MAX];
+  /*
+   When it ended, not when it was polled: nanoseconds of the host's
+   `CLOCK_MONOTONIC` (Python's `time.monotonic_ns()`); 0 if unknown.
+   */
+  uint64_t ended_ns;
 } ApdCompletion;
 
 /*

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 #: The ABI version these bindings were written for (``APD_ABI_VERSION``).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # Status codes (APD_OK, APD_ERR_*).
 OK = 0
@@ -143,6 +143,7 @@ class ApdCompletion(ctypes.Structure):
         ("req_id", ctypes.c_char * REQ_ID_MAX),
         ("status", ctypes.c_int32),
         ("message", ctypes.c_char * MESSAGE_MAX),
+        ("ended_ns", ctypes.c_uint64),
     ]
 
 

@@ -32,11 +32,14 @@ class Completion(NamedTuple):
         req_id: the request id.
         status: ``"done"``, ``"failed"`` or ``"cancelled"``.
         message: why it failed (empty otherwise).
+        ended_s: when it ended, not when it was polled, on the clock of
+            :func:`time.monotonic` (``CLOCK_MONOTONIC``; 0.0 if unknown).
     """
 
     req_id: str
     status: str
     message: str
+    ended_s: float = 0.0
 
 
 class PoolStats(NamedTuple):
@@ -107,6 +110,7 @@ def _completions(poll_fn: Callable[..., int], handle: Any) -> List[Completion]:
                     rec.req_id.decode("utf-8", "replace"),
                     _STATUS.get(rec.status, f"unknown({rec.status})"),
                     rec.message.decode("utf-8", "replace"),
+                    rec.ended_ns / 1e9,
                 )
             )
         if count.value < _POLL_BATCH:

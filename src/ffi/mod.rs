@@ -50,7 +50,7 @@ pub type ApdLogCallback = Option<
 >;
 
 /// The version of this ABI; bumped on any incompatible change.
-pub const APD_ABI_VERSION: u32 = 1;
+pub const APD_ABI_VERSION: u32 = 2;
 
 /// Success.
 pub const APD_OK: i32 = 0;
@@ -254,6 +254,9 @@ pub struct ApdCompletion {
     pub status: i32,
     /// Why it failed (NUL-terminated; empty otherwise; cut at `APD_MESSAGE_MAX - 1` bytes).
     pub message: [c_char; APD_MESSAGE_MAX],
+    /// When it ended, not when it was polled: nanoseconds of the host's
+    /// `CLOCK_MONOTONIC` (Python's `time.monotonic_ns()`); 0 if unknown.
+    pub ended_ns: u64,
 }
 
 /// The id of a save that no longer reads the engine's cache
@@ -518,6 +521,29 @@ trait PollRecord {
     fn of(item: &Self::Item) -> Self;
 }
 
+/// `at` in nanoseconds of `CLOCK_MONOTONIC` (the clock `Instant` reads on
+/// Linux, and Python's `time.monotonic`); 0 if the clock cannot be read.
+fn monotonic_ns(at: std::time::Instant) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `ts`, which lives
+    // across the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    let now = u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000
+        + u64::try_from(ts.tv_nsec).unwrap_or(0);
+    let ago = u64::try_from(
+        std::time::Instant::now()
+            .saturating_duration_since(at)
+            .as_nanos(),
+    )
+    .unwrap_or(u64::MAX);
+    now.saturating_sub(ago)
+}
+
 impl PollRecord for ApdCompletion {
     type Item = Completion;
     const NAME: &'static str = "ApdCompletion";
@@ -532,6 +558,7 @@ impl PollRecord for ApdCompletion {
             req_id: [0; APD_REQ_ID_MAX],
             status,
             message: [0; APD_MESSAGE_MAX],
+            ended_ns: monotonic_ns(c.ended),
         };
         fill(&mut rec.req_id, &c.req_id);
         fill(&mut rec.message, message);
@@ -1965,12 +1992,14 @@ pub unsafe extern "C" fn apd_receiver_poll_registrations(
             r.queue
                 .poll_registrations()
                 .into_iter()
-                .map(|(req_id, res)| crate::requests::Completion {
-                    req_id,
-                    outcome: match res {
-                        Ok(()) => crate::requests::Outcome::Done,
-                        Err(e) => crate::requests::Outcome::Failed(e),
-                    },
+                .map(|(req_id, res)| {
+                    crate::requests::Completion::now(
+                        req_id,
+                        match res {
+                            Ok(()) => crate::requests::Outcome::Done,
+                            Err(e) => crate::requests::Outcome::Failed(e),
+                        },
+                    )
                 })
                 .collect()
         };

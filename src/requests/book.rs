@@ -10,6 +10,7 @@
 //! sooner.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 /// How a request ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,13 +24,37 @@ pub enum Outcome {
 }
 
 /// One finished request, as the engine polls it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Completion {
     /// The request id given at submit.
     pub req_id: String,
     /// How it ended.
     pub outcome: Outcome,
+    /// When it ended (not when it was polled: an engine that polls at its
+    /// steps learns of it later, and times what it reports from this).
+    pub ended: Instant,
 }
+
+impl Completion {
+    /// Request `req_id` ended now with `outcome`.
+    pub fn now(req_id: impl Into<String>, outcome: Outcome) -> Completion {
+        Completion {
+            req_id: req_id.into(),
+            outcome,
+            ended: Instant::now(),
+        }
+    }
+}
+
+/// Two completions are equal when the same request ended the same way,
+/// whenever that was.
+impl PartialEq for Completion {
+    fn eq(&self, other: &Completion) -> bool {
+        self.req_id == other.req_id && self.outcome == other.outcome
+    }
+}
+
+impl Eq for Completion {}
 
 /// What a cancel found.
 #[derive(Debug, PartialEq, Eq)]
@@ -189,10 +214,7 @@ impl<J> Book<J> {
     }
 
     fn end(&mut self, id: &str, outcome: Outcome) {
-        self.finished.push(Completion {
-            req_id: id.to_string(),
-            outcome,
-        });
+        self.finished.push(Completion::now(id, outcome));
         self.ended.push_back(id.to_string());
         if self.ended.len() > ENDED_MEMORY {
             self.ended.pop_front();
@@ -274,10 +296,7 @@ mod tests {
     use super::*;
 
     fn done(id: &str) -> Completion {
-        Completion {
-            req_id: id.into(),
-            outcome: Outcome::Done,
-        }
+        Completion::now(id, Outcome::Done)
     }
 
     #[test]
@@ -295,10 +314,7 @@ mod tests {
         assert!(!b.finish("b", Err("peer gone".into())));
         assert_eq!(
             b.take_finished(),
-            vec![Completion {
-                req_id: "b".into(),
-                outcome: Outcome::Failed("peer gone".into())
-            }]
+            vec![Completion::now("b", Outcome::Failed("peer gone".into()))]
         );
         // An id may be reused once its request ended.
         b.submit("a", 4).unwrap();
@@ -358,10 +374,7 @@ mod tests {
         assert_eq!(b.drain("closed"), vec![("b".to_string(), 2)]);
         assert_eq!(
             b.take_finished(),
-            vec![Completion {
-                req_id: "b".into(),
-                outcome: Outcome::Failed("closed".into())
-            }]
+            vec![Completion::now("b", Outcome::Failed("closed".into()))]
         );
         assert_eq!(b.in_flight(), (0, 1));
     }

@@ -199,10 +199,16 @@ def register_and_load(tag, s, r, dec, req_id, seed, q, held_chunks, s_start, r_s
             not any(r.available([k]) for k in keys[:held_chunks]),
             f"{tag}: the {held_chunks} held chunk(s) {keys[:held_chunks]} never stored at the receiver",
         )
+    submitted = time.monotonic()
     r.submit_load(f"load-{req_id}", need, dec.cache, dslots[first:])
     ended = r.wait_ended(20.0)
+    time.sleep(0.2)  # polled well after it ended: ended_s says when it ended, not when it was polled
+    polled = time.monotonic()
     loaded = r.poll()  # no wait: wait_ended returned because it ended
     report(ended, f"{tag}: wait_ended woke when the load of {req_id} ended")
+    report(len(loaded) == 1 and submitted <= loaded[0].ended_s <= polled - 0.19,
+           f"{tag}: the load's ended_s ({loaded[0].ended_s if loaded else None}) lies between its submit "
+           f"({submitted}) and 0.2 s before its poll ({polled})")
     report(
         [(c.req_id, c.status) for c in loaded] == [(f"load-{req_id}", "done")],
         f"{tag}: load of {req_id} done: {loaded}",

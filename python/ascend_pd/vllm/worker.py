@@ -83,6 +83,17 @@ def _route_library_logs() -> None:
         log.debug("ascend-pd library logs not routed: %s", e)
 
 
+def _ended_at(c: Completion) -> float:
+    """When ``c`` ended, on :func:`time.monotonic`'s clock (now if the
+    library did not say)."""
+    return c.ended_s if c.ended_s > 0 else time.monotonic()
+
+
+def _wall(monotonic_s: float) -> float:
+    """``monotonic_s`` as :func:`time.time` (for the events file)."""
+    return round(time.time() - (time.monotonic() - monotonic_s), 6)
+
+
 @dataclass
 class _Load:
     spec: LoadSpec
@@ -436,16 +447,18 @@ class ConnectorWorker:
                     continue
                 recving.add(c.req_id)
                 loaded = sum(1 for s in load.spec.slots if s >= 0)
+                # Timed from when the library ended it, not from this poll.
+                ended = _ended_at(c)
+                took = max(0.0, ended - (load.submitted_at or ended))
                 self._event(
                     event="load", req_id=c.req_id, status=c.status, tokens=loaded, message=c.message,
                     # Seconds waiting for the KV to arrive, then loading it.
                     wait_s=round((load.submitted_at or now) - load.received_at, 6),
-                    load_s=round(now - (load.submitted_at or now), 6),
+                    load_s=round(took, 6), ended_t=_wall(ended),
                 )
                 if c.req_id in self.state.aborted:
                     self.state.aborted.discard(c.req_id)
                     continue
-                took = now - (load.submitted_at or now)
                 if c.status == "done":
                     self.stats.record("load", loaded * self._token_bytes, took, tokens=loaded)
                 else:
@@ -524,14 +537,18 @@ class ConnectorWorker:
     def _save_ended(self, c: Completion) -> None:
         save = self.state.running_saves.pop(c.req_id, None)
         n = len(save.spec.slots) if save is not None else 0
-        took = time.monotonic() - save.submitted_at if save is not None and save.submitted_at else 0.0
+        # Timed from when the library ended it: an idle prefill polls it
+        # only at its next step, which may be the next request's.
+        ended = _ended_at(c)
+        took = max(0.0, ended - save.submitted_at) if save is not None and save.submitted_at else 0.0
         parked = save is not None and save.spec.to is None
         extra: Dict[str, Any] = {}
         if parked and self.sender is not None:
             # The registration counters after this parked save ended.
             extra["registrations"] = self.sender.registration_stats()
         self._event(event="save", req_id=c.req_id, status=c.status, tokens=n, message=c.message,
-                    save_s=round(took, 6), layerwise=save is not None and save.layerwise, parked=parked,
+                    save_s=round(took, 6), ended_t=_wall(ended), layerwise=save is not None and save.layerwise,
+                    parked=parked,
                     **extra)
         if c.status == "done":
             self.stats.record("save", n * self._token_bytes, took)
