@@ -359,13 +359,7 @@ fn a_save_releases_the_engine_cache_once_gathered_before_its_push_lands() {
         assert!(receiver.remove(k), "{k}");
     }
     let done = poll_until(|| saves.poll(), 1);
-    assert_eq!(
-        done,
-        vec![Completion {
-            req_id: "npu-req-0".into(),
-            outcome: Outcome::Done
-        }]
-    );
+    assert_eq!(done, vec![Completion::now("npu-req-0", Outcome::Done)]);
     assert_eq!(saves.poll_cache_released(), Vec::<String>::new(), "once");
     let k0 = req_keys(0);
     assert!(eventually(Duration::from_secs(30), || loads.available(&k0)
@@ -407,13 +401,7 @@ fn a_save_releases_the_engine_cache_once_gathered_before_its_push_lands() {
     assert_eq!(saves.poll(), vec![]);
     drop(engine_holds);
     let done = poll_until(|| saves.poll(), 1);
-    assert_eq!(
-        done,
-        vec![Completion {
-            req_id: "npu-req-1".into(),
-            outcome: Outcome::Cancelled
-        }]
-    );
+    assert_eq!(done, vec![Completion::now("npu-req-1", Outcome::Cancelled)]);
     assert_eq!(saves.poll_cache_released(), ["npu-req-1"]);
     assert_eq!(saves.poll_cache_released(), Vec::<String>::new());
     assert_eq!(
