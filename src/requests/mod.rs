@@ -373,10 +373,10 @@ impl<J> State<J> {
                 Some(d) => d - now,
                 None => Duration::MAX,
             };
-            // The bound only re-checks the stop flag; ends notify.
+            // Woken by ends and the stop only (no polling interval).
             book = self
                 .ended
-                .wait_timeout(book, left.min(Duration::from_millis(100)))
+                .wait_timeout(book, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -392,6 +392,7 @@ impl<J> State<J> {
             self.stop.store(true, Ordering::Release);
         }
         self.wake.notify_all();
+        self.ended.notify_all();
         let workers: Vec<_> = lock(workers).drain(..).collect();
         for w in workers {
             let _ = w.join();

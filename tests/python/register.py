@@ -25,6 +25,7 @@ import faulthandler
 import os
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
@@ -182,6 +183,21 @@ def register_and_load(tag, s, r, dec, req_id, seed, q, held_chunks, s_start, r_s
     pools (checks 2 and 3; 6's legit registration)."""
     keys, dslots = keys_of(req_id), slots_of(q, True)
     first = held_chunks * CHUNK
+    need = keys[held_chunks:]
+    # A waiter from before the registration, as the engine's step that
+    # registers: woken by the landing (push) or the proxies' arrival
+    # (pull-delay) itself, not its 20 s timeout: a path that forgets to
+    # wake waiters shows here.
+    waited = {}
+
+    def waiter():
+        w0 = time.monotonic()
+        waited["got"] = r.wait_available(need, 20.0)
+        waited["s"] = time.monotonic() - w0
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.05)
     t0 = time.monotonic()
     r.register(f"dec-{req_id}", HOST, [s.register_port], req_id, held_tokens=first)
     reg = one(f"{tag}: registration for {req_id}", r.poll_registrations)
@@ -189,11 +205,10 @@ def register_and_load(tag, s, r, dec, req_id, seed, q, held_chunks, s_start, r_s
         [(c.req_id, c.status) for c in reg] == [(f"dec-{req_id}", "done")],
         f"{tag}: registration for {req_id} (held_tokens {first}) done in {time.monotonic() - t0:.2f} s: {reg}",
     )
-    need = keys[held_chunks:]
-    # Woken by the landing itself (the engine's wait on a step with nothing to run).
-    got = r.wait_available(need, 20.0)
-    report(got and r.available(need),
-           f"{tag}: keys {need[0]}.. of {req_id} available after the registration (wait_available woke)")
+    th.join()
+    report(waited.get("got") is True and r.available(need) and waited["s"] < 10.0,
+           f"{tag}: keys {need[0]}.. of {req_id} available after the registration (a wait_available from "
+           f"before it woke after {waited.get('s', -1):.3f} s of its 20 s)")
     if held_chunks:
         report(
             not any(r.available([k]) for k in keys[:held_chunks]),
@@ -201,7 +216,8 @@ def register_and_load(tag, s, r, dec, req_id, seed, q, held_chunks, s_start, r_s
         )
     submitted = time.monotonic()
     r.submit_load(f"load-{req_id}", need, dec.cache, dslots[first:])
-    ended = r.wait_ended(20.0)
+    t0 = time.monotonic()
+    ended = r.wait_ended(20.0) and time.monotonic() - t0 < 10.0
     time.sleep(0.2)  # polled well after it ended: ended_s says when it ended, not when it was polled
     polled = time.monotonic()
     loaded = r.poll()  # no wait: wait_ended returned because it ended

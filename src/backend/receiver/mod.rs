@@ -665,11 +665,12 @@ impl Receiver {
                 Some(d) => d - now,
                 None => Duration::MAX,
             };
-            // The bound only re-checks the stop flag; landings notify.
+            // Woken by landings, arriving proxies and the stop only (no
+            // polling interval: a path that forgot to notify shows).
             core = self
                 .shared
                 .landed
-                .wait_timeout(core, left.min(Duration::from_millis(100)))
+                .wait_timeout(core, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -859,6 +860,7 @@ impl Receiver {
     fn stop_threads(&mut self) {
         let s = &self.shared;
         s.stop.store(true, Ordering::Release);
+        s.landed.notify_all();
         self.handshake = None;
         for t in self.threads.drain(..) {
             let _ = t.join();

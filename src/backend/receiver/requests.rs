@@ -591,6 +591,9 @@ fn serve_pull(
             }
         };
         drop(core);
+        // Proxies can be loaded at once: wake whoever waits for them
+        // (`Receiver::wait_loadable`), as a landing does.
+        s.landed.notify_all();
         return pull_reply(s, reply);
     }
     drop(core);
@@ -612,12 +615,7 @@ fn serve_pull(
             };
             lock(&s.core).commit_pull_eager(plan, pages)
         }
-        Ok(plan) => {
-            let reply = lock(&s.core).commit_pull_delay(plan);
-            // Proxies are loadable at once: wake whoever waits for them.
-            s.landed.notify_all();
-            reply
-        }
+        Ok(plan) => lock(&s.core).commit_pull_delay(plan),
     };
     pull_reply(s, reply)
 }
