@@ -25,6 +25,7 @@ fn markdown_files() -> Vec<PathBuf> {
         "examples/vllm",
         "ascend-sys",
         "configs/vllm",
+        "benchmarks",
     ] {
         let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
             continue;
@@ -388,5 +389,49 @@ fn every_proxy_flag_the_docs_show_exists() {
         }
     }
     assert!(checked >= 3, "only {checked} proxy flags found in the docs");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// benchmarks/README.md: every `--flag` it shows in inline code or a code
+/// block is the engine benchmark's (benchmarks/engine_bench.py) or one of
+/// the `vllm serve` flags it runs the engines with (tests/vllm/serve_env.py).
+#[test]
+fn every_engine_bench_flag_the_docs_show_exists() {
+    let src = std::fs::read_to_string(root().join("benchmarks/engine_bench.py")).unwrap()
+        + &std::fs::read_to_string(root().join("tests/vllm/serve_env.py")).unwrap();
+    let text = std::fs::read_to_string(root().join("benchmarks/README.md")).unwrap();
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    let mut in_block = false;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            in_block = !in_block;
+            continue;
+        }
+        let code: Vec<&str> = if in_block {
+            vec![line]
+        } else {
+            line.split('`').skip(1).step_by(2).collect()
+        };
+        for part in code {
+            for flag in flags_in(part) {
+                if flag == "--help" {
+                    continue;
+                }
+                checked += 1;
+                let quoted = format!("\"{flag}\"");
+                if !src.contains(&quoted) && !src.contains(&format!("{flag} ")) {
+                    problems.push(format!(
+                        "benchmarks/README.md:{}: engine_bench.py has no {flag}",
+                        i + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        checked >= 5,
+        "only {checked} flags found in benchmarks/README.md"
+    );
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
