@@ -275,6 +275,30 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Waits on `cv` with `guard` until notified, at most until `deadline`
+/// (`None`: no deadline) and, when `recheck` is set, at most that long (for
+/// a loop that also polls). `None` once the deadline has passed: the
+/// caller's last check was its answer.
+pub(crate) fn wait_until<'a, T>(
+    cv: &std::sync::Condvar,
+    guard: std::sync::MutexGuard<'a, T>,
+    deadline: Option<std::time::Instant>,
+    recheck: Option<std::time::Duration>,
+) -> Option<std::sync::MutexGuard<'a, T>> {
+    let now = std::time::Instant::now();
+    let left = match deadline {
+        Some(d) if now >= d => return None,
+        Some(d) => d - now,
+        None => std::time::Duration::MAX,
+    };
+    let left = recheck.map_or(left, |r| left.min(r));
+    Some(
+        cv.wait_timeout(guard, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0,
+    )
+}
+
 /// The message of a caught panic.
 pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()

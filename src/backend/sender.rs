@@ -8,7 +8,7 @@
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::{PushPool, ReqClient, ReqFailure};
-use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use super::{check_config, lock, spawn, wait_until, BackendError, NodeId, Opened};
 use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{self, Hello, TpInfo};
 use crate::channel::{Access, GrantStats, GrantTag, TransferChannel};
@@ -1154,17 +1154,10 @@ impl Sender {
         // A pull released without its Done keeps its pages until its
         // revoked grant is quiescent: wait for those too (the sweep settles them).
         while !core.is_drained() {
-            let now = Instant::now();
-            let left = match deadline {
-                Some(d) if now >= d => return false,
-                Some(d) => d - now,
-                None => Duration::MAX,
-            };
-            core = s
-                .released
-                .wait_timeout(core, left.min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            match wait_until(&s.released, core, deadline, Some(Duration::from_millis(50))) {
+                Some(c) => core = c,
+                None => return false,
+            }
         }
         true
     }

@@ -367,18 +367,11 @@ impl<J> State<J> {
             if self.stop.load(Ordering::Acquire) {
                 return false;
             }
-            let now = std::time::Instant::now();
-            let left = match deadline {
-                Some(d) if now >= d => return false,
-                Some(d) => d - now,
-                None => Duration::MAX,
-            };
             // Woken by ends and the stop only (no polling interval).
-            book = self
-                .ended
-                .wait_timeout(book, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            match crate::backend::wait_until(&self.ended, book, deadline, None) {
+                Some(b) => book = b,
+                None => return false,
+            }
         }
     }
 

@@ -18,7 +18,7 @@ mod upkeep;
 
 use super::counters::{MessageCounters, MessageKind};
 use super::zmq_io::PushPool;
-use super::{check_config, lock, spawn, BackendError, NodeId, Opened};
+use super::{check_config, lock, spawn, wait_until, BackendError, NodeId, Opened};
 use crate::auth::{envelope_header, FrameKind, OpenError, Session};
 use crate::channel::handshake::{Agreement, HandshakeServer, Hello, TpInfo};
 use crate::channel::{GrantStats, PeerId, PeerPages, TransferChannel, TransferOp};
@@ -628,18 +628,12 @@ impl Receiver {
                 Lookup::NotReady => {}
                 _ => return None,
             }
-            let now = Instant::now();
-            let left = match deadline {
-                Some(d) if now >= d => return None,
-                Some(d) => d - now,
-                None => Duration::MAX,
-            };
-            core = self
-                .shared
-                .landed
-                .wait_timeout(core, left.min(Duration::from_millis(100)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            core = wait_until(
+                &self.shared.landed,
+                core,
+                deadline,
+                Some(Duration::from_millis(100)),
+            )?;
         }
     }
 
@@ -659,20 +653,12 @@ impl Receiver {
             if self.shared.stop.load(Ordering::Acquire) {
                 return false;
             }
-            let now = Instant::now();
-            let left = match deadline {
-                Some(d) if now >= d => return false,
-                Some(d) => d - now,
-                None => Duration::MAX,
-            };
             // Woken by landings, arriving proxies and the stop only (no
             // polling interval: a path that forgot to notify shows).
-            core = self
-                .shared
-                .landed
-                .wait_timeout(core, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            match wait_until(&self.shared.landed, core, deadline, None) {
+                Some(c) => core = c,
+                None => return false,
+            }
         }
     }
 
