@@ -484,7 +484,11 @@ fn assert_loads_shipped_library(venv_python: &Path, cwd: &Path) {
         canon(platlib).join("ascend_pd").join("libascend_pd.so"),
         "the package loaded another library than the one it ships"
     );
-    assert_eq!(abi, "1", "{stdout}");
+    assert_eq!(
+        abi,
+        ascend_pd::ffi::APD_ABI_VERSION.to_string(),
+        "the installed package's library has another ABI than this checkout's: {stdout}"
+    );
 }
 
 /// The README's install line works: `pip install ./python` into a fresh
