@@ -121,7 +121,8 @@ def pd_yaml(side: str, mode: str, base_port: int, out: Path) -> Path:
 
 
 def bench_args(a: argparse.Namespace, model: Path, url: str, input_len: int, rate: float, n: int, seed: int,
-               prefix: str, result_dir: Path, filename: str, metadata: Sequence[str] = ()) -> argparse.Namespace:
+               prefix: str, result_dir: Path, filename: str, metadata: Sequence[str] = (),
+               one_at_a_time: bool = False) -> argparse.Namespace:
     """`vllm bench serve`'s namespace, parsed from its own argument list."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -140,6 +141,8 @@ def bench_args(a: argparse.Namespace, model: Path, url: str, input_len: int, rat
         "--goodput", f"ttft:{a.slo_ttft_ms:g}", f"tpot:{a.slo_tpot_ms:g}",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename,
     ]
+    if one_at_a_time:
+        argv += ["--max-concurrency", "1"]
     if metadata:
         argv += ["--metadata", *metadata]
     return p.parse_args(argv)
@@ -151,9 +154,14 @@ def plan_cases(a: argparse.Namespace) -> List[Dict[str, Any]]:
     prefill each)."""
     cases: List[Dict[str, Any]] = []
     specs: List[Tuple[str, int, float, int]] = [("warmup", L, float("inf"), a.warmup_prompts) for L in a.input_lens]
+    # One request at a time, about 1 / seq_rate s apart (the engines go idle
+    # between them): the hand-over alone, without queueing behind others.
+    if a.seq_prompts > 0:
+        specs += [("seq", L, a.seq_rate, a.seq_prompts) for L in a.input_lens]
     specs += [("measure", L, r, a.num_prompts) for r in a.rates for L in a.input_lens]
     # Every prompt at once: what a burst gets through.
-    specs += [("sat", L, float("inf"), a.sat_prompts) for L in a.input_lens]
+    if a.sat_prompts > 0:
+        specs += [("sat", L, float("inf"), a.sat_prompts) for L in a.input_lens]
     if a.load_fraction > 0:
         # Poisson at load_fraction of the saturation rate, known once the
         # first pair ran its sweep.
@@ -210,7 +218,8 @@ def run_bench(a: argparse.Namespace, model: Path, url: str, case: Dict[str, Any]
     # connector's events time.time(): the offset goes into its result file.
     wall_minus_perf = time.time() - time.perf_counter()
     ns = bench_args(a, model, url, case["input_len"], case["rate"], case["num_prompts"], case["seed"], prefix,
-                    out / "vllm-bench", f"{tag}.json", [f"wall_minus_perf={wall_minus_perf!r}"])
+                    out / "vllm-bench", f"{tag}.json", [f"wall_minus_perf={wall_minus_perf!r}"],
+                    one_at_a_time=case["kind"] == "seq")
     (out / "vllm-bench").mkdir(exist_ok=True)
     with open(out / "logs" / f"bench-{tag}.log", "w") as log, contextlib.redirect_stdout(log):
         res = bench_main(ns)
@@ -371,7 +380,7 @@ def table(report: Dict[str, Any]) -> str:
             f"{'p99':>8} | {'E2E p50':>8} | {'req/s':>6}{'good/s':>7} | {'xTTFT50':>8}{'xITL50':>7}{'xITL99':>7}"
             f"{'xGood':>6} | {'ovh e2e p50/p99':>16} | {'ovh dec p50/p99':>16}")
     lines = [head, "-" * len(head)]
-    order = {"measure": 0, "load": 1, "sat": 2}
+    order = {"seq": 0, "measure": 1, "load": 2, "sat": 3}
     for row in sorted(report["rows"], key=lambda r: (r["config"] != "colocated", r["config"], order[r["kind"]],
                                                      r["input_len"], r["rate"])):
         s = row["summary"]
@@ -394,7 +403,8 @@ def table(report: Dict[str, Any]) -> str:
             f"{f(rt.get('goodput'), 6, 2)} | {pair(oe)} | {pair(od)}")
     args = report.get("args", {})
     lines.append(
-        "times in ms; case: measure = Poisson at the rate, load = Poisson at "
+        "times in ms; case: seq = one request at a time (Poisson gaps), measure = Poisson at the rate, "
+        "load = Poisson at "
         f"{args.get('load_fraction')} of the first ascend-pd pair's saturation (its best req/s in the sweep), "
         "sat = every prompt at once; "
         "good/s = "
@@ -465,7 +475,7 @@ def load_results(out: Path) -> Dict[str, Dict[Tuple[str, int, float], Dict[str, 
     # the host: an offset taken now stands in for a file without one.
     now_off = time.time() - time.perf_counter()
     for f in sorted((out / "vllm-bench").glob("*-in*-r*.json")):
-        m = re.match(r"^(.*)-(measure|load|sat)-in(\d+)-r([^-]+)\.json$", f.name)
+        m = re.match(r"^(.*)-(measure|load|sat|seq)-in(\d+)-r([^-]+)\.json$", f.name)
         if not m:
             continue
         res = json.loads(f.read_text())
@@ -562,6 +572,10 @@ def main() -> int:
                          "saturation (the most requests per second it got through in the rate sweep), every "
                          "configuration at that same rate; 0: skip")
     ap.add_argument("--sat-prompts", type=int, default=32)
+    ap.add_argument("--seq-prompts", type=int, default=12,
+                    help="a case of this many prompts sent one at a time (--max-concurrency 1), Poisson at "
+                         "--seq-rate: the hand-over without queueing; 0: skip")
+    ap.add_argument("--seq-rate", type=float, default=0.5)
     ap.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput: a request meets its SLO with "
                     "TTFT and TPOT at most these")
     ap.add_argument("--slo-tpot-ms", type=float, default=25.0)
@@ -779,7 +793,7 @@ def finish(out: Path, report: Dict[str, Any]) -> int:
         if "under_load" in row:
             print(f"under load, {row['config']} in={row['input_len']} rate={row['rate']:g}: {row['under_load']}")
     for row in report["rows"]:
-        if "handover" in row and row["config"] != "colocated" and row["kind"] == "measure":
+        if "handover" in row and row["config"] != "colocated" and row["kind"] in ("seq", "measure"):
             print(f"\n{row['config']} in={row['input_len']} rate={row['rate']:g}: hand-over phases, ms "
                   f"(p50 / p99 over {row['summary']['completed']} requests; loads not done: "
                   f"{row['handover']['loads_not_done']}, without a load event: "
