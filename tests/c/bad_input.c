@@ -272,6 +272,24 @@ int main(int argc, char **argv) {
         fprintf(stderr, "FAIL keys nobody sent are available\n");
         failures++;
     }
+    /* The waits: bad arguments named, keys nobody sends time out (0), no load ends. */
+    expect("wait_available null ready", apd_receiver_wait_available(r, keys, 2, 10, NULL),
+           APD_ERR_INVALID_ARGUMENT, "`ready`");
+    expect("wait_available no keys", apd_receiver_wait_available(r, keys, 0, 10, &ready),
+           APD_ERR_INVALID_ARGUMENT, "keys");
+    ready = -1;
+    expect("wait_available", apd_receiver_wait_available(r, keys, 2, 20, &ready), APD_OK, NULL);
+    if (ready != 0) {
+        fprintf(stderr, "FAIL waiting for keys nobody sent said they are available\n");
+        failures++;
+    }
+    int32_t ended = -1;
+    expect("wait_ended null ended", apd_receiver_wait_ended(r, 10, NULL), APD_ERR_INVALID_ARGUMENT, "`ended`");
+    expect("wait_ended", apd_receiver_wait_ended(r, 20, &ended), APD_OK, NULL);
+    if (ended != 0) {
+        fprintf(stderr, "FAIL wait_ended with no load said one ended\n");
+        failures++;
+    }
     uint64_t n = 99;
     ApdCompletion done[4];
     expect("poll null count", apd_receiver_poll(r, done, 4, NULL), APD_ERR_INVALID_ARGUMENT, "`count`");
@@ -353,6 +371,7 @@ int main(int argc, char **argv) {
     /* ---- closed handles */
     expect("receiver close", apd_receiver_close(r), APD_OK, NULL);
     expect("closed receiver", apd_receiver_available(r, keys, 2, &ready), APD_ERR_CLOSED, "closed");
+    expect("closed receiver wait", apd_receiver_wait_ended(r, 10, &ended), APD_ERR_CLOSED, "closed");
     expect("closed twice", apd_receiver_close(r), APD_ERR_CLOSED, "ApdReceiver handle");
     expect("cache free", apd_kv_cache_free(cache), APD_OK, NULL);
     expect("cache freed twice", apd_kv_cache_free(cache), APD_ERR_CLOSED, "ApdKvCache handle");
