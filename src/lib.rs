@@ -31,6 +31,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod protocol;
 pub mod requests;
+pub(crate) mod threads;
 pub(crate) mod wire;
 
 pub use backend::{

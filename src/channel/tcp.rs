@@ -1178,18 +1178,17 @@ impl TcpChannel {
         let opts = self.opts.clone();
         let node = self.node.clone();
         let (tx, completion) = Completion::pending(watch_ops(&ops));
-        std::thread::Builder::new()
-            .name("pd-tcp-batch".into())
-            .spawn(move || {
-                let r = run_batch(&p, &node, (kind, tag), &ops, &slices, &opts);
-                // Every connection thread of the batch has ended: the pages
-                // are no longer touched.
-                tx.complete(r, pages_of(ops));
-            })
-            .map_err(|source| ChannelError::Io {
-                context: "spawning a tcp batch thread".into(),
-                source,
-            })?;
+        // A kept thread: a new one can wait tens of ms for a core (see crate::threads).
+        crate::threads::run("pd-tcp-batch", move || {
+            let r = run_batch(&p, &node, (kind, tag), &ops, &slices, &opts);
+            // Every connection thread of the batch has ended: the pages
+            // are no longer touched.
+            tx.complete(r, pages_of(ops));
+        })
+        .map_err(|source| ChannelError::Io {
+            context: "spawning a tcp batch thread".into(),
+            source,
+        })?;
         Ok(completion)
     }
 }
@@ -1223,29 +1222,34 @@ fn on_connections<T: Copy + Send + Sync>(
     }
     let conns = p.conns.len().min(items.len());
     let work = &work;
+    let share = |c: usize| -> Result<(), ChannelError> {
+        let mine: Vec<T> = items.iter().skip(c).step_by(conns).copied().collect();
+        let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
+        let r = work(&mut guard, &mine);
+        if r.is_err() {
+            *guard = None;
+        }
+        r
+    };
+    let share = &share;
     let results: Vec<Result<(), ChannelError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..conns)
-            .map(|c| {
-                let mine: Vec<T> = items.iter().skip(c).step_by(conns).copied().collect();
-                s.spawn(move || {
-                    let mut guard = p.conns[c].lock().unwrap_or_else(|e| e.into_inner());
-                    let r = work(&mut guard, &mine);
-                    if r.is_err() {
-                        *guard = None;
-                    }
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
+        // The first share runs on this thread: a batch that fits one
+        // connection starts no thread at all.
+        let handles: Vec<_> = (1..conns).map(|c| s.spawn(move || share(c))).collect();
+        let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| share(0)))
+            .unwrap_or_else(|_| {
+                Err(ChannelError::WorkerLost(
+                    "tcp connection thread panicked".into(),
+                ))
+            });
+        std::iter::once(first)
+            .chain(handles.into_iter().map(|h| {
                 h.join().unwrap_or_else(|_| {
                     Err(ChannelError::WorkerLost(
                         "tcp connection thread panicked".into(),
                     ))
                 })
-            })
+            }))
             .collect()
     });
     results.into_iter().collect()

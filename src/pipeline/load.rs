@@ -280,12 +280,25 @@ pub(crate) fn load_keys(
         && registered(env.channel(), &mut cache.lock())
         && groups.iter().all(|g| prepared(env, &g.sender_id));
     let shared = cache;
-    std::thread::scope(|scope| {
-        let mut lane = ScatterLane::new(scope, shared, slot_mapping);
+    if groups.is_empty() || direct {
+        // No staged reads to overlap the copies of resident chunks with
+        // (push, pull-eager: every chunk is here; direct reads start after
+        // them): no scatter thread to start (see crate::threads).
+        let mut lane = ScatterLane::here(shared, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
-        if direct {
+    }
+    // One sender whose chunks are all read in one micro-batch: nothing
+    // to overlap its copies with either.
+    let one_batch = groups.len() == 1 && groups[0].items.len() <= opts.max_depth.max(1);
+    std::thread::scope(|scope| {
+        if groups.is_empty() || direct {
             return;
         }
+        let mut lane = match one_batch {
+            true => ScatterLane::here(shared, slot_mapping),
+            false => ScatterLane::new(scope, shared, slot_mapping),
+        };
+        scatter_resident(&mut lane, &resident, opts, &mut tally);
         // Several senders are read concurrently, each group with its own
         // ping-pong pools sized to its share of the free pages (and its own
         // scatter lane; scatters take turns on the cache). One after

@@ -78,6 +78,8 @@ pub(crate) enum ScatterTicket {
     Fence(KvFence, ScatterStats),
     /// Queued on the host worker (results come back in order).
     Queued,
+    /// Already scattered on the caller's thread.
+    Done(ScatterStats),
 }
 
 type Job = Vec<ScatterItem>;
@@ -92,6 +94,11 @@ pub(crate) enum ScatterLane<'a, 'c> {
     Worker {
         jobs: Sender<Job>,
         results: Receiver<JobResult>,
+    },
+    /// A host cache scattered on the caller's thread, at submit.
+    Here {
+        cache: &'a SharedCache<'c>,
+        slots: &'a [i64],
     },
 }
 
@@ -134,6 +141,17 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
         ScatterLane::Worker { jobs, results }
     }
 
+    /// A lane with no thread of its own: a host cache is scattered at
+    /// submit on the caller's thread (for loads with nothing to overlap
+    /// the copies with: every chunk already here), an NPU cache as by
+    /// [`ScatterLane::new`].
+    pub(crate) fn here(cache: &'a SharedCache<'c>, slots: &'a [i64]) -> ScatterLane<'a, 'c> {
+        if locked(cache).is_async() {
+            return ScatterLane::Inline { cache, slots };
+        }
+        ScatterLane::Here { cache, slots }
+    }
+
     /// Starts scattering `items`.
     pub(crate) fn submit(&mut self, items: Vec<ScatterItem>) -> Result<ScatterTicket, String> {
         match self {
@@ -156,6 +174,12 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
                     Err(w) => format!("{e}; then {w}"),
                 })
             }
+            ScatterLane::Here { cache, slots } => {
+                let r = scatter_all(&mut locked(cache), slots, &items);
+                // The source pages go back before the result is reported.
+                drop(items);
+                r.map(ScatterTicket::Done)
+            }
             ScatterLane::Worker { jobs, .. } => jobs
                 .send(items)
                 .map(|()| ScatterTicket::Queued)
@@ -173,7 +197,8 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
             (ScatterLane::Worker { results, .. }, ScatterTicket::Queued) => results
                 .recv()
                 .unwrap_or_else(|_| Err("the scatter worker has stopped".to_string())),
-            (ScatterLane::Inline { .. }, ScatterTicket::Queued) => {
+            (_, ScatterTicket::Done(stats)) => Ok(stats),
+            (ScatterLane::Inline { .. } | ScatterLane::Here { .. }, ScatterTicket::Queued) => {
                 Err("a host ticket was given to the NPU scatter lane".to_string())
             }
         }
