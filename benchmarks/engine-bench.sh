@@ -3,7 +3,7 @@
 # library (cargo), the vLLM CPU and vllm-router environments
 # (tests/vllm/setup-venv.sh: about 10 minutes and 6 GB the first time,
 # reused after), then runs benchmarks/engine_bench.py with the arguments
-# given (`--help` lists them; the default run takes about 25 minutes on 2
+# given (`--help` lists them; the default run takes about 20 minutes on 2
 # cores and writes /tmp/ascend-pd-engine-bench). See benchmarks/README.md.
 #
 #   bash benchmarks/engine-bench.sh [--out DIR] [--modes push,nixl] ...

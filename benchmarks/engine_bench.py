@@ -6,8 +6,10 @@
 * for each pair asked (``--modes``): a prefill and a decode ``vllm serve``
   with AscendPDConnector in push, pull-eager or pull-delay (``MODE:key=value``
   adds a key to the decode's ``kv_connector_extra_config``: a change's
-  "before" in the same run), or with vLLM's NixlConnector (``nixl``, the
-  anchor); then
+  "before" in the same run; ``MODE:lib=PATH`` runs the pair on another
+  build of the library), with vLLM's NixlConnector (``nixl``, the anchor),
+  or with no connector (``no-kv``: the router's two requests, the decode
+  computing the prompt itself: the pair's host without a hand-over); then
 * a colocated ``vllm serve`` (no connector: prefill and decode in one
   engine), every ratio's baseline,
 
@@ -53,6 +55,12 @@ from router_harness import ROUTER_VENV, _Process, router_bin, start, stop  # noq
 from serve_env import SERVE_ARGS, _shim, make_tokenized_model, metric  # noqa: E402
 
 MODES = ("push", "pull-eager", "pull-delay")
+#: Pairs without AscendPDConnector: vLLM's NixlConnector (the anchor), and
+#: no-kv, the same two engines and router with no connector at all (the
+#: decode computes the whole prompt itself): the pair's host, router hop and
+#: traffic without a hand-over, the reference that isolates what the
+#: hand-over adds on a host the pair shares.
+OTHER_PAIRS = ("nixl", "no-kv")
 #: pip overlays the benchmark installs into (matplotlib; NIXL for the anchor).
 BENCH_SITE = ROOT / ".venv-bench"
 
@@ -290,7 +298,7 @@ def join(res: Dict[str, Any], prefill_ev: List[Dict[str, Any]],
 
 
 def handover(res: Dict[str, Any], coloc: Optional[Dict[str, Any]], prefill_ev: List[Dict[str, Any]],
-             decode_ev: List[Dict[str, Any]]) -> Dict[str, Any]:
+             decode_ev: List[Dict[str, Any]], no_kv: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Per request of a disaggregated run: its timeline (ms from the client's
     send), joined with the connector's events; per phase p50/p99; and the
     hand-over overhead against the colocated run of the same prompts."""
@@ -340,6 +348,13 @@ def handover(res: Dict[str, Any], coloc: Optional[Dict[str, Any]], prefill_ev: L
                 # connector first saw the request (misses router -> decode HTTP and
                 # the decode's wait for a step): a lower estimate.
                 r["overhead_decode_ms"] = round(1000 * lat - r["decode_seen_ms"] - 1000 * (c_lat - c_ttft), 3)
+        if no_kv is not None and i < len(no_kv["ttfts"]) and not no_kv["errors"][i] \
+                and r["decode_seen_ms"] is not None:
+            # The issue's definition against the no-kv pair's decode (same
+            # host, router and traffic; it computed the prompt itself):
+            # what the hand-over adds beyond the pair sharing the host.
+            n_ttft, n_lat = no_kv["ttfts"][i], no_kv["latencies"][i]
+            r["overhead_decode_vs_no_kv_ms"] = round(1000 * lat - r["decode_seen_ms"] - 1000 * (n_lat - n_ttft), 3)
         rows.append(r)
 
     def phase(a_key: str, b_key: str) -> List[float]:
@@ -359,6 +374,8 @@ def handover(res: Dict[str, Any], coloc: Optional[Dict[str, Any]], prefill_ev: L
                                                           if "overhead_e2e_ms" in r],
         "overhead_decode (issue def., decode clock from first event)": [
             r["overhead_decode_ms"] for r in rows if "overhead_decode_ms" in r],
+        "overhead_decode vs the no-kv pair (same def., reference on the pair's host)": [
+            r["overhead_decode_vs_no_kv_ms"] for r in rows if "overhead_decode_vs_no_kv_ms" in r],
     }
     for r in rows:
         r.pop("_zero", None)
@@ -498,23 +515,27 @@ def read_events(path: Path) -> List[Dict[str, Any]]:
 
 
 def parse_configs(spec: str) -> List[Tuple[str, str, Dict[str, Any]]]:
-    """``--modes`` entries: ``MODE`` or ``MODE:key=value[,key=value]`` (the
+    """``--modes`` entries: ``MODE`` or ``MODE:key=value[+key=value]`` (the
     decode's ``kv_connector_extra_config``, e.g. ``push:load_wait_ms=0``, the
-    same run's "before" of a change) or ``nixl``: ``(name, mode, extra)``."""
+    same run's "before" of a change; ``lib=PATH``: both engines of the pair
+    load that libascend_pd.so instead, e.g. an older build) or ``nixl``:
+    ``(name, mode, extra)``."""
     out: List[Tuple[str, str, Dict[str, Any]]] = []
     for entry in [x for x in spec.split(";" if ";" in spec else ",") if x]:
         mode, _, opts = entry.partition(":")
-        if mode not in MODES + ("nixl",):
-            raise SystemExit(f"--modes: unknown mode {mode!r} in {entry!r}: pick from {', '.join(MODES + ('nixl',))}")
+        if mode not in MODES + OTHER_PAIRS:
+            raise SystemExit(f"--modes: unknown mode {mode!r} in {entry!r}: pick from "
+                             f"{', '.join(MODES + OTHER_PAIRS)}")
         extra: Dict[str, Any] = {}
         for kv in [x for x in opts.split("+") if x]:
             k, eq, v = kv.partition("=")
             if not eq:
                 raise SystemExit(f"--modes: {entry!r}: write options as key=value")
             extra[k] = json.loads(v) if re.fullmatch(r"-?[0-9.]+|true|false", v) else v
-        if extra and mode == "nixl":
-            raise SystemExit("--modes: nixl takes no options")
-        out.append((entry, mode, extra))
+        if extra and mode in OTHER_PAIRS:
+            raise SystemExit(f"--modes: {mode} takes no options")
+        # The name is in file names (logs, events, results): no slashes.
+        out.append((entry.replace("/", "_"), mode, extra))
     return out
 
 
@@ -558,10 +579,13 @@ def main() -> int:
                     help="results (engine_bench.json, ttft_vs_rate.png), logs, events, vllm bench result files")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model directory with a tokenizer (default: the tiny test model, made under --out)")
-    ap.add_argument("--modes", default="push,push:load_wait_ms=0,pull-delay,pull-delay:load_wait_ms=0,pull-eager,nixl",
+    ap.add_argument("--modes", default="push,pull-delay,pull-eager,nixl,no-kv",
                     help=f"pairs to run, comma-separated: {', '.join(MODES)} (AscendPDConnector), optionally "
                          "MODE:key=value[+key=value] for the decode's kv_connector_extra_config (the same run's "
-                         "'before' of a change), or nixl (vLLM's NixlConnector, the anchor); '' for none")
+                         "'before' of a change; lib=PATH: the pair loads that libascend_pd.so, e.g. an older "
+                         "build), nixl (vLLM's NixlConnector, the anchor) or no-kv (the pair and router "
+                         "with no connector: the decode computes the prompt; the reference on the pair's "
+                         "host); '' for none")
     ap.add_argument("--input-lens", default="256,1000")
     ap.add_argument("--output-len", type=int, default=12)
     ap.add_argument("--rates", default="1,4,8,16", help="request rates (req/s, Poisson), comma-separated")
@@ -660,7 +684,7 @@ def main() -> int:
             # through in the rate sweep; the load cases run at load_fraction
             # of it. (A burst's throughput overstates what a pair sustains.)
             if (case["kind"] == "measure" and res.get("request_throughput")
-                    and report["configs"].get(config, {}).get("mode") != "nixl"
+                    and report["configs"].get(config, {}).get("mode") not in OTHER_PAIRS
                     and report.get("load_rate", {}).get("from", config) == config):
                 best = max(float(res["request_throughput"]), sat_rate.get(case["input_len"], 0.0))
                 sat_rate[case["input_len"]] = best
@@ -679,7 +703,10 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: prefill :{a.prefill_port}, decode :{a.decode_port}, "
               f"router :{a.router_port}", flush=True)
         tag = re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
-        if mode == "nixl":
+        if mode == "no-kv":
+            pkv = dkv = None
+            penv = denv = {}
+        elif mode == "nixl":
             assert nixl is not None
             nixl_kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             ports = a.nixl_ports.split(",")
@@ -690,8 +717,13 @@ def main() -> int:
         else:
             py = pd_yaml("prefill", mode, a.pd_base_port, out / f"{tag}-prefill.yaml")
             dy = pd_yaml("decode", mode, a.pd_base_port, out / f"{tag}-decode.yaml")
+            extra = dict(extra)
+            lib = extra.pop("lib", None)
+            if lib is not None and not Path(str(lib)).is_file():
+                raise SystemExit(f"--modes {name}: lib={lib} is not a file (a libascend_pd.so)")
             pkv, dkv = kv_config("kv_producer", py), kv_config("kv_consumer", dy, **extra)
-            penv, denv = {}, {}
+            # lib=PATH: this pair runs another build of the library (a change's "before").
+            penv = denv = {"ASCEND_PD_LIB": str(Path(str(lib)).resolve())} if lib is not None else {}
         pre = Engine(f"{name}-prefill", model, a.prefill_port, out / "logs", env, pkv, cpus=a.prefill_cpus,
                      extra_env=penv)
         dec = Engine(f"{name}-decode", model, a.decode_port, out / "logs", env, dkv, cpus=a.decode_cpus,
@@ -702,11 +734,12 @@ def main() -> int:
         procs.append(rt)
         started.update(start([rt]))
         report["configs"][name] = {"mode": mode, "decode_extra": extra, "start_s": started,
+                                   "ascend_pd_lib": penv.get("ASCEND_PD_LIB", env.get("ASCEND_PD_LIB")),
                                    "cmd": {"prefill": pre.cmd, "decode": dec.cmd}}
         try:
             run_config(name, rt.url, [pre, dec])
         finally:
-            if mode != "nixl":
+            if mode not in OTHER_PAIRS:
                 with contextlib.suppress(Exception):
                     report["configs"][name]["metrics"] = {
                         "decode_loads": metric(dec.url, "vllm:ascend_pd_loads_total"),
@@ -748,12 +781,13 @@ def finish(out: Path, report: Dict[str, Any]) -> int:
     """The report from OUT's files: rows, hand-over, table; engine_bench.json."""
     raw = load_results(out)
     for config, got in raw.items():
-        if config == "colocated":
+        if config in ("colocated", "no-kv"):
             continue
         pev = read_events(out / "logs" / f"{config}-prefill-events.jsonl")
         dev = read_events(out / "logs" / f"{config}-decode-events.jsonl")
         for key, res in got.items():
-            res["_handover"] = handover(res, raw.get("colocated", {}).get(key), pev, dev)
+            res["_handover"] = handover(res, raw.get("colocated", {}).get(key), pev, dev,
+                                        no_kv=raw.get("no-kv", {}).get(key))
     # Rows: every configuration's cases, ratios to the colocated engine.
     for config, got in raw.items():
         for (kind, L, r), res in sorted(got.items()):
