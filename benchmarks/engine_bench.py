@@ -534,6 +534,9 @@ def parse_configs(spec: str) -> List[Tuple[str, str, Dict[str, Any]]]:
             extra[k] = json.loads(v) if re.fullmatch(r"-?[0-9.]+|true|false", v) else v
         if extra and mode in OTHER_PAIRS:
             raise SystemExit(f"--modes: {mode} takes no options")
+        if "lib" in extra and not Path(str(extra["lib"])).is_file():
+            raise SystemExit(f"--modes: {entry!r}: lib={extra['lib']} is not a file (give the path of a "
+                             "libascend_pd.so, e.g. an older build's target/release/libascend_pd.so)")
         # The name is in file names (logs, events, results): no slashes.
         out.append((entry.replace("/", "_"), mode, extra))
     return out
@@ -718,9 +721,7 @@ def main() -> int:
             py = pd_yaml("prefill", mode, a.pd_base_port, out / f"{tag}-prefill.yaml")
             dy = pd_yaml("decode", mode, a.pd_base_port, out / f"{tag}-decode.yaml")
             extra = dict(extra)
-            lib = extra.pop("lib", None)
-            if lib is not None and not Path(str(lib)).is_file():
-                raise SystemExit(f"--modes {name}: lib={lib} is not a file (a libascend_pd.so)")
+            lib = extra.pop("lib", None)  # checked by parse_configs
             pkv, dkv = kv_config("kv_producer", py), kv_config("kv_consumer", dy, **extra)
             # lib=PATH: this pair runs another build of the library (a change's "before").
             penv = denv = {"ASCEND_PD_LIB": str(Path(str(lib)).resolve())} if lib is not None else {}

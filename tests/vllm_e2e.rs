@@ -18,8 +18,9 @@
 //! `configs/vllm/` YAMLs, `vllm serve` and vllm-router),
 //! `tests/vllm/test_ops.py` (the `vllm:ascend_pd_*` series scraped
 //! from `vllm serve`'s `/metrics`, two `kv_both` engines), and
-//! `tests/vllm/test_restart.py` (a prefill restarted under load drains)
-//! and the proxy's own tests under pytest.
+//! `tests/vllm/test_restart.py` (a prefill restarted under load drains),
+//! `tests/vllm/test_engine_bench.py` (benchmarks/engine_bench.py, small,
+//! its report checked) and the proxy's own tests under pytest.
 //!
 //! Nothing is skipped: a missing python3 (or its venv module) fails the
 //! test with the command that installs it. Takes several minutes: each
@@ -72,6 +73,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             "vllm/test_quickstart.py",
             "vllm/test_ops.py",
             "vllm/test_restart.py",
+            "vllm/test_engine_bench.py",
             "python/test_proxy.py",
         ],
         &[],
@@ -101,6 +103,7 @@ fn two_vllm_engines_move_kv_through_the_connector_in_every_mode() {
             "metrics",
             "kv-both",
             "prefill-restart",
+            "engine-bench",
         ],
     );
 }
