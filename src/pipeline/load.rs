@@ -280,18 +280,19 @@ pub(crate) fn load_keys(
         && registered(env.channel(), &mut cache.lock())
         && groups.iter().all(|g| prepared(env, &g.sender_id));
     let shared = cache;
-    if groups.is_empty() || direct {
-        // No staged reads to overlap the copies of resident chunks with
-        // (push, pull-eager: every chunk is here; direct reads start after
-        // them): no scatter thread to start (see crate::threads).
+    // A scatter thread only where it has reads to overlap the copies with:
+    // staged reads of more than one micro-batch. Resident chunks (push,
+    // pull-eager), direct reads (they start after the resident copies) and
+    // one sender read in one micro-batch scatter on this thread instead: a
+    // new thread can wait tens of ms for a core (see crate::threads).
+    let staged = !groups.is_empty() && !direct;
+    let one_batch = groups.len() == 1 && groups[0].items.len() <= opts.max_depth.max(1);
+    if !staged {
         let mut lane = ScatterLane::here(shared, slot_mapping);
         scatter_resident(&mut lane, &resident, opts, &mut tally);
     }
-    // One sender whose chunks are all read in one micro-batch: nothing
-    // to overlap its copies with either.
-    let one_batch = groups.len() == 1 && groups[0].items.len() <= opts.max_depth.max(1);
     std::thread::scope(|scope| {
-        if groups.is_empty() || direct {
+        if !staged {
             return;
         }
         let mut lane = match one_batch {

@@ -142,9 +142,8 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
     }
 
     /// A lane with no thread of its own: a host cache is scattered at
-    /// submit on the caller's thread (for loads with nothing to overlap
-    /// the copies with: every chunk already here), an NPU cache as by
-    /// [`ScatterLane::new`].
+    /// submit on the caller's thread (for loads with no reads to overlap
+    /// the copies with), an NPU cache as by [`ScatterLane::new`].
     pub(crate) fn here(cache: &'a SharedCache<'c>, slots: &'a [i64]) -> ScatterLane<'a, 'c> {
         if locked(cache).is_async() {
             return ScatterLane::Inline { cache, slots };
@@ -199,7 +198,7 @@ impl<'a, 'c: 'a> ScatterLane<'a, 'c> {
                 .unwrap_or_else(|_| Err("the scatter worker has stopped".to_string())),
             (_, ScatterTicket::Done(stats)) => Ok(stats),
             (ScatterLane::Inline { .. } | ScatterLane::Here { .. }, ScatterTicket::Queued) => {
-                Err("a host ticket was given to the NPU scatter lane".to_string())
+                Err("a scatter-thread ticket was given to a lane without one".to_string())
             }
         }
     }
